@@ -1,0 +1,113 @@
+"""``fp4vis.attention``: the public entry point. It validates, normalises the layout, picks a
+backend (``fp4vis.dispatch``) and enforces the range check; the numerics live in the backends."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Literal
+
+import torch
+
+from fp4vis.dispatch import select_backend
+from fp4vis.policy import Policy, get_policy
+
+Layout = Literal["bhsd", "bshd"]
+RangeCheck = Literal["raise", "warn", "off"]
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class RangeExceededError(FloatingPointError):
+    """A Direct-P policy was driven past its representable range (SPEC section 2)."""
+
+
+def _is_tracing() -> bool:
+    """True under CUDA-graph capture or torch.compile tracing, where data-dependent host checks
+    (which synchronise) are not allowed."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use bfloat16, float16 or float32")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+    seq_dim, head_dim = (2, 1) if layout == "bhsd" else (1, 2)
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if not (q.shape[head_dim] == k.shape[head_dim] == v.shape[head_dim]):
+        raise ValueError(f"head counts differ: q {q.shape[head_dim]}, k {k.shape[head_dim]}, "
+                         f"v {v.shape[head_dim]} (grouped-query attention is not supported: repeat k and v)")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
+    if k.shape[seq_dim] != v.shape[seq_dim]:
+        raise ValueError(f"k and v sequence lengths differ: {k.shape[seq_dim]} vs {v.shape[seq_dim]}")
+    if k.shape[seq_dim] == 0:
+        raise ValueError("k: has no keys (sequence length 0)")
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError("q/v: head dim is 0")
+    if not _is_tracing():
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not bool(torch.isfinite(t).all()):
+                bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+                raise ValueError(f"{name}: contains {bad}; attention inputs must be finite")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    policy: str | Policy = "fast",
+    scale: float | None = None,
+    layout: Layout = "bhsd",
+    backend: str = "auto",
+    range_check: RangeCheck = "raise",
+) -> torch.Tensor:
+    """FP4 attention (non-causal, no mask), SDPA-compatible.
+
+    Args:
+        q: (B, H, Sq, D) for ``layout="bhsd"`` (SDPA's), (B, Sq, H, D) for ``"bshd"``.
+        k, v: (B, H, Skv, D) / (B, Skv, H, Dv) likewise; Skv may differ from Sq.
+        policy: "fast", "wan_fast", "accurate", "guard", "nv_fp8", "bf16" or a ``Policy``.
+        scale: softmax scale; default ``1/sqrt(D)``.
+        layout: "bhsd" or "bshd"; the output has the same layout.
+        backend: "auto" (the GPU kernel when it supports the call, else the reference, with one
+            warning), "reference", "hopper" or "blackwell" (these raise when they cannot run).
+        range_check: when a Direct-P policy is driven past its range (saturated P blocks, rows
+            that underflow, non-finite output): "raise" RangeExceededError, "warn", or "off".
+
+    Returns:
+        The attention output, q's dtype, in ``layout``.
+    """
+    pol = get_policy(policy)
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout: must be 'bhsd' or 'bshd', got {layout!r}")
+    if range_check not in ("raise", "warn", "off"):
+        raise ValueError(f"range_check: must be 'raise', 'warn' or 'off', got {range_check!r}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a name, got {type(backend).__name__}")
+    _validate(q, k, v, layout)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    chosen = select_backend(backend, q, k, v, pol, float(scale))
+    out, report = chosen.forward(q, k, v, pol, float(scale))
+    if report is not None and not report.ok and range_check != "off":
+        message = report.describe(pol)
+        if range_check == "raise":
+            raise RangeExceededError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return out.transpose(1, 2) if layout == "bshd" else out

@@ -1,0 +1,298 @@
+"""FP4 formats as plain encode/decode functions (SPEC.md section 1). No kernel code lives here.
+
+Element formats
+    E2M1   the FP4 payload: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} and a sign. A *code* is a uint8
+           holding 4 bits ``s e e m`` (bit 3 the sign, bits 0-2 the magnitude index 0..7); packed
+           storage puts two codes in a byte, the even element in the LOW nibble.
+    E4M3   OCP FP8 e4m3fn (max 448, subnormals down to 2**-9); stored as its uint8 bit pattern.
+    E8M0   a biased power-of-two exponent byte u: value 2**(u-127); u = 255 is NaN.
+
+Block formats (all quantizers return a small dataclass with the storage tensors and a
+``dequantize()``; the storage layout is what kernels read)
+    NVFP4 (Q and K): blocks along the last (head) dimension D.
+        ``block16``:      codes (..., D/2) packed uint8, scales (..., D/16) E4M3 bytes.
+        ``folded64_mse``: codes (..., D/2), scales (..., D/32) E4M3 bytes; scale j serves
+                          16-element blocks j and j + D/32 (SPEC: block i shares with i + nb/2).
+    MXFP4 (V): blocks of 32 consecutive tokens (dim -2) for each feature column.
+        codes (..., S, D/2) packed along D, scales (..., ceil(S/32), D) E8M0 bytes; decode is
+        ``alpha * c / 6`` (the scale stores the block amplitude, SPEC section 1).
+
+All rounding is round-to-nearest-even with saturation. Everything is vectorised torch and runs on
+any device; values are computed in float32 (float64 inputs stay float64 where noted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude index -> value
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+# SPEC section 1: MSE candidates for the folded-K64 scale, m = 1.0 first, then the list in order.
+FOLDED_MSE_MULTIPLIERS = (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
+MXFP4_ZERO_AMAX = 1e-38  # blocks at or below this amax get u = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+def check_no_nan(x: torch.Tensor, name: str) -> None:
+    """Raise ValueError naming ``name`` when ``x`` has NaN (FP4 cannot represent NaN)."""
+    if x.is_floating_point() and bool(torch.isnan(x).any()):
+        raise ValueError(f"{name}: contains NaN, which FP4/FP8 formats cannot represent")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact powers of two and generic minifloat rounding
+# ---------------------------------------------------------------------------------------------
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2**e`` for integer ``e`` in [-149, 127], built from the bit pattern
+    (subnormals included), so no library ``pow`` rounding can creep in."""
+    e = e.to(torch.int32)
+    normal = ((e + 127).clamp(1, 254) << 23).view(torch.float32)
+    subnormal = (torch.ones_like(e) << (e + 149).clamp(0, 22)).view(torch.float32)
+    return torch.where(e >= -126, normal, subnormal)
+
+
+def round_minifloat(x: torch.Tensor, mantissa_bits: int, min_normal_exp: int, max_value: float) -> torch.Tensor:
+    """Round to the nearest value of a sign-magnitude minifloat (ties to even), saturating at
+    ``max_value``. Exact for float32/float64 inputs: only power-of-two scalings and one
+    ``torch.round`` (which rounds half to even) are involved. NaN stays NaN."""
+    mag = x.abs()
+    _, exp = torch.frexp(mag)  # mag = f * 2**exp, f in [0.5, 1)
+    exp = (exp - 1).clamp(min=min_normal_exp)  # floor(log2 mag), floored at the subnormal binade
+    ulp = torch.ldexp(torch.ones_like(mag), exp - mantissa_bits)
+    rounded = torch.round(mag / ulp) * ulp
+    return torch.copysign(rounded.clamp(max=max_value), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# E2M1
+# ---------------------------------------------------------------------------------------------
+
+def e2m1_round(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+    """Values of ``E2M1_rne_sat(x)`` (``cvt.rn.satfinite[.relu].e2m1x2.f32``), same dtype as x.
+    ``relu`` maps negatives to +0."""
+    if relu:
+        x = x.clamp(min=0)
+    return round_minifloat(x, mantissa_bits=1, min_normal_exp=0, max_value=E2M1_MAX)
+
+
+_E2M1_INDEX_OF_TWICE_MAG = torch.tensor([0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7], dtype=torch.uint8)
+
+
+def e2m1_encode(x: torch.Tensor, relu: bool = False, name: str = "x") -> torch.Tensor:
+    """E2M1 codes (uint8, one per element, 0..15) of ``x``, round-to-nearest-even, saturating.
+    The sign bit follows the input's sign (so -0.1 encodes as -0, code 0x8)."""
+    check_no_nan(x, name)
+    r = e2m1_round(x.float(), relu=relu)
+    index = _E2M1_INDEX_OF_TWICE_MAG.to(x.device)[(r.abs() * 2).to(torch.long)]
+    sign = torch.signbit(r).to(torch.uint8) << 3
+    return index | sign
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes (uint8, low 4 bits used)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table[(codes & 0xF).to(torch.long)]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes two per byte along the last dim (even element in the low nibble)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"codes: last dim must be even to pack two per byte, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8) & 0xF
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_fp4``: (..., n) bytes -> (..., 2n) codes."""
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# E4M3 and E8M0
+# ---------------------------------------------------------------------------------------------
+
+def e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """Values of OCP E4M3 (e4m3fn) round-to-nearest-even with saturation to +-448."""
+    return round_minifloat(x, mantissa_bits=3, min_normal_exp=-6, max_value=E4M3_MAX)
+
+
+def e4m3_encode(x: torch.Tensor, name: str = "x") -> torch.Tensor:
+    """E4M3 bit patterns (uint8) of ``x``, RNE, saturating (``cvt.rn.satfinite.e4m3x2.f32``)."""
+    check_no_nan(x, name)
+    return e4m3_round(x.float()).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def e4m3_decode(bits: torch.Tensor) -> torch.Tensor:
+    """float32 values of E4M3 bit patterns (0x7F/0xFF decode to NaN)."""
+    return bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def e8m0_decode(u: torch.Tensor) -> torch.Tensor:
+    """float32 values ``2**(u-127)`` of E8M0 bytes; u = 255 decodes to NaN."""
+    u = u.to(torch.int32)
+    return torch.where(u == 255, torch.full_like(u, math.nan, dtype=torch.float32), pow2(u - 127))
+
+
+def e8m0_nearest_pow2(amax: torch.Tensor) -> torch.Tensor:
+    """E8M0 byte of the power of two nearest to ``amax`` in the linear sense (MXFP4, SPEC section 1):
+    with e = floor(log2 amax), take e + 1 when amax > 1.5 * 2**e, or amax == 1.5 * 2**e and e is
+    odd. amax <= 1e-38 gives u = 0. Returns uint8."""
+    amax = amax.float()
+    _, exp = torch.frexp(amax)
+    e = exp - 1
+    mid = 1.5 * torch.ldexp(torch.ones_like(amax), e)
+    up = (amax > mid) | ((amax == mid) & (e % 2 != 0))
+    u = (e + up.to(e.dtype) + 127).clamp(0, 254)
+    u = torch.where(amax <= MXFP4_ZERO_AMAX, torch.zeros_like(u), u)
+    return u.to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 (Q and K)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """NVFP4 storage: ``codes`` (..., D/2) packed E2M1, ``scales`` E4M3 bytes, (..., D/16) for
+    ``block16`` or (..., D/32) for ``folded64_mse``; ``tensor_scale`` is the per-tensor FP32
+    *decode* factor (1.0 unless the global encode scale was asked for)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    layout: str
+    tensor_scale: float = 1.0
+
+    def block_scales(self) -> torch.Tensor:
+        """float32 scale of every 16-element block, (..., D/16), folded layouts expanded."""
+        sc = e4m3_decode(self.scales)
+        return torch.cat((sc, sc), dim=-1) if self.layout == "folded64_mse" else sc
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 values ``c * sc * tensor_scale`` (exact in BF16 when tensor_scale is 1)."""
+        vals = e2m1_decode(unpack_fp4(self.codes))
+        blocks = vals.unflatten(-1, (-1, NVFP4_BLOCK)) * self.block_scales().unsqueeze(-1)
+        return blocks.flatten(-2) * self.tensor_scale
+
+
+def _codes_for_scale(blocks: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """E2M1 values of ``x / sc`` for scale broadcast over the block's last dim; sc = 0 -> 0."""
+    safe = torch.where(sc == 0, torch.ones_like(sc), sc)
+    return torch.where(sc == 0, torch.zeros_like(blocks), e2m1_round(blocks / safe))
+
+
+def nvfp4_global_encode_scale(x: torch.Tensor) -> float:
+    """The optional per-tensor encode scale ``G = 6 * 448 / amax(x)`` (1.0 for an all-zero x)."""
+    amax = float(x.abs().max()) if x.numel() else 0.0
+    return E2M1_MAX * E4M3_MAX / amax if amax > 0 else 1.0
+
+
+_QUANT_ROWS_PER_CHUNK = 1 << 16
+
+
+def nvfp4_quantize(x: torch.Tensor, layout: str = "block16", global_scale: bool = False,
+                   name: str = "x") -> NVFP4Tensor:
+    """NVFP4-quantize ``x`` along its last dim (SPEC section 1).
+
+    Inputs are first cast to BF16 (both layouts). ``block16``: per 16-block ``sc = E4M3(amax/6)``.
+    ``folded64_mse`` (D a multiple of 32): blocks i and i + D/32 share one scale chosen among
+    ``E4M3(amax32/6 * m)`` by least squared error (m = 1.0 first; later candidates win only when
+    strictly better). A zero scale gives zero codes. ``global_scale`` multiplies x by
+    ``G = 6*448/amax`` first and records ``1/G`` as ``tensor_scale``.
+    """
+    check_no_nan(x, name)
+    d = x.shape[-1]
+    if layout not in ("block16", "folded64_mse"):
+        raise ValueError(f"layout: must be 'block16' or 'folded64_mse', got {layout!r}")
+    if d % NVFP4_BLOCK:
+        raise ValueError(f"{name}: last dim must be a multiple of 16 for NVFP4, got {d}")
+    if layout == "folded64_mse" and d % 32:
+        raise ValueError(f"{name}: folded64_mse needs the last dim to be a multiple of 32, got {d}")
+    xf = x.to(torch.bfloat16).float()
+    tensor_scale = 1.0
+    if global_scale:
+        g = nvfp4_global_encode_scale(xf)
+        xf, tensor_scale = xf * g, 1.0 / g
+    lead = xf.shape[:-1]
+    rows = xf.reshape(-1, d)
+    codes, scales = [], []
+    for start in range(0, max(rows.shape[0], 1), _QUANT_ROWS_PER_CHUNK):  # bounds the MSE search's memory
+        c, s = _nvfp4_rows(rows[start:start + _QUANT_ROWS_PER_CHUNK], layout, name)
+        codes.append(c)
+        scales.append(s)
+    codes_t = torch.cat(codes).reshape(*lead, d // 2)
+    scales_t = torch.cat(scales).reshape(*lead, -1)
+    return NVFP4Tensor(codes_t, scales_t, layout, tensor_scale)
+
+
+def _nvfp4_rows(xf: torch.Tensor, layout: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes and E4M3 scale bytes for rows (N, D) of BF16-valued float32."""
+    blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK))  # (..., nb, 16)
+    if layout == "block16":
+        sc = e4m3_round(blocks.abs().amax(-1, keepdim=True) / E2M1_MAX)
+        vals = _codes_for_scale(blocks, sc)
+        scales = sc.squeeze(-1)
+    else:
+        half = blocks.shape[-2] // 2
+        pair = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)  # (..., nb/2, 32)
+        base = pair.abs().amax(-1, keepdim=True) / E2M1_MAX
+        mults = torch.tensor(FOLDED_MSE_MULTIPLIERS, dtype=torch.float32, device=xf.device)
+        cands = e4m3_round(base * mults)  # (..., nb/2, n_cand)
+        vals_all = _codes_for_scale(pair.unsqueeze(-2), cands.unsqueeze(-1))  # (..., nb/2, n_cand, 32)
+        err = ((vals_all * cands.unsqueeze(-1) - pair.unsqueeze(-2)) ** 2).sum(-1)
+        best = err.argmin(-1, keepdim=True)  # first minimum: earlier candidates win ties
+        scales = cands.gather(-1, best).squeeze(-1)
+        pv = vals_all.gather(-2, best.unsqueeze(-1).expand(*best.shape[:-1], 1, 32)).squeeze(-2)
+        vals = torch.cat((pv[..., :16], pv[..., 16:]), dim=-2)  # back to (..., nb, 16) block order
+    codes = e2m1_encode(vals.flatten(-2), name=name)
+    return pack_fp4(codes), e4m3_encode(scales)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 (V, blocks along tokens)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MXFP4Tensor:
+    """MXFP4 storage for V: ``codes`` (..., S, D/2) packed E2M1 (pairs along D), ``scales``
+    (..., ceil(S/32), D) E8M0 bytes, one per 32-token block and feature column; ``seq_len`` = S."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    seq_len: int
+
+    def dequantize(self, *, times_six: bool = False) -> torch.Tensor:
+        """float32 values ``alpha * c / 6`` (or ``alpha * c`` with ``times_six``, exact in BF16)."""
+        c = e2m1_decode(unpack_fp4(self.codes))
+        alpha = e8m0_decode(self.scales).repeat_interleave(MXFP4_BLOCK, dim=-2)[..., : self.seq_len, :]
+        prod = alpha * c
+        return prod if times_six else prod / E2M1_MAX
+
+
+def mxfp4_quantize(v: torch.Tensor, name: str = "v") -> MXFP4Tensor:
+    """MXFP4-quantize ``v`` (..., S, D) in blocks of 32 tokens per column (SPEC section 1):
+    ``alpha`` = power of two nearest to the block amax, codes ``E2M1(6 v / alpha)``. A partial last
+    block is padded with zeros. D must be even (codes pack along D)."""
+    check_no_nan(v, name)
+    s, d = v.shape[-2], v.shape[-1]
+    if d % 2:
+        raise ValueError(f"{name}: last dim must be even for packed MXFP4, got {d}")
+    vf = v.float()
+    pad = (-s) % MXFP4_BLOCK
+    if pad:
+        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
+    blocks = vf.unflatten(-2, (-1, MXFP4_BLOCK))  # (..., nblk, 32, D)
+    u = e8m0_nearest_pow2(blocks.abs().amax(-2))  # (..., nblk, D)
+    inv_alpha = pow2(127 - u.to(torch.int32)).unsqueeze(-2)  # exact: u in [0, 254]
+    codes = e2m1_encode((E2M1_MAX * blocks) * inv_alpha, name=name).flatten(-3, -2)[..., :s, :]
+    return MXFP4Tensor(pack_fp4(codes), u, s)

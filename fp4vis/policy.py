@@ -1,0 +1,125 @@
+"""Attention policies: plain, validated data (SPEC.md section 3).
+
+A policy says *how* attention is computed; it carries no code. Backends read its fields. The named
+policies are the ones the paper published; users may build their own within the same rules
+(``Policy.__post_init__`` enforces them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Method = Literal["direct_p", "nv_fp8", "exact"]
+QKFormat = Literal["block16", "folded64_mse"]
+MarginUnits = Literal["code", "paper"]
+
+# SPEC section 2: representable block exponents relative to the row reference are [L-126, 127];
+# an anchored policy needs its margin plus its stored shift to stay inside that window.
+MAX_MARGIN_PLUS_SHIFT = 126
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One attention policy.
+
+    Attributes:
+        name: label used in logs, guard plans and reports.
+        method: ``"direct_p"`` (the FP4 method), ``"nv_fp8"`` (control: NVFP4 Q/K, max-subtracted
+            softmax, FP8 P and V) or ``"exact"`` (control: softmax attention, what SDPA computes).
+        affine_a, affine_b: the affine stand-in ``A*x + B`` for ``2**x`` at affine key positions.
+        native_exp2: compute ``2**x`` at the native key positions (25 % of keys, SPEC section 2).
+        anchor: number of anchor samples (0: row reference ``m = 0``).
+        margin: M, added to the anchor maximum (only with ``anchor > 0``).
+        margin_units: ``"code"`` adds ``M*ln 2`` in raw-score units (the published code, default);
+            ``"paper"`` adds ``M*ln 2 / scale`` (M in binary exponents of P, the paper's text).
+        shift: L, the stored shift of the P block scales.
+        qk_format: NVFP4 scale layout for Q and K.
+        qk_global_scale: also apply the optional per-tensor FP32 encode ``G = 6*448/amax``.
+    """
+
+    name: str
+    method: Method = "direct_p"
+    affine_a: float = 1.5
+    affine_b: float = 1.2
+    native_exp2: bool = False
+    anchor: int = 0
+    margin: float = 0.0
+    margin_units: MarginUnits = "code"
+    shift: int = 16
+    qk_format: QKFormat = "folded64_mse"
+    qk_global_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in ("direct_p", "nv_fp8", "exact"):
+            raise ValueError(f"Policy {self.name!r}: method must be 'direct_p', 'nv_fp8' or 'exact', "
+                             f"got {self.method!r}")
+        if self.qk_format not in ("block16", "folded64_mse"):
+            raise ValueError(f"Policy {self.name!r}: qk_format must be 'block16' or 'folded64_mse', "
+                             f"got {self.qk_format!r}")
+        if self.margin_units not in ("code", "paper"):
+            raise ValueError(f"Policy {self.name!r}: margin_units must be 'code' or 'paper', "
+                             f"got {self.margin_units!r}")
+        if not self.affine_a > 0:
+            raise ValueError(f"Policy {self.name!r}: affine_a (A) must be > 0, got {self.affine_a}")
+        if not isinstance(self.shift, int) or not 0 <= self.shift <= MAX_MARGIN_PLUS_SHIFT:
+            raise ValueError(f"Policy {self.name!r}: shift (L) must be an integer in "
+                             f"[0, {MAX_MARGIN_PLUS_SHIFT}], got {self.shift!r}")
+        if not isinstance(self.anchor, int) or self.anchor < 0:
+            raise ValueError(f"Policy {self.name!r}: anchor must be a non-negative integer, got {self.anchor!r}")
+        if self.anchor == 0 and self.margin != 0:
+            raise ValueError(f"Policy {self.name!r}: margin (M) needs anchor > 0 (the row reference "
+                             "is m = 0 without anchors)")
+        if self.anchor > 0:
+            if self.margin < 0:
+                raise ValueError(f"Policy {self.name!r}: margin (M) must be >= 0, got {self.margin}")
+            if self.margin + self.shift > MAX_MARGIN_PLUS_SHIFT:
+                raise ValueError(
+                    f"Policy {self.name!r}: margin + shift = {self.margin} + {self.shift} exceeds "
+                    f"{MAX_MARGIN_PLUS_SHIFT} (SPEC section 3: M + L <= 126)")
+
+    @property
+    def is_direct_p(self) -> bool:
+        return self.method == "direct_p"
+
+    def replace(self, **changes) -> Policy:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def guard_policy(margin: float = 110, shift: int = 16, name: str | None = None) -> Policy:
+    """The guard policy with margin M and stored shift L (SPEC sections 3 and 4)."""
+    return Policy(
+        name=name or f"guard_m{margin:g}_l{shift}",
+        affine_a=1.65, affine_b=0.80, native_exp2=True,
+        anchor=128, margin=margin, shift=shift, qk_format="folded64_mse",
+    )
+
+
+def guard_policy_for_heads(num_heads: int) -> Policy:
+    """The published guard for a model with ``num_heads`` heads: (M, L) = (110, 16) for the
+    smaller models (H <= 16, e.g. Wan2.1-1.3B), (112, 14) for H >= 40 (Wan2.1-14B). Models in
+    between get the smaller-model setting; pass (M, L) to ``guard_policy`` to choose otherwise."""
+    return guard_policy(112, 14, name="guard") if num_heads >= 40 else POLICIES["guard"]
+
+
+POLICIES: dict[str, Policy] = {
+    "fast": Policy("fast", affine_a=1.50, affine_b=1.20, shift=16, qk_format="folded64_mse"),
+    "wan_fast": Policy("wan_fast", affine_a=1.60, affine_b=0.95, shift=16, qk_format="folded64_mse"),
+    "accurate": Policy("accurate", affine_a=1.65, affine_b=0.80, native_exp2=True, anchor=32,
+                       margin=64, shift=8, qk_format="block16"),
+    "guard": guard_policy(110, 16, name="guard"),
+    "nv_fp8": Policy("nv_fp8", method="nv_fp8", qk_format="block16"),
+    "bf16": Policy("bf16", method="exact"),
+}
+
+
+def get_policy(policy: str | Policy) -> Policy:
+    """Resolve a policy name or pass a Policy through; unknown names raise with the known ones."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]
+    raise ValueError(f"policy: unknown policy {policy!r}; known policies are "
+                     f"{', '.join(sorted(POLICIES))}, or pass an fp4vis.Policy")

@@ -1,0 +1,305 @@
+"""The reference emulation: SPEC.md sections 2-4 as executable PyTorch, on any device.
+
+Every kernel is tested against this module. It favours being exactly the specification over speed:
+- Q and K are NVFP4-quantized and decoded (``fp4vis.formats``), so ``raw = Q̂ K̂ᵀ`` is a float32
+  matrix product of values that are exact in BF16 (exact up to FP32 summation order);
+- the Direct-P element math (block maxima, exponent selection, the affine or exp2 code, E2M1
+  rounding) runs in float64 from the float32 ``raw``: it is the SPEC's formula evaluated without
+  intermediate float32 rounding, so a kernel's codes may differ only where its float32 arithmetic
+  lands on the other side of an E2M1 rounding boundary;
+- the numerator ``Σ (α'q)(αc)`` of P̃V̂ accumulates in float32 over operands that are exact in
+  float32 (and in BF16), like a tensor-core accumulator, so an FP32 overflow shows up here too; the
+  denominator ``l = Σ α'·c_B`` (exact code sums) accumulates in float64; the two 1/6 factors are
+  applied once at the end: ``O = num / (6 l)``.
+Nothing of size S×S is materialised: queries, keys and head groups are processed in chunks of at
+most ``CHUNK_ELEMENTS`` scores, and with a fixed row reference no rescaling between key chunks is
+needed (the point of Direct-P).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fp4vis.formats import e2m1_round, e4m3_round, mxfp4_quantize, nvfp4_quantize
+from fp4vis.policy import Policy
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+LOG2_6 = math.log2(6.0)
+LOG2_1P5 = math.log2(1.5)
+KEY_BLOCK = 32  # keys per P block (SPEC section 2) = tokens per MXFP4 V block
+MAX_EXP_BYTE = 254
+CHUNK_ELEMENTS = 1 << 22  # scores per chunk: float64 temporaries of 32 MiB each
+
+
+@dataclass
+class RangeReport:
+    """What went past a Direct-P policy's representable range in one call.
+
+    saturated_blocks: (row, key block) pairs whose exponent clamped at the top (u = 254): logits
+        more than ~127 binades above the row reference, where P codes saturate.
+    empty_rows: rows with valid keys whose probabilities all fell below the floor (l = 0).
+    nonfinite_outputs: output elements that are NaN or Inf.
+    """
+
+    saturated_blocks: int = 0
+    empty_rows: int = 0
+    nonfinite_outputs: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.saturated_blocks or self.empty_rows or self.nonfinite_outputs)
+
+    def describe(self, policy: Policy) -> str:
+        parts = []
+        if self.saturated_blocks:
+            parts.append(f"{self.saturated_blocks} saturated P blocks (logits z*log2(e) more than ~127 above "
+                         "the row reference)")
+        if self.empty_rows:
+            parts.append(f"{self.empty_rows} rows whose probabilities all underflowed (l = 0)")
+        if self.nonfinite_outputs:
+            parts.append(f"{self.nonfinite_outputs} non-finite output elements")
+        return (f"policy {policy.name!r} went past its representable range: {'; '.join(parts)}. "
+                "Use policy='guard' for this layer (or a guard plan from fp4vis.calibrate), or "
+                "range_check='warn'/'off' to accept the result.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Key positions: anchors and native exp2 positions
+# ---------------------------------------------------------------------------------------------
+
+def anchor_indices(seq_len: int, n: int, device=None) -> torch.Tensor:
+    """SPEC section 4 sample positions ``round(linspace(0, S-1, n))`` (round half to even).
+    With S <= n every key is a sample: ``arange(S)``."""
+    if seq_len <= n:
+        return torch.arange(seq_len, device=device)
+    return torch.round(torch.linspace(0, seq_len - 1, n, dtype=torch.float64, device=device)).long()
+
+
+def anchor_permutation(seq_len: int, n: int, device=None) -> torch.Tensor:
+    """Physical order of keys for an anchored policy: the n samples first, the rest in order.
+    ``perm[p]`` is the logical key at physical position p."""
+    idx = anchor_indices(seq_len, n, device)
+    rest = torch.ones(seq_len, dtype=torch.bool, device=device)
+    rest[idx] = False
+    return torch.cat((idx, torch.arange(seq_len, device=device)[rest]))
+
+
+def native_positions(num_keys: int, device=None) -> torch.Tensor:
+    """Bool mask of the native exp2 positions (SPEC section 2): with b = j//32, quarter = b%4,
+    pair = (j%32)//2, key j is native when pair is quarter, quarter+8, 4 or 12."""
+    j = torch.arange(num_keys, device=device)
+    quarter = (j // KEY_BLOCK) % 4
+    pair = (j % KEY_BLOCK) // 2
+    return (pair == quarter) | (pair == quarter + 8) | (pair == 4) | (pair == 12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Operands
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class QuantizedOperands:
+    """Decoded FP4 operands in the physical key order, flattened to G = B*H head groups.
+
+    q: (G, Sq, Dqk) float32 NVFP4-decoded; k: (G, Skv_pad, Dqk) likewise, anchor-permuted and
+    zero-padded to a multiple of 32 keys; v6: (G, Skv_pad, Dv) float32 ``α·c`` (MXFP4 decoded
+    times 6, exact in BF16); num_keys: the valid keys; s: ``scale·log2(e)`` with the per-tensor
+    scales folded in; perm: the physical key order (None when not permuted)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v6: torch.Tensor
+    num_keys: int
+    s: float
+    perm: torch.Tensor | None
+
+
+def qk_layout(policy: Policy, head_dim: int) -> str:
+    """The NVFP4 layout actually used: folded64_mse needs D % 32 == 0 (SPEC), else block16."""
+    return "folded64_mse" if policy.qk_format == "folded64_mse" and head_dim % 32 == 0 else "block16"
+
+
+def pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad the last dim to a multiple (zeros change no dot product)."""
+    pad = (-x.shape[-1]) % multiple
+    return F.pad(x, (0, pad)) if pad else x
+
+
+def quantize_qk(q: torch.Tensor, k: torch.Tensor, policy: Policy) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Decoded NVFP4 Q̂ and K̂ (float32, D padded to a multiple of 16) and the product of their
+    per-tensor decode scales."""
+    q, k = pad_last(q, 16), pad_last(k, 16)
+    layout = qk_layout(policy, q.shape[-1])
+    qq = nvfp4_quantize(q, layout, policy.qk_global_scale, name="q")
+    kq = nvfp4_quantize(k, layout, policy.qk_global_scale, name="k")
+    return qq.dequantize(), kq.dequantize(), qq.tensor_scale * kq.tensor_scale
+
+
+def quantize_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                      scale: float) -> QuantizedOperands:
+    """Everything a Direct-P backend consumes, from (G, S, D) inputs: anchor permutation, NVFP4
+    Q/K, MXFP4 V over 32-token blocks of the permuted order, keys padded to whole blocks."""
+    num_keys = k.shape[-2]
+    perm = None
+    if policy.anchor > 0:
+        perm = anchor_permutation(num_keys, policy.anchor, device=k.device)
+        k, v = k[:, perm], v[:, perm]
+    qd, kd, tensor_scale = quantize_qk(q, k, policy)
+    v6 = mxfp4_quantize(pad_last(v, 2), name="v").dequantize(times_six=True)[..., : v.shape[-1]]
+    key_pad = (-num_keys) % KEY_BLOCK
+    if key_pad:
+        kd = F.pad(kd, (0, 0, 0, key_pad))
+        v6 = F.pad(v6, (0, 0, 0, key_pad))
+    return QuantizedOperands(qd, kd, v6, num_keys, scale * tensor_scale * LOG2E, perm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct-P
+# ---------------------------------------------------------------------------------------------
+
+def row_reference(q: torch.Tensor, k: torch.Tensor, num_keys: int, s: float, policy: Policy) -> torch.Tensor:
+    """m_i (raw units, float64, shape (G, Sq, 1)) for decoded queries q (G, Sq, D) against the
+    physically ordered keys k (G, Skv, D): 0, or the anchor maximum plus the margin."""
+    if policy.anchor == 0:
+        return torch.zeros(*q.shape[:-1], 1, dtype=torch.float64, device=q.device)
+    n = min(policy.anchor, num_keys)
+    a = (q @ k[:, :n].mT).amax(-1, keepdim=True).double()
+    if policy.margin_units == "code":
+        return a + policy.margin * LN2
+    return a + policy.margin / s  # M binary exponents of P: M ln2 / scale = M / (scale log2 e)
+
+
+@dataclass
+class DirectPBlock:
+    """Direct-P of one chunk of scores: ``p_scaled = α'·q`` (float32, exact), ``weighted_sum`` =
+    Σ_B α'·c_B per row (float64), the codes ``q`` (float64 E2M1 values) and ``u`` (block bytes)."""
+
+    p_scaled: torch.Tensor
+    weighted_sum: torch.Tensor
+    codes: torch.Tensor
+    u: torch.Tensor
+    saturated_blocks: int
+
+
+def direct_p_block(raw: torch.Tensor, m: torch.Tensor, s: float, policy: Policy,
+                   valid: torch.Tensor, native: torch.Tensor | None) -> DirectPBlock:
+    """SPEC section 2, steps 1-7, for raw scores (..., Sq, nk) with nk a multiple of 32 whose
+    first key is at a physical position that is a multiple of 32. ``valid`` (nk,) marks real keys,
+    ``native`` (nk,) the native exp2 positions (None: all affine)."""
+    nb = raw.shape[-1] // KEY_BLOCK
+    r = raw.double().unflatten(-1, (nb, KEY_BLOCK))
+    vmask = valid.view(nb, KEY_BLOCK)
+    mm = m.unsqueeze(-1)  # (..., Sq, 1, 1)
+    g = (r.masked_fill(~vmask, -math.inf).amax(-1) - m) * s  # (..., Sq, nb); -inf for all-masked
+    finite = torch.isfinite(g)
+    e = torch.floor(torch.where(finite, g, torch.zeros_like(g)) + 1 - LOG2_1P5)
+    u = torch.where(finite, (e + 127).clamp(0, MAX_EXP_BYTE), torch.zeros_like(e))
+    saturated = int(((e + 127 > MAX_EXP_BYTE) & finite).sum())
+    u_work = u.clamp(min=policy.shift + 1)
+    x = (r - mm) * s + (LOG2_6 - (u_work - 127)).unsqueeze(-1)
+    codes = e2m1_round((policy.affine_a * x + policy.affine_b).clamp(min=0))
+    if native is not None:
+        codes = torch.where(native.view(nb, KEY_BLOCK), e2m1_round(torch.exp2(x)), codes)
+    codes = codes.masked_fill(~vmask | (u == 0).unsqueeze(-1), 0.0)
+    alpha = torch.exp2(u_work - policy.shift - 127)  # exact powers of two >= 2**-126
+    p_scaled = (codes * alpha.unsqueeze(-1)).flatten(-2).float()
+    weighted_sum = (codes.sum(-1) * alpha).sum(-1)
+    return DirectPBlock(p_scaled, weighted_sum, codes, u.to(torch.int32), saturated)
+
+
+def _chunks(total: int, size: int):
+    for start in range(0, total, size):
+        yield start, min(start + size, total)
+
+
+def _chunk_sizes(groups: int, sq: int, nk: int, align: int) -> tuple[int, int, int]:
+    """(head groups, queries, keys) per chunk with at most CHUNK_ELEMENTS scores."""
+    ck = min(nk, max(align, (4096 // align) * align))
+    cq = min(sq, max(1, CHUNK_ELEMENTS // ck))
+    cg = min(groups, max(1, CHUNK_ELEMENTS // (cq * ck)))
+    return cg, cq, ck
+
+
+def direct_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                       scale: float) -> tuple[torch.Tensor, RangeReport]:
+    """Direct-P attention of (G, S, D) tensors: float32 output (G, Sq, Dv) and a RangeReport."""
+    ops = quantize_operands(q, k, v, policy, scale)
+    groups, sq, nkp = ops.q.shape[0], ops.q.shape[1], ops.k.shape[1]
+    valid = torch.arange(nkp, device=q.device) < ops.num_keys
+    native = native_positions(nkp, device=q.device) if policy.native_exp2 else None
+    out = torch.empty(groups, sq, ops.v6.shape[-1], dtype=torch.float32, device=q.device)
+    report = RangeReport()
+    cg, cq, ck = _chunk_sizes(groups, sq, nkp, KEY_BLOCK)
+    for g0, g1 in _chunks(groups, cg):
+        for q0, q1 in _chunks(sq, cq):
+            qc = ops.q[g0:g1, q0:q1]
+            m = row_reference(qc, ops.k[g0:g1], ops.num_keys, ops.s, policy)
+            num = torch.zeros(g1 - g0, q1 - q0, ops.v6.shape[-1], dtype=torch.float32, device=q.device)
+            den = torch.zeros(g1 - g0, q1 - q0, dtype=torch.float64, device=q.device)
+            for k0, k1 in _chunks(nkp, ck):
+                raw = qc @ ops.k[g0:g1, k0:k1].mT
+                blk = direct_p_block(raw, m, ops.s, policy, valid[k0:k1],
+                                     None if native is None else native[k0:k1])
+                num += blk.p_scaled @ ops.v6[g0:g1, k0:k1]
+                den += blk.weighted_sum
+                report.saturated_blocks += blk.saturated_blocks
+            if ops.num_keys:
+                report.empty_rows += int((den == 0).sum())
+            out[g0:g1, q0:q1] = (num.double() / (6.0 * den.unsqueeze(-1))).float()
+    report.nonfinite_outputs = int((~torch.isfinite(out)).sum())
+    return out, report
+
+
+# ---------------------------------------------------------------------------------------------
+# Controls (SPEC section 3)
+# ---------------------------------------------------------------------------------------------
+
+def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                     scale: float) -> torch.Tensor:
+    """NVFP4 (block16) Q/K, standard max-subtracted softmax with the row max over all keys, P and
+    V cast to FP8 E4M3 with no block scale; the denominator sums the unquantized P (as FlashAttention
+    -3's FP8 path does). Float32 output (G, Sq, Dv)."""
+    qd, kd, tensor_scale = quantize_qk(q, k, policy.replace(qk_format="block16"))
+    s = scale * tensor_scale * LOG2E
+    v8 = e4m3_round(v.float())
+    groups, sq, nk = qd.shape[0], qd.shape[1], kd.shape[1]
+    out = torch.empty(groups, sq, v.shape[-1], dtype=torch.float32, device=q.device)
+    cg, cq, ck = _chunk_sizes(groups, sq, max(nk, 1), 1)
+    for g0, g1 in _chunks(groups, cg):
+        for q0, q1 in _chunks(sq, cq):
+            qc = qd[g0:g1, q0:q1]
+            row_max = torch.stack([(qc @ kd[g0:g1, k0:k1].mT).amax(-1) for k0, k1 in _chunks(nk, ck)]).amax(0)
+            num = torch.zeros(g1 - g0, q1 - q0, v.shape[-1], dtype=torch.float32, device=q.device)
+            den = torch.zeros(g1 - g0, q1 - q0, dtype=torch.float32, device=q.device)
+            for k0, k1 in _chunks(nk, ck):
+                p = torch.exp2((qc @ kd[g0:g1, k0:k1].mT - row_max.unsqueeze(-1)) * s)
+                den += p.sum(-1)
+                num += e4m3_round(p) @ v8[g0:g1, k0:k1]
+            out[g0:g1, q0:q1] = num / den.unsqueeze(-1)
+    return out
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention as SDPA computes it, in the input dtype, chunked over head groups."""
+    groups = q.shape[0]
+    per_group = max(1, q.shape[1] * k.shape[1])
+    step = max(1, CHUNK_ELEMENTS // per_group)
+    return torch.cat([F.scaled_dot_product_attention(q[g0:g1], k[g0:g1], v[g0:g1], scale=scale)
+                      for g0, g1 in _chunks(groups, step)])
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                        scale: float) -> tuple[torch.Tensor, RangeReport]:
+    """The reference for any policy, on validated (G, S, D) tensors; output in q's dtype."""
+    if policy.method == "exact":
+        return exact_attention(q, k, v, scale), RangeReport()
+    if policy.method == "nv_fp8":
+        out = nv_fp8_attention(q, k, v, policy, scale)
+        return out.to(q.dtype), RangeReport(nonfinite_outputs=int((~torch.isfinite(out)).sum()))
+    out, report = direct_p_attention(q, k, v, policy, scale)
+    return out.to(q.dtype), report

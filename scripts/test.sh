@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command (README, CI): set up, lint, run every test. GPU tests skip without a GPU;
+# kernel compile checks run on the CPU. Fails when no test ran.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+export CUTE_DSL_NO_CACHE=1
+set +e
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "error: no tests ran" >&2
+  exit 1
+fi
+exit "$rc"
