@@ -77,12 +77,28 @@ def round_minifloat(x: torch.Tensor, mantissa_bits: int, min_normal_exp: int, ma
 # E2M1
 # ---------------------------------------------------------------------------------------------
 
+# Rounding boundaries between consecutive E2M1 magnitudes; a tie goes to the even magnitude index,
+# i.e. down at 0.25, 1.25, 2.5, 5 and up at 0.75, 1.75, 3.5.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+
+
+def _e2m1_boundaries(dtype: torch.dtype, device) -> torch.Tensor:
+    """Boundaries b such that the magnitude index is the number of b strictly below |x|."""
+    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=dtype, device=device)
+    below = torch.nextafter(mid, torch.zeros_like(mid))
+    return torch.where(torch.tensor(_E2M1_TIE_UP, device=device), below, mid)
+
+
 def e2m1_round(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
-    """Values of ``E2M1_rne_sat(x)`` (``cvt.rn.satfinite[.relu].e2m1x2.f32``), same dtype as x.
-    ``relu`` maps negatives to +0."""
-    if relu:
-        x = x.clamp(min=0)
-    return round_minifloat(x, mantissa_bits=1, min_normal_exp=0, max_value=E2M1_MAX)
+    """Values of ``E2M1_rne_sat(x)`` (``cvt.rn.satfinite[.relu].e2m1x2.f32``), same dtype as x
+    (float32 or float64). ``relu`` maps negatives to +0. NaN is not representable (callers that
+    encode check for it); here it saturates like a large value."""
+    mags = torch.tensor(E2M1_VALUES, dtype=x.dtype, device=x.device)
+    bounds = _e2m1_boundaries(x.dtype, x.device)
+    if relu:  # negatives (and -inf) fall below the first boundary: index 0, +0
+        return mags[torch.bucketize(x, bounds)]
+    return torch.copysign(mags[torch.bucketize(x.abs(), bounds)], x)
 
 
 _E2M1_INDEX_OF_TWICE_MAG = torch.tensor([0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7], dtype=torch.uint8)

@@ -189,23 +189,32 @@ class DirectPBlock:
 def direct_p_block(raw: torch.Tensor, m: torch.Tensor, s: float, policy: Policy,
                    valid: torch.Tensor, native: torch.Tensor | None) -> DirectPBlock:
     """SPEC section 2, steps 1-7, for raw scores (..., Sq, nk) with nk a multiple of 32 whose
-    first key is at a physical position that is a multiple of 32. ``valid`` (nk,) marks real keys,
-    ``native`` (nk,) the native exp2 positions (None: all affine)."""
+    first key is at a physical position that is a multiple of 32. ``m`` (..., Sq, 1) is the row
+    reference; ``valid`` (nk,) marks real keys, ``native`` (nk,) the native exp2 positions (None:
+    all affine). Per element this is one multiply-add in float64 and one E2M1 rounding."""
     nb = raw.shape[-1] // KEY_BLOCK
-    r = raw.double().unflatten(-1, (nb, KEY_BLOCK))
     vmask = valid.view(nb, KEY_BLOCK)
-    mm = m.unsqueeze(-1)  # (..., Sq, 1, 1)
-    g = (r.masked_fill(~vmask, -math.inf).amax(-1) - m) * s  # (..., Sq, nb); -inf for all-masked
+    all_valid = bool(valid.all())
+    blocks = raw.unflatten(-1, (nb, KEY_BLOCK))
+    if not all_valid:
+        blocks = blocks.masked_fill(~vmask, -math.inf)
+    g = (blocks.amax(-1).double() - m) * s  # (..., Sq, nb); -inf for an all-masked block
     finite = torch.isfinite(g)
     e = torch.floor(torch.where(finite, g, torch.zeros_like(g)) + 1 - LOG2_1P5)
     u = torch.where(finite, (e + 127).clamp(0, MAX_EXP_BYTE), torch.zeros_like(e))
     saturated = int(((e + 127 > MAX_EXP_BYTE) & finite).sum())
     u_work = u.clamp(min=policy.shift + 1)
-    x = (r - mm) * s + (LOG2_6 - (u_work - 127)).unsqueeze(-1)
-    codes = e2m1_round((policy.affine_a * x + policy.affine_b).clamp(min=0))
+    # x = (raw - m) s + log2 6 - e_bar = raw * s + offset; blocks with u = 0 get offset -inf (q = 0)
+    offset = torch.where(u == 0, -math.inf, LOG2_6 - (u_work - 127) - m * s).unsqueeze(-1)
+    r = blocks.double()  # masked keys are -inf: they give q = 0 on both paths
+    a, b = policy.affine_a, policy.affine_b
+    # affine: E2M1(max(0, A x + B)) with A x + B = raw * (A s) + (A offset + B)
+    codes = e2m1_round(torch.addcmul(offset * a + b, r, torch.tensor(a * s, dtype=torch.float64)), relu=True)
     if native is not None:
-        codes = torch.where(native.view(nb, KEY_BLOCK), e2m1_round(torch.exp2(x)), codes)
-    codes = codes.masked_fill(~vmask | (u == 0).unsqueeze(-1), 0.0)
+        pattern = native.view(nb, KEY_BLOCK)
+        for blk in range(min(nb, 4)):  # the native pattern repeats every 4 blocks (quarter = block % 4)
+            sl = (..., slice(blk, None, 4), pattern[blk].nonzero().flatten())
+            codes[sl] = e2m1_round(torch.exp2(r[sl] * s + offset[..., blk::4, :]), relu=True)
     alpha = torch.exp2(u_work - policy.shift - 127)  # exact powers of two >= 2**-126
     p_scaled = (codes * alpha.unsqueeze(-1)).flatten(-2).float()
     weighted_sum = (codes.sum(-1) * alpha).sum(-1)
