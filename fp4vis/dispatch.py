@@ -96,6 +96,13 @@ def available_backends() -> dict[str, str | None]:
     return result
 
 
+def kernel_backend_name(device: torch.device) -> str | None:
+    """The kernel backend ``auto`` tries on this device (None: the reference is the only choice)."""
+    if device.type != "cuda":
+        return None
+    return _AUTO_BY_CAPABILITY.get(torch.cuda.get_device_capability(device))
+
+
 def _warn_once(key: str, message: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
@@ -119,7 +126,7 @@ def select_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     reference = _REGISTRY["reference"]
     if not q.is_cuda:
         return reference
-    kernel = _AUTO_BY_CAPABILITY.get(torch.cuda.get_device_capability(q.device))
+    kernel = kernel_backend_name(q.device)
     if kernel is None:
         _warn_once(f"nokernel{q.device}", f"fp4vis: no FP4 attention kernel for "
                    f"{torch.cuda.get_device_name(q.device)}; using the reference emulation (slow)")

@@ -97,8 +97,8 @@ def e2m1_round(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
     mags = torch.tensor(E2M1_VALUES, dtype=x.dtype, device=x.device)
     bounds = _e2m1_boundaries(x.dtype, x.device)
     if relu:  # negatives (and -inf) fall below the first boundary: index 0, +0
-        return mags[torch.bucketize(x, bounds)]
-    return torch.copysign(mags[torch.bucketize(x.abs(), bounds)], x)
+        return mags[torch.bucketize(x.contiguous(), bounds)]
+    return torch.copysign(mags[torch.bucketize(x.abs().contiguous(), bounds)], x)
 
 
 _E2M1_INDEX_OF_TWICE_MAG = torch.tensor([0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7], dtype=torch.uint8)
