@@ -47,6 +47,9 @@ class ReferenceBackend(Backend):
     def unsupported_reason(self, q, k, v, policy, scale):
         return None
 
+    # The emulation is chunked Python with data-dependent checks: torch.compile runs it eagerly (one
+    # graph break) instead of tracing every chunk.
+    @torch.compiler.disable
     def forward(self, q, k, v, policy, scale):
         b, h = q.shape[:2]
         out, report = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), policy, scale)

@@ -190,10 +190,11 @@ def test_torch_compile_of_patched_model_runs(model, x):
     with fp4vis.patch(model, "fast"):
         eager = model(x)
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="aot_eager")
+        compiled = torch.compile(model)  # inductor; the reference itself runs eagerly (one graph break)
         out = compiled(x)
     torch._dynamo.reset()
-    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    # inductor fuses the layers around attention differently: float32 rounding, not a new result
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
 
 
 @torch.no_grad()
