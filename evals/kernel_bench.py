@@ -1,0 +1,415 @@
+"""Kernel benchmark: the Hopper Direct-P kernel against BF16 attention baselines, side by side.
+
+Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call these):
+
+    rows = run_grid(shapes=GRID_D128, backends=("hopper", "fa4", "sdpa_cudnn"),
+                    policies=("fast",), quick=False)
+    write_results(rows, "benchmarks/results/kernel_grid_<date>.json")   # raw JSON + meta
+    print(summary_table(rows))                                           # Markdown
+
+Backends (each skipped with a reason in its row when it cannot run here):
+  ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
+  ``hopper_plain`` / ``hopper_overlap``  the whole call with the plain or the overlapped schedule
+  ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
+  ``prepass``       the pre-pass alone
+  ``fa4``           flash-attn-4 (``flash_attn.cute``) BF16 forward, non-causal
+  ``sdpa_cudnn``    torch SDPA with the cuDNN backend
+  ``sdpa_flash``    torch SDPA with the flash backend
+  ``sage``          SageAttention (``sageattention.sageattn``), when importable
+  ``reference``     the fp4vis reference emulation (the only one that runs on the CPU)
+
+Timing: CUDA events around each call after warm-up, median over repetitions, inputs rotated over
+enough copies to exceed the L2 cache. Errors: relative L2 against the reference emulation
+(``backend="reference"``, on a sample of heads and query rows against all keys, since the
+reference is slow) and against BF16 SDPA. ``quick=True`` runs on the CPU: the reference backend on
+tiny shapes (a smoke test of the harness).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp4vis.policy import get_policy
+
+# (B, S, H) at D = 128: the issue's nine-shape grid plus the large video shapes
+GRID_D128 = [(1, 256, 16), (1, 1024, 16), (4, 4096, 16), (1, 32768, 16), (4, 4096, 32), (1, 4096, 12),
+             (1, 32768, 12), (1, 4096, 24), (1, 32768, 24), (1, 8192, 64), (1, 32760, 12), (1, 75600, 40)]
+# ViT-like shapes at D = 64: ViT-B/16 at 224 (197 tokens, 12 heads), ViT-L/16 at 224 and 384
+GRID_D64 = [(1, 197, 12), (64, 197, 12), (32, 197, 16), (8, 577, 16)]
+QUICK_SHAPES = [(1, 64, 2), (1, 200, 2)]
+
+L2_BYTES = 50 * 2**20
+HOPPER_BACKENDS = ("hopper", "hopper_plain", "hopper_overlap", "hopper_kernel", "prepass")
+
+
+@dataclass
+class Shape:
+    b: int
+    s: int
+    h: int
+    d: int = 128
+    skv: int | None = None
+
+    @property
+    def kv(self) -> int:
+        return self.skv or self.s
+
+    def flops(self) -> float:
+        return 4.0 * self.b * self.h * self.s * self.kv * self.d
+
+    def label(self) -> str:
+        kv = f"/{self.kv}" if self.skv else ""
+        return f"B{self.b} S{self.s}{kv} H{self.h} D{self.d}"
+
+
+def as_shapes(shapes: Iterable, d: int = 128) -> list[Shape]:
+    out = []
+    for s in shapes:
+        out.append(s if isinstance(s, Shape) else Shape(*s, d=d) if len(s) == 3 else Shape(*s))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+def time_cuda(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, reps: int = 30,
+              budget_s: float = 2.0) -> list[float]:
+    """Per-call milliseconds of ``fn(i)`` (i selects the input copy), CUDA events, after warm-up."""
+    for i in range(warmup):
+        fn(i % n_inputs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(0)
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t0, 1e-5)
+    reps = max(3, min(reps, int(budget_s / est)))
+    times = []
+    for r in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(r % n_inputs)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def time_cpu(fn: Callable[[int], object], n_inputs: int, reps: int = 3) -> list[float]:
+    fn(0)
+    times = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        fn(r % n_inputs)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+# ---------------------------------------------------------------------------------------- backends
+
+def _fa4():
+    from flash_attn.cute import flash_attn_func
+
+    def call(q, k, v, scale):  # bhsd in -> bshd for FA4
+        r = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                            causal=False)
+        return (r[0] if isinstance(r, tuple) else r).transpose(1, 2)
+    return call
+
+
+def _sdpa(kind: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kind]
+
+    def call(q, k, v, scale):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    return call
+
+
+def _sage():
+    from sageattention import sageattn
+
+    def call(q, k, v, scale):
+        return sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=scale)
+    return call
+
+
+def _kmod(name: str):
+    """A module of fp4vis.kernels (imported lazily: it needs nvidia-cutlass-dsl)."""
+    return importlib.import_module(f"fp4vis.kernels.{name}")
+
+
+def _hopper(policy: str, schedule: int = -1):
+    policy_args = _kmod("hopper_backend").policy_args
+    pol = get_policy(policy)
+
+    def call(q, k, v, scale):
+        return torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, q.shape[-1], scale),
+                                                 schedule=schedule)
+    return call
+
+
+def _hopper_parts(policy: str):
+    """(prepass(q,k,v) -> operands, kernel(operands) -> out) for the split timings."""
+    hb = _kmod("hopper_backend")
+    LOG2E, policy_args, run_kernel = hb.LOG2E, hb.policy_args, hb.run_kernel
+    DirectPConfig = _kmod("hopper_fwd").DirectPConfig
+    prepare_operands = _kmod("hopper_prepass").prepare_operands
+    pol = get_policy(policy)
+
+    def pre(q, k, v, scale):
+        a = policy_args(pol, q.shape[-1], scale)
+        return prepare_operands(q, k, v, a["qk_fmt"], a["anchor"])
+
+    def ker(ops, q, scale):
+        a = policy_args(pol, q.shape[-1], scale)
+        out = torch.empty_like(q)
+        cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", a["affine_a"],
+                                 a["affine_b"], a["shift"], a["native_exp2"], a["anchor"])
+        run_kernel(*ops, out, cfg, scale * LOG2E, a["margin_raw"])
+        return out
+    return pre, ker
+
+
+def _reference(policy: str):
+    import fp4vis
+
+    def call(q, k, v, scale):
+        return fp4vis.attention(q, k, v, policy=policy, scale=scale, backend="reference", range_check="off")
+    return call
+
+
+def _reference_rows(q, k, v, policy, scale, max_heads=2, max_rows=512):
+    """Reference output on a sample (first heads of batch 0, evenly spaced query rows), and the index."""
+    import fp4vis
+    h = min(q.shape[1], max_heads)
+    rows = torch.linspace(0, q.shape[2] - 1, min(q.shape[2], max_rows), device=q.device).round().long().unique()
+    out = fp4vis.attention(q[:1, :h, rows], k[:1, :h], v[:1, :h], policy=policy, scale=scale,
+                           backend="reference", range_check="off")
+    return out, (slice(0, 1), slice(0, h), rows)
+
+
+# -------------------------------------------------------------------------------------------- grid
+
+def _inputs(shape: Shape, dtype, device, n_copies: int, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    sets = []
+    for _ in range(n_copies):
+        q = torch.randn(shape.b, shape.h, shape.s, shape.d, device=device, generator=g, dtype=torch.float32)
+        k = torch.randn(shape.b, shape.h, shape.kv, shape.d, device=device, generator=g, dtype=torch.float32)
+        v = torch.randn(shape.b, shape.h, shape.kv, shape.d, device=device, generator=g, dtype=torch.float32)
+        sets.append((q.to(dtype), k.to(dtype), v.to(dtype)))
+    return sets
+
+
+def _copies_for(shape: Shape, elt: int = 2) -> int:
+    per = (2 * shape.s + 2 * shape.kv) * shape.b * shape.h * shape.d * elt
+    return max(1, min(4, math.ceil(2 * L2_BYTES / max(per, 1))))
+
+
+def available(backend: str) -> str | None:
+    """None when ``backend`` can run here, else why not."""
+    cuda = torch.cuda.is_available()
+    if backend == "reference":
+        return None
+    if not cuda:
+        return "no CUDA device"
+    try:
+        if backend in HOPPER_BACKENDS:
+            import fp4vis
+            return fp4vis.available_backends().get("hopper")
+        if backend == "fa4":
+            _fa4()
+        elif backend == "sage":
+            _sage()
+        elif backend.startswith("sdpa_"):
+            _sdpa(backend[5:])
+        else:
+            return f"unknown backend {backend!r}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def run_grid(shapes: Sequence = GRID_D128, backends: Sequence[str] = ("hopper", "fa4", "sdpa_cudnn"),
+             policies: Sequence[str] = ("fast",), quick: bool = False, dtype=torch.bfloat16,
+             check_errors: bool = True, log: Callable[[str], None] | None = print,
+             budget_s: float = 2.0) -> list[dict]:
+    """Time every (shape, backend[, policy]) and return one dict per measurement (see module doc)."""
+    device = "cpu" if quick else "cuda"
+    if quick:
+        shapes, backends = (shapes if shapes is not GRID_D128 else QUICK_SHAPES), ("reference",)
+    rows: list[dict] = []
+    reasons = {b: available(b) for b in backends}
+    for shape in as_shapes(shapes):
+        scale = 1.0 / math.sqrt(shape.d)
+        n = 1 if quick else _copies_for(shape)
+        try:
+            sets = _inputs(shape, dtype, device, n)
+        except torch.OutOfMemoryError as exc:
+            rows.append(dict(shape=shape.label(), error=f"OOM making inputs: {exc}"))
+            continue
+        bf16_out = None
+        if not quick and check_errors:
+            try:
+                bf16_out = _sdpa("cudnn")(*sets[0], scale)
+            except Exception:
+                bf16_out = None
+        for backend in backends:
+            pols = policies if backend in HOPPER_BACKENDS + ("reference",) else (None,)
+            for pol in pols:
+                row = dict(shape=shape.label(), b=shape.b, s=shape.s, skv=shape.kv, h=shape.h, d=shape.d,
+                           backend=backend, policy=pol, dtype=str(dtype).replace("torch.", ""))
+                if reasons[backend] is not None:
+                    row["skipped"] = reasons[backend]
+                    rows.append(row)
+                    continue
+                try:
+                    _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budget_s)
+                except Exception as exc:  # one failing backend must not sink the grid
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                rows.append(row)
+                if log:
+                    log(_row_line(row))
+        del sets
+        if not quick:
+            torch.cuda.empty_cache()
+    _add_speedups(rows)
+    return rows
+
+
+def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budget_s=2.0):
+    shape_flops = 4.0 * row["b"] * row["h"] * row["s"] * row["skv"] * row["d"]
+    out0 = None
+    if backend in ("prepass", "hopper_kernel"):
+        pre, ker = _hopper_parts(pol)
+        ops = [pre(q, k, v, scale) for q, k, v in sets]
+        if backend == "prepass":
+            fn = lambda i: pre(*sets[i], scale)  # noqa: E731
+        else:
+            fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
+            out0 = ker(ops[0], sets[0][0], scale)
+    else:
+        call = {"hopper": lambda: _hopper(pol), "hopper_plain": lambda: _hopper(pol, 0),
+                "hopper_overlap": lambda: _hopper(pol, 1), "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
+                "sdpa_flash": lambda: _sdpa("flash"), "sage": _sage,
+                "reference": lambda: _reference(pol)}[backend]()
+        fn = lambda i: call(*sets[i], scale)  # noqa: E731
+        out0 = call(*sets[0], scale)
+    times = time_cpu(fn, len(sets)) if quick else time_cuda(fn, len(sets), budget_s=budget_s)
+    ms = statistics.median(times)
+    row.update(ms=round(ms, 5), ms_min=round(min(times), 5), reps=len(times))
+    if backend != "prepass":
+        row["tflops"] = round(shape_flops / (ms * 1e-3) / 1e12, 2)
+    if out0 is not None and check_errors and not quick:
+        row["finite"] = bool(torch.isfinite(out0).all())
+        if bf16_out is not None:
+            from fp4vis.metrics import rel_l2
+            row["rel_l2_vs_bf16"] = round(rel_l2(out0, bf16_out), 6)
+        if pol is not None:
+            from fp4vis.metrics import rel_l2
+            q, k, v = sets[0]
+            ref, idx = _reference_rows(q, k, v, pol, scale)
+            row["rel_l2_vs_reference"] = float(f"{rel_l2(out0[idx[0], idx[1]][:, :, idx[2]], ref):.3e}")
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    """speedup_vs_fa4 / speedup_vs_sdpa_cudnn for every timed row (baseline ms / row ms)."""
+    base = {}
+    for r in rows:
+        if r.get("backend") in ("fa4", "sdpa_cudnn") and "ms" in r:
+            base[(r["shape"], r["backend"])] = r["ms"]
+    pre = {(r["shape"], r.get("policy")): r["ms"] for r in rows if r.get("backend") == "prepass" and "ms" in r}
+    for r in rows:
+        if "ms" not in r:
+            continue
+        if r.get("backend") == "hopper" and (r["shape"], r.get("policy")) in pre:
+            r["prepass_fraction"] = round(pre[(r["shape"], r.get("policy"))] / r["ms"], 4)
+        for b in ("fa4", "sdpa_cudnn"):
+            if (r["shape"], b) in base:
+                r[f"speedup_vs_{b}"] = round(base[(r["shape"], b)] / r["ms"], 3)
+
+
+def _row_line(r: dict) -> str:
+    if "ms" not in r:
+        return f"{r['shape']:24s} {r['backend']:14s} {str(r.get('policy') or ''):9s} " \
+               f"{r.get('skipped') or r.get('error')}"
+    extra = " ".join(f"{k}={r[k]}" for k in ("tflops", "rel_l2_vs_reference", "rel_l2_vs_bf16") if k in r)
+    return f"{r['shape']:24s} {r['backend']:14s} {str(r.get('policy') or ''):9s} {r['ms']:10.4f} ms {extra}"
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def environment() -> dict:
+    """Date, GPU and versions for the raw JSON."""
+    meta = dict(date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), python=platform.python_version(),
+                torch=torch.__version__, cuda=torch.version.cuda)
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        meta.update(gpu=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
+        try:
+            meta["cudnn"] = torch.backends.cudnn.version()
+        except Exception:
+            pass
+    for mod in ("cutlass", "flash_attn", "sageattention", "triton", "fp4vis"):
+        try:
+            from importlib.metadata import version
+            name = {"cutlass": "nvidia-cutlass-dsl", "flash_attn": "flash-attn-4"}.get(mod, mod)
+            meta[mod] = version(name)
+        except Exception:
+            pass
+    return meta
+
+
+def geo_mean_speedup(rows: list[dict], backend: str = "hopper", policy: str = "fast", baseline: str = "fa4",
+                     min_s: int = 4096, d: int = 128) -> float | None:
+    vals = [r[f"speedup_vs_{baseline}"] for r in rows
+            if r.get("backend") == backend and r.get("policy") == policy and r.get("s", 0) >= min_s
+            and r.get("d") == d and f"speedup_vs_{baseline}" in r]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Markdown: one line per shape, ms of each backend, the Hopper speedups and errors."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if "shape" in r))
+    cols = list(dict.fromkeys((r["backend"], r.get("policy")) for r in rows if "backend" in r))
+    head = ["shape"] + [f"{b}{'/' + p if p else ''} ms" for b, p in cols]
+    lines = ["| " + " | ".join(head) + " | hopper vs fa4 | hopper vs cuDNN | pre-pass share | relL2 vs ref | "
+             "relL2 vs bf16 |", "|" + "---|" * (len(head) + 5)]
+    for s in shapes:
+        cells = [s]
+        hop = None
+        for b, p in cols:
+            r = next((x for x in rows if x.get("shape") == s and x.get("backend") == b and x.get("policy") == p),
+                     None)
+            cells.append(f"{r['ms']:.4g}" if r and "ms" in r else "—")
+            if r and b == "hopper" and hop is None and "ms" in r:
+                hop = r
+        cells += [f"{hop.get('speedup_vs_fa4', '—')}", f"{hop.get('speedup_vs_sdpa_cudnn', '—')}",
+                  f"{hop.get('prepass_fraction', '—')}", f"{hop.get('rel_l2_vs_reference', '—')}",
+                  f"{hop.get('rel_l2_vs_bf16', '—')}"] if hop else ["—"] * 5
+        lines.append("| " + " | ".join(cells) + " |")
+    gm = geo_mean_speedup(rows)
+    if gm is not None:
+        lines.append(f"\nGeo-mean speedup of hopper/fast over flash-attn-4 at S >= 4096, D = 128: {gm:.3f}x")
+    return "\n".join(lines)
+
+
+def write_results(rows: list[dict], path: str | Path, extra: dict | None = None) -> Path:
+    """Write ``{"meta": environment(), "rows": rows}`` as JSON and the Markdown summary beside it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": {**environment(), **(extra or {})}, "rows": rows}
+    path.write_text(json.dumps(payload, indent=1))
+    path.with_suffix(".md").write_text(summary_table(rows) + "\n")
+    return path

@@ -1,0 +1,274 @@
+"""MAE reconstruction eval: what FP4 attention costs a masked autoencoder, in PSNR.
+
+A ViTMAE model (``ViTMAEForPreTraining``: Hub id, local directory, or ``config:default`` for the
+ViTMAEConfig defaults = MAE-base) reconstructs the images of an ImageFolder-style dataset with the
+SAME masks for the BF16 baseline and every FP4 policy: the masking noise of image i is drawn from a
+generator seeded with ``(seed, i)``, independent of batching and sharding.
+
+PSNR convention (stated in every report): images are compared in [0, 1] RGB pixel space after the
+model's normalisation is undone and the reconstruction is clamped to [0, 1]; ``data_range = 1.0``;
+PSNR is computed PER IMAGE (torchmetrics, reduction "none") and then averaged over images.
+
+- masked-patch PSNR: over the pixels of the masked (reconstructed) patches only;
+- full-image PSNR: the model's prediction for every patch, unpatchified, vs the original image;
+- FP4-vs-BF16 reconstruction PSNR: the FP4 reconstruction vs the BF16 one (full image);
+- the mean paired difference FP4 - BF16 of the masked-patch PSNR with its 95 % Student-t interval.
+
+With ``norm_pix_loss`` models the predicted patches are de-normalised with the mean and variance of
+the true patch, the usual way to visualise MAE reconstructions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from fp4vis.evals.common import (
+    UsageError,
+    WarningLog,
+    check_backend,
+    check_image_folder,
+    check_model_source,
+    error_metrics,
+    guard_plan_summary,
+    hub_error,
+    image_list,
+    images_markdown,
+    is_network_error,
+    load_guard_plan,
+    per_sample,
+    policy_applied,
+    require,
+    resolve_device,
+    resolve_dtype,
+    resolve_policies,
+)
+from fp4vis.evals.report import environment, markdown_table, mean_ci95, write_report
+
+DEFAULT_CONFIG = "config:default"
+PSNR_STATEMENT = ("PSNR per image in [0, 1] RGB pixel space (normalisation undone, reconstruction clamped "
+                  "to [0, 1]), data_range = 1.0, torchmetrics reduction 'none', then the mean over images.")
+
+
+def load_mae(source: str, *, random_weights: bool = False, device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.bfloat16, seed: int = 0, mask_ratio: float | None = None):
+    """ViTMAEForPreTraining from a Hub id or local directory; ``config:default`` builds the
+    ViTMAEConfig defaults (MAE-base) with seeded random weights."""
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+
+    torch.manual_seed(seed)
+    if source == DEFAULT_CONFIG:
+        config = ViTMAEConfig()
+        if mask_ratio is not None:
+            config.mask_ratio = mask_ratio
+        model = ViTMAEForPreTraining(config)
+        random_weights = True
+    else:
+        src, is_local = check_model_source(source)
+        kw = {"mask_ratio": mask_ratio} if mask_ratio is not None else {}
+        try:
+            if random_weights:
+                model = ViTMAEForPreTraining(ViTMAEConfig.from_pretrained(src, **kw))
+            else:
+                model = ViTMAEForPreTraining.from_pretrained(src, **kw)
+        except Exception as e:
+            if not is_local and is_network_error(e):
+                raise hub_error(source, e) from e
+            raise
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    if source != DEFAULT_CONFIG:
+        try:
+            from transformers import AutoImageProcessor
+
+            proc = AutoImageProcessor.from_pretrained(check_model_source(source)[0])
+            mean, std = tuple(proc.image_mean), tuple(proc.image_std)
+        except Exception:  # no processor saved: ImageNet statistics, as MAE was trained with
+            pass
+    model.eval().to(device=device, dtype=dtype)
+    return model, mean, std, random_weights
+
+
+class _Indexed(torch.utils.data.Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, _ = self.base[i]
+        return x, i
+
+
+def masking_noise(indices: torch.Tensor, num_patches: int, seed: int) -> torch.Tensor:
+    """The MAE masking noise of each image, from a generator seeded with (seed, image index)."""
+    rows = []
+    for i in indices.tolist():
+        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(i))
+        rows.append(torch.rand(num_patches, generator=g))
+    return torch.stack(rows)
+
+
+def reconstruct(model, pixels01: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, noise: torch.Tensor,
+                interpolate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(reconstruction in [0, 1], mask [B, N] with 1 = masked, raw predicted patches)."""
+    x = ((pixels01 - mean) / std).to(next(model.parameters()).dtype)
+    out = model(pixel_values=x, noise=noise.to(x.device), interpolate_pos_encoding=interpolate)
+    pred = out.logits.float()
+    if model.config.norm_pix_loss:
+        target = model.patchify(x.float(), interpolate_pos_encoding=interpolate)
+        pred = pred * (target.var(dim=-1, keepdim=True) + 1e-6) ** 0.5 + target.mean(dim=-1, keepdim=True)
+    img = model.unpatchify(pred, original_image_size=tuple(pixels01.shape[-2:]))
+    img = (img * std + mean).clamp(0, 1)
+    return img, out.mask.float(), out.logits.float()
+
+
+def _patches(model, img: torch.Tensor) -> torch.Tensor:
+    return model.patchify(img, interpolate_pos_encoding=True)
+
+
+def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[str] = "fast,accurate",
+                 resolution: int | None = None, batch_size: int = 8, limit: int | None = None,
+                 random_weights: bool = False, mask_ratio: float | None = None, seed: int = 0,
+                 device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
+                 guard_plan: str | None = None, decoder: bool = False, num_workers: int = 0,
+                 out_dir: str | os.PathLike | None = None, name: str = "mae_psnr",
+                 progress: bool = True) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, Subset
+    from torchmetrics.functional.image import peak_signal_noise_ratio as psnr
+    from torchvision import transforms as T
+    from torchvision.datasets import ImageFolder
+    from tqdm.auto import tqdm
+
+    require("torchvision", what="the MAE eval")
+    dev = resolve_device(device)
+    check_backend(backend, dev)
+    pols = resolve_policies(policies, allow_bf16=False)
+    root = check_image_folder(data)
+    plan = load_guard_plan(guard_plan)
+    if mask_ratio is not None and not 0 < mask_ratio < 1:
+        raise UsageError(f"mask ratio must be in (0, 1), got {mask_ratio}")
+    acc = Accelerator(cpu=dev.type == "cpu")
+    mdtype = resolve_dtype(dtype)
+    mae, mean_t, std_t, random_weights = load_mae(model, random_weights=random_weights, device=acc.device,
+                                                  dtype=mdtype, seed=seed, mask_ratio=mask_ratio)
+    cfg = mae.config
+    native = int(cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0])
+    patch = int(cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0])
+    res = int(resolution or native)
+    if res % patch:
+        raise UsageError(f"resolution {res} is not a multiple of the patch size {patch}")
+    num_patches = (res // patch) ** 2
+    tf = T.Compose([T.Resize(res, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(res), T.ToTensor()])
+    dataset: Any = ImageFolder(str(root), transform=tf)
+    files = image_list(dataset, root, limit)
+    if limit is not None:
+        dataset = Subset(dataset, list(range(min(limit, len(dataset)))))
+    loader = acc.prepare_data_loader(DataLoader(_Indexed(dataset), batch_size=batch_size, shuffle=False,
+                                                num_workers=num_workers))
+    mean = torch.tensor(mean_t, device=acc.device).view(1, 3, 1, 1)
+    std = torch.tensor(std_t, device=acc.device).view(1, 3, 1, 1)
+    cosine, rel_l2 = error_metrics()
+    interp = res != native
+
+    cols: dict[str, list[torch.Tensor]] = {"index": [], "bf16/masked": [], "bf16/full": []}
+    for p in pols:
+        for k in ("masked", "full", "vs_bf16", "pred_cos", "pred_rel"):
+            cols[f"{p.name}/{k}"] = []
+
+    def masked_psnr(img, orig, mask):
+        a, b = _patches(mae, img), _patches(mae, orig)
+        sel = mask.bool()
+        n_masked = int(sel[0].sum())
+        return psnr(a[sel].reshape(a.shape[0], n_masked * a.shape[-1]),
+                    b[sel].reshape(b.shape[0], n_masked * b.shape[-1]), data_range=1.0, reduction="none", dim=1)
+
+    def full_psnr(img, ref):
+        return psnr(img, ref, data_range=1.0, reduction="none", dim=(1, 2, 3))
+
+    with torch.no_grad(), WarningLog() as wlog:
+        for x, idx in tqdm(loader, desc="mae eval", disable=not (progress and acc.is_local_main_process)):
+            x = x.to(acc.device, torch.float32)
+            noise = masking_noise(idx.cpu(), num_patches, seed)
+            ref_img, ref_mask, ref_pred = reconstruct(mae, x, mean, std, noise, interp)
+            batch: dict[str, torch.Tensor] = {"index": idx.to(acc.device),
+                                              "bf16/masked": masked_psnr(ref_img, x, ref_mask),
+                                              "bf16/full": full_psnr(ref_img, x)}
+            for p in pols:
+                with policy_applied(mae, p, guard=plan, backend=backend, decoder=decoder):
+                    img, mask, pred = reconstruct(mae, x, mean, std, noise, interp)
+                if not torch.equal(mask, ref_mask):  # same noise must give the same mask
+                    raise RuntimeError("MAE masks differ between BF16 and FP4 runs")
+                batch[f"{p.name}/masked"] = masked_psnr(img, x, mask)
+                batch[f"{p.name}/full"] = full_psnr(img, x)
+                batch[f"{p.name}/vs_bf16"] = full_psnr(img, ref_img)
+                batch[f"{p.name}/pred_cos"] = torch.tensor(per_sample(cosine, pred, ref_pred), device=acc.device)
+                batch[f"{p.name}/pred_rel"] = torch.tensor(per_sample(rel_l2, pred, ref_pred), device=acc.device)
+            # gather per batch: accelerate drops the samples it duplicated to even out the last batch
+            for k, v in acc.gather_for_metrics(batch).items():
+                cols[k].append(v.cpu())
+
+    g = {k: torch.cat(v).double() for k, v in cols.items()}
+    n = int(g["index"].numel())
+
+    def stats(t: torch.Tensor) -> dict[str, float]:
+        finite = t[torch.isfinite(t)]
+        return {"mean": float(finite.mean()) if finite.numel() else math.inf, "min": float(t.min()),
+                "max": float(t.max())}
+
+    result: dict[str, Any] = {
+        "eval": "mae_psnr", "model": model, "random_weights": random_weights, "data": str(root), "images": n,
+        "image_files": files,
+        "resolution": res, "native_resolution": native, "patch_size": patch, "tokens_encoder":
+        int(round(num_patches * (1 - cfg.mask_ratio))) + 1, "mask_ratio": cfg.mask_ratio,
+        "norm_pix_loss": bool(cfg.norm_pix_loss), "seed": seed, "dtype": str(mdtype).replace("torch.", ""),
+        "backend": backend, "decoder_patched": decoder, "num_processes": acc.num_processes,
+        "guard_plan": guard_plan_summary(plan), "psnr_reduction": PSNR_STATEMENT,
+        "image_index": g["index"].long().tolist(),
+        "bf16": {"masked_psnr": stats(g["bf16/masked"]), "full_psnr": stats(g["bf16/full"]),
+                 "masked_psnr_per_image": g["bf16/masked"].tolist(), "full_psnr_per_image": g["bf16/full"].tolist()},
+        "policies": {},
+    }
+    for p in pols:
+        diff = (g[f"{p.name}/masked"] - g["bf16/masked"]).tolist()
+        result["policies"][p.name] = {
+            "masked_psnr": stats(g[f"{p.name}/masked"]), "full_psnr": stats(g[f"{p.name}/full"]),
+            "masked_psnr_diff_vs_bf16": mean_ci95(diff),
+            "recon_psnr_vs_bf16": stats(g[f"{p.name}/vs_bf16"]),
+            "pred_cosine_mean": float(g[f"{p.name}/pred_cos"].mean()),
+            "pred_rel_l2_mean": float(g[f"{p.name}/pred_rel"].mean()),
+            "masked_psnr_per_image": g[f"{p.name}/masked"].tolist(),
+            "full_psnr_per_image": g[f"{p.name}/full"].tolist(),
+            "recon_psnr_vs_bf16_per_image": g[f"{p.name}/vs_bf16"].tolist(),
+        }
+    result["warnings"] = wlog.messages
+    result["environment"] = environment()
+    if out_dir is not None and acc.is_main_process:
+        result["files"] = {k: str(v) for k, v in write_report(out_dir, name, result, mae_markdown(result)).items()}
+    return result
+
+
+def mae_markdown(r: dict[str, Any]) -> str:
+    warn = ("\n**Random weights**: ViTMAE built from its configuration with seeded random weights (no "
+            "pretrained checkpoint). The PSNR against the photos is meaningless for such a model; the "
+            "FP4-vs-BF16 numbers measure the numerics of FP4 attention on this architecture.\n"
+            if r["random_weights"] else "")
+    lines = [f"# MAE reconstruction PSNR: {r['model']}", warn,
+             f"{r['images']} images from `{r['data']}` at {r['resolution']} px, mask ratio {r['mask_ratio']} "
+             f"(identical seeded masks for every run, seed {r['seed']}), {r['dtype']} baseline, backend "
+             f"`{r['backend']}`, decoder {'patched' if r['decoder_patched'] else 'exact (encoder only patched)'}."
+             + images_markdown(r.get("image_files")),
+             "", f"**PSNR reduction**: {r['psnr_reduction']}", ""]
+    rows = [["bf16 (baseline)", r["bf16"]["masked_psnr"]["mean"], None, None, r["bf16"]["full_psnr"]["mean"], None]]
+    for name, p in r["policies"].items():
+        d = p["masked_psnr_diff_vs_bf16"]
+        ci = (f"[{d['ci95_low']:.4f}, {d['ci95_high']:.4f}]" if d.get("ci95_low") is not None else "n/a (n < 2)")
+        rows.append([name, p["masked_psnr"]["mean"], d["mean"], ci, p["full_psnr"]["mean"],
+                     p["recon_psnr_vs_bf16"]["mean"]])
+    lines.append(markdown_table(["policy", "masked-patch PSNR (dB)", "FP4 − BF16 (dB)", "95 % t-interval",
+                                 "full-image PSNR (dB)", "FP4 vs BF16 recon PSNR (dB)"], rows))
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""Plots for the benchmark results (matplotlib, Agg backend: no display needed).
+
+``speed_error_plot(result, path)``: one point per (backend or baseline, policy), averaged over the
+shape grid: x = error against exact BF16 attention (relative L2 vs SDPA, log scale), y = speed (TFLOPS when the
+rows carry it, else 1/time). Points lower-left are slower and more accurate, upper-right faster and
+less accurate. The function reads the rows of the kernel benchmark's result and tolerates the usual
+field names, so it also works on JSON files written earlier.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+SPEED_KEYS = ("tflops", "TFLOPS", "tflops_s")
+TIME_KEYS = ("time_ms", "ms", "median_ms", "latency_ms", "mean_ms", "time_s")
+ERROR_KEYS = ("rel_l2_vs_bf16", "rel_l2", "rel_l2_vs_exact", "rel_l2_exact", "err_rel_l2", "error_rel_l2",
+              "rel_l2_vs_ref")
+LABEL_KEYS = ("backend", "impl", "method", "kernel", "name")
+
+
+def _rows(result: Any) -> list[Mapping[str, Any]]:
+    if isinstance(result, (str, os.PathLike)):
+        result = json.loads(Path(result).read_text())
+    if isinstance(result, Mapping):
+        for key in ("rows", "results", "records", "measurements", "grid"):
+            if isinstance(result.get(key), list):
+                return [r for r in result[key] if isinstance(r, Mapping)]
+        return []
+    if isinstance(result, Iterable):
+        return [r for r in result if isinstance(r, Mapping)]
+    return []
+
+
+def _first(row: Mapping[str, Any], keys: Iterable[str]) -> tuple[str | None, Any]:
+    for k in keys:
+        v = row.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return k, float(v)
+    return None, None
+
+
+def _label(row: Mapping[str, Any]) -> str:
+    base = next((str(row[k]) for k in LABEL_KEYS if row.get(k) not in (None, "")), "?")
+    pol = row.get("policy")
+    return f"{base} / {pol}" if pol not in (None, "", base) else base
+
+
+def summarize(result: Any) -> list[dict[str, Any]]:
+    """Per label: mean speed (TFLOPS or 1/time), mean time, mean error over the rows that have them."""
+    acc: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in _rows(result):
+        if (isinstance(row.get("error"), str) or row.get("skipped")
+                or row.get("status") in ("skipped", "error", "failed")):
+            continue
+        lab = _label(row)
+        _, sp = _first(row, SPEED_KEYS)
+        tk, tm = _first(row, TIME_KEYS)
+        _, err = _first(row, ERROR_KEYS)
+        if sp is not None:
+            acc[lab]["tflops"].append(sp)
+        if tm is not None:
+            acc[lab]["time_ms"].append(tm * 1000 if tk == "time_s" else tm)
+        if err is not None:
+            acc[lab]["rel_l2"].append(err)
+    out = []
+    for lab, d in acc.items():
+        out.append({"label": lab, **{k: (sum(v) / len(v) if v else None) for k, v in d.items()},
+                    "n": max((len(v) for v in d.values()), default=0)})
+    return out
+
+
+def skipped_backends(result: Any) -> dict[str, str]:
+    """Backends that did not run at all, with the first reason given."""
+    ran = {_label(r).split(" / ")[0] for r in _rows(result) if not r.get("skipped")}
+    out: dict[str, str] = {}
+    for r in _rows(result):
+        b = next((str(r[k]) for k in LABEL_KEYS if r.get(k)), None)
+        if b and r.get("skipped") and b not in ran:
+            out.setdefault(b, str(r["skipped"]))
+    return out
+
+
+def speed_error_plot(result: Any, path: str | os.PathLike, *, title: str = "fp4vis kernel benchmark") -> Path:
+    """Write the speed-error scatter to ``path`` (PNG) and return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = summarize(result)
+    use_tflops = any(p.get("tflops") for p in pts)
+    fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
+    plotted = 0
+    for p in sorted(pts, key=lambda p: p["label"]):
+        y = p.get("tflops") if use_tflops else (1000.0 / p["time_ms"] if p.get("time_ms") else None)
+        x = p.get("rel_l2")
+        if y is None:
+            continue
+        x = max(x, 1e-6) if x is not None else 1e-6  # exact baselines sit on the left edge
+        ax.scatter([x], [y], s=46, label=p["label"], zorder=3)
+        ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        plotted += 1
+    ax.set_xscale("log")
+    has_err = any(p.get("rel_l2") is not None for p in pts)
+    ax.set_xlabel("relative L2 error vs exact BF16 attention (mean over shapes; none = 1e-6)" if has_err else
+                  "no error measured in this run (quick mode times only)")
+    ax.set_ylabel("TFLOPS (mean over shapes)" if use_tflops else "calls per second (1 / mean time)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3, zorder=0)
+    if plotted == 0:
+        ax.text(0.5, 0.5, "no timed rows in the result", transform=ax.transAxes, ha="center")
+    elif plotted <= 12:
+        ax.legend(fontsize=7, loc="best")
+    skipped = skipped_backends(result)
+    if skipped:
+        note = "not run here: " + "; ".join(f"{b} ({r[:60]})" for b, r in skipped.items())
+        fig.text(0.01, 0.005, note, fontsize=6, ha="left", va="bottom", wrap=True)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+    else:
+        fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

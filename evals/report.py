@@ -1,0 +1,234 @@
+"""Shared result writing for every fp4vis eval and pipeline: environment capture (versions, GPU,
+git commit), JSON + short Markdown reports, timers and a few formatting helpers.
+
+Every eval writes ``<out_dir>/<name>.json`` (the raw numbers, machine readable, including the
+environment) and ``<out_dir>/<name>.md`` (a short human report that states how each number was
+computed). Nothing here imports a model library; it is safe to import anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+_PACKAGES = ("fp4vis", "torch", "diffusers", "transformers", "timm", "torchmetrics", "accelerate",
+             "torchvision", "imageio", "imageio-ffmpeg", "nvidia-cutlass-dsl", "numpy")
+
+
+def package_versions(packages: Iterable[str] = _PACKAGES) -> dict[str, str | None]:
+    """Installed version of each package (None when it is not installed)."""
+    out: dict[str, str | None] = {}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit() -> str | None:
+    """The commit of the fp4vis checkout (None outside a git work tree), with '+dirty' if modified."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_info() -> dict[str, Any]:
+    """CUDA devices seen by torch (empty list without CUDA)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a core dependency
+        return {"cuda_available": False, "devices": []}
+    info: dict[str, Any] = {"cuda_available": bool(torch.cuda.is_available()),
+                            "cuda_version": torch.version.cuda, "devices": []}
+    if info["cuda_available"]:
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            info["devices"].append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
+                                    "memory_gib": round(p.total_memory / 2**30, 1)})
+    return info
+
+
+def environment() -> dict[str, Any]:
+    """Everything a result needs to be reproduced: versions, GPU, platform, commit, time (UTC)."""
+    return {
+        "timestamp_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "git_commit": git_commit(),
+        "versions": package_versions(),
+        "gpu": gpu_info(),
+        "command": " ".join(sys.argv),
+    }
+
+
+def _jsonable(obj: Any) -> Any:
+    """Convert tensors, numpy values, paths, dataclasses and non-finite floats to plain JSON."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)  # "nan", "inf" stay readable
+    if hasattr(obj, "tolist"):  # torch / numpy scalars and arrays
+        return _jsonable(obj.tolist())
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def write_json(path: str | os.PathLike, data: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(data), indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def write_report(out_dir: str | os.PathLike, name: str, result: dict[str, Any], markdown: str) -> dict[str, Path]:
+    """Write ``<out_dir>/<name>.json`` (with ``environment`` added when missing) and ``<name>.md``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = dict(result)
+    result.setdefault("environment", environment())
+    json_path = write_json(out / f"{name}.json", result)
+    md_path = out / f"{name}.md"
+    warn = result.get("warnings") or []
+    if warn:
+        markdown = markdown.rstrip() + "\n\nWarnings during the run:\n" + "\n".join(f"- {w}" for w in warn)
+    md_path.write_text(markdown.rstrip() + "\n\n" + environment_markdown(result["environment"]) + "\n"
+                       + f"\nRaw output: [{json_path.name}]({json_path.name})\n")
+    return {"json": json_path, "markdown": md_path}
+
+
+def environment_markdown(env: dict[str, Any]) -> str:
+    gpu = env.get("gpu", {})
+    devices = gpu.get("devices") or []
+    gpu_txt = ", ".join(f"{d['name']} (sm_{d['capability'].replace('.', '')})" for d in devices) or "none (CPU)"
+    v = env.get("versions", {})
+    vers = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    return (f"Environment: GPU {gpu_txt}; Python {env.get('python')}; {vers}; "
+            f"commit {env.get('git_commit') or 'unknown'}; {env.get('timestamp_utc')}.")
+
+
+def fmt(x: Any, digits: int = 4) -> str:
+    """Compact number formatting for tables (None/NaN -> 'n/a')."""
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)
+        if x != 0 and (abs(x) >= 1e5 or abs(x) < 10 ** (-digits)):
+            return f"{x:.{digits - 1}e}"
+        return f"{x:.{digits}f}".rstrip("0").rstrip(".") if "." in f"{x:.{digits}f}" else f"{x}"
+    return str(x)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], digits: int = 4) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(c, digits) for c in row) + " |")
+    return "\n".join(lines)
+
+
+class Timer:
+    """Wall-clock timer that synchronizes CUDA around the measured block (when CUDA is in use).
+
+    >>> with Timer() as t: ...
+    >>> t.seconds
+    """
+
+    def __init__(self, sync_cuda: bool = True):
+        self.sync_cuda = sync_cuda
+        self.seconds = float("nan")
+
+    def _sync(self) -> None:
+        if not self.sync_cuda:
+            return
+        try:
+            import torch
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+        except ImportError:  # pragma: no cover
+            pass
+
+    def __enter__(self) -> Timer:
+        self._sync()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sync()
+        self.seconds = time.perf_counter() - self._t0
+
+
+_T975 = {3: 3.182446, 4: 2.776445, 5: 2.570582, 6: 2.446912, 7: 2.364624, 8: 2.306004, 9: 2.262157}
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Quantile of Student's t distribution (two-sided intervals use p = 0.975).
+
+    Exact for df = 1 and 2, tabulated (6 decimals) for p = 0.975 and df = 3..9, otherwise the
+    Cornish-Fisher expansion around the normal quantile (absolute error below 1e-4 at p = 0.975
+    for df >= 10, checked against scipy in the tests when it is installed).
+    """
+    if not 0 < p < 1:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    if p == 0.975 and df in _T975:
+        return _T975[df]
+    from statistics import NormalDist
+    z = NormalDist().inv_cdf(p)
+    n = float(df)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / n + g2 / n**2 + g3 / n**3 + g4 / n**4
+
+
+def mean_ci95(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Mean with its 95 % Student-t confidence interval (None bounds with fewer than 2 values)."""
+    vals = [float(v) for v in values]
+    n = len(vals)
+    if n == 0:
+        return {"n": 0, "mean": None, "ci95_low": None, "ci95_high": None, "std": None}
+    mean = sum(vals) / n
+    if n < 2:
+        return {"n": n, "mean": mean, "ci95_low": None, "ci95_high": None, "std": None}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "ci95_low": mean - half, "ci95_high": mean + half, "std": sd}

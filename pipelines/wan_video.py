@@ -1,0 +1,340 @@
+"""Wan2.1 video generation with FP4 attention (diffusers ``WanPipeline`` / ``WanImageToVideoPipeline``).
+
+    from fp4vis.pipelines.wan_video import load_wan_pipeline, generate, save_mp4
+    pipe = load_wan_pipeline("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", device="cuda")
+    res = generate(pipe, prompt="a red fox in the snow", policy="fast", seed=0, steps=50)
+    save_mp4(res.frames, "fox.mp4")
+
+``generate`` times the three stages separately (text encoding, denoising, VAE decode), draws the
+initial latents from a CPU generator seeded with ``seed`` (identical on every device and for every
+policy), and applies the policy with ``fp4vis.patch`` only for the duration of the call. ``bf16``
+is the pipeline's own attention. ``run_generate`` is the ``fp4vis generate`` command: it also writes
+the MP4 (imageio-ffmpeg) and a JSON sidecar (model, prompt, seed, frames, steps, policy, guard
+plan, timings, versions, GPU).
+
+``build_random_wan_pipeline("1.3B" | "14B")`` builds the real Wan2.1 architectures with seeded random
+weights and no text encoder, for speed measurements on machines without the checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp4vis.evals.common import (
+    UsageError,
+    check_backend,
+    check_model_source,
+    guard_plan_summary,
+    hub_error,
+    is_network_error,
+    load_guard_plan,
+    policy_applied,
+    resolve_device,
+    resolve_dtype,
+)
+from fp4vis.evals.report import Timer, environment, write_json
+from fp4vis.policy import get_policy
+
+GENERATE_POLICIES = ("fast", "accurate", "wan_fast", "bf16", "guard", "nv_fp8")
+
+# transformer configs of the published Wan2.1 T2V checkpoints (diffusers format)
+WAN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
+    "1.3B": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                 qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                 rope_max_seq_len=1024),
+    "14B": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                rope_max_seq_len=1024),
+}
+WAN_TEXT_LEN, WAN_TEXT_DIM = 512, 4096
+
+
+@dataclass
+class GenerationResult:
+    latents: torch.Tensor                      # final latents (float32, CPU), before VAE decode
+    frames: np.ndarray | None                  # (F, H, W, 3) float32 in [0, 1], None without decode
+    timings: dict[str, float]                  # text_encode_s, denoise_s, decode_s, total_s
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _model_index(path: str) -> dict[str, Any]:
+    f = Path(path) / "model_index.json"
+    if not f.is_file():
+        raise UsageError(f"model: {path!r} is not a diffusers pipeline folder (no model_index.json); save one "
+                         "with pipe.save_pretrained(dir) or pass a Hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+    return json.loads(f.read_text())
+
+
+def load_wan_pipeline(model: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "bfloat16",
+                      i2v: bool | None = None, text_encoder: bool = True, vae_dtype: str | torch.dtype = "float32"):
+    """A Wan2.1 pipeline from a Hub id or a local diffusers folder. ``i2v=None`` picks the class
+    from model_index.json (local) or the id ("I2V" in the name); ``text_encoder=False`` skips the
+    text encoder and tokenizer (then pass ``prompt_embeds``)."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    src, is_local = check_model_source(model)
+    dev = resolve_device(device)
+    dt, vdt = resolve_dtype(dtype), resolve_dtype(vae_dtype)
+    if i2v is None:
+        if is_local:
+            i2v = "ImageToVideo" in str(_model_index(src).get("_class_name", ""))
+        else:
+            i2v = "i2v" in src.lower()
+    cls = WanImageToVideoPipeline if i2v else WanPipeline
+    kwargs: dict[str, Any] = {"torch_dtype": dt}
+    if is_local:  # components saved as null (e.g. a pipeline saved without its text encoder)
+        for key, val in _model_index(src).items():
+            if not key.startswith("_") and (val is None or (isinstance(val, list) and val[0] is None)):
+                kwargs[key] = None
+    if not text_encoder:
+        kwargs.update(text_encoder=None, tokenizer=None)
+    try:
+        from diffusers import AutoencoderKLWan
+
+        with warnings.catch_warnings():  # diffusers >= 0.40 renamed torch_dtype to dtype; older ones need it
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            vae = AutoencoderKLWan.from_pretrained(src, subfolder="vae", torch_dtype=vdt)
+            pipe = cls.from_pretrained(src, vae=vae, **kwargs)
+    except Exception as e:
+        if not is_local and is_network_error(e):
+            raise hub_error(model, e) from e
+        raise
+    pipe.to(dev)
+    pipe.fp4vis_source = model  # recorded in sidecars
+    return pipe
+
+
+def build_random_wan_pipeline(size: str = "1.3B", *, device: str | torch.device = "auto",
+                              dtype: str | torch.dtype = "bfloat16", seed: int = 0, vae: bool = True,
+                              transformer_config: dict[str, Any] | None = None):
+    """The real Wan2.1 T2V architecture (``"1.3B"`` or ``"14B"``) with seeded RANDOM weights, no text
+    encoder (pass ``prompt_embeds``), the default Wan VAE (random too) and Wan's UniPC flow scheduler.
+    Weights are created directly on the target device. For speed measurements only."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    if transformer_config is None:
+        if size not in WAN_TRANSFORMER_CONFIGS:
+            raise UsageError(f"size: unknown Wan2.1 size {size!r}; use one of {', '.join(WAN_TRANSFORMER_CONFIGS)}")
+        transformer_config = WAN_TRANSFORMER_CONFIGS[size]
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    try:
+        with torch.device(dev):
+            torch.set_default_dtype(dt)  # build in the target dtype: no FP32 copy of 14B parameters
+            transformer = WanTransformer3DModel(**transformer_config)
+            torch.set_default_dtype(torch.float32)
+            keep_fp32(transformer)
+            # without decoding, a minimal VAE stands in (the pipeline only reads its scale factors)
+            vae_model = AutoencoderKLWan() if vae else AutoencoderKLWan(
+                base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    finally:
+        torch.set_default_dtype(default)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                        num_train_timesteps=1000)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae_model, scheduler=scheduler, transformer=transformer)
+    pipe.fp4vis_source = f"random:{size}"
+    pipe.fp4vis_random_weights = True
+    return pipe
+
+
+def keep_fp32(model: torch.nn.Module) -> torch.nn.Module:
+    """Put the submodules that diffusers keeps in FP32 (``_keep_in_fp32_modules``: rope, time
+    embedder, norms, modulation tables) back in FP32, as ``from_pretrained(torch_dtype=...)`` does."""
+    names = getattr(model, "_keep_in_fp32_modules", None) or []
+    for mod_name, mod in model.named_modules():
+        if any(n in mod_name.split(".") for n in names):
+            mod.to(torch.float32)
+    for n in names:  # parameters registered directly on the model (e.g. scale_shift_table)
+        p = getattr(model, n, None)
+        if isinstance(p, torch.nn.Parameter):
+            p.data = p.data.float()
+    return model
+
+
+def encode_prompt(pipe, prompt: str, negative_prompt: str | None = None, *, guidance_scale: float = 5.0,
+                  max_sequence_length: int = 512) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(prompt_embeds, negative_prompt_embeds or None, seconds) with the pipeline's text encoder."""
+    if getattr(pipe, "text_encoder", None) is None or getattr(pipe, "tokenizer", None) is None:
+        raise UsageError("this pipeline has no text encoder: pass prompt embeddings (or load the model with "
+                         "its text encoder)")
+    from diffusers import WanPipeline
+
+    # WanPipeline's T5 encoding for every Wan pipeline: the I2V pipeline's own copy needs ftfy (diffusers
+    # imports it only when installed but calls it unconditionally); the T2V one uses it when present
+    encode = WanPipeline._get_t5_prompt_embeds
+    dev = pipe._execution_device
+    with Timer() as t, torch.no_grad():
+        pe = encode(pipe, prompt=prompt, max_sequence_length=max_sequence_length, device=dev)
+        npe = (encode(pipe, prompt=negative_prompt or "", max_sequence_length=max_sequence_length, device=dev)
+               if guidance_scale > 1.0 else None)
+    return pe, npe, t.seconds
+
+
+def random_prompt_embeds(seed: int = 0, *, length: int = WAN_TEXT_LEN, dim: int = WAN_TEXT_DIM,
+                         dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded stand-ins for UMT5 embeddings (speed runs with random weights)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    pe = torch.randn(1, length, dim, generator=g) * 0.1
+    npe = torch.randn(1, length, dim, generator=g) * 0.1
+    return pe.to(dtype), npe.to(dtype)
+
+
+def latent_shape(pipe, *, height: int, width: int, frames: int, batch: int = 1) -> tuple[int, ...]:
+    tf, sf = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+    if (frames - 1) % tf:
+        raise UsageError(f"frames: Wan needs frames = {tf}k + 1 (e.g. 5, 17, 33, 81), got {frames}")
+    p = pipe.transformer.config.patch_size
+    if height % (sf * p[1]) or width % (sf * p[2]):
+        raise UsageError(f"height/width must be multiples of {sf * p[1]} (got {height}x{width})")
+    # noise channels = the VAE latent channels (I2V transformers take more inputs: noise + condition)
+    return (batch, pipe.vae.config.z_dim, (frames - 1) // tf + 1, height // sf, width // sf)
+
+
+def initial_latents(pipe, *, height: int, width: int, frames: int, seed: int) -> torch.Tensor:
+    """The initial noise, from a CPU generator: the same on every device and for every policy."""
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randn(latent_shape(pipe, height=height, width=width, frames=frames), generator=g,
+                       dtype=torch.float32)
+
+
+def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> int:
+    """Self-attention sequence length of the transformer for this video size."""
+    _, _, t, h, w = latent_shape(pipe, height=height, width=width, frames=frames)
+    p = pipe.transformer.config.patch_size
+    return (t // p[0]) * (h // p[1]) * (w // p[2])
+
+
+@torch.no_grad()
+def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
+    """Final latents -> video frames (F, H, W, 3) float32 in [0, 1] (the pipeline's own decode)."""
+    vae = pipe.vae
+    lat = latents.to(device=next(vae.parameters()).device, dtype=vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(lat)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(lat)
+    video = vae.decode(lat / inv_std + mean, return_dict=False)[0]
+    frames = pipe.video_processor.postprocess_video(video, output_type="np")
+    return np.asarray(frames[0], dtype=np.float32)
+
+
+def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = None,
+             prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
+             image: Any = None, height: int = 480, width: int = 832, frames: int = 81, steps: int = 50,
+             guidance_scale: float = 5.0, seed: int = 0, policy: str = "fast", guard: Any = None,
+             backend: str = "auto", decode: bool = True, progress: bool = True, latents: torch.Tensor | None = None,
+             layers: Any = None, max_sequence_length: int = 512,
+             exact_steps: tuple[int, ...] | None = None) -> GenerationResult:
+    """One generation under ``policy``; see the module docstring. ``exact_steps`` (e.g. ``(0, -1)``)
+    runs those denoising steps with the model's exact attention (fp4vis' per-step callback)."""
+    pol = get_policy(policy)
+    dev = pipe._execution_device
+    check_backend(backend, torch.device(dev))
+    timings = {"text_encode_s": 0.0}
+    if prompt_embeds is None:
+        if prompt is None:
+            raise UsageError("give a prompt or prompt_embeds")
+        prompt_embeds, negative_prompt_embeds, timings["text_encode_s"] = encode_prompt(
+            pipe, prompt, negative_prompt, guidance_scale=guidance_scale, max_sequence_length=max_sequence_length)
+    if guidance_scale > 1.0 and negative_prompt_embeds is None:
+        negative_prompt_embeds = torch.zeros_like(prompt_embeds)
+    if latents is None:
+        latents = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed)
+    pipe.set_progress_bar_config(disable=not progress, desc=f"denoise ({pol.name})")
+    kwargs: dict[str, Any] = {}
+    if image is not None:
+        kwargs["image"] = image
+    with policy_applied(pipe, pol, guard=guard, backend=backend, layers=layers) as handle:
+        if exact_steps and handle is not None:
+            from fp4vis.patchers.wan import exact_steps as step_callback
+
+            kwargs["callback_on_step_end"] = step_callback(handle, steps=tuple(exact_steps),
+                                                           num_inference_steps=steps)
+        with Timer() as t:
+            out = pipe(prompt_embeds=prompt_embeds.to(dev), negative_prompt_embeds=(
+                negative_prompt_embeds.to(dev) if negative_prompt_embeds is not None else None),
+                latents=latents.to(dev), height=height, width=width, num_frames=frames,
+                num_inference_steps=steps, guidance_scale=guidance_scale, output_type="latent",
+                generator=torch.Generator().manual_seed(seed), **kwargs)
+    timings["denoise_s"] = t.seconds
+    final = out.frames.float().cpu()
+    video = None
+    timings["decode_s"] = 0.0
+    if decode:
+        with Timer() as t:
+            video = decode_latents(pipe, final)
+        timings["decode_s"] = t.seconds
+    timings["total_s"] = timings["text_encode_s"] + timings["denoise_s"] + timings["decode_s"]
+    info = {"policy": pol.name, "height": height, "width": width, "frames": frames, "steps": steps,
+            "guidance_scale": guidance_scale, "seed": seed, "backend": backend,
+            "exact_steps": list(exact_steps) if exact_steps else None,
+            "tokens": tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)}
+    return GenerationResult(latents=final, frames=video, timings=timings, info=info)
+
+
+def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
+    """Write (F, H, W, 3) frames in [0, 1] as an H.264 MP4 through imageio-ffmpeg."""
+    import imageio.v2 as imageio
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    u8 = (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
+    h, w = u8.shape[1:3]
+    # macro_block_size=1 keeps odd-sized test videos as they are (H.264 wants even sizes: pad by one)
+    if h % 2 or w % 2:
+        u8 = np.pad(u8, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    with imageio.get_writer(str(path), format="FFMPEG", mode="I", fps=fps, codec="libx264",
+                            macro_block_size=1, quality=8, pixelformat="yuv420p") as writer:
+        for f in u8:
+            writer.append_data(f)
+    return path
+
+
+def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.mp4",
+                 negative_prompt: str | None = None, image: str | None = None, policy: str = "fast",
+                 guard_plan: str | None = None, seed: int = 0, height: int = 480, width: int = 832,
+                 frames: int = 81, steps: int = 50, guidance_scale: float = 5.0, fps: int = 16,
+                 device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
+                 exact_steps: tuple[int, ...] | None = None, progress: bool = True) -> dict[str, Any]:
+    """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json)."""
+    if policy not in GENERATE_POLICIES:
+        get_policy(policy)  # raises the standard message for unknown names
+    dev = resolve_device(device)
+    check_backend(backend, dev)
+    plan = load_guard_plan(guard_plan)
+    pil = None
+    if image is not None:
+        if not Path(image).is_file():
+            raise UsageError(f"image: file {image!r} does not exist")
+        from PIL import Image
+
+        pil = Image.open(image).convert("RGB")
+    with Timer() as tload:
+        pipe = load_wan_pipeline(model, device=dev, dtype=dtype, i2v=True if pil is not None else None)
+    if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
+        raise UsageError(f"{model!r} is an image-to-video model: pass --image")
+    res = generate(pipe, prompt=prompt, negative_prompt=negative_prompt, image=pil, height=height, width=width,
+                   frames=frames, steps=steps, guidance_scale=guidance_scale, seed=seed, policy=policy,
+                   guard=plan, backend=backend, progress=progress, exact_steps=exact_steps)
+    out = save_mp4(res.frames, output, fps=fps)
+    sidecar = {
+        "model": model, "pipeline": type(pipe).__name__, "prompt": prompt, "negative_prompt": negative_prompt,
+        "image": image, "seed": seed, "frames": frames, "height": height, "width": width, "steps": steps,
+        "guidance_scale": guidance_scale, "fps": fps, "policy": get_policy(policy).name, "backend": backend,
+        "dtype": str(resolve_dtype(dtype)).replace("torch.", ""), "guard_plan": guard_plan,
+        "guard_plan_content": guard_plan_summary(plan), "exact_steps": res.info["exact_steps"],
+        "tokens": res.info["tokens"],
+        "timings": {"load_s": tload.seconds, **res.timings}, "video": str(out), "environment": environment(),
+    }
+    side = write_json(out.with_suffix(".json"), sidecar)
+    return {"video": out, "sidecar": side, "timings": sidecar["timings"], "result": res}
