@@ -1,0 +1,271 @@
+"""Compile a Hopper kernel variant for sm_90a on any machine (no GPU, no driver) and inspect it.
+
+``compile_variant(cfg)`` traces and compiles ``DirectPAttentionSm90(cfg)`` with fake tensors and a
+fake stream, keeps the cubin in a temporary dump directory, disassembles it with ``nvdisasm`` (PyPI
+wheel ``nvidia-cuda-nvdisasm``, a dev dependency) and returns a ``CompileReport``: registers,
+spill bytes, stack frame, shared memory, instruction counts (HGMMA, QGMMA, MUFU.EX2, local memory
+traffic, total) and the compile time. CI uses it to assert, per variant, that the kernel compiles,
+does not spill, uses the tensor cores (HGMMA), and that the exp-free policies contain no MUFU.EX2.
+
+CLI: ``python -m fp4vis.kernels.compile_check [--policy fast] [--head-dim 128] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+ARCH = "sm_90a"
+
+
+@dataclass
+class CompileReport:
+    variant: dict
+    compile_s: float
+    registers: int | None = None
+    spill_store_bytes: int | None = None
+    spill_load_bytes: int | None = None
+    stack_frame_bytes: int | None = None
+    shared_bytes: int | None = None
+    counts: dict = field(default_factory=dict)   # mnemonic (e.g. "HGMMA", "MUFU.EX2") -> count
+    wgmma_serialized: bool = False                # ptxas C751x: WGMMAs forced to run one by one
+    total_instructions: int = 0
+    cubin: str | None = None
+    ptxas_log: str = ""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("ptxas_log", None)
+        return d
+
+
+def find_nvdisasm() -> str | None:
+    """nvdisasm from PATH, else from the nvidia-cuda-nvdisasm wheel (nvidia/cu13/bin or cuda_nvdisasm)."""
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    try:
+        import nvidia  # namespace package of the NVIDIA wheels
+    except ImportError:
+        return None
+    for root in list(getattr(nvidia, "__path__", [])):
+        for cand in glob.glob(os.path.join(root, "**", "bin", "nvdisasm"), recursive=True):
+            if os.access(cand, os.X_OK):
+                return cand
+    return None
+
+
+def _fake_args(cfg):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    d = cfg.head_dim
+    out_dt = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
+
+    def t(dtype, s_sym):
+        # SDPA (B, H, S, D) contiguous viewed as (S, D, H, B)
+        h, b = cute.sym_int32(), cute.sym_int32()
+        return make_fake_tensor(dtype, (s_sym, d, h, b),
+                                stride=(d, 1, cute.sym_int64(divisibility=d), cute.sym_int64(divisibility=d)),
+                                assumed_align=16)
+
+    sq, skv = cute.sym_int32(), cute.sym_int32()
+    q = t(cutlass.BFloat16, sq)
+    k = t(cutlass.BFloat16, skv)
+    v = t(cutlass.BFloat16, skv)
+    o = t(out_dt, sq)
+    return q, k, v, o, cutlass.Float32(0.18), cutlass.Float32(0.0), make_fake_stream()
+
+
+def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = True) -> CompileReport:
+    """Compile one ``DirectPConfig`` for sm_90a and return its report (see module docstring)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    import cutlass.cute as cute
+
+    from .hopper_fwd import DirectPAttentionSm90
+
+    dump = keep_dir or tempfile.mkdtemp(prefix="fp4vis_cc_")
+    os.makedirs(dump, exist_ok=True)
+    kernel = DirectPAttentionSm90(cfg)
+    args = _fake_args(cfg)
+    opts = f"--gpu-arch {ARCH} --keep-cubin --dump-dir {dump} remarks{{ptx}}"
+    t0 = time.perf_counter()
+    with _CaptureFds() as cap:
+        compiled = cute.compile(kernel, *args, options=opts)
+    dt = time.perf_counter() - t0
+    rep = CompileReport(variant=dict(zip(
+        ("head_dim", "out_dtype", "affine_a", "affine_b", "shift", "native_exp2", "anchor", "overlap", "tile_n"),
+        cfg.key())), compile_s=round(dt, 2))
+    cubins = sorted(glob.glob(os.path.join(dump, "**", "*.cubin"), recursive=True), key=os.path.getmtime)
+    if not cubins:
+        # 4.8.1 embeds the device binary in the host module instead of honouring --keep-cubin
+        # for every pipeline: pull the ELF out of the module's `kernels_binary` global.
+        path = os.path.join(dump, "kernel.sm_90a.cubin")
+        with open(path, "wb") as fh:
+            fh.write(extract_cubin(str(compiled.ir_module)))
+        cubins = [path]
+    rep.cubin = cubins[-1]
+    if disassemble:
+        _inspect_cubin(rep, rep.cubin)
+    _parse_ptxas(rep, cap.text)
+    if keep_dir is None:
+        shutil.rmtree(dump, ignore_errors=True)
+        rep.cubin = None
+    return rep
+
+
+def extract_cubin(module_text: str) -> bytes:
+    """The first ELF image inside the MLIR module's ``kernels_binary`` constant (a fatbin)."""
+    m = re.search(r'@kernels_binary\("((?:[^"\\]|\\.)*)"\)', module_text, re.S)
+    if not m:
+        raise RuntimeError("compiled module holds no kernels_binary")
+    raw = m.group(1)
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        ch = raw[i]
+        if ch == "\\":
+            nxt = raw[i + 1]
+            if nxt == "\\":
+                out.append(0x5C)
+                i += 2
+            else:
+                out.append(int(raw[i + 1:i + 3], 16))
+                i += 3
+        else:
+            out.extend(ch.encode("latin-1"))
+            i += 1
+    data = bytes(out)
+    start = data.find(b"\x7fELF")
+    if start < 0:
+        raise RuntimeError("no ELF image in kernels_binary")
+    elf = data[start:]
+    # ELF64 header: e_shoff at 0x28 (u64), e_shentsize at 0x3A, e_shnum at 0x3C (u16)
+    shoff = int.from_bytes(elf[0x28:0x30], "little")
+    shentsize = int.from_bytes(elf[0x3A:0x3C], "little")
+    shnum = int.from_bytes(elf[0x3C:0x3E], "little")
+    return elf[:shoff + shentsize * shnum]
+
+
+
+
+def _inspect_cubin(rep: CompileReport, cubin: str) -> None:
+    nvd = find_nvdisasm()
+    if nvd is None:
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (a dev dependency)")
+    sass = subprocess.run([nvd, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    counts: Counter = Counter()
+    total = 0
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if not m:
+            continue
+        op = m.group(2)
+        total += 1
+        base = op.split(".")[0]
+        counts[base] += 1
+        if base in ("MUFU", "HGMMA", "QGMMA"):
+            counts[".".join(op.split(".")[:2])] += 1
+    rep.counts = dict(sorted(counts.items()))
+    rep.total_instructions = total
+
+
+class _CaptureFds:
+    """Capture what native code writes to fds 1 and 2 (ptxas remarks are printed there)."""
+
+    def __enter__(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._py = io.StringIO()
+        self._py_saved = (sys.stdout, sys.stderr)
+        sys.stdout = sys.stderr = self._py
+        self._tmp = tempfile.TemporaryFile(mode="w+b")
+        self._saved = [os.dup(1), os.dup(2)]
+        os.dup2(self._tmp.fileno(), 1)
+        os.dup2(self._tmp.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout, sys.stderr = self._py_saved
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self._saved[0], 1)
+        os.dup2(self._saved[1], 2)
+        for fd in self._saved:
+            os.close(fd)
+        self._tmp.seek(0)
+        self.text = self._tmp.read().decode("utf-8", "replace") + self._py.getvalue()
+        self._tmp.close()
+        return False
+
+
+def _parse_ptxas(rep: CompileReport, text: str) -> None:
+    """Registers, stack frame and spill bytes from the ptxas remarks (worst over all entries)."""
+    rep.ptxas_log = text
+    rep.wgmma_serialized = "wgmma.mma_async instructions are" in text and "serialized" in text
+    for m in re.finditer(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text):
+        f, st, ld = (int(x) for x in m.groups())
+        rep.stack_frame_bytes = max(rep.stack_frame_bytes or 0, f)
+        rep.spill_store_bytes = max(rep.spill_store_bytes or 0, st)
+        rep.spill_load_bytes = max(rep.spill_load_bytes or 0, ld)
+    for m in re.finditer(r"Used (\d+) registers", text):
+        rep.registers = max(rep.registers or 0, int(m.group(1)))
+
+
+def variants(head_dims=(128, 64)):
+    """The kernel variants CI compiles: every supported policy x head dim (BF16 out)."""
+    from fp4vis.policy import POLICIES, guard_policy_for_heads
+
+    from .hopper_fwd import DirectPConfig
+    pols = [("fast", POLICIES["fast"]), ("wan_fast", POLICIES["wan_fast"]), ("accurate", POLICIES["accurate"]),
+            ("guard", POLICIES["guard"]), ("guard_h40", guard_policy_for_heads(40))]
+    out = []
+    for d in head_dims:
+        for name, p in pols:
+            out.append((name, DirectPConfig.from_policy(p, d, "bf16", overlap=False)))
+        for name, p in pols[:3]:  # the overlapped schedule (64-key tiles): policies with <= 64 anchors
+            out.append((f"{name}_overlap", DirectPConfig.from_policy(p, d, "bf16", overlap=True)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policy", default=None, help="one policy (default: all CI variants)")
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--keep-dir", default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = []
+    for name, cfg in variants((a.head_dim,) if a.head_dim else (128, 64)):
+        if a.policy and name != a.policy:
+            continue
+        rep = compile_variant(cfg, keep_dir=a.keep_dir)
+        d = rep.to_dict()
+        d["policy"] = name
+        rows.append(d)
+        if not a.json:
+            c = rep.counts
+            print(f"{name:10s} D={cfg.head_dim:3d} compile {rep.compile_s:6.1f}s regs={rep.registers} "
+                  f"frame={rep.stack_frame_bytes} LDL/STL={c.get('LDL', 0)}/{c.get('STL', 0)} "
+                  f"HGMMA={c.get('HGMMA', 0)} QGMMA={c.get('QGMMA', 0)} MUFU.EX2={c.get('MUFU.EX2', 0)} "
+                  f"spill={rep.spill_store_bytes}/{rep.spill_load_bytes} serialized={rep.wgmma_serialized} "
+                  f"total={rep.total_instructions}", flush=True)
+    if a.json:
+        json.dump(rows, sys.stdout, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

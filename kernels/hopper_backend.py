@@ -1,0 +1,197 @@
+"""The Hopper (sm_90) backend of ``fp4vis.attention``: pre-pass + CuTe DSL Direct-P kernel.
+
+Importing this module registers ``HopperBackend`` (name ``"hopper"``) with ``fp4vis.dispatch``.
+
+* Supported: CUDA device of compute capability 9.0, BF16 or FP16 q/k/v (output in the same
+  dtype), head dim 64 or 128 (q, k and v alike), any B, H, Sq, Skv >= 1 (partial tiles masked,
+  cross-attention), Direct-P policies without the per-tensor global Q/K scale (``fast``,
+  ``wan_fast``, ``accurate``, ``guard`` and user policies within those rules, anchors <= 128).
+  Anything else: ``unsupported_reason`` says why, and ``backend="auto"`` falls back visibly.
+* The op ``torch.ops.fp4vis.hopper_attention`` is a ``torch.library.custom_op`` with a fake
+  implementation, so torch.compile keeps it as one node (no graph break); it launches on the
+  current CUDA stream and allocates nothing that outlives the call, so CUDA-graph capture then
+  replay with new inputs gives new outputs (compile the kernel once, outside capture, first).
+* Compiled kernels are cached per configuration (``DirectPConfig.key()``); each compile is timed
+  and logged (logger ``fp4vis.kernels.hopper``) and kept in ``COMPILE_TIMES``.
+* Range checks: the kernel does not report saturated blocks or empty rows; ``forward`` returns
+  ``None`` for the RangeReport (the reference backend is the place for range diagnostics). Rows
+  whose probabilities all underflow produce 0 rather than NaN.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+
+import torch
+
+from fp4vis.dispatch import Backend, register_backend
+from fp4vis.policy import Policy
+from fp4vis.reference import qk_layout
+
+from .hopper_prepass import prepare_operands
+
+log = logging.getLogger("fp4vis.kernels.hopper")
+
+LOG2E = 1.0 / math.log(2.0)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_ANCHOR = 128
+
+_LOCK = threading.Lock()
+_KERNELS: dict[tuple, tuple[object, bool]] = {}
+USE_TVM_FFI = os.environ.get("FP4VIS_HOPPER_TVM_FFI", "1") == "1"
+COMPILE_TIMES: dict[tuple, float] = {}
+
+
+def _cutlass_import_error() -> str | None:
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return f"nvidia-cutlass-dsl is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _to_cute(t: torch.Tensor, tvm_ffi: bool = False):
+    """(B, H, S, D) contiguous torch tensor -> CuTe tensor viewed as (S, D, H, B), dynamic layout."""
+    from cutlass.cute.runtime import from_dlpack
+    kw = {"enable_tvm_ffi": True} if tvm_ffi else {}
+    return from_dlpack(t.permute(2, 3, 1, 0).detach(), assumed_align=16, **kw).mark_layout_dynamic(leading_dim=1)
+
+
+def _current_stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def _compile(cfg, tensors) -> tuple[object, bool]:
+    """Compile ``cfg``; with TVM-FFI (torch tensors passed straight in, the current stream taken
+    from the caller: a few microseconds per launch) when the machine has apache-tvm-ffi and
+    USE_TVM_FFI is on, else through the plain DLPack path. Returns (function, uses_tvm_ffi)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .hopper_fwd import DirectPAttentionSm90
+    if USE_TVM_FFI:
+        try:
+            args = [_to_cute(t, tvm_ffi=True) for t in tensors]
+            fn = cute.compile(DirectPAttentionSm90(cfg), *args, Float32(1.0), Float32(0.0),
+                              make_fake_stream(use_tvm_ffi_env_stream=True),
+                              options="--gpu-arch sm_90a --enable-tvm-ffi")
+            return fn, True
+        except Exception as exc:  # no apache-tvm-ffi here, or an incompatible version
+            log.info("fp4vis hopper: TVM-FFI launch path unavailable (%s); using DLPack", exc)
+    args = [_to_cute(t) for t in tensors]
+    fn = cute.compile(DirectPAttentionSm90(cfg), *args, Float32(1.0), Float32(0.0), _current_stream(),
+                      options="--gpu-arch sm_90a")
+    return fn, False
+
+
+def get_kernel(cfg, tensors) -> tuple[object, bool]:
+    """The compiled kernel for ``cfg`` (compiled on first use, then cached) and its launch path."""
+    key = cfg.key()
+    entry = _KERNELS.get(key)
+    if entry is not None:
+        return entry
+    with _LOCK:
+        entry = _KERNELS.get(key)
+        if entry is None:
+            t0 = time.perf_counter()
+            entry = _compile(cfg, tensors)
+            dt = time.perf_counter() - t0
+            COMPILE_TIMES[key] = dt
+            log.info("fp4vis hopper: compiled %s in %.2f s (tvm-ffi: %s)", cfg, dt, entry[1])
+            _KERNELS[key] = entry
+    return entry
+
+
+def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, out: torch.Tensor, cfg,
+               s_log2: float, m_offset: float) -> None:
+    """Launch the Direct-P kernel on prepared operands (all (B, H, S, D) contiguous) on the
+    current CUDA stream."""
+    tensors = (q_hat, k_hat, v6, out)
+    fn, tvm_ffi = get_kernel(cfg, tensors)
+    if tvm_ffi:
+        fn(*(t.permute(2, 3, 1, 0) for t in tensors), s_log2, m_offset)
+    else:
+        from cutlass import Float32
+        fn(*(_to_cute(t) for t in tensors), Float32(s_log2), Float32(m_offset), _current_stream())
+
+
+@torch.library.custom_op("fp4vis::hopper_attention", mutates_args=(), device_types="cuda")
+def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, affine_a: float,
+                     affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
+                     qk_fmt: str, schedule: int = -1) -> torch.Tensor:
+    """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Hopper kernel.
+    ``schedule``: -1 the default, 0 the plain schedule, 1 the overlapped one (where it applies)."""
+    from .hopper_fwd import DirectPConfig
+    q_hat, k_hat, v6 = prepare_operands(q, k, v, qk_fmt, anchor)
+    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    kw = {} if schedule < 0 else {"overlap": bool(schedule)}
+    cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
+                             shift, native_exp2, anchor, **kw)
+    run_kernel(q_hat, k_hat, v6, out, cfg, scale * LOG2E, margin_raw)
+    return out
+
+
+@hopper_attention.register_fake
+def _hopper_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw,
+                           qk_fmt, schedule=-1):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+def policy_args(policy: Policy, head_dim: int, scale: float) -> dict:
+    """The custom op's keyword arguments for a policy."""
+    s = scale * LOG2E
+    margin_raw = 0.0
+    if policy.anchor > 0:
+        margin_raw = policy.margin * math.log(2.0) if policy.margin_units == "code" else policy.margin / s
+    return dict(affine_a=float(policy.affine_a), affine_b=float(policy.affine_b), shift=int(policy.shift),
+                native_exp2=bool(policy.native_exp2), anchor=int(policy.anchor), margin_raw=float(margin_raw),
+                qk_fmt=qk_layout(policy, head_dim))
+
+
+class HopperBackend(Backend):
+    """Direct-P on the H200/H100 tensor cores (CuTe DSL, sm_90a)."""
+
+    name = "hopper"
+
+    def unavailable_reason(self) -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        if not any(torch.cuda.get_device_capability(i) == (9, 0) for i in range(torch.cuda.device_count())):
+            return "no sm_90 (Hopper) GPU"
+        return _cutlass_import_error()
+
+    def unsupported_reason(self, q, k, v, policy, scale) -> str | None:
+        if not policy.is_direct_p:
+            return f"policy {policy.name!r} is not a Direct-P policy"
+        if not q.is_cuda:
+            return "tensors are not on a CUDA device"
+        if torch.cuda.get_device_capability(q.device) != (9, 0):
+            return f"device {torch.cuda.get_device_name(q.device)} is not sm_90"
+        if q.dtype not in SUPPORTED_DTYPES:
+            return f"dtype {q.dtype} (the kernel takes bfloat16 or float16)"
+        d = q.shape[-1]
+        if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
+            return f"head dims q/k/v = {d}/{k.shape[-1]}/{v.shape[-1]} (the kernel supports 64 and 128)"
+        if q.shape[-2] == 0 or k.shape[-2] == 0:
+            return "empty sequence"
+        if policy.qk_global_scale:
+            return "qk_global_scale (per-tensor NVFP4 scale) is not implemented in the kernel"
+        if policy.anchor > MAX_ANCHOR:
+            return f"anchor = {policy.anchor} > {MAX_ANCHOR}"
+        return _cutlass_import_error()
+
+    def forward(self, q, k, v, policy, scale):
+        out = torch.ops.fp4vis.hopper_attention(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
+                                                **policy_args(policy, q.shape[-1], float(scale)))
+        return out, None
+
+
+register_backend(HopperBackend())

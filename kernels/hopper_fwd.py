@@ -1,0 +1,622 @@
+"""Direct-P FP4 attention forward for Hopper (sm_90a), written in CuTe DSL.
+
+What the kernel consumes (produced by ``kernels/hopper_prepass.py``):
+
+* ``q``, ``k``: the *decoded* NVFP4 operands Q-hat and K-hat, stored as BF16 (a decoded NVFP4 value
+  has at most 6 significant bits, so BF16 holds it exactly), SDPA layout (B, H, S, D) contiguous.
+  For the anchored policies K-hat (and V-hat) are already anchor-permuted: the anchor samples sit
+  at physical key positions 0..n-1.
+* ``v``: the MXFP4 value operand as ``alpha * c`` in BF16 (exact; the two factors 1/6 of P-tilde
+  and V-hat are applied once, at the end).
+
+What it computes (SPEC.md section 2), per query row i and key block B of 32 keys:
+``raw = Q-hat K-hat^T`` in FP32 (BF16 WGMMA, exact products, FP32 sums), the block maximum, the E8M0
+block exponent, the affine (or, at native positions, exp2) FMA, E2M1 round-to-nearest-even with
+saturation (emulated with integer/float tricks: Hopper has no E2M1 conversion), the stored scale
+``alpha'``, the exact code sums of the denominator, ``P-tilde * alpha'`` in BF16 (exact) for a BF16
+PV WGMMA with FP32 accumulation, and ``O = acc / (6 * sum_B alpha'_B c_B)``.
+
+Structure (flash-attn-4 sm90 / CUTLASS Hopper FMHA style, written from scratch for this method):
+one TMA producer warpgroup and two consumer warpgroups; each consumer warpgroup owns 64 query
+rows of the 128-row CTA tile, and both walk the same K/V pipeline (TMA -> SMEM, mbarriers).
+There is no online maximum and no rescaling of the output accumulator: the row reference m_i is
+fixed (0, or the anchor maximum plus the margin, computed from the first key tile, which holds the
+anchors). One class per kernel: ``__init__`` holds the static configuration, ``__call__`` (jitted)
+builds layouts/TMA atoms and launches, ``kernel`` is the device entry, warp roles are methods.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.utils import LayoutEnum
+
+# ------------------------------------------------------------------------------------------------
+# Tuning constants (one place)
+# ------------------------------------------------------------------------------------------------
+TILE_M_PER_WG = 64      # query rows per consumer warpgroup (one WGMMA M)
+NUM_MMA_WG = 2          # consumer warpgroups per CTA
+TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 64 also supported
+KV_STAGES = 4           # K and V tiles in flight (they alternate in one pipeline)
+Q_STAGES = NUM_MMA_WG   # one Q tile per consumer warpgroup
+REGS_PRODUCER = 24
+REGS_CONSUMER = 240
+DP_BLOCK = 32           # Direct-P block: 32 consecutive keys
+# default schedule (see DirectPConfig.overlap); FP4VIS_HOPPER_OVERLAP=1 flips it for experiments
+OVERLAP = os.environ.get("FP4VIS_HOPPER_OVERLAP", "0") == "1"
+# compute the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
+EIGHTHS = os.environ.get("FP4VIS_HOPPER_EIGHTHS", "1") == "1"
+EIGHTHS_LOG2 = 3
+
+LOG2_6 = math.log2(6.0)
+LOG2_1P5 = math.log2(1.5)
+
+
+@dataclass(frozen=True)
+class DirectPConfig:
+    """Static (compile-time) configuration of one kernel variant."""
+
+    head_dim: int = 128
+    out_dtype: str = "bf16"          # "bf16" | "fp16"
+    affine_a: float = 1.5
+    affine_b: float = 1.2
+    shift: int = 16                  # L
+    native_exp2: bool = False
+    anchor: int = 0                  # 0: m_i = 0; else the first `anchor` keys are the anchors
+    overlap: bool = OVERLAP          # issue Q K_{j+1}^T before Direct-P of tile j (two S buffers)
+    tile_n: int = TILE_N             # keys per tile: 128, or 64 (what the overlapped schedule fits)
+
+    def key(self) -> tuple:
+        return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
+                self.native_exp2, self.anchor, self.overlap, self.tile_n)
+
+    @staticmethod
+    def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
+             anchor: int, overlap: bool = OVERLAP, tile_n: int | None = None) -> DirectPConfig:
+        """A configuration with the schedule chosen for it: the overlapped schedule needs 64-key
+        tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
+        tiles hold at most 64 anchors, so the 128-anchor guard keeps the plain 128-key schedule."""
+        if tile_n is None:
+            tile_n = 64 if overlap and anchor <= 64 else 128
+        return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
+                             affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
+                             anchor=int(anchor), overlap=bool(overlap) and tile_n == 64, tile_n=tile_n)
+
+    @staticmethod
+    def from_policy(policy, head_dim: int, out_dtype: str, overlap: bool = OVERLAP,
+                    tile_n: int | None = None) -> DirectPConfig:
+        return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
+                                  policy.native_exp2, policy.anchor, overlap, tile_n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Small PTX helpers (scalar, exact semantics spelled out in PTX so that no compiler rewrite can
+# change the rounding)
+# ------------------------------------------------------------------------------------------------
+def _f32_hex(x: float) -> str:
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return f"0f{bits:08X}"
+
+
+def _asm(ret, args, body: str, constraints: str, loc=None, ip=None):
+    return llvm.inline_asm(ret, [a.ir_value(loc=loc, ip=ip) for a in args], body, constraints,
+                           has_side_effects=False, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def e2m1_relu_round(y: Float32, *, loc=None, ip=None) -> Float32:
+    """E2M1 round-to-nearest-even with saturation of ``max(y, 0)`` (SPEC section 1), as a float.
+
+    For t in [2^e, 2^(e+1)) adding C = 2^(max(e, 0) + 22) rounds t (ties to even) to a multiple
+    of 2^(max(e,0) - 1): step 0.5 below 2, 1 in [2, 4), 2 above: exactly the E2M1 grid; then
+    saturate at 6. 7 instructions, no MUFU."""
+    body = ("{ .reg .f32 t, r; .reg .b32 c;\n"
+            "max.f32 t, $1, 0f00000000;\n"
+            "and.b32 c, t, 0x7F800000;\n"
+            "add.s32 c, c, 0x0B000000;\n"
+            "max.s32 c, c, 0x4A800000;\n"
+            "add.rn.f32 r, t, c;\n"
+            "sub.rn.f32 r, r, c;\n"
+            "min.f32 $0, r, 0f40C00000; }")
+    return Float32(_asm(T.f32(), [Float32(y)], body, "=f,f", loc, ip))
+
+
+@dsl_user_op
+def e2m1_round_eighths(y8: Float32, *, loc=None, ip=None) -> Float32:
+    """E2M1 RNE with saturation of ``8 * y8`` for y8 >= 0, returned divided by 8 (values q/8).
+
+    The affine FMA produces y/8 with ``.sat`` (clamping to [0, 1] is the relu for free; y >= 8
+    saturates to 1 and then to 6/8 here, as E2M1 saturates at 6). Same grid trick as
+    ``e2m1_relu_round`` one binade-triple lower: 6 instructions, no MUFU."""
+    body = ("{ .reg .f32 r; .reg .b32 c;\n"
+            "and.b32 c, $1, 0x7F800000;\n"
+            "add.s32 c, c, 0x0B000000;\n"
+            "max.s32 c, c, 0x49000000;\n"
+            "add.rn.f32 r, $1, c;\n"
+            "sub.rn.f32 r, r, c;\n"
+            "min.f32 $0, r, 0f3F400000; }")
+    return Float32(_asm(T.f32(), [Float32(y8)], body, "=f,f", loc, ip))
+
+
+@dsl_user_op
+def fma_rn_sat(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [Float32(a), Float32(b), Float32(c)], "fma.rn.sat.f32 $0, $1, $2, $3;",
+                        "=f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def ex2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [Float32(x)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", loc, ip))
+
+
+@dsl_user_op
+def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    return Float32(_asm(T.f32(), [Float32(a), Float32(b), Float32(c)], "fma.rn.f32 $0, $1, $2, $3;",
+                        "=f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def mask_key(val: Float32, col: Int32, limit: Int32, *, loc=None, ip=None) -> Float32:
+    """``val`` if col < limit else -inf."""
+    body = "{ .reg .pred p; setp.lt.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }"
+    return Float32(_asm(T.f32(), [Float32(val), Int32(col), Int32(limit)], body, "=f,f,r,r", loc, ip))
+
+
+@dsl_user_op
+def select_f32(flag: Int32, a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """``a`` if flag != 0 else ``b``."""
+    body = "{ .reg .pred p; setp.ne.s32 p, $1, 0; selp.f32 $0, $2, $3, p; }"
+    return Float32(_asm(T.f32(), [Int32(flag), Float32(a), Float32(b)], body, "=f,r,f,f", loc, ip))
+
+
+@dsl_user_op
+def block_exponent(mx: Float32, m: Float32, s2: Float32, *, loc=None, ip=None) -> Int32:
+    """u = clamp(floor((mx - m) * s + 1 - log2(1.5)) + 127, 0, 254) (SPEC section 2, steps 1-2).
+    -inf (an all-masked block) saturates the conversion to INT_MIN, hence u = 0."""
+    body = ("{ .reg .f32 g; .reg .s32 e;\n"
+            "sub.rn.f32 g, $1, $2;\n"
+            "mul.rn.f32 g, g, $3;\n"
+            f"add.rn.f32 g, g, {_f32_hex(1.0 - LOG2_1P5)};\n"
+            "cvt.rmi.sat.s32.f32 e, g;\n"
+            "max.s32 e, e, -1000;\n"
+            "add.s32 e, e, 127;\n"
+            "max.s32 e, e, 0;\n"
+            "min.s32 $0, e, 254; }")
+    return Int32(_asm(T.i32(), [Float32(mx), Float32(m), Float32(s2)], body, "=r,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def block_constants(u: Int32, ms: Float32, shift: int, aff_a: float, aff_b: float, *, loc=None,
+                    ip=None):
+    """From the block exponent u: (alpha', affine additive constant, native additive constant).
+
+    ubar = max(u, L+1), ebar = ubar - 127; alpha' = 2^(ubar - L - 127) (never subnormal);
+    x = (raw - m)*s + k with k = log2 6 - ebar; affine y = A*x + B = (A*s)*(raw - m) + (A*k + B).
+    ``ms`` (= m*s, 0 without anchors) is folded into the constants only for m = 0 policies; the
+    anchored path subtracts m from raw first (see ``direct_p``), so pass ms = 0 there.
+    A block with u = 0 gets additive constants -inf (its codes are 0)."""
+    ub = Int32(_asm(T.i32(), [Int32(u)], f"max.s32 $0, $1, {shift + 1};", "=r,r", loc, ip))
+    # alpha' * 2^EIGHTHS_LOG2 when the eighths trick is on (the codes are then q/8)
+    sh = shift - (EIGHTHS_LOG2 if EIGHTHS and shift >= EIGHTHS_LOG2 else 0)
+    alpha = Float32(_asm(T.f32(), [ub], "{ .reg .s32 t; sub.s32 t, $1, " + str(sh) + "; shl.b32 $0, t, 23; }",
+                         "=f,r", loc, ip))
+    kbody = ("{ .reg .f32 e; .reg .s32 t; .reg .pred p;\n"
+             "sub.s32 t, $2, 127;\n"
+             "cvt.rn.f32.s32 e, t;\n"
+             f"sub.rn.f32 e, {_f32_hex(LOG2_6)}, e;\n"
+             "sub.rn.f32 e, e, $3;\n"
+             "setp.eq.s32 p, $1, 0;\n"
+             "selp.f32 $0, 0fFF800000, e, p; }")
+    knat = Float32(_asm(T.f32(), [Int32(u), ub, Float32(ms)], kbody, "=f,r,r,f", loc, ip))
+    kaff = Float32(_asm(T.f32(), [knat],
+                        f"fma.rn.f32 $0, $1, {_f32_hex(aff_a)}, {_f32_hex(aff_b)};", "=f,f", loc, ip))
+    return alpha, kaff, knat
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel
+# ------------------------------------------------------------------------------------------------
+class DirectPAttentionSm90:
+    """Direct-P FP4 attention forward, non-causal, for sm_90a.
+
+    Host entry: ``__call__(q, k, v, o, s_log2, m_offset, stream)`` with q/k/v/o viewed as
+    (S, D, H, B) (D contiguous; that is SDPA's (B, H, S, D) contiguous tensor permuted), BF16
+    q/k/v, ``o`` in ``out_dtype``; ``s_log2 = scale * log2(e)``; ``m_offset`` the anchor margin in
+    raw-score units (ignored without anchors).
+    """
+
+    def __init__(self, cfg: DirectPConfig):
+        if cfg.head_dim not in (64, 128):
+            raise ValueError(f"head_dim: the Hopper kernel supports D = 64 and 128, got {cfg.head_dim}")
+        if cfg.tile_n not in (64, 128):
+            raise ValueError(f"tile_n: 64 or 128, got {cfg.tile_n}")
+        if cfg.anchor > cfg.tile_n:
+            raise ValueError(f"anchor: at most tile_n = {cfg.tile_n} anchor samples (one key tile), "
+                             f"got {cfg.anchor}")
+        self.cfg = cfg
+        self.head_dim = cfg.head_dim
+        self.o_dtype = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
+        self.in_dtype = cutlass.BFloat16
+        self.acc_dtype = Float32
+        self.tile_m = TILE_M_PER_WG * NUM_MMA_WG
+        self.tile_n = cfg.tile_n
+        self.qk_tiler = (TILE_M_PER_WG, cfg.tile_n, cfg.head_dim)
+        self.pv_tiler = (TILE_M_PER_WG, cfg.head_dim, cfg.tile_n)
+        self.threads = 128 * (NUM_MMA_WG + 1)
+        self.buffer_align_bytes = 1024
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 s_log2: Float32, m_offset: Float32, stream):
+        # V as the B operand of P V: (N = D, K = S, H, B), N contiguous.
+        mVt = cute.make_tensor(mV.iterator, cute.make_layout(
+            (mV.shape[1], mV.shape[0], mV.shape[2], mV.shape[3]),
+            stride=(mV.stride[1], mV.stride[0], mV.stride[2], mV.stride[3])))
+
+        K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
+        MN_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.MN
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            self.in_dtype, self.in_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.qk_tiler[:2])
+        # a second copy whose ACCUMULATE flag stays on (the first k-block uses qk_mma with it off):
+        # flags are set once at kernel start, never inside staged control flow
+        qk_mma_acc = sm90_utils.make_trivial_tiled_mma(
+            self.in_dtype, self.in_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.qk_tiler[:2])
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            self.in_dtype, self.in_dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.pv_tiler[:2], cute.nvgpu.warpgroup.OperandSource.RMEM)
+
+        q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.in_dtype, Q_STAGES)
+        k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.in_dtype, KV_STAGES)
+        v_sl = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, self.pv_tiler, self.in_dtype, KV_STAGES)
+
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mQ, cute.slice_(q_sl, (None, None, 0)), (TILE_M_PER_WG, self.head_dim))
+        tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.slice_(k_sl, (None, None, 0)), (self.tile_n, self.head_dim))
+        tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mVt, cute.slice_(v_sl, (None, None, 0)), (self.head_dim, self.tile_n))
+        self.q_bytes = cute.size_in_bytes(self.in_dtype, cute.slice_(q_sl, (None, None, 0)))
+        self.kv_bytes = cute.size_in_bytes(self.in_dtype, cute.slice_(k_sl, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(q_sl)],
+                                  self.buffer_align_bytes]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(k_sl)],
+                                   self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
+        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, s_log2, m_offset,
+                    q_sl, k_sl, v_sl).launch(
+            grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, qk_mma_acc: cute.TiledMma, pv_mma: cute.TiledMma,
+               tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
+               tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor,
+               s_log2: Float32, m_offset: Float32,
+               q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout, v_sl: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_blk, h_idx, b_idx = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(), num_stages=Q_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=self.q_bytes, defer_sync=True)
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_mbar.data_ptr(), num_stages=KV_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_MMA_WG),
+            tx_count=self.kv_bytes, defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1, 1), is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1, 1))
+
+        sQ = storage.sQ.get_tensor(q_sl.outer, swizzle=q_sl.inner)
+        sK = storage.sKV.get_tensor(k_sl.outer, swizzle=k_sl.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_sl.inner), v_sl.outer)
+
+        seqlen_q = tQ.shape[0]
+        seqlen_k = tK.shape[0]
+        n_tiles = cute.ceil_div(seqlen_k, self.tile_n)
+
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(REGS_PRODUCER)
+            if warp_idx == 0:
+                self.producer(tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
+                              m_blk, h_idx, b_idx, n_tiles)
+        else:
+            cute.arch.warpgroup_reg_alloc(REGS_CONSUMER)
+            self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, s_log2, m_offset,
+                          tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles)
+
+    @cute.jit
+    def producer(self, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
+                 m_blk, h_idx, b_idx, n_tiles):
+        """TMA producer warp: both Q tiles once, then K_j, V_j alternating through the pipeline."""
+        gQ = cute.local_tile(tQ[None, None, h_idx, b_idx], (TILE_M_PER_WG, self.head_dim), (None, 0))
+        gK = cute.local_tile(tK[None, None, h_idx, b_idx], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(tV[None, None, h_idx, b_idx], (self.head_dim, self.tile_n), (0, None))
+        tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cute.nvgpu.cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cute.nvgpu.cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+        for w in cutlass.range_constexpr(NUM_MMA_WG):
+            q_pipe.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ[None, m_blk * NUM_MMA_WG + w], tQsQ[None, q_state.index],
+                      tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            q_state.advance()
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+        for j in cutlass.range(n_tiles, unroll=1):
+            kv_pipe.producer_acquire(kv_state)
+            cute.copy(tma_k, tKgK[None, j], tKsK[None, kv_state.index],
+                      tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+            kv_state.advance()
+            kv_pipe.producer_acquire(kv_state)
+            cute.copy(tma_v, tVgV[None, j], tVsV[None, kv_state.index],
+                      tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+            kv_state.advance()
+
+    @cute.jit
+    def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, s_log2, m_offset,
+                 tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
+        """One consumer warpgroup: 64 query rows against every key tile."""
+        tid_wg = tidx % 128
+        lane_q = tidx % 4   # column pair inside each 8-column chunk of the accumulator
+        thr_qk = qk_mma.get_slice(tid_wg)
+        thr_pv = pv_mma.get_slice(tid_wg)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_M_PER_WG, self.tile_n)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE_M_PER_WG, self.head_dim)))
+        acc_o.fill(0.0)
+        qk_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        qk_mma_acc.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((TILE_M_PER_WG, self.tile_n)), self.in_dtype)
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        row_m.fill(0.0)
+        row_l.fill(0.0)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
+        if wg == 1:
+            q_state.advance()
+        q_pipe.consumer_wait(q_state)
+        q_stage = q_state.index
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        partial_last = seqlen_k % self.tile_n != 0
+        if const_expr(self.cfg.overlap):
+            # S_0 first; then every step issues S_{j+1} = Q K_{j+1}^T before Direct-P of S_j, so the
+            # tensor cores compute the next scores while the ALUs make this tile's probabilities.
+            acc_s1 = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_M_PER_WG, self.tile_n)))
+            kv_pipe.consumer_wait(kv_state)
+            cute.nvgpu.warpgroup.fence()
+            self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, kv_state.index, acc_s)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            kv_pipe.consumer_release(kv_state)
+            kv_state.advance()
+            if const_expr(self.cfg.anchor > 0):
+                self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
+            for jj in cutlass.range(n_tiles // 2, unroll=1):
+                kv_state = self.overlap_step(
+                    2 * jj, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
+                    kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+                kv_state = self.overlap_step(
+                    2 * jj + 1, acc_s1, acc_s, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
+                    kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+            if n_tiles % 2 == 1:
+                kv_state = self.overlap_step(
+                    n_tiles - 1, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
+                    kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+        else:
+            for j in cutlass.range(n_tiles, unroll=1):
+                # S = Q K^T
+                kv_pipe.consumer_wait(kv_state)
+                cute.nvgpu.warpgroup.fence()
+                self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, kv_state.index, acc_s)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                kv_pipe.consumer_release(kv_state)
+                kv_state.advance()
+
+                kv_limit = seqlen_k - j * self.tile_n
+                if const_expr(self.cfg.anchor > 0):
+                    if j == 0:
+                        self.anchor_reference(acc_s, row_m, m_offset, lane_q, kv_limit)
+                if partial_last and j == n_tiles - 1:
+                    self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True)
+                else:
+                    self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False)
+
+                # O += P V
+                kv_pipe.consumer_wait(kv_state)
+                cute.nvgpu.warpgroup.fence()
+                cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, kv_state.index], acc_o)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                kv_pipe.consumer_release(kv_state)
+                kv_state.advance()
+
+        self.epilogue(thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q)
+
+    @cute.jit
+    def qk_gemm(self, qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_stage, acc):
+        """acc = Q K^T over the head dim (k-blocks of 16): the first block overwrites acc
+        (qk_mma, ACCUMULATE off), the others add (qk_mma_acc)."""
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            mma = qk_mma if kb == 0 else qk_mma_acc
+            cute.gemm(mma, acc, tSrQ[None, None, kb, q_stage], tSrK[None, None, kb, k_stage], acc)
+
+    @cute.jit
+    def overlap_step(self, j, acc_cur, acc_next, v_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV,
+                     q_stage, kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last):
+        """One key tile in the overlapped schedule: S_j is in acc_cur, V_j at v_state; issue
+        S_{j+1} into acc_next, Direct-P on S_j, O += P V_j; returns the state of V_{j+1}."""
+        k_state = v_state.clone()
+        k_state.advance()
+        has_next = j + 1 < n_tiles
+        if has_next:
+            kv_pipe.consumer_wait(k_state)
+            cute.nvgpu.warpgroup.fence()
+            self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_next)
+            cute.nvgpu.warpgroup.commit_group()
+        kv_limit = seqlen_k - j * self.tile_n
+        if partial_last and j == n_tiles - 1:
+            self.direct_p(acc_cur, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True)
+        else:
+            self.direct_p(acc_cur, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False)
+        kv_pipe.consumer_wait(v_state)
+        cute.nvgpu.warpgroup.fence()
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+        kv_pipe.consumer_release(v_state)
+        if has_next:
+            kv_pipe.consumer_release(k_state)
+        k_state.advance()
+        return k_state
+
+    @cute.jit
+    def anchor_reference(self, acc_s, row_m, m_offset, lane_q, kv_limit):
+        """m_i = max over the anchor keys (physical positions < anchor) + margin (SPEC section 4)."""
+        n_anchor = self.cfg.anchor
+        for r in cutlass.range_constexpr(2):
+            a = -Float32.inf
+            for ch in cutlass.range_constexpr(self.tile_n // 8):
+                for c in cutlass.range_constexpr(2):
+                    if const_expr(ch * 8 < n_anchor):
+                        col = ch * 8 + 2 * lane_q + c
+                        v = mask_key(acc_s[c + 2 * r + 4 * ch], col,
+                                     cutlass.min(kv_limit, Int32(n_anchor)))
+                        a = cute.arch.fmax(a, v)
+            a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1))
+            a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=2))
+            row_m[r] = a + m_offset
+
+    @cute.jit
+    def direct_p(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, tile_idx,
+                 masked: cutlass.Constexpr):
+        """Direct-P on one 64 x 128 score tile held in registers: reads the scores (never writes
+        them: a non-WGMMA write to accumulator registers would make ptxas serialise the WGMMAs
+        in flight), writes P-tilde * alpha' (exact in BF16) into the PV A-fragment r_p and adds
+        sum_B alpha'_B c_B to row_l. Register index i = c + 2 r + 4 chunk is (row r0 + 8 r,
+        column 8 chunk + 2 lane_q + c): the same order in the accumulator and in the A fragment."""
+        cfg = self.cfg
+        eighths = EIGHTHS and cfg.shift >= EIGHTHS_LOG2
+        a_s = s_log2 * cfg.affine_a
+        if const_expr(eighths):
+            a_s = s_log2 * (cfg.affine_a / 8.0)
+        for r in cutlass.range_constexpr(2):
+            m = row_m[r]
+            l_acc = Float32(0.0)
+            for b in cutlass.range_constexpr(self.tile_n // DP_BLOCK):
+                idx = [c + 2 * r + 4 * (4 * b + cb) for cb in range(4) for c in range(2)]
+                vals = [acc_s[i] for i in idx]
+                if const_expr(masked):
+                    for t in cutlass.range_constexpr(8):
+                        vals[t] = mask_key(vals[t], 32 * b + 8 * (t // 2) + 2 * lane_q + (t % 2), kv_limit)
+                mx = vals[0]
+                for t in cutlass.range_constexpr(1, 8):
+                    mx = cute.arch.fmax(mx, vals[t])
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                u = block_exponent(mx, m, s_log2)
+                alpha, kaff, knat = block_constants(u, Float32(0.0), cfg.shift, cfg.affine_a,
+                                                    cfg.affine_b)
+                if const_expr(eighths):
+                    kaff = kaff * 0.125        # exact; -inf stays -inf
+                    knat = knat - 3.0          # 2^(x - 3) = 2^x / 8
+                if const_expr(cfg.native_exp2):
+                    # quarter = (global block index) % 4; a 64-key tile holds half the cycle
+                    if const_expr(self.tile_n == 128):
+                        quarter = Int32(b)
+                    else:
+                        quarter = (tile_idx % 2) * 2 + b
+                    nat_even = Int32(lane_q == quarter)
+                    nat_odd = Int32(lane_q == 0)
+                csum = Float32(0.0)
+                for t in cutlass.range_constexpr(8):
+                    cb = t // 2
+                    d = vals[t]
+                    if const_expr(cfg.anchor > 0):
+                        d = d - m   # (raw - m) first, as the reference does
+                    if const_expr(eighths):
+                        y = fma_rn_sat(d, a_s, kaff)
+                    else:
+                        y = fma_rn(d, a_s, kaff)
+                    if const_expr(cfg.native_exp2):
+                        # native iff pair % 8 == quarter or pair % 8 == 4, pair = 4*cb + lane_q
+                        yn = ex2_approx(fma_rn(d, s_log2, knat))
+                        if const_expr(cb % 2 == 0):
+                            y = select_f32(nat_even, yn, y)
+                        else:
+                            y = select_f32(nat_odd, yn, y)
+                    if const_expr(eighths):
+                        q = e2m1_round_eighths(y)
+                    else:
+                        q = e2m1_relu_round(y)
+                    csum = csum + q
+                    r_p[idx[t]] = (q * alpha).to(self.in_dtype)
+                l_acc = l_acc + alpha * csum
+            row_l[r] = row_l[r] + l_acc
+
+    @cute.jit
+    def epilogue(self, thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q):
+        """O = acc / (6 * l), stored straight from registers with a row predicate."""
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            lt = row_l[r]
+            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
+            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
+            den = lt * 6.0
+            inv[r] = 0.0
+            if den > 0.0:
+                inv[r] = 1.0 / den
+        row0 = (m_blk * NUM_MMA_WG + wg) * TILE_M_PER_WG
+        gO = cute.local_tile(mO[None, None, h_idx, b_idx], (TILE_M_PER_WG, self.head_dim),
+                             (m_blk * NUM_MMA_WG + wg, 0))
+        tOgO = thr_pv.partition_C(gO)
+        cO = cute.make_identity_tensor((TILE_M_PER_WG, self.head_dim))
+        tOcO = thr_pv.partition_C(cO)
+        r_o = cute.make_rmem_tensor_like(acc_o, self.o_dtype)
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * inv[(i // 2) % 2]
+        r_o.store(acc_o.load().to(self.o_dtype))
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            if tOcO[i][0] + row0 < seqlen_q:
+                tOgO[i] = r_o[i]

@@ -1,0 +1,138 @@
+"""GPU pre-pass of the Hopper kernel: BF16/FP16 q, k, v -> the operands the kernel reads.
+
+* ``q_hat``, ``k_hat``: NVFP4-quantized and decoded Q and K (SPEC section 1: ``block16`` or
+  ``folded64_mse``), in BF16 (exact: a decoded NVFP4 value has at most 6 significant bits).
+* ``v6``: MXFP4-quantized V over 32-token blocks, decoded as ``alpha * c`` (six times the value,
+  exact in BF16; the kernel applies the factors 1/6 once, at the end).
+* For anchored policies K and V are first permuted so that the anchor samples occupy physical key
+  positions 0..n-1 (``fp4vis.reference.anchor_permutation``), then quantized (MXFP4 blocks follow
+  the physical order, as in the reference).
+
+This is the same arithmetic as ``fp4vis.formats`` / ``fp4vis.reference.quantize_operands`` (the
+CPU tests check bit equality), written without host synchronisation (no NaN checks, no boolean
+indexing, the permutation built once on the host and cached per device) so that it runs inside
+CUDA-graph capture and torch.compile. Inputs are validated by ``fp4vis.attention`` beforehand.
+On CUDA tensors the default is the fused Triton version (``hopper_prepass_triton``: one read of
+each input, one write of each operand, anchor permutation folded into the loads); the PyTorch
+formulation here (several elementwise passes) is the fallback and the CPU-checkable statement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4vis.formats import FOLDED_MSE_MULTIPLIERS, e2m1_round, e4m3_round, e8m0_nearest_pow2, pow2
+from fp4vis.reference import anchor_permutation
+
+NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
+
+_PERM_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def cached_anchor_permutation(seq_len: int, n: int, device: torch.device,
+                              dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``anchor_permutation(seq_len, n)`` computed on the CPU once and kept on ``device``."""
+    key = (seq_len, n, str(device), dtype)
+    perm = _PERM_CACHE.get(key)
+    if perm is None:
+        perm = anchor_permutation(seq_len, n, device="cpu").to(dtype).to(device)
+        _PERM_CACHE[key] = perm
+    return perm
+
+
+_MULT_CACHE: dict[str, torch.Tensor] = {}
+
+
+def _mse_multipliers(device: torch.device) -> torch.Tensor:
+    """The folded-K64 MSE candidates as a device tensor, made once per device (no H2D copy later,
+    so the pre-pass stays legal inside CUDA-graph capture)."""
+    t = _MULT_CACHE.get(str(device))
+    if t is None:
+        t = torch.tensor(FOLDED_MSE_MULTIPLIERS, dtype=torch.float32).to(device)
+        _MULT_CACHE[str(device)] = t
+    return t
+
+
+def _decode_div(blocks: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    safe = torch.where(sc == 0, torch.ones_like(sc), sc)
+    return torch.where(sc == 0, torch.zeros_like(blocks), e2m1_round(blocks / safe))
+
+
+def nvfp4_decoded(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """Decoded NVFP4 values of ``x`` (..., D) as float32 (no packing, no checks)."""
+    xf = x.to(torch.bfloat16).float()
+    blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK))
+    if layout == "block16":
+        sc = e4m3_round(blocks.abs().amax(-1, keepdim=True) / 6.0)
+        return (_decode_div(blocks, sc) * sc).flatten(-2)
+    half = blocks.shape[-2] // 2
+    pair = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)  # (..., nb/2, 32)
+    base = pair.abs().amax(-1, keepdim=True) / 6.0
+    mults = _mse_multipliers(x.device)
+    cands = e4m3_round(base * mults)  # (..., nb/2, n_cand)
+    vals_all = _decode_div(pair.unsqueeze(-2), cands.unsqueeze(-1))  # (..., nb/2, n_cand, 32)
+    err = ((vals_all * cands.unsqueeze(-1) - pair.unsqueeze(-2)) ** 2).sum(-1)
+    best = err.argmin(-1, keepdim=True)
+    sc = cands.gather(-1, best)  # (..., nb/2, 1)
+    pv = vals_all.gather(-2, best.unsqueeze(-1).expand(*best.shape[:-1], 1, 32)).squeeze(-2) * sc
+    return torch.cat((pv[..., :16], pv[..., 16:]), dim=-2).flatten(-2)
+
+
+def mxfp4_times_six(v: torch.Tensor) -> torch.Tensor:
+    """``alpha * c`` of MXFP4 V (..., S, D) over 32-token blocks, float32, padded keys dropped."""
+    s = v.shape[-2]
+    vf = v.float()
+    pad = (-s) % MXFP4_BLOCK
+    if pad:
+        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
+    blocks = vf.unflatten(-2, (-1, MXFP4_BLOCK))
+    u = e8m0_nearest_pow2(blocks.abs().amax(-2)).to(torch.int32).unsqueeze(-2)
+    codes = e2m1_round((6.0 * blocks) * pow2(127 - u))
+    return (codes * pow2(u - 127)).flatten(-3, -2)[..., :s, :]
+
+
+_CHUNK_ROWS = 1 << 15
+
+
+def _rows_chunked(fn, x: torch.Tensor) -> torch.Tensor:
+    """Apply a row-wise quantizer over (..., D) in chunks of rows (bounds the MSE temporaries)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] <= _CHUNK_ROWS:
+        return fn(flat).to(torch.bfloat16).reshape(x.shape)
+    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=x.device)
+    for r0 in range(0, flat.shape[0], _CHUNK_ROWS):
+        out[r0:r0 + _CHUNK_ROWS] = fn(flat[r0:r0 + _CHUNK_ROWS])
+    return out.reshape(x.shape)
+
+
+def _triton_prepass():
+    """The fused Triton pre-pass module, or None where Triton cannot run (CPU tensors, no Triton)."""
+    try:
+        from . import hopper_prepass_triton
+    except Exception:  # pragma: no cover - depends on the machine
+        return None
+    return hopper_prepass_triton
+
+
+def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str,
+                     anchor: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_hat, k_hat, v6), BF16, (B, H, S, D) contiguous, from (B, H, S, D) inputs.
+
+    ``fused`` (default: on CUDA tensors when Triton imports) runs the one-pass Triton kernels of
+    ``hopper_prepass_triton``; otherwise the PyTorch formulation below (several passes)."""
+    tp = _triton_prepass() if (fused or fused is None) and q.is_cuda else None
+    if fused and tp is None:
+        raise RuntimeError("fused pre-pass needs CUDA tensors and Triton")
+    if tp is not None:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        perm = cached_anchor_permutation(k.shape[-2], anchor, k.device, torch.int32) if anchor > 0 else None
+        return tp.nvfp4_qdq(q, qk_layout), tp.nvfp4_qdq(k, qk_layout, perm), tp.mxfp4_v6(v, perm)
+    if anchor > 0:
+        perm = cached_anchor_permutation(k.shape[-2], anchor, k.device)
+        k = k.index_select(-2, perm)
+        v = v.index_select(-2, perm)
+    q_hat = _rows_chunked(lambda t: nvfp4_decoded(t, qk_layout), q)
+    k_hat = _rows_chunked(lambda t: nvfp4_decoded(t, qk_layout), k)
+    v6 = mxfp4_times_six(v).to(torch.bfloat16).contiguous()
+    return q_hat.contiguous(), k_hat.contiguous(), v6

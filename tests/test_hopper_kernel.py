@@ -1,0 +1,190 @@
+"""The Hopper kernel against the reference emulation, on an sm_90 GPU (skipped elsewhere).
+
+For every supported policy and shape class (full and partial tiles, cross-attention, D = 128 and
+64, BF16 and FP16): relative L2 between the kernel and ``backend="reference"`` on the same inputs
+<= 5e-3, on iid Gaussian inputs and on wide-dynamic-range inputs (logits scaled towards the
+policy's limit, outlier channels); no non-finite outputs. Also: CUDA-graph capture then replay
+with new inputs, torch.compile without graph breaks, and ``backend="auto"`` picking the kernel.
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+import fp4vis
+from fp4vis.metrics import rel_l2
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _sm90(), reason="needs an sm_90 (Hopper) GPU")]
+
+TOL = 5e-3
+POLICIES = ["fast", "wan_fast", "accurate", "guard"]
+# (B, H, Sq, Skv, D)
+SHAPES = [
+    (1, 2, 256, 256, 128),     # whole tiles
+    (2, 3, 200, 333, 128),     # partial query and key tiles, cross-attention
+    (1, 2, 77, 1000, 64),      # D = 64, one partial query tile
+    (1, 1, 130, 40, 64),       # fewer keys than one tile (and than the guard's 128 anchors)
+]
+# largest logit z*log2(e) we drive each policy to (below its representable range)
+LOGIT_LIMIT = {"fast": 100.0, "wan_fast": 100.0, "accurate": 200.0, "guard": 300.0}
+
+
+def make_inputs(shape, dtype, kind, policy, seed=0):
+    b, h, sq, skv, d = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, sq, d, device="cuda", generator=g)
+    k = torch.randn(b, h, skv, d, device="cuda", generator=g)
+    v = torch.randn(b, h, skv, d, device="cuda", generator=g)
+    if kind == "wide":
+        k[..., 1] *= 20.0                       # an outlier channel in K
+        v[..., 2] *= 300.0                      # and in V
+        v[..., 3] *= 1e-3
+        raw_max = (q @ k.transpose(-1, -2)).abs().amax() / math.sqrt(d) * (1 / math.log(2))
+        q = q * (LOGIT_LIMIT[policy] / float(raw_max))
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def run(q, k, v, policy, backend):
+    return fp4vis.attention(q, k, v, policy=policy, backend=backend, range_check="off")
+
+
+@pytest.mark.parametrize("kind", ["gauss", "wide"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_kernel_matches_reference_bf16(policy, shape, kind):
+    q, k, v = make_inputs(shape, torch.bfloat16, kind, policy)
+    out = run(q, k, v, policy, "hopper")
+    ref = run(q, k, v, policy, "reference")
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert bool(torch.isfinite(out).all())
+    err = rel_l2(out, ref)
+    assert err <= TOL, f"{policy} {shape} {kind}: relL2 {err:.3e}"
+
+
+@pytest.mark.parametrize("policy", ["fast", "guard"])
+def test_kernel_matches_reference_fp16(policy):
+    q, k, v = make_inputs((2, 2, 300, 300, 128), torch.float16, "gauss", policy, seed=3)
+    out = run(q, k, v, policy, "hopper")
+    ref = run(q, k, v, policy, "reference")
+    assert out.dtype == torch.float16 and bool(torch.isfinite(out).all())
+    assert rel_l2(out, ref) <= TOL
+
+
+def test_auto_uses_kernel():
+    q, k, v = make_inputs((1, 2, 128, 128, 128), torch.bfloat16, "gauss", "fast", seed=5)
+    assert fp4vis.available_backends()["hopper"] is None
+    a = run(q, k, v, "fast", "auto")
+    b = run(q, k, v, "fast", "hopper")
+    assert torch.equal(a, b)
+
+
+def test_cuda_graph_replay_new_inputs():
+    shape = (1, 2, 256, 384, 128)
+    q, k, v = (t.clone() for t in make_inputs(shape, torch.bfloat16, "gauss", "guard", seed=1))
+    run(q, k, v, "guard", "hopper")  # compile + warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(q, k, v, "guard", "hopper")
+        with torch.cuda.graph(graph, stream=stream):
+            out = run(q, k, v, "guard", "hopper")
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (11, 12):
+        q2, k2, v2 = make_inputs(shape, torch.bfloat16, "gauss", "guard", seed=seed)
+        q.copy_(q2)
+        k.copy_(k2)
+        v.copy_(v2)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = run(q2, k2, v2, "guard", "reference")
+        assert rel_l2(out, ref) <= TOL
+
+
+def test_torch_compile_no_graph_break():
+    policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
+    pol = fp4vis.get_policy("fast")
+    q, k, v = make_inputs((1, 2, 256, 256, 128), torch.bfloat16, "gauss", "fast", seed=2)
+    scale = 1 / math.sqrt(128)
+
+    def f(q, k, v):
+        return torch.ops.fp4vis.hopper_attention(q * 1.0, k, v, scale, **policy_args(pol, 128, scale)) + 0.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(q, k, v)
+    ref = run(q, k, v, "fast", "reference")
+    assert rel_l2(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("schedule", [0, 1], ids=["plain", "overlap"])
+@pytest.mark.parametrize("shape", SHAPES + [(1, 1, 64, 64 * 7 + 5, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("policy", ["fast", "accurate"])
+def test_schedules_match_reference(policy, shape, schedule):
+    """Both kernel schedules (plain 128-key tiles; overlapped 64-key tiles), odd and even tile counts."""
+    policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
+    pol = fp4vis.get_policy(policy)
+    q, k, v = make_inputs(shape, torch.bfloat16, "wide", policy, seed=7)
+    scale = 1 / math.sqrt(shape[-1])
+    out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, shape[-1], scale), schedule=schedule)
+    ref = run(q, k, v, policy, "reference")
+    assert bool(torch.isfinite(out).all())
+    assert rel_l2(out, ref) <= TOL
+
+
+E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_codes_match_reference_up_to_rounding_boundaries(policy, d):
+    """With V = identity (Skv = D keys) the output row is P-tilde / l, so the kernel's E2M1 codes can be
+    read back. Codes may differ from the reference's only where the reference's value lies within
+    float32 rounding distance of an E2M1 rounding boundary (or its block exponent within rounding
+    distance of an integer), and only rarely."""
+    from fp4vis import reference as ref
+
+    pol = fp4vis.get_policy(policy)
+    g = torch.Generator(device="cuda").manual_seed(17)
+    b, h, sq, skv = 1, 2, 96, d
+    q = (torch.randn(b, h, sq, d, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    k = (torch.randn(b, h, skv, d, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    v = torch.eye(skv, d, device="cuda").expand(b, h, skv, d).to(torch.bfloat16).contiguous()
+    scale = 1 / math.sqrt(d)
+    out = run(q, k, v, policy, "hopper").float().flatten(0, 1)
+
+    ops = ref.quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, scale)
+    nkp = ops.k.shape[1]
+    raw = ops.q @ ops.k.mT
+    m = ref.row_reference(ops.q, ops.k, ops.num_keys, ops.s, pol)
+    valid = torch.arange(nkp, device="cuda") < ops.num_keys
+    native = ref.native_positions(nkp, device="cuda") if pol.native_exp2 else None
+    blk = ref.direct_p_block(raw, m, ops.s, pol, valid, native)
+    codes_ref = blk.codes.flatten(-2)[..., :skv]                               # (G, Sq, Skv), physical
+    u_work = blk.u.double().clamp(min=pol.shift + 1)
+    alpha = torch.exp2(u_work - pol.shift - 127).repeat_interleave(32, dim=-1)[..., :skv]
+    perm = ops.perm if ops.perm is not None else torch.arange(skv, device="cuda")
+    out_phys = out[..., perm].double()                                        # column p = physical key p
+    codes_k = torch.round(out_phys * 6 * blk.weighted_sum.unsqueeze(-1) / alpha * 2) / 2
+    diff = codes_k != codes_ref
+    frac = float(diff.double().mean())
+    assert frac < 2e-3, f"{frac:.2e} of codes differ"
+    if diff.any():
+        # the reference's pre-rounding value at the differing codes must sit near a boundary
+        r = raw.double().unflatten(-1, (-1, 32))
+        e_bar = (u_work - 127).unsqueeze(-1)
+        x = ((r - m.unsqueeze(-1)) * ops.s + (math.log2(6) - e_bar)).flatten(-2)[..., :skv]
+        y = (pol.affine_a * x + pol.affine_b).clamp(min=0)
+        if native is not None:
+            y = torch.where(native[:skv], torch.exp2(x), y)
+        bnd = torch.tensor(E2M1_BOUNDARIES, dtype=torch.float64, device="cuda")
+        dist = (y[diff].unsqueeze(-1) - bnd).abs().amin(-1) / y[diff].abs().clamp(min=1.0)
+        assert float(dist.max()) < 1e-4, f"codes differ away from a rounding boundary: {float(dist.max()):.2e}"

@@ -1,0 +1,126 @@
+"""CPU checks of the Hopper kernel (no GPU needed; CI runs these).
+
+* every kernel variant compiles for sm_90a with fake tensors; ptxas reports no spills and no stack
+  frame; the SASS has HGMMA (the tensor cores) and no local-memory traffic; the exp-free policies
+  have no MUFU.EX2 (nvdisasm from the nvidia-cuda-nvdisasm wheel);
+* the kernel's pre-pass computes bit-for-bit the operands the reference emulation uses;
+* the backend module imports and registers on a machine without a GPU, and says why it cannot run.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
+
+cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+
+from fp4vis.policy import POLICIES  # noqa: E402
+from fp4vis.reference import qk_layout, quantize_operands  # noqa: E402
+
+compile_check = importlib.import_module("fp4vis.kernels.compile_check")
+prepare_operands = importlib.import_module("fp4vis.kernels.hopper_prepass").prepare_operands
+
+VARIANTS = compile_check.variants()
+EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap"}
+
+
+@pytest.fixture(scope="module")
+def nvdisasm():
+    exe = compile_check.find_nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm, a dev dependency)")
+    return exe
+
+
+@pytest.mark.parametrize("name,cfg", VARIANTS, ids=[f"{n}-D{c.head_dim}-N{c.tile_n}" for n, c in VARIANTS])
+def test_variant_compiles_clean(name, cfg, nvdisasm):
+    rep = compile_check.compile_variant(cfg)
+    assert rep.registers is not None, f"no ptxas report captured:\n{rep.ptxas_log}"
+    assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0, rep.ptxas_log
+    assert rep.stack_frame_bytes == 0, rep.ptxas_log
+    assert not rep.wgmma_serialized, rep.ptxas_log
+    c = rep.counts
+    assert c.get("HGMMA", 0) > 0, c
+    assert c.get("LDL", 0) == 0 and c.get("STL", 0) == 0, c
+    if name in EXP_FREE:
+        assert c.get("MUFU.EX2", 0) == 0, c
+    else:
+        assert c.get("MUFU.EX2", 0) > 0, c
+
+
+def _inputs(b, h, sq, skv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, h, skv, d, generator=g).to(dtype)
+    v = torch.randn(b, h, skv, d, generator=g).to(dtype)
+    # a few outlier channels and a wide dynamic range
+    k[..., 3] *= 30
+    v[..., 5] *= 1e3
+    v[..., :7, 9] *= 1e-6
+    return q, k, v
+
+
+@pytest.mark.parametrize("policy", ["fast", "accurate", "guard"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prepass_matches_reference_operands(policy, dtype):
+    pol = POLICIES[policy]
+    b, h, sq, skv, d = 1, 2, 40, 161, 64
+    q, k, v = _inputs(b, h, sq, skv, d, dtype)
+    qh, kh, v6 = prepare_operands(q, k, v, qk_layout(pol, d), pol.anchor)
+    ops = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, 0.125)
+    assert qh.dtype == kh.dtype == v6.dtype == torch.bfloat16
+    assert torch.equal(qh.flatten(0, 1).float(), ops.q)
+    assert torch.equal(kh.flatten(0, 1).float(), ops.k[:, :skv])
+    assert torch.equal(v6.flatten(0, 1).float(), ops.v6[:, :skv])
+
+
+def test_backend_registers_and_explains_cpu():
+    import fp4vis
+    from fp4vis import dispatch
+    from fp4vis.kernels import hopper_backend
+
+    backend = dispatch.get_backend("hopper")
+    assert isinstance(backend, hopper_backend.HopperBackend)
+    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+    assert backend.unsupported_reason(q, q, q, POLICIES["fast"], 0.125) is not None
+    assert backend.unsupported_reason(q, q, q, POLICIES["bf16"], 0.125) is not None
+    if not torch.cuda.is_available():
+        assert fp4vis.available_backends()["hopper"] is not None
+        with pytest.raises(RuntimeError):
+            fp4vis.attention(q, q, q, policy="fast", backend="hopper")
+
+
+_TRITON_CHECK = r"""
+import torch
+from fp4vis.kernels.hopper_prepass import prepare_operands, cached_anchor_permutation
+from fp4vis.kernels import hopper_prepass_triton as tp
+g = torch.Generator().manual_seed(0)
+for dtype, d, layout, anchor in ((torch.bfloat16, 128, "folded64_mse", 128), (torch.float16, 64, "block16", 32)):
+    b, h, s = 1, 2, 45
+    q = torch.randn(b, h, s, d, generator=g).to(dtype)
+    k = (torch.randn(b, h, s, d, generator=g) * 3).to(dtype)
+    v = torch.randn(b, h, s, d, generator=g).to(dtype)
+    k[..., 3] *= 30
+    v[..., 5] *= 1e3
+    v[..., :7, 9] *= 1e-6
+    qh, kh, v6 = prepare_operands(q, k, v, layout, anchor, fused=False)
+    perm = cached_anchor_permutation(s, anchor, q.device, torch.int32)
+    assert torch.equal(tp.nvfp4_qdq(q, layout), qh)
+    assert torch.equal(tp.nvfp4_qdq(k, layout, perm), kh)
+    assert torch.equal(tp.mxfp4_v6(v, perm), v6)
+print("OK")
+"""
+
+
+def test_triton_prepass_matches_torch_prepass_interpreted():
+    """The fused Triton pre-pass, run by Triton's CPU interpreter, is bit-equal to the PyTorch one."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
