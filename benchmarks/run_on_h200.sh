@@ -31,8 +31,7 @@ case "$what" in
     run_tests
     rc=$?
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "tests timed out: no bench"; exit "$rc"; fi
-    run_bench --budget 1.0 --shapes "1,256,16;1,4096,24;1,32768,12" \
-      --backends hopper,hopper_overlap,prepass,hopper_kernel,fa4,sdpa_cudnn
+    run_bench --budget 0.6 --backends hopper,prepass,hopper_kernel,fa4,sdpa_cudnn,sage
     ;;
   *) echo "usage: $0 tests|bench|all [args]" >&2; exit 2 ;;
 esac

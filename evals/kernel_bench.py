@@ -10,8 +10,10 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
   ``hopper_plain`` / ``hopper_overlap``  the whole call with the plain or the overlapped schedule
+  ``hopper_fused``  the whole call with the fused (Triton) folded-K64 Q/K pre-pass, whose exact MSE
+                    can choose other scales than the reference's float32 one at ties
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
-  ``prepass``       the pre-pass alone
+  ``prepass``       the pre-pass alone (``prepass_fused``: the all-Triton one of ``hopper_fused``)
   ``fa4``           flash-attn-4 (``flash_attn.cute``) BF16 forward, non-causal
   ``sdpa_cudnn``    torch SDPA with the cuDNN backend
   ``sdpa_flash``    torch SDPA with the flash backend
@@ -50,7 +52,8 @@ GRID_D64 = [(1, 197, 12), (64, 197, 12), (32, 197, 16), (8, 577, 16)]
 QUICK_SHAPES = [(1, 64, 2), (1, 200, 2)]
 
 L2_BYTES = 50 * 2**20
-HOPPER_BACKENDS = ("hopper", "hopper_plain", "hopper_overlap", "hopper_kernel", "prepass")
+HOPPER_BACKENDS = ("hopper", "hopper_plain", "hopper_overlap", "hopper_fused", "hopper_kernel", "prepass",
+                   "prepass_fused")
 
 
 @dataclass
@@ -149,13 +152,20 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-def _hopper(policy: str, schedule: int = -1):
+def _hopper(policy: str, schedule: int = -1, fused_folded: bool | None = None):
     policy_args = _kmod("hopper_backend").policy_args
+    prepass = _kmod("hopper_prepass")
     pol = get_policy(policy)
 
     def call(q, k, v, scale):
-        return torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, q.shape[-1], scale),
-                                                 schedule=schedule)
+        saved = prepass.FUSED_FOLDED
+        if fused_folded is not None:
+            prepass.FUSED_FOLDED = fused_folded
+        try:
+            return torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, q.shape[-1], scale),
+                                                     schedule=schedule)
+        finally:
+            prepass.FUSED_FOLDED = saved
     return call
 
 
@@ -167,9 +177,9 @@ def _hopper_parts(policy: str):
     prepare_operands = _kmod("hopper_prepass").prepare_operands
     pol = get_policy(policy)
 
-    def pre(q, k, v, scale):
+    def pre(q, k, v, scale, fused=None):
         a = policy_args(pol, q.shape[-1], scale)
-        return prepare_operands(q, k, v, a["qk_fmt"], a["anchor"])
+        return prepare_operands(q, k, v, a["qk_fmt"], a["anchor"], fused=fused)
 
     def ker(ops, q, scale):
         a = policy_args(pol, q.shape[-1], scale)
@@ -284,24 +294,27 @@ def run_grid(shapes: Sequence = GRID_D128, backends: Sequence[str] = ("hopper", 
         del sets
         if not quick:
             torch.cuda.empty_cache()
-    _add_speedups(rows)
+    add_speedups(rows)
     return rows
 
 
 def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budget_s=2.0):
     shape_flops = 4.0 * row["b"] * row["h"] * row["s"] * row["skv"] * row["d"]
     out0 = None
-    if backend in ("prepass", "hopper_kernel"):
+    if backend in ("prepass", "prepass_fused", "hopper_kernel"):
         pre, ker = _hopper_parts(pol)
-        ops = [pre(q, k, v, scale) for q, k, v in sets]
+        ops = [pre(q, k, v, scale) for q, k, v in sets] if backend == "hopper_kernel" else None
         if backend == "prepass":
             fn = lambda i: pre(*sets[i], scale)  # noqa: E731
+        elif backend == "prepass_fused":
+            fn = lambda i: pre(*sets[i], scale, True)  # noqa: E731
         else:
             fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
             out0 = ker(ops[0], sets[0][0], scale)
     else:
         call = {"hopper": lambda: _hopper(pol), "hopper_plain": lambda: _hopper(pol, 0),
-                "hopper_overlap": lambda: _hopper(pol, 1), "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
+                "hopper_overlap": lambda: _hopper(pol, 1), "hopper_fused": lambda: _hopper(pol, -1, True),
+                "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
                 "sdpa_flash": lambda: _sdpa("flash"), "sage": _sage,
                 "reference": lambda: _reference(pol)}[backend]()
         fn = lambda i: call(*sets[i], scale)  # noqa: E731
@@ -309,7 +322,7 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
     times = time_cpu(fn, len(sets)) if quick else time_cuda(fn, len(sets), budget_s=budget_s)
     ms = statistics.median(times)
     row.update(ms=round(ms, 5), ms_min=round(min(times), 5), reps=len(times))
-    if backend != "prepass":
+    if not backend.startswith("prepass"):
         row["tflops"] = round(shape_flops / (ms * 1e-3) / 1e12, 2)
     if out0 is not None and check_errors and not quick:
         row["finite"] = bool(torch.isfinite(out0).all())
@@ -323,18 +336,20 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
             row["rel_l2_vs_reference"] = float(f"{rel_l2(out0[idx[0], idx[1]][:, :, idx[2]], ref):.3e}")
 
 
-def _add_speedups(rows: list[dict]) -> None:
+def add_speedups(rows: list[dict]) -> None:
     """speedup_vs_fa4 / speedup_vs_sdpa_cudnn for every timed row (baseline ms / row ms)."""
     base = {}
     for r in rows:
         if r.get("backend") in ("fa4", "sdpa_cudnn") and "ms" in r:
             base[(r["shape"], r["backend"])] = r["ms"]
-    pre = {(r["shape"], r.get("policy")): r["ms"] for r in rows if r.get("backend") == "prepass" and "ms" in r}
+    pre = {(r["shape"], r.get("policy"), r["backend"]): r["ms"] for r in rows
+           if r.get("backend") in ("prepass", "prepass_fused") and "ms" in r}
     for r in rows:
         if "ms" not in r:
             continue
-        if r.get("backend") == "hopper" and (r["shape"], r.get("policy")) in pre:
-            r["prepass_fraction"] = round(pre[(r["shape"], r.get("policy"))] / r["ms"], 4)
+        which = {"hopper": "prepass", "hopper_fused": "prepass_fused"}.get(r.get("backend"))
+        if which and (r["shape"], r.get("policy"), which) in pre:
+            r["prepass_fraction"] = round(pre[(r["shape"], r.get("policy"), which)] / r["ms"], 4)
         for b in ("fa4", "sdpa_cudnn"):
             if (r["shape"], b) in base:
                 r[f"speedup_vs_{b}"] = round(base[(r["shape"], b)] / r["ms"], 3)

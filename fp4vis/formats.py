@@ -23,6 +23,7 @@ any device; values are computed in float32 (float64 inputs stay float64 where no
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -83,19 +84,21 @@ _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_UP = (False, True, False, True, False, True, False)
 
 
-def _e2m1_boundaries(dtype: torch.dtype, device) -> torch.Tensor:
-    """Boundaries b such that the magnitude index is the number of b strictly below |x|."""
+@functools.cache
+def _e2m1_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(magnitudes, boundaries b) for one dtype and device, made once (no host-to-device copy per
+    call, so CUDA-graph capture works): the magnitude index is the number of b strictly below |x|."""
     mid = torch.tensor(_E2M1_MIDPOINTS, dtype=dtype, device=device)
     below = torch.nextafter(mid, torch.zeros_like(mid))
-    return torch.where(torch.tensor(_E2M1_TIE_UP, device=device), below, mid)
+    bounds = torch.where(torch.tensor(_E2M1_TIE_UP, device=device), below, mid)
+    return torch.tensor(E2M1_VALUES, dtype=dtype, device=device), bounds
 
 
 def e2m1_round(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
     """Values of ``E2M1_rne_sat(x)`` (``cvt.rn.satfinite[.relu].e2m1x2.f32``), same dtype as x
     (float32 or float64). ``relu`` maps negatives to +0. NaN is not representable (callers that
     encode check for it); here it saturates like a large value."""
-    mags = torch.tensor(E2M1_VALUES, dtype=x.dtype, device=x.device)
-    bounds = _e2m1_boundaries(x.dtype, x.device)
+    mags, bounds = _e2m1_tables(x.dtype, x.device)
     if relu:  # negatives (and -inf) fall below the first boundary: index 0, +0
         return mags[torch.bucketize(x.contiguous(), bounds)]
     return torch.copysign(mags[torch.bucketize(x.abs().contiguous(), bounds)], x)
@@ -116,8 +119,8 @@ def e2m1_encode(x: torch.Tensor, relu: bool = False, name: str = "x") -> torch.T
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of E2M1 codes (uint8, low 4 bits used)."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
-    return table[(codes & 0xF).to(torch.long)]
+    mags = _e2m1_tables(torch.float32, codes.device)[0]
+    return torch.cat((mags, -mags))[(codes & 0xF).to(torch.long)]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -239,39 +242,65 @@ def nvfp4_quantize(x: torch.Tensor, layout: str = "block16", global_scale: bool 
     if global_scale:
         g = nvfp4_global_encode_scale(xf)
         xf, tensor_scale = xf * g, 1.0 / g
-    lead = xf.shape[:-1]
+    vals, scales = _nvfp4_chunked(xf, layout)
+    codes = pack_fp4(e2m1_encode(vals, name=name))
+    return NVFP4Tensor(codes, e4m3_encode(scales), layout, tensor_scale)
+
+
+def nvfp4_qdq(x: torch.Tensor, layout: str = "block16") -> torch.Tensor:
+    """NVFP4 quantize-dequantize: float32 ``c * sc`` of ``nvfp4_quantize(x, layout)`` without the
+    storage round trip, the checks or a host synchronisation (what a kernel's pre-pass computes).
+    The caller guarantees finite input and a valid last dim."""
+    vals, scales = _nvfp4_chunked(x.to(torch.bfloat16).float(), layout)
+    if layout == "folded64_mse":
+        scales = torch.cat((scales, scales), dim=-1)
+    return (vals.unflatten(-1, (-1, NVFP4_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
+
+
+def _nvfp4_chunked(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 values (..., D) and float32 scales (..., D/16 or D/32) of BF16-valued float32 ``xf``,
+    in chunks of rows (bounds the memory of the MSE search)."""
+    lead, d = xf.shape[:-1], xf.shape[-1]
     rows = xf.reshape(-1, d)
-    codes, scales = [], []
-    for start in range(0, max(rows.shape[0], 1), _QUANT_ROWS_PER_CHUNK):  # bounds the MSE search's memory
-        c, s = _nvfp4_rows(rows[start:start + _QUANT_ROWS_PER_CHUNK], layout, name)
-        codes.append(c)
-        scales.append(s)
-    codes_t = torch.cat(codes).reshape(*lead, d // 2)
-    scales_t = torch.cat(scales).reshape(*lead, -1)
-    return NVFP4Tensor(codes_t, scales_t, layout, tensor_scale)
-
-
-def _nvfp4_rows(xf: torch.Tensor, layout: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed codes and E4M3 scale bytes for rows (N, D) of BF16-valued float32."""
-    blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK))  # (..., nb, 16)
-    if layout == "block16":
-        sc = e4m3_round(blocks.abs().amax(-1, keepdim=True) / E2M1_MAX)
-        vals = _codes_for_scale(blocks, sc)
-        scales = sc.squeeze(-1)
+    if rows.shape[0] <= _QUANT_ROWS_PER_CHUNK:
+        vals, scales = _nvfp4_rows(rows, layout)
     else:
-        half = blocks.shape[-2] // 2
-        pair = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)  # (..., nb/2, 32)
-        base = pair.abs().amax(-1, keepdim=True) / E2M1_MAX
-        mults = torch.tensor(FOLDED_MSE_MULTIPLIERS, dtype=torch.float32, device=xf.device)
-        cands = e4m3_round(base * mults)  # (..., nb/2, n_cand)
-        vals_all = _codes_for_scale(pair.unsqueeze(-2), cands.unsqueeze(-1))  # (..., nb/2, n_cand, 32)
-        err = ((vals_all * cands.unsqueeze(-1) - pair.unsqueeze(-2)) ** 2).sum(-1)
-        best = err.argmin(-1, keepdim=True)  # first minimum: earlier candidates win ties
-        scales = cands.gather(-1, best).squeeze(-1)
-        pv = vals_all.gather(-2, best.unsqueeze(-1).expand(*best.shape[:-1], 1, 32)).squeeze(-2)
-        vals = torch.cat((pv[..., :16], pv[..., 16:]), dim=-2)  # back to (..., nb, 16) block order
-    codes = e2m1_encode(vals.flatten(-2), name=name)
-    return pack_fp4(codes), e4m3_encode(scales)
+        parts = [_nvfp4_rows(rows[i:i + _QUANT_ROWS_PER_CHUNK], layout)
+                 for i in range(0, rows.shape[0], _QUANT_ROWS_PER_CHUNK)]
+        vals, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return vals.reshape(*lead, d), scales.reshape(*lead, -1)
+
+
+@functools.cache
+def _mse_multipliers(device: torch.device) -> torch.Tensor:
+    return torch.tensor(FOLDED_MSE_MULTIPLIERS, dtype=torch.float32, device=device)
+
+
+def _over_six(amax: torch.Tensor) -> torch.Tensor:
+    """float32 ``amax / 6``, correctly rounded on every device (CUDA turns a float32 division by a
+    Python scalar into a multiply by float32(1/6), which moves exact E4M3 ties; float64 does not)."""
+    return (amax.double() / E2M1_MAX).float()
+
+
+def _nvfp4_rows(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 values (N, D) and float32 scales of rows (N, D) of BF16-valued float32."""
+    blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK))  # (N, nb, 16)
+    if layout == "block16":
+        sc = e4m3_round(_over_six(blocks.abs().amax(-1, keepdim=True)))
+        return _codes_for_scale(blocks, sc).flatten(-2), sc.squeeze(-1)
+    half = blocks.shape[-2] // 2
+    pair = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)  # (N, nb/2, 32)
+    # b = amax/6 and b*m are float32 values (a float32 GPU pre-pass computes the same), then E4M3
+    base = _over_six(pair.abs().amax(-1, keepdim=True))
+    cands = e4m3_round(base * _mse_multipliers(xf.device))  # (N, nb/2, n_cand)
+    vals_all = _codes_for_scale(pair.unsqueeze(-2), cands.unsqueeze(-1))  # (N, nb/2, n_cand, 32)
+    # squared errors summed in float64, where they are exact: the choice of candidate does not
+    # depend on a device's summation order; argmin keeps the first minimum (earlier candidates win ties)
+    err = ((vals_all * cands.unsqueeze(-1) - pair.unsqueeze(-2)).double() ** 2).sum(-1)
+    best = err.argmin(-1, keepdim=True)
+    scales = cands.gather(-1, best).squeeze(-1)
+    pv = vals_all.gather(-2, best.unsqueeze(-1).expand(*best.shape[:-1], 1, 32)).squeeze(-2)
+    return torch.cat((pv[..., :16], pv[..., 16:]), dim=-2).flatten(-2), scales  # back to block order
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +321,7 @@ class MXFP4Tensor:
         c = e2m1_decode(unpack_fp4(self.codes))
         alpha = e8m0_decode(self.scales).repeat_interleave(MXFP4_BLOCK, dim=-2)[..., : self.seq_len, :]
         prod = alpha * c
-        return prod if times_six else prod / E2M1_MAX
+        return prod if times_six else (prod.double() / E2M1_MAX).float()  # same rounding on every device
 
 
 def mxfp4_quantize(v: torch.Tensor, name: str = "v") -> MXFP4Tensor:
@@ -303,12 +332,26 @@ def mxfp4_quantize(v: torch.Tensor, name: str = "v") -> MXFP4Tensor:
     s, d = v.shape[-2], v.shape[-1]
     if d % 2:
         raise ValueError(f"{name}: last dim must be even for packed MXFP4, got {d}")
+    vals, u = _mxfp4_blocks(v)
+    codes = e2m1_encode(vals, name=name).flatten(-3, -2)[..., :s, :]
+    return MXFP4Tensor(pack_fp4(codes), u, s)
+
+
+def mxfp4_qdq(v: torch.Tensor, *, times_six: bool = False) -> torch.Tensor:
+    """MXFP4 quantize-dequantize of ``v`` (..., S, D): float32 ``alpha * c / 6`` (``alpha * c`` with
+    ``times_six``, exact in BF16), without storage, checks or host synchronisation."""
+    vals, u = _mxfp4_blocks(v)
+    prod = (vals * pow2(u.to(torch.int32) - 127).unsqueeze(-2)).flatten(-3, -2)[..., : v.shape[-2], :]
+    return prod if times_six else (prod.double() / E2M1_MAX).float()
+
+
+def _mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 values (..., nblk, 32, D) of ``6 v / alpha`` and the E8M0 bytes u (..., nblk, D)."""
     vf = v.float()
-    pad = (-s) % MXFP4_BLOCK
+    pad = (-v.shape[-2]) % MXFP4_BLOCK
     if pad:
         vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
     blocks = vf.unflatten(-2, (-1, MXFP4_BLOCK))  # (..., nblk, 32, D)
     u = e8m0_nearest_pow2(blocks.abs().amax(-2))  # (..., nblk, D)
     inv_alpha = pow2(127 - u.to(torch.int32)).unsqueeze(-2)  # exact: u in [0, 254]
-    codes = e2m1_encode((E2M1_MAX * blocks) * inv_alpha, name=name).flatten(-3, -2)[..., :s, :]
-    return MXFP4Tensor(pack_fp4(codes), u, s)
+    return e2m1_round((E2M1_MAX * blocks) * inv_alpha), u

@@ -19,9 +19,11 @@ formulation here (several elementwise passes) is the fallback and the CPU-checka
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from fp4vis.formats import FOLDED_MSE_MULTIPLIERS, e2m1_round, e4m3_round, e8m0_nearest_pow2, pow2
+from fp4vis.formats import mxfp4_qdq, nvfp4_qdq
 from fp4vis.reference import anchor_permutation
 
 NVFP4_BLOCK = 16
@@ -41,55 +43,14 @@ def cached_anchor_permutation(seq_len: int, n: int, device: torch.device,
     return perm
 
 
-_MULT_CACHE: dict[str, torch.Tensor] = {}
-
-
-def _mse_multipliers(device: torch.device) -> torch.Tensor:
-    """The folded-K64 MSE candidates as a device tensor, made once per device (no H2D copy later,
-    so the pre-pass stays legal inside CUDA-graph capture)."""
-    t = _MULT_CACHE.get(str(device))
-    if t is None:
-        t = torch.tensor(FOLDED_MSE_MULTIPLIERS, dtype=torch.float32).to(device)
-        _MULT_CACHE[str(device)] = t
-    return t
-
-
-def _decode_div(blocks: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
-    safe = torch.where(sc == 0, torch.ones_like(sc), sc)
-    return torch.where(sc == 0, torch.zeros_like(blocks), e2m1_round(blocks / safe))
-
-
 def nvfp4_decoded(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """Decoded NVFP4 values of ``x`` (..., D) as float32 (no packing, no checks)."""
-    xf = x.to(torch.bfloat16).float()
-    blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK))
-    if layout == "block16":
-        sc = e4m3_round(blocks.abs().amax(-1, keepdim=True) / 6.0)
-        return (_decode_div(blocks, sc) * sc).flatten(-2)
-    half = blocks.shape[-2] // 2
-    pair = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)  # (..., nb/2, 32)
-    base = pair.abs().amax(-1, keepdim=True) / 6.0
-    mults = _mse_multipliers(x.device)
-    cands = e4m3_round(base * mults)  # (..., nb/2, n_cand)
-    vals_all = _decode_div(pair.unsqueeze(-2), cands.unsqueeze(-1))  # (..., nb/2, n_cand, 32)
-    err = ((vals_all * cands.unsqueeze(-1) - pair.unsqueeze(-2)) ** 2).sum(-1)
-    best = err.argmin(-1, keepdim=True)
-    sc = cands.gather(-1, best)  # (..., nb/2, 1)
-    pv = vals_all.gather(-2, best.unsqueeze(-1).expand(*best.shape[:-1], 1, 32)).squeeze(-2) * sc
-    return torch.cat((pv[..., :16], pv[..., 16:]), dim=-2).flatten(-2)
+    """Decoded NVFP4 values of ``x`` (..., D) as float32: ``fp4vis.formats.nvfp4_qdq``."""
+    return nvfp4_qdq(x, layout)
 
 
 def mxfp4_times_six(v: torch.Tensor) -> torch.Tensor:
-    """``alpha * c`` of MXFP4 V (..., S, D) over 32-token blocks, float32, padded keys dropped."""
-    s = v.shape[-2]
-    vf = v.float()
-    pad = (-s) % MXFP4_BLOCK
-    if pad:
-        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
-    blocks = vf.unflatten(-2, (-1, MXFP4_BLOCK))
-    u = e8m0_nearest_pow2(blocks.abs().amax(-2)).to(torch.int32).unsqueeze(-2)
-    codes = e2m1_round((6.0 * blocks) * pow2(127 - u))
-    return (codes * pow2(u - 127)).flatten(-3, -2)[..., :s, :]
+    """``alpha * c`` of MXFP4 V (..., S, D) over 32-token blocks, float32: ``fp4vis.formats.mxfp4_qdq``."""
+    return mxfp4_qdq(v, times_six=True)
 
 
 _CHUNK_ROWS = 1 << 15
@@ -115,19 +76,32 @@ def _triton_prepass():
     return hopper_prepass_triton
 
 
+# The fused Triton pre-pass computes what fp4vis.formats does (amax/6 correctly rounded, the
+# folded-K64 MSE summed exactly in float64); FP4VIS_PREPASS_FUSED_FOLDED=0 sends the folded layout
+# through fp4vis.formats instead (bit-equal by construction, slow).
+FUSED_FOLDED = os.environ.get("FP4VIS_PREPASS_FUSED_FOLDED", "1") == "1"
+
+
 def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str,
                      anchor: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_hat, k_hat, v6), BF16, (B, H, S, D) contiguous, from (B, H, S, D) inputs.
 
     ``fused`` (default: on CUDA tensors when Triton imports) runs the one-pass Triton kernels of
-    ``hopper_prepass_triton``; otherwise the PyTorch formulation below (several passes)."""
+    ``hopper_prepass_triton``; otherwise the PyTorch formulation below (several passes). The
+    folded-K64 Q/K quantizer is fused only when ``FUSED_FOLDED`` is on (see there)."""
     tp = _triton_prepass() if (fused or fused is None) and q.is_cuda else None
     if fused and tp is None:
         raise RuntimeError("fused pre-pass needs CUDA tensors and Triton")
     if tp is not None:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         perm = cached_anchor_permutation(k.shape[-2], anchor, k.device, torch.int32) if anchor > 0 else None
-        return tp.nvfp4_qdq(q, qk_layout), tp.nvfp4_qdq(k, qk_layout, perm), tp.mxfp4_v6(v, perm)
+        v6 = tp.mxfp4_v6(v, perm)
+        if qk_layout == "block16" or FUSED_FOLDED or fused:
+            return tp.nvfp4_qdq(q, qk_layout), tp.nvfp4_qdq(k, qk_layout, perm), v6
+        if anchor > 0:
+            k = k.index_select(-2, cached_anchor_permutation(k.shape[-2], anchor, k.device))
+        return (_rows_chunked(lambda t: nvfp4_decoded(t, qk_layout), q).contiguous(),
+                _rows_chunked(lambda t: nvfp4_decoded(t, qk_layout), k).contiguous(), v6)
     if anchor > 0:
         perm = cached_anchor_permutation(k.shape[-2], anchor, k.device)
         k = k.index_select(-2, perm)

@@ -5,10 +5,12 @@ Same arithmetic as ``kernels/hopper_prepass.py`` (the PyTorch version, which is 
 ``folded64_mse`` with the MSE scale search), MXFP4 ``alpha * c`` of V, and the anchor permutation
 of K and V folded into the loads (``perm[p]`` is the logical key at physical position p). All
 roundings are exact round-to-nearest-even: divisions use ``div_rn``, minifloat rounding adds a
-power of two whose ulp is the target ulp (``(t + C) - C``). The MSE error of each candidate is a
-float32 sum over the 32 values in an order different from torch's, so a candidate whose error
-ties another's to the last bit may be chosen differently (rare; the GPU tests compare the whole
-attention output with the reference).
+power of two whose ulp is the target ulp (``(t + C) - C``). The MSE error of each folded-K64
+candidate is summed in float64, where it is exact, so ties go to the first candidate in any
+summation order (SPEC: "a later candidate wins only with a strictly smaller error"), as
+``fp4vis.formats`` does. ``amax / 6`` is correctly rounded (``div_rn``), as in ``fp4vis.formats``.
+The kernels are compiled with ``enable_fp_fusion=False``: a fused multiply-add could skip the
+float32 rounding of ``base * m`` before its E4M3 rounding (the reference rounds it first).
 """
 
 from __future__ import annotations
@@ -95,8 +97,18 @@ def _mult(i: tl.constexpr):
 
 
 @triton.jit
+def _div6(x, RECIP6: tl.constexpr):
+    """x / 6 rounded to nearest (RECIP6 False), or x * float32(1/6) as PyTorch computes a CUDA
+    tensor divided by a Python scalar (RECIP6 True)."""
+    if RECIP6:
+        return x * 0.16666667163372040
+    else:
+        return tl.math.div_rn(x, 6.0)
+
+
+@triton.jit
 def _nvfp4_kernel(X, Y, PERM, N, S, D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+                  BLOCK_R: tl.constexpr, RECIP6: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)           # global row = g * S + s (physical)
     rmask = rows < N
@@ -118,15 +130,15 @@ def _nvfp4_kernel(X, Y, PERM, N, S, D: tl.constexpr, FOLDED: tl.constexpr, HAS_P
         lo = _bf16_round(tl.load(X + src[:, None, None] + col, mask=m3, other=0.0).to(tl.float32))
         hi = _bf16_round(tl.load(X + src[:, None, None] + col + D // 2, mask=m3, other=0.0).to(tl.float32))
         amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))   # (R, NB2)
-        base = tl.math.div_rn(amax, 6.0)
+        base = _div6(amax, RECIP6)
         best_sc = _e4m3(base * 1.0)
-        d_lo = _qdq(lo, best_sc[:, :, None]) - lo
-        d_hi = _qdq(hi, best_sc[:, :, None]) - hi
-        best_err = tl.sum(d_lo * d_lo, axis=2) + tl.sum(d_hi * d_hi, axis=2)
+        d_lo = (_qdq(lo, best_sc[:, :, None]) - lo).to(tl.float64)
+        d_hi = (_qdq(hi, best_sc[:, :, None]) - hi).to(tl.float64)
+        best_err = tl.sum(d_lo * d_lo, axis=2) + tl.sum(d_hi * d_hi, axis=2)   # exact in float64
         for i in tl.static_range(1, 12):
             sc = _e4m3(base * _mult(i))
-            e_lo = _qdq(lo, sc[:, :, None]) - lo
-            e_hi = _qdq(hi, sc[:, :, None]) - hi
+            e_lo = (_qdq(lo, sc[:, :, None]) - lo).to(tl.float64)
+            e_hi = (_qdq(hi, sc[:, :, None]) - hi).to(tl.float64)
             err = tl.sum(e_lo * e_lo, axis=2) + tl.sum(e_hi * e_hi, axis=2)
             better = err < best_err
             best_err = tl.where(better, err, best_err)
@@ -140,7 +152,7 @@ def _nvfp4_kernel(X, Y, PERM, N, S, D: tl.constexpr, FOLDED: tl.constexpr, HAS_P
         t = tl.arange(0, 16)
         col = j[None, :, None] * 16 + t[None, None, :]
         x = _bf16_round(tl.load(X + src[:, None, None] + col, mask=m3, other=0.0).to(tl.float32))
-        sc = _e4m3(tl.math.div_rn(tl.max(tl.abs(x), axis=2), 6.0))
+        sc = _e4m3(_div6(tl.max(tl.abs(x), axis=2), RECIP6))
         tl.store(Y + dst[:, None, None] + col, _qdq(x, sc[:, :, None]).to(tl.bfloat16), mask=m3)
 
 
@@ -178,15 +190,20 @@ def _mxfp4_kernel(V, Y, PERM, S, D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_
         tl.store(Y + dst[:, None] + dcol[None, :], out.to(tl.bfloat16), mask=valid[:, None])
 
 
-def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """Decoded NVFP4 of contiguous (B, H, S, D) x, BF16, rows optionally gathered by ``perm``."""
+def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None, div6: str = "exact") -> torch.Tensor:
+    """Decoded NVFP4 of contiguous (B, H, S, D) x, BF16, rows optionally gathered by ``perm``.
+
+    ``div6``: how ``amax / 6`` is rounded. "exact" (default) is SPEC's correctly rounded division, as
+    ``fp4vis.formats`` computes it on every device; "recip" multiplies by float32(1/6) (kept to
+    measure what that shortcut changes)."""
     b, h, s, d = x.shape
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     n = b * h * s
     block_r = 16
+    recip6 = div6 == "recip"
     _nvfp4_kernel[(triton.cdiv(n, block_r),)](x, y, perm if perm is not None else x, n, s, D=d,
                                               FOLDED=layout == "folded64_mse", HAS_PERM=perm is not None,
-                                              BLOCK_R=block_r)
+                                              BLOCK_R=block_r, RECIP6=recip6, enable_fp_fusion=False)
     return y
 
 
@@ -196,5 +213,5 @@ def mxfp4_v6(v: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
     y = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
     grid = (triton.cdiv(s, 32), b * h)
     _mxfp4_kernel[grid](v, y, perm if perm is not None else v, s, D=d, HAS_PERM=perm is not None,
-                        BLOCK_D=min(d, 64))
+                        BLOCK_D=min(d, 64), enable_fp_fusion=False)
     return y

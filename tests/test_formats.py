@@ -228,8 +228,9 @@ def _folded_brute(x: torch.Tensor) -> tuple[list[float], torch.Tensor]:
         vals = [xs[j] for j in idx]
         base = max(abs(v) for v in vals) / 6
         best, best_err, best_q = None, None, None
+        b32 = torch.tensor(base, dtype=torch.float32)  # float32 b = amax/6, then float32 b*m (docs/numerics.md)
         for m in fm.FOLDED_MSE_MULTIPLIERS:
-            sc = fm.e4m3_round(torch.tensor([base * m], dtype=torch.float32)).item()
+            sc = fm.e4m3_round(b32 * torch.tensor(m, dtype=torch.float32)).item()
             q = [brute_e2m1(v / sc) * sc if sc else 0.0 for v in vals]
             err = sum((a - b) ** 2 for a, b in zip(q, vals, strict=True))
             if best_err is None or err < best_err:

@@ -173,7 +173,8 @@ def test_codes_match_reference_up_to_rounding_boundaries(policy, d):
     alpha = torch.exp2(u_work - pol.shift - 127).repeat_interleave(32, dim=-1)[..., :skv]
     perm = ops.perm if ops.perm is not None else torch.arange(skv, device="cuda")
     out_phys = out[..., perm].double()                                        # column p = physical key p
-    codes_k = torch.round(out_phys * 6 * blk.weighted_sum.unsqueeze(-1) / alpha * 2) / 2
+    # out = sum (alpha' q)(alpha c) / (6 l) with alpha c = 6 for V = I: out = alpha' q / l
+    codes_k = torch.round(out_phys * blk.weighted_sum.unsqueeze(-1) / alpha * 2) / 2
     diff = codes_k != codes_ref
     frac = float(diff.double().mean())
     assert frac < 2e-3, f"{frac:.2e} of codes differ"

@@ -372,3 +372,18 @@ def test_reference_cuda_matches_cpu():
         cpu = fp4vis.attention(q, k, v, policy=policy, backend="reference")
         gpu = fp4vis.attention(q.cuda(), k.cuda(), v.cuda(), policy=policy, backend="reference").cpu()
         assert fp4vis.rel_l2(gpu, cpu) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["block16", "folded64_mse"])
+def test_formats_identical_on_cpu_and_cuda(layout):
+    """Exact E4M3 ties of amax/6 (e.g. amax = 6.375 -> 1.0625) must round the same on both devices."""
+    g = torch.Generator().manual_seed(60)
+    x = torch.randn(4096, 128, generator=g).bfloat16().float()
+    ties = fm.e4m3_round(torch.rand(4096, 8, generator=g) * 4 + 0.01)
+    x.view(4096, 8, 16)[..., 0] = (ties + torch.exp2(torch.floor(torch.log2(ties)) - 4)) * 6  # midpoints * 6
+    cpu, gpu = fm.nvfp4_quantize(x, layout), fm.nvfp4_quantize(x.cuda(), layout)
+    assert torch.equal(cpu.codes, gpu.codes.cpu()) and torch.equal(cpu.scales, gpu.scales.cpu())
+    assert torch.equal(fm.nvfp4_qdq(x, layout), fm.nvfp4_qdq(x.cuda(), layout).cpu())
+    v = torch.randn(2, 300, 64, generator=g)
+    assert torch.equal(fm.mxfp4_qdq(v), fm.mxfp4_qdq(v.cuda()).cpu())
