@@ -52,10 +52,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def check_backend(backend: str, device: torch.device) -> str:
     """GPU-only backends need a CUDA device (the reference and 'auto' work everywhere)."""
-    known = ("auto", "reference", "hopper", "blackwell")
+    known = ("auto", "reference", "hopper")
     if backend not in known:
         raise UsageError(f"backend: unknown backend {backend!r}; use one of {', '.join(known)}")
-    if backend in ("hopper", "blackwell") and device.type != "cuda":
+    if backend == "hopper" and device.type != "cuda":
         raise UsageError(f"backend {backend!r} runs only on a CUDA GPU (device here: {device}); "
                          "use --backend auto or --backend reference on the CPU")
     return backend

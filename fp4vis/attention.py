@@ -82,7 +82,7 @@ def attention(
         scale: softmax scale; default ``1/sqrt(D)``.
         layout: "bhsd" or "bshd"; the output has the same layout.
         backend: "auto" (the GPU kernel when it supports the call, else the reference, with one
-            warning), "reference", "hopper" or "blackwell" (these raise when they cannot run).
+            warning), "reference" or "hopper" (these raise when they cannot run).
         range_check: when a Direct-P policy is driven past its range (saturated P blocks, rows
             that underflow, non-finite output): "raise" RangeExceededError, "warn", or "off".
 
@@ -103,6 +103,9 @@ def attention(
         raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if q.numel() == 0:  # no batch, heads or queries: nothing to attend (as SDPA)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        return out.transpose(1, 2) if layout == "bshd" else out
     chosen = select_backend(backend, q, k, v, pol, float(scale))
     out, report = chosen.forward(q, k, v, pol, float(scale))
     if report is not None and not report.ok and range_check != "off":

@@ -92,9 +92,9 @@ def _add_runtime(p: argparse.ArgumentParser, *, default_dtype: str = "bfloat16")
     g.add_argument("--device", default="auto", help="auto (CUDA when visible, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--dtype", default=default_dtype, choices=["bfloat16", "float16", "float32"],
                    help="model dtype (the BF16 baseline runs in this dtype too)")
-    g.add_argument("--backend", default="auto", choices=["auto", "reference", "hopper", "blackwell"],
+    g.add_argument("--backend", default="auto", choices=["auto", "reference", "hopper"],
                    help="FP4 attention backend; auto picks the kernel for this GPU and falls back to the "
-                        "reference emulation (hopper/blackwell need a CUDA GPU)")
+                        "reference emulation (hopper needs an sm_90 GPU)")
     g.add_argument("--guard-plan", metavar="JSON", help="guard plan written by `fp4vis calibrate`")
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with its reason)")
     p.add_argument("--grid", default="d128", choices=["d128", "d64", "all"],
                    help="shape grid: the D=128 video grid, the D=64 ViT shapes, or both")
-    p.add_argument("--out-dir", default="results", help="where to write NAME.json, NAME.md and NAME.png")
+    p.add_argument("--out-dir", default="out", help="where to write NAME.json, NAME.md and NAME.png")
     p.add_argument("--name", default=None, help="base file name (default: kernel_bench or kernel_bench_quick)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-per-layer", action="store_true", help="skip the per-layer attention errors")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
-    p.add_argument("--out-dir", default="results", help="directory for NAME.json and NAME.md")
+    p.add_argument("--out-dir", default="out", help="directory for NAME.json and NAME.md")
     p.add_argument("--name", default="vit_top1")
     _add_runtime(p)
 
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="seed of the masks (and of random weights)")
     p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--out-dir", default="results")
+    p.add_argument("--out-dir", default="out")
     p.add_argument("--name", default="mae_psnr")
     _add_runtime(p)
 
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--no-decode", dest="decode", action="store_false", help="time the denoising only")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up before each run")
     p.add_argument("--save-videos", action="store_true", help="also write each run's MP4 to --out-dir")
-    p.add_argument("--out-dir", default="results")
+    p.add_argument("--out-dir", default="out")
     p.add_argument("--name", default=None, help="default: wan_fidelity, or wan_speed with --speed-only")
     _add_runtime(p)
 

@@ -17,7 +17,8 @@ from fp4vis.policy import Policy
 from fp4vis.reference import RangeReport, reference_attention
 
 # backend name -> module that registers it on import
-_LAZY_BACKENDS = {"hopper": "fp4vis.kernels.hopper_backend", "blackwell": "fp4vis.kernels.blackwell_backend"}
+# (a Blackwell backend registers here once its kernel exists and has run on hardware)
+_LAZY_BACKENDS = {"hopper": "fp4vis.kernels.hopper_backend"}
 # which kernel backend "auto" tries for a CUDA device of this compute capability
 _AUTO_BY_CAPABILITY = {(9, 0): "hopper"}
 
@@ -51,6 +52,9 @@ class ReferenceBackend(Backend):
     # graph break) instead of tracing every chunk.
     @torch.compiler.disable
     def forward(self, q, k, v, policy, scale):
+        for name, t in (("q", q), ("k", k), ("v", v)):  # attention() cannot check while tracing
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}: contains NaN or Inf; attention inputs must be finite")
         b, h = q.shape[:2]
         out, report = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), policy, scale)
         return out.unflatten(0, (b, h)), report

@@ -293,13 +293,21 @@ def _nvfp4_rows(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tens
     # b = amax/6 and b*m are float32 values (a float32 GPU pre-pass computes the same), then E4M3
     base = _over_six(pair.abs().amax(-1, keepdim=True))
     cands = e4m3_round(base * _mse_multipliers(xf.device))  # (N, nb/2, n_cand)
-    vals_all = _codes_for_scale(pair.unsqueeze(-2), cands.unsqueeze(-1))  # (N, nb/2, n_cand, 32)
-    # squared errors summed in float64, where they are exact: the choice of candidate does not
-    # depend on a device's summation order; argmin keeps the first minimum (earlier candidates win ties)
-    err = ((vals_all * cands.unsqueeze(-1) - pair.unsqueeze(-2)).double() ** 2).sum(-1)
-    best = err.argmin(-1, keepdim=True)
-    scales = cands.gather(-1, best).squeeze(-1)
-    pv = vals_all.gather(-2, best.unsqueeze(-1).expand(*best.shape[:-1], 1, 32)).squeeze(-2)
+    # squared errors summed in float64, where they are exact: the choice does not depend on a
+    # device's summation order; a later candidate replaces the best only when strictly better
+    best_err, scales, pv = None, None, None
+    for i in range(cands.shape[-1]):
+        sc = cands[..., i:i + 1]
+        vals = _codes_for_scale(pair, sc)
+        err = ((vals * sc - pair).double() ** 2).sum(-1, keepdim=True)
+        if best_err is None:
+            best_err, scales, pv = err, sc, vals
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            scales = torch.where(better, sc, scales)
+            pv = torch.where(better, vals, pv)
+    scales = scales.squeeze(-1)
     return torch.cat((pv[..., :16], pv[..., 16:]), dim=-2).flatten(-2), scales  # back to block order
 
 
@@ -354,4 +362,6 @@ def _mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = vf.unflatten(-2, (-1, MXFP4_BLOCK))  # (..., nblk, 32, D)
     u = e8m0_nearest_pow2(blocks.abs().amax(-2))  # (..., nblk, D)
     inv_alpha = pow2(127 - u.to(torch.int32)).unsqueeze(-2)  # exact: u in [0, 254]
-    return e2m1_round((E2M1_MAX * blocks) * inv_alpha), u
+    # v / alpha is exact (a power of two); 6 (v / alpha) is exact in float64, not always in float32
+    # (an FP32 v has 24 significant bits), so the E2M1 rounding sees the exact value
+    return e2m1_round((blocks * inv_alpha).double() * E2M1_MAX).float(), u

@@ -40,7 +40,6 @@ handle (or call ``fp4vis.unpatch``) first.
 from __future__ import annotations
 
 import fnmatch
-import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -50,8 +49,6 @@ from typing import Any
 import torch
 
 from fp4vis.policy import Policy, get_policy
-
-LOG2E = 1.0 / math.log(2.0)
 
 __all__ = [
     "FallbackError", "FallbackWarning", "LayerSpec", "LayerState", "PatchHandle", "patch", "unpatch",
@@ -474,7 +471,7 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
         guard: a :class:`~fp4vis.guard.GuardPlan`, a path to its JSON, or ``"auto"`` (each layer
             calibrates on its first call with ``guard_rule`` and switches to the guard policy when
             the rule says so; ``handle.guard_plan`` collects the result).
-        backend: ``"auto"`` | ``"reference"`` | ``"hopper"`` | ``"blackwell"`` (passed to
+        backend: ``"auto"`` | ``"reference"`` | ``"hopper"`` (passed to
             ``fp4vis.attention``).
         strict: raise :class:`FallbackError` where a layer would fall back to exact attention,
             and on unsupported attention modules next to supported ones.

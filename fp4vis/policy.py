@@ -8,6 +8,7 @@ policies are the ones the paper published; users may build their own within the 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,12 +62,16 @@ class Policy:
         if self.margin_units not in ("code", "paper"):
             raise ValueError(f"Policy {self.name!r}: margin_units must be 'code' or 'paper', "
                              f"got {self.margin_units!r}")
+        for field_name in ("affine_a", "affine_b", "margin"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"Policy {self.name!r}: {field_name} must be a finite number, got {value!r}")
         if not self.affine_a > 0:
             raise ValueError(f"Policy {self.name!r}: affine_a (A) must be > 0, got {self.affine_a}")
-        if not isinstance(self.shift, int) or not 0 <= self.shift <= MAX_MARGIN_PLUS_SHIFT:
+        if type(self.shift) is not int or not 0 <= self.shift <= MAX_MARGIN_PLUS_SHIFT:
             raise ValueError(f"Policy {self.name!r}: shift (L) must be an integer in "
                              f"[0, {MAX_MARGIN_PLUS_SHIFT}], got {self.shift!r}")
-        if not isinstance(self.anchor, int) or self.anchor < 0:
+        if type(self.anchor) is not int or self.anchor < 0:
             raise ValueError(f"Policy {self.name!r}: anchor must be a non-negative integer, got {self.anchor!r}")
         if self.anchor == 0 and self.margin != 0:
             raise ValueError(f"Policy {self.name!r}: margin (M) needs anchor > 0 (the row reference "

@@ -34,6 +34,7 @@ LOG2_1P5 = math.log2(1.5)
 KEY_BLOCK = 32  # keys per P block (SPEC section 2) = tokens per MXFP4 V block
 MAX_EXP_BYTE = 254
 CHUNK_ELEMENTS = 1 << 22  # scores per chunk: float64 temporaries of 32 MiB each
+KEY_CHUNK = 4096  # keys per chunk (a multiple of 32)
 
 
 @dataclass
@@ -228,7 +229,7 @@ def _chunks(total: int, size: int):
 
 def _chunk_sizes(groups: int, sq: int, nk: int, align: int) -> tuple[int, int, int]:
     """(head groups, queries, keys) per chunk with at most CHUNK_ELEMENTS scores."""
-    ck = min(nk, max(align, (4096 // align) * align))
+    ck = min(nk, max(align, (KEY_CHUNK // align) * align))
     cq = min(sq, max(1, CHUNK_ELEMENTS // ck))
     cg = min(groups, max(1, CHUNK_ELEMENTS // (cq * ck)))
     return cg, cq, ck

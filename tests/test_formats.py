@@ -229,8 +229,9 @@ def _folded_brute(x: torch.Tensor) -> tuple[list[float], torch.Tensor]:
         base = max(abs(v) for v in vals) / 6
         best, best_err, best_q = None, None, None
         b32 = torch.tensor(base, dtype=torch.float32)  # float32 b = amax/6, then float32 b*m (docs/numerics.md)
-        for m in fm.FOLDED_MSE_MULTIPLIERS:
-            sc = fm.e4m3_round(b32 * torch.tensor(m, dtype=torch.float32)).item()
+        for m in (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25):  # SPEC §1
+            cand = (b32 * torch.tensor(m, dtype=torch.float32)).clamp(max=448.0)
+            sc = cand.to(torch.float8_e4m3fn).float().item()  # torch's RNE cast, independent of fm
             q = [brute_e2m1(v / sc) * sc if sc else 0.0 for v in vals]
             err = sum((a - b) ** 2 for a, b in zip(q, vals, strict=True))
             if best_err is None or err < best_err:
@@ -355,6 +356,16 @@ def test_mxfp4_exactly_representable_roundtrip():
     assert torch.equal(fm.mxfp4_quantize(v).dequantize(), v)
 
 
+def test_mxfp4_fp32_value_is_rounded_once():
+    """6 v must reach the E2M1 rounding exactly: v = 13981014 / 2**24 gives 6 v = 5 + 2**-22 (rounds
+    to 6), while a float32 product would round 6 v to 5.0, a tie that goes to 4."""
+    v = torch.zeros(32, 2)
+    v[0] = 13981014 / 2**24
+    v[1] = 1.0  # amax 1: alpha = 1
+    assert fm.mxfp4_quantize(v).dequantize(times_six=True)[0].tolist() == [6.0, 6.0]
+    assert torch.equal(fm.mxfp4_qdq(v, times_six=True), fm.mxfp4_quantize(v).dequantize(times_six=True))
+
+
 def test_mxfp4_tiny_block_gets_u0():
     t = fm.mxfp4_quantize(torch.full((32, 2), 1e-39))
     assert t.scales.tolist() == [[0, 0]]
@@ -368,8 +379,10 @@ def test_mxfp4_property_error_bound(s, mag):
     t = fm.mxfp4_quantize(v)
     alpha = fm.e8m0_decode(t.scales).repeat_interleave(32, 0)[:s]
     err = (t.dequantize() - v).abs()
-    # within the block amplitude: half an E2M1 step (1/6 * alpha at the top) or the clip (v <= 1.5 alpha)
-    assert bool((err <= 0.5 * alpha + 1e-30).all())
+    # |v| <= alpha: half the widest E2M1 step (4 -> 6) times alpha/6; above alpha (<= 1.5 alpha): the clip
+    inside = v.abs() <= alpha
+    assert bool((err[inside] <= alpha[inside] / 6 * (1 + 1e-6)).all())
+    assert bool((err[~inside] <= (v.abs() - alpha)[~inside] * (1 + 1e-6)).all())
 
 
 @settings(max_examples=60, deadline=None)

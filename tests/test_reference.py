@@ -194,10 +194,14 @@ def test_margin_units_paper():
 # ------------------------------------------------------------------------------ structure
 
 def test_chunking_does_not_change_results(monkeypatch):
+    """Chunks of 96 keys (not a multiple of 128: the native pattern must follow the physical block
+    index) and a few queries give the same codes as one chunk."""
     q, k, v = gaussian(1, 3, 100, 64, seed=7), gaussian(1, 3, 300, 64, seed=8), gaussian(1, 3, 300, 64, seed=9)
-    for policy in ("fast", "accurate", "nv_fp8"):
+    for policy in ("fast", "accurate", "guard", "nv_fp8"):
         full = fp4vis.attention(q, k, v, policy=policy)
-        monkeypatch.setattr(ref, "CHUNK_ELEMENTS", 64 * 10)
+        monkeypatch.setattr(ref, "CHUNK_ELEMENTS", 96 * 10)
+        monkeypatch.setattr(ref, "KEY_CHUNK", 96)
+        assert ref._chunk_sizes(3, 100, 320, 32) == (1, 10, 96)
         chunked = fp4vis.attention(q, k, v, policy=policy)
         monkeypatch.undo()
         # same codes everywhere; only the float32 summation order of P V across key chunks moves
@@ -232,15 +236,19 @@ def test_head_dim_padding_is_zero_padding():
     assert torch.equal(out, padded)
 
 
-def test_anchor_permutation_changes_only_quantization_blocks():
-    """With exact attention the permutation would be invisible: applying it by hand to K and V
-    and using a policy without anchors but the same row reference gives the same result."""
+def test_anchor_permutation_is_what_the_anchored_policy_sees():
+    """An anchored policy equals the same policy without anchors on keys and values permuted by
+    hand, with the row reference supplied the same way (anchor max over the first n physical keys)."""
     q, k, v = gaussian(1, 1, 6, 32, seed=16), gaussian(1, 1, 200, 32, seed=17), gaussian(1, 1, 200, 32, seed=18)
     pol = POLICIES["guard"]
     perm = ref.anchor_permutation(200, 128)
-    ops = ref.quantize_operands(q[0], k[0], v[0], pol, 0.1)
-    ops_manual = ref.quantize_operands(q[0], k[0][:, perm], v[0][:, perm], pol.replace(anchor=0, margin=0), 0.1)
-    assert torch.equal(ops.k, ops_manual.k) and torch.equal(ops.v6, ops_manual.v6)
+    got, _ = ref.direct_p_attention(q[0], k[0], v[0], pol, 0.1)
+    ops = ref.quantize_operands(q[0], k[0][:, perm], v[0][:, perm], pol.replace(anchor=0, margin=0), 0.1)
+    m = (ops.q @ ops.k[:, :128].mT).amax(-1, keepdim=True).double() + pol.margin * LN2
+    blk = ref.direct_p_block(ops.q @ ops.k.mT, m, ops.s, pol, torch.arange(ops.k.shape[1]) < 200,
+                             ref.native_positions(ops.k.shape[1]))
+    want = (blk.p_scaled @ ops.v6) / (6 * blk.weighted_sum.unsqueeze(-1))
+    assert torch.allclose(got, want.float(), rtol=1e-6, atol=1e-7)
 
 
 # ------------------------------------------------------------------------------ SPEC section 5
@@ -357,6 +365,19 @@ def test_hopper_backend_forced_on_cpu_raises():
 def test_policy_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Policy("custom", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(affine_a=math.inf), dict(affine_b=math.nan), dict(anchor=32, margin=math.nan),
+                                    dict(shift=True), dict(anchor=True)])
+def test_policy_rejects_non_finite_and_bool(kwargs):
+    with pytest.raises(ValueError, match="Policy 'custom'"):
+        Policy("custom", **kwargs)
+
+
+def test_empty_inputs_give_empty_output():
+    q, k = gaussian(2, 3, 0, 16), gaussian(2, 3, 5, 16)
+    assert fp4vis.attention(q, k, k).shape == (2, 3, 0, 16)
+    assert fp4vis.attention(q[:0], k[:0], k[:0], policy="bf16").shape == (0, 3, 0, 16)
 
 
 def test_custom_policy_accepted():
