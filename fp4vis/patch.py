@@ -204,6 +204,10 @@ def resolve_layer_policies(specs: list[LayerSpec], policy: Any, layers: Mapping 
             for s in chosen:
                 out[s.name] = pol
     if plan is not None:
+        if base is not None and base.name != plan.policy.name:
+            warnings.warn(f"guard plan was calibrated for policy {plan.policy.name!r} but the model is patched "
+                          f"with {base.name!r}: its decisions may not fit this policy's range "
+                          f"(calibrate again with policy={base.name!r})", RuntimeWarning, stacklevel=3)
         for s in plan.match(specs):
             if out[s.name] is not None and out[s.name].is_direct_p:
                 out[s.name] = plan.guard_policy

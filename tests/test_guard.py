@@ -134,6 +134,10 @@ def test_calibrate_picks_exactly_the_extreme_layers_and_guard_keeps_finite(vit, 
     # explicit exact layers stay exact; the guard only upgrades Direct-P layers
     with fp4vis.patch(vit, "fast", layers={1: None}, guard=plan) as h:
         assert h.policies["blocks.1.attn"] is None and h.policies["blocks.3.attn"] == "guard"
+    # a plan calibrated for another base policy is applied, with a warning saying so
+    with pytest.warns(RuntimeWarning, match="calibrated for policy 'fast'"):
+        with fp4vis.patch(vit, "wan_fast", guard=plan):
+            pass
 
 
 @torch.no_grad()
