@@ -43,28 +43,9 @@ def cached_anchor_permutation(seq_len: int, n: int, device: torch.device,
     return perm
 
 
-def nvfp4_decoded(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """Decoded NVFP4 values of ``x`` (..., D) as float32: ``fp4vis.formats.nvfp4_qdq``."""
-    return nvfp4_qdq(x, layout)
-
-
-def mxfp4_times_six(v: torch.Tensor) -> torch.Tensor:
-    """``alpha * c`` of MXFP4 V (..., S, D) over 32-token blocks, float32: ``fp4vis.formats.mxfp4_qdq``."""
-    return mxfp4_qdq(v, times_six=True)
-
-
-_CHUNK_ROWS = 1 << 15
-
-
-def _rows_chunked(fn, x: torch.Tensor) -> torch.Tensor:
-    """Apply a row-wise quantizer over (..., D) in chunks of rows (bounds the MSE temporaries)."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] <= _CHUNK_ROWS:
-        return fn(flat).to(torch.bfloat16).reshape(x.shape)
-    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=x.device)
-    for r0 in range(0, flat.shape[0], _CHUNK_ROWS):
-        out[r0:r0 + _CHUNK_ROWS] = fn(flat[r0:r0 + _CHUNK_ROWS])
-    return out.reshape(x.shape)
+def _qk_hat(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """Decoded NVFP4 of x in BF16 (exact), from the project's one quantizer."""
+    return nvfp4_qdq(x, layout).to(torch.bfloat16).contiguous()
 
 
 def _triton_prepass():
@@ -100,13 +81,11 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layou
             return tp.nvfp4_qdq(q, qk_layout), tp.nvfp4_qdq(k, qk_layout, perm), v6
         if anchor > 0:
             k = k.index_select(-2, cached_anchor_permutation(k.shape[-2], anchor, k.device))
-        return (_rows_chunked(lambda t: nvfp4_decoded(t, qk_layout), q).contiguous(),
-                _rows_chunked(lambda t: nvfp4_decoded(t, qk_layout), k).contiguous(), v6)
+        return _qk_hat(q, qk_layout), _qk_hat(k, qk_layout), v6
     if anchor > 0:
         perm = cached_anchor_permutation(k.shape[-2], anchor, k.device)
         k = k.index_select(-2, perm)
         v = v.index_select(-2, perm)
-    q_hat = _rows_chunked(lambda t: nvfp4_decoded(t, qk_layout), q)
-    k_hat = _rows_chunked(lambda t: nvfp4_decoded(t, qk_layout), k)
-    v6 = mxfp4_times_six(v).to(torch.bfloat16).contiguous()
+    q_hat, k_hat = _qk_hat(q, qk_layout), _qk_hat(k, qk_layout)
+    v6 = mxfp4_qdq(v, times_six=True).to(torch.bfloat16).contiguous()
     return q_hat.contiguous(), k_hat.contiguous(), v6

@@ -95,7 +95,8 @@ def test_backend_registers_and_explains_cpu():
 
 _TRITON_CHECK = r"""
 import torch
-from fp4vis.kernels.hopper_prepass import prepare_operands, cached_anchor_permutation, nvfp4_decoded
+from fp4vis.formats import nvfp4_qdq
+from fp4vis.kernels.hopper_prepass import prepare_operands, cached_anchor_permutation
 from fp4vis.kernels import hopper_prepass_triton as tp
 g = torch.Generator().manual_seed(0)
 for dtype, d, layout, anchor in ((torch.bfloat16, 128, "folded64_mse", 128), (torch.float16, 64, "block16", 32)):
@@ -109,8 +110,8 @@ for dtype, d, layout, anchor in ((torch.bfloat16, 128, "folded64_mse", 128), (to
     qh, kh, v6 = prepare_operands(q, k, v, layout, anchor, fused=False)
     perm = cached_anchor_permutation(s, anchor, q.device, torch.int32)
     # the fused pre-pass sums the folded-K64 MSE exactly (float64)
-    qx = nvfp4_decoded(q, layout).to(torch.bfloat16)
-    kx = nvfp4_decoded(k[:, :, perm.long()], layout).to(torch.bfloat16)
+    qx = nvfp4_qdq(q, layout).to(torch.bfloat16)
+    kx = nvfp4_qdq(k[:, :, perm.long()], layout).to(torch.bfloat16)
     assert torch.equal(tp.nvfp4_qdq(q, layout), qx)
     assert torch.equal(tp.nvfp4_qdq(k, layout, perm), kx)
     assert torch.equal(tp.mxfp4_v6(v, perm), v6)
