@@ -9,7 +9,10 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 
 Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
-  ``hopper_plain`` / ``hopper_overlap``  the whole call with the plain or the overlapped schedule
+  ``hopper_plain`` / ``hopper_overlap``  the whole call with the serial or the overlapped schedule
+  ``hopper@SCHEDULE/P_PATH``, ``hopper_kernel@SCHEDULE/P_PATH``  a kernel variant (either part may
+                    be empty: the default), e.g. ``hopper_kernel@serial/scalar``; see
+                    ``fp4vis.kernels.hopper_fwd.SCHEDULES`` and ``P_PATHS``
   ``hopper_fused``  the whole call with the fused (Triton) folded-K64 Q/K pre-pass, whose exact MSE
                     can choose other scales than the reference's float32 one at ties
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
@@ -152,7 +155,14 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-def _hopper(policy: str, schedule: int = -1, fused_folded: bool | None = None):
+def split_variant(backend: str) -> tuple[str, str, str]:
+    """``"hopper_kernel@serial/scalar"`` -> ("hopper_kernel", "serial", "scalar"); "" = default."""
+    base, _, variant = backend.partition("@")
+    schedule, _, p_path = variant.partition("/")
+    return base, schedule, p_path
+
+
+def _hopper(policy: str, schedule: str = "", fused_folded: bool | None = None, p_path: str = ""):
     policy_args = _kmod("hopper_backend").policy_args
     prepass = _kmod("hopper_prepass")
     pol = get_policy(policy)
@@ -163,13 +173,13 @@ def _hopper(policy: str, schedule: int = -1, fused_folded: bool | None = None):
             prepass.FUSED_FOLDED = fused_folded
         try:
             return torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, q.shape[-1], scale),
-                                                     schedule=schedule)
+                                                     schedule=schedule, p_path=p_path)
         finally:
             prepass.FUSED_FOLDED = saved
     return call
 
 
-def _hopper_parts(policy: str):
+def _hopper_parts(policy: str, schedule: str = "", p_path: str = ""):
     """(prepass(q,k,v) -> operands, kernel(operands) -> out) for the split timings."""
     hb = _kmod("hopper_backend")
     LOG2E, policy_args, run_kernel = hb.LOG2E, hb.policy_args, hb.run_kernel
@@ -185,7 +195,8 @@ def _hopper_parts(policy: str):
         a = policy_args(pol, q.shape[-1], scale)
         out = torch.empty_like(q)
         cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", a["affine_a"],
-                                 a["affine_b"], a["shift"], a["native_exp2"], a["anchor"])
+                                 a["affine_b"], a["shift"], a["native_exp2"], a["anchor"],
+                                 schedule=schedule or None, p_path=p_path or None)
         run_kernel(*ops, out, cfg, scale * LOG2E, a["margin_raw"])
         return out
     return pre, ker
@@ -235,7 +246,7 @@ def available(backend: str) -> str | None:
     if not cuda:
         return "no CUDA device"
     try:
-        if backend in HOPPER_BACKENDS:
+        if split_variant(backend)[0] in HOPPER_BACKENDS:
             import fp4vis
             return fp4vis.available_backends().get("hopper")
         if backend == "fa4":
@@ -276,7 +287,7 @@ def run_grid(shapes: Sequence = GRID_D128, backends: Sequence[str] = ("hopper", 
             except Exception:
                 bf16_out = None
         for backend in backends:
-            pols = policies if backend in HOPPER_BACKENDS + ("reference",) else (None,)
+            pols = policies if split_variant(backend)[0] in HOPPER_BACKENDS + ("reference",) else (None,)
             for pol in pols:
                 row = dict(shape=shape.label(), b=shape.b, s=shape.s, skv=shape.kv, h=shape.h, d=shape.d,
                            backend=backend, policy=pol, dtype=str(dtype).replace("torch.", ""))
@@ -301,22 +312,24 @@ def run_grid(shapes: Sequence = GRID_D128, backends: Sequence[str] = ("hopper", 
 def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budget_s=2.0):
     shape_flops = 4.0 * row["b"] * row["h"] * row["s"] * row["skv"] * row["d"]
     out0 = None
-    if backend in ("prepass", "prepass_fused", "hopper_kernel"):
-        pre, ker = _hopper_parts(pol)
-        ops = [pre(q, k, v, scale) for q, k, v in sets] if backend == "hopper_kernel" else None
-        if backend == "prepass":
+    base, schedule, p_path = split_variant(backend)
+    if base in ("prepass", "prepass_fused", "hopper_kernel"):
+        pre, ker = _hopper_parts(pol, schedule, p_path)
+        ops = [pre(q, k, v, scale) for q, k, v in sets] if base == "hopper_kernel" else None
+        if base == "prepass":
             fn = lambda i: pre(*sets[i], scale)  # noqa: E731
-        elif backend == "prepass_fused":
+        elif base == "prepass_fused":
             fn = lambda i: pre(*sets[i], scale, True)  # noqa: E731
         else:
             fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
             out0 = ker(ops[0], sets[0][0], scale)
     else:
-        call = {"hopper": lambda: _hopper(pol), "hopper_plain": lambda: _hopper(pol, 0),
-                "hopper_overlap": lambda: _hopper(pol, 1), "hopper_fused": lambda: _hopper(pol, -1, True),
+        call = {"hopper": lambda: _hopper(pol, schedule, p_path=p_path),
+                "hopper_plain": lambda: _hopper(pol, "serial"),
+                "hopper_overlap": lambda: _hopper(pol, "overlap"), "hopper_fused": lambda: _hopper(pol, "", True),
                 "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
                 "sdpa_flash": lambda: _sdpa("flash"), "sage": _sage,
-                "reference": lambda: _reference(pol)}[backend]()
+                "reference": lambda: _reference(pol)}[base]()
         fn = lambda i: call(*sets[i], scale)  # noqa: E731
         out0 = call(*sets[0], scale)
     times = time_cpu(fn, len(sets)) if quick else time_cuda(fn, len(sets), budget_s=budget_s)

@@ -106,7 +106,8 @@ def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = Tru
         compiled = cute.compile(kernel, *args, options=opts)
     dt = time.perf_counter() - t0
     rep = CompileReport(variant=dict(zip(
-        ("head_dim", "out_dtype", "affine_a", "affine_b", "shift", "native_exp2", "anchor", "overlap", "tile_n"),
+        ("head_dim", "out_dtype", "affine_a", "affine_b", "shift", "native_exp2", "anchor", "schedule", "tile_n",
+         "p_path"),
         cfg.key())), compile_s=round(dt, 2))
     cubins = sorted(glob.glob(os.path.join(dump, "**", "*.cubin"), recursive=True), key=os.path.getmtime)
     if not cubins:
@@ -225,7 +226,9 @@ def _parse_ptxas(rep: CompileReport, text: str) -> None:
 
 
 def variants(head_dims=(128, 64)):
-    """The kernel variants CI compiles: every supported policy x head dim (BF16 out)."""
+    """The kernel variants CI compiles: every supported policy x head dim with the default schedule
+    and P path, plus the serial schedule with the scalar P path and the overlapped schedule for
+    the policies with at most 64 anchors (BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
@@ -234,9 +237,12 @@ def variants(head_dims=(128, 64)):
     out = []
     for d in head_dims:
         for name, p in pols:
-            out.append((name, DirectPConfig.from_policy(p, d, "bf16", overlap=False)))
+            out.append((name, DirectPConfig.from_policy(p, d, "bf16", schedule="pingpong", p_path="packed")))
         for name, p in pols[:3]:  # the overlapped schedule (64-key tiles): policies with <= 64 anchors
-            out.append((f"{name}_overlap", DirectPConfig.from_policy(p, d, "bf16", overlap=True)))
+            out.append((f"{name}_overlap", DirectPConfig.from_policy(p, d, "bf16", schedule="overlap")))
+        for name, p in (pols[0], pols[2]):
+            out.append((f"{name}_serial_scalar", DirectPConfig.from_policy(p, d, "bf16", schedule="serial",
+                                                                           p_path="scalar")))
     return out
 
 

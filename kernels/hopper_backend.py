@@ -126,22 +126,22 @@ def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, out: 
 @torch.library.custom_op("fp4vis::hopper_attention", mutates_args=(), device_types="cuda")
 def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, affine_a: float,
                      affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
-                     qk_fmt: str, schedule: int = -1) -> torch.Tensor:
+                     qk_fmt: str, schedule: str = "", p_path: str = "") -> torch.Tensor:
     """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Hopper kernel.
-    ``schedule``: -1 the default, 0 the plain schedule, 1 the overlapped one (where it applies)."""
+    ``schedule`` / ``p_path``: "" the defaults, else one of ``hopper_fwd.SCHEDULES`` / ``P_PATHS``
+    (kernel variants, for the tests and the benchmark)."""
     from .hopper_fwd import DirectPConfig
     q_hat, k_hat, v6 = prepare_operands(q, k, v, qk_fmt, anchor)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    kw = {} if schedule < 0 else {"overlap": bool(schedule)}
     cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
-                             shift, native_exp2, anchor, **kw)
+                             shift, native_exp2, anchor, schedule=schedule or None, p_path=p_path or None)
     run_kernel(q_hat, k_hat, v6, out, cfg, scale * LOG2E, margin_raw)
     return out
 
 
 @hopper_attention.register_fake
 def _hopper_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw,
-                           qk_fmt, schedule=-1):
+                           qk_fmt, schedule="", p_path=""):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 

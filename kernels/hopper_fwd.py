@@ -53,8 +53,20 @@ Q_STAGES = NUM_MMA_WG   # one Q tile per consumer warpgroup
 REGS_PRODUCER = 24
 REGS_CONSUMER = 240
 DP_BLOCK = 32           # Direct-P block: 32 consecutive keys
-# default schedule (see DirectPConfig.overlap); FP4VIS_HOPPER_OVERLAP=1 flips it for experiments
-OVERLAP = os.environ.get("FP4VIS_HOPPER_OVERLAP", "0") == "1"
+# Schedules of the consumer warpgroups (DirectPConfig.schedule):
+#   "pingpong": each warpgroup issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T back to back, then hands
+#               the tensor cores to the other warpgroup (named barriers) and runs Direct-P on S_j while
+#               the other one's matrix products run (FA3-style ping-pong; no extra registers);
+#   "serial":   S_j, Direct-P, PV_j in order per warpgroup; the two warpgroups interleave freely;
+#   "overlap":  64-key tiles, S_{j+1} issued before Direct-P of S_j (two score buffers).
+SCHEDULES = ("pingpong", "serial", "overlap")
+SCHEDULE = os.environ.get("FP4VIS_HOPPER_SCHEDULE", "pingpong")
+# P path: "packed" rounds in FP32, then saturates, scales by alpha' and sums the codes on BF16 pairs
+# (exact: see DirectPAttentionSm90.direct_p); "scalar" does every step in FP32.
+# "none" is for timing only (wrong results): P = 1, no Direct-P, to measure the kernel's structure.
+P_PATHS = ("packed", "scalar", "none")
+P_PATH = os.environ.get("FP4VIS_HOPPER_P_PATH", "packed")
+BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # compute the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS = os.environ.get("FP4VIS_HOPPER_EIGHTHS", "1") == "1"
 EIGHTHS_LOG2 = 3
@@ -74,30 +86,46 @@ class DirectPConfig:
     shift: int = 16                  # L
     native_exp2: bool = False
     anchor: int = 0                  # 0: m_i = 0; else the first `anchor` keys are the anchors
-    overlap: bool = OVERLAP          # issue Q K_{j+1}^T before Direct-P of tile j (two S buffers)
+    schedule: str = SCHEDULE         # see SCHEDULES
     tile_n: int = TILE_N             # keys per tile: 128, or 64 (what the overlapped schedule fits)
+    p_path: str = P_PATH             # see P_PATHS
+
+    @property
+    def overlap(self) -> bool:
+        return self.schedule == "overlap"
 
     def key(self) -> tuple:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
-                self.native_exp2, self.anchor, self.overlap, self.tile_n)
+                self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path)
 
     @staticmethod
     def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
-             anchor: int, overlap: bool = OVERLAP, tile_n: int | None = None) -> DirectPConfig:
-        """A configuration with the schedule chosen for it: the overlapped schedule needs 64-key
+             anchor: int, schedule: str | None = None, tile_n: int | None = None,
+             p_path: str | None = None) -> DirectPConfig:
+        """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
         tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
-        tiles hold at most 64 anchors, so the 128-anchor guard keeps the plain 128-key schedule."""
+        tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule."""
+        schedule = schedule or SCHEDULE
+        p_path = p_path or P_PATH
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: one of {SCHEDULES}, got {schedule!r}")
+        if p_path not in P_PATHS:
+            raise ValueError(f"p_path: one of {P_PATHS}, got {p_path!r}")
+        if schedule == "overlap" and anchor > 64:
+            schedule = SCHEDULE if SCHEDULE != "overlap" else "pingpong"
         if tile_n is None:
-            tile_n = 64 if overlap and anchor <= 64 else 128
+            tile_n = 64 if schedule == "overlap" else 128
+        if schedule == "overlap" and tile_n != 64:
+            raise ValueError("schedule 'overlap' needs tile_n = 64")
         return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
                              affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
-                             anchor=int(anchor), overlap=bool(overlap) and tile_n == 64, tile_n=tile_n)
+                             anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path)
 
     @staticmethod
-    def from_policy(policy, head_dim: int, out_dtype: str, overlap: bool = OVERLAP,
-                    tile_n: int | None = None) -> DirectPConfig:
+    def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,
+                    tile_n: int | None = None, p_path: str | None = None) -> DirectPConfig:
         return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
-                                  policy.native_exp2, policy.anchor, overlap, tile_n)
+                                  policy.native_exp2, policy.anchor, schedule, tile_n, p_path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,47 +210,103 @@ def select_f32(flag: Int32, a: Float32, b: Float32, *, loc=None, ip=None) -> Flo
 
 
 @dsl_user_op
-def block_exponent(mx: Float32, m: Float32, s2: Float32, *, loc=None, ip=None) -> Int32:
+def block_exponent(mx: Float32, m: Float32, s2: Float32, anchored: bool, *, loc=None, ip=None) -> Int32:
     """u = clamp(floor((mx - m) * s + 1 - log2(1.5)) + 127, 0, 254) (SPEC section 2, steps 1-2).
-    -inf (an all-masked block) saturates the conversion to INT_MIN, hence u = 0."""
-    body = ("{ .reg .f32 g; .reg .s32 e;\n"
-            "sub.rn.f32 g, $1, $2;\n"
-            "mul.rn.f32 g, g, $3;\n"
+
+    The floor is taken with a round-down add of 1.5 * 2^23, which puts floor(g) in the low mantissa
+    bits for |g| < 2^22 (beyond that, and for -inf of an all-masked block, the clamp gives 254 or 0
+    as before): no float-to-int conversion (16/clk/SM on Hopper). Without anchors m = 0 and
+    ``mx - m`` is skipped (exact: x - 0 = x)."""
+    g = "sub.rn.f32 g, $1, $2;\nmul.rn.f32 g, g, $3;\n" if anchored else "mul.rn.f32 g, $1, $3;\n"
+    body = ("{ .reg .f32 g; .reg .s32 e;\n" + g +
             f"add.rn.f32 g, g, {_f32_hex(1.0 - LOG2_1P5)};\n"
-            "cvt.rmi.sat.s32.f32 e, g;\n"
-            "max.s32 e, e, -1000;\n"
-            "add.s32 e, e, 127;\n"
+            "add.rm.f32 g, g, 0f4B400000;\n"
+            "mov.b32 e, g;\n"
+            f"sub.s32 e, e, {0x4B400000 - 127};\n"
             "max.s32 e, e, 0;\n"
             "min.s32 $0, e, 254; }")
     return Int32(_asm(T.i32(), [Float32(mx), Float32(m), Float32(s2)], body, "=r,f,f,f", loc, ip))
 
 
 @dsl_user_op
-def block_constants(u: Int32, ms: Float32, shift: int, aff_a: float, aff_b: float, *, loc=None,
-                    ip=None):
+def block_constants(u: Int32, shift: int, aff_a: float, aff_b: float, eighths: bool, *, loc=None, ip=None):
     """From the block exponent u: (alpha', affine additive constant, native additive constant).
 
     ubar = max(u, L+1), ebar = ubar - 127; alpha' = 2^(ubar - L - 127) (never subnormal);
     x = (raw - m)*s + k with k = log2 6 - ebar; affine y = A*x + B = (A*s)*(raw - m) + (A*k + B).
-    ``ms`` (= m*s, 0 without anchors) is folded into the constants only for m = 0 policies; the
-    anchored path subtracts m from raw first (see ``direct_p``), so pass ms = 0 there.
-    A block with u = 0 gets additive constants -inf (its codes are 0)."""
+    With ``eighths`` the codes are computed as q/8: alpha' carries the factor 8, the affine
+    constant is (A*k + B)/8 (one FMA with A/8, B/8: identical to rounding A*k + B and dividing by
+    8) and the native constant k - 3. ebar is made exactly in float from the bits of 2^23 + ubar
+    (no int-to-float conversion). A block with u = 0 gets additive constants -inf (its codes are 0)."""
     ub = Int32(_asm(T.i32(), [Int32(u)], f"max.s32 $0, $1, {shift + 1};", "=r,r", loc, ip))
-    # alpha' * 2^EIGHTHS_LOG2 when the eighths trick is on (the codes are then q/8)
-    sh = shift - (EIGHTHS_LOG2 if EIGHTHS and shift >= EIGHTHS_LOG2 else 0)
+    sh = shift - (EIGHTHS_LOG2 if eighths else 0)
     alpha = Float32(_asm(T.f32(), [ub], "{ .reg .s32 t; sub.s32 t, $1, " + str(sh) + "; shl.b32 $0, t, 23; }",
                          "=f,r", loc, ip))
-    kbody = ("{ .reg .f32 e; .reg .s32 t; .reg .pred p;\n"
-             "sub.s32 t, $2, 127;\n"
-             "cvt.rn.f32.s32 e, t;\n"
+    kbody = ("{ .reg .f32 e; .reg .b32 t; .reg .pred p;\n"
+             "add.s32 t, $2, 0x4B000000;\n"
+             "mov.b32 e, t;\n"
+             f"sub.rn.f32 e, e, {_f32_hex(2.0 ** 23 + 127)};\n"
              f"sub.rn.f32 e, {_f32_hex(LOG2_6)}, e;\n"
-             "sub.rn.f32 e, e, $3;\n"
              "setp.eq.s32 p, $1, 0;\n"
              "selp.f32 $0, 0fFF800000, e, p; }")
-    knat = Float32(_asm(T.f32(), [Int32(u), ub, Float32(ms)], kbody, "=f,r,r,f", loc, ip))
-    kaff = Float32(_asm(T.f32(), [knat],
-                        f"fma.rn.f32 $0, $1, {_f32_hex(aff_a)}, {_f32_hex(aff_b)};", "=f,f", loc, ip))
+    knat = Float32(_asm(T.f32(), [Int32(u), ub], kbody, "=f,r,r", loc, ip))
+    ka, kb = (aff_a / 8.0, aff_b / 8.0) if eighths else (aff_a, aff_b)
+    kaff = Float32(_asm(T.f32(), [knat], f"fma.rn.f32 $0, $1, {_f32_hex(ka)}, {_f32_hex(kb)};", "=f,f", loc, ip))
+    if eighths:
+        knat = knat - 3.0          # 2^(x - 3) = 2^x / 8; -inf stays -inf
     return alpha, kaff, knat
+
+
+@dsl_user_op
+def e2m1_grid_eighths(y8: Float32, *, loc=None, ip=None) -> Float32:
+    """``e2m1_round_eighths`` without the final saturation (8 * y8 = 8 rounds to 8/8; the packed P
+    path saturates on BF16 pairs): 5 instructions."""
+    body = ("{ .reg .f32 r; .reg .b32 c;\n"
+            "and.b32 c, $1, 0x7F800000;\n"
+            "add.s32 c, c, 0x0B000000;\n"
+            "max.s32 c, c, 0x49000000;\n"
+            "add.rn.f32 r, $1, c;\n"
+            "sub.rn.f32 $0, r, c; }")
+    return Float32(_asm(T.f32(), [Float32(y8)], body, "=f,f", loc, ip))
+
+
+@dsl_user_op
+def pack_sat_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """BF16 pair (lo in the low half) of two E2M1 grid values / 8 (exact in BF16), saturated at 6/8."""
+    body = ("{ .reg .b32 p, c;\n"
+            "cvt.rn.bf16x2.f32 p, $2, $1;\n"
+            "mov.b32 c, 0x3F403F40;\n"
+            "min.bf16x2 $0, p, c; }")
+    return Int32(_asm(T.i32(), [Float32(lo), Float32(hi)], body, "=r,f,f", loc, ip))
+
+
+@dsl_user_op
+def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc, ip))
+
+
+@dsl_user_op
+def add_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "add.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc, ip))
+
+
+@dsl_user_op
+def bf16x2_splat_pow2(alpha: Float32, *, loc=None, ip=None) -> Int32:
+    """(alpha, alpha) as a BF16 pair, for a power of two alpha (its float32 bits >> 16 are exact)."""
+    body = "{ .reg .b32 t; mov.b32 t, $1; shr.u32 t, t, 16; prmt.b32 $0, t, t, 0x1010; }"
+    return Int32(_asm(T.i32(), [Float32(alpha)], body, "=r,f", loc, ip))
+
+
+@dsl_user_op
+def bf16x2_sum(p: Int32, *, loc=None, ip=None) -> Float32:
+    """low + high half of a BF16 pair, in float32 (exact for the code sums it is used on)."""
+    body = ("{ .reg .b32 lo, hi; .reg .f32 a, b;\n"
+            "shl.b32 lo, $1, 16;\n"
+            "and.b32 hi, $1, 0xFFFF0000;\n"
+            "mov.b32 a, lo;\n"
+            "mov.b32 b, hi;\n"
+            "add.rn.f32 $0, a, b; }")
+    return Float32(_asm(T.f32(), [Int32(p)], body, "=f,r", loc, ip))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -443,6 +527,10 @@ class DirectPAttentionSm90:
                 kv_state = self.overlap_step(
                     n_tiles - 1, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
                     kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+        elif const_expr(self.cfg.schedule == "pingpong"):
+            self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
+                               acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles,
+                               partial_last)
         else:
             for j in cutlass.range(n_tiles, unroll=1):
                 # S = Q K^T
@@ -473,6 +561,65 @@ class DirectPAttentionSm90:
                 kv_state.advance()
 
         self.epilogue(thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q)
+
+    @cute.jit
+    def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
+                      acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles, partial_last):
+        """The ping-pong schedule. Per key tile j one "tensor phase" issues O += P_{j-1} V_{j-1} and
+        S_j = Q K_j^T together, then Direct-P of S_j runs on the ALUs. Named barrier BAR_SCHED + w
+        means "warpgroup w may issue": each warpgroup waits for its own before a tensor phase and
+        signals the other's right after issuing, so one warpgroup's Direct-P runs under the other's
+        matrix products. Counts balance: each warpgroup syncs n + 1 times; warpgroup 1 signals once
+        up front and after its first n phases, warpgroup 0 after all n + 1."""
+        own_bar = BAR_SCHED + wg
+        other_bar = BAR_SCHED + 1 - wg
+        n_sched = 128 * NUM_MMA_WG
+        if wg == 1:
+            cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        k_state = kv_state.clone()          # K_j (stream position 2j)
+        v_state = kv_state.clone()          # V_{j-1} (position 2j - 1); first used at j = 1
+        for j in cutlass.range(n_tiles, unroll=1):
+            kv_pipe.consumer_wait(k_state)
+            if j > 0:
+                kv_pipe.consumer_wait(v_state)
+            cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
+            cute.nvgpu.warpgroup.fence()
+            # S_j first, then PV_{j-1} as a second group (empty at j = 0), so that Direct-P's block
+            # scales can start once S_j is done while PV_{j-1} still runs; P_j is written into r_p
+            # (which PV_{j-1} reads) only after wait_group(0), inside direct_p.
+            self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
+            cute.nvgpu.warpgroup.commit_group()
+            if j > 0:
+                cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+            cute.nvgpu.warpgroup.wait_group(1)
+            kv_pipe.consumer_release(k_state)
+
+            kv_limit = seqlen_k - j * self.tile_n
+            if const_expr(self.cfg.anchor > 0):
+                if j == 0:
+                    self.anchor_reference(acc_s, row_m, m_offset, lane_q, kv_limit)
+            if partial_last and j == n_tiles - 1:
+                self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True, True)
+            else:
+                self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False, True)
+            if j > 0:
+                kv_pipe.consumer_release(v_state)
+            v_state = k_state.clone()
+            v_state.advance()
+            k_state.advance()
+            k_state.advance()
+        # the last tensor phase: O += P_{n-1} V_{n-1}
+        kv_pipe.consumer_wait(v_state)
+        cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.fence()
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.nvgpu.warpgroup.commit_group()
+        if wg == 0:
+            cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.wait_group(0)
+        kv_pipe.consumer_release(v_state)
 
     @cute.jit
     def qk_gemm(self, qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_stage, acc):
@@ -530,70 +677,109 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def direct_p(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, tile_idx,
-                 masked: cutlass.Constexpr):
+                 masked: cutlass.Constexpr, wait_pv: cutlass.Constexpr = False):
         """Direct-P on one 64 x 128 score tile held in registers: reads the scores (never writes
         them: a non-WGMMA write to accumulator registers would make ptxas serialise the WGMMAs
         in flight), writes P-tilde * alpha' (exact in BF16) into the PV A-fragment r_p and adds
         sum_B alpha'_B c_B to row_l. Register index i = c + 2 r + 4 chunk is (row r0 + 8 r,
-        column 8 chunk + 2 lane_q + c): the same order in the accumulator and in the A fragment."""
+        column 8 chunk + 2 lane_q + c): the same order in the accumulator and in the A fragment,
+        so elements i, i+1 (c = 0, 1) form one BF16 pair of r_p.
+
+        Packed P path: after the FP32 grid rounding, the pair is packed to BF16 (exact: codes/8),
+        saturated at 6/8, multiplied by (8 alpha', 8 alpha') (a power of two: exact) and its codes
+        summed on pairs (at most 4 codes/8 per half, multiples of 1/16 up to 3: exact in BF16)."""
         cfg = self.cfg
         eighths = EIGHTHS and cfg.shift >= EIGHTHS_LOG2
+        packed = const_expr(cfg.p_path == "packed" and eighths)
+        anchored = cfg.anchor > 0
         a_s = s_log2 * cfg.affine_a
         if const_expr(eighths):
             a_s = s_log2 * (cfg.affine_a / 8.0)
-        for r in cutlass.range_constexpr(2):
-            m = row_m[r]
-            l_acc = Float32(0.0)
-            for b in cutlass.range_constexpr(self.tile_n // DP_BLOCK):
-                idx = [c + 2 * r + 4 * (4 * b + cb) for cb in range(4) for c in range(2)]
-                vals = [acc_s[i] for i in idx]
-                if const_expr(masked):
-                    for t in cutlass.range_constexpr(8):
-                        vals[t] = mask_key(vals[t], 32 * b + 8 * (t // 2) + 2 * lane_q + (t % 2), kv_limit)
-                mx = vals[0]
-                for t in cutlass.range_constexpr(1, 8):
-                    mx = cute.arch.fmax(mx, vals[t])
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                u = block_exponent(mx, m, s_log2)
-                alpha, kaff, knat = block_constants(u, Float32(0.0), cfg.shift, cfg.affine_a,
-                                                    cfg.affine_b)
-                if const_expr(eighths):
-                    kaff = kaff * 0.125        # exact; -inf stays -inf
-                    knat = knat - 3.0          # 2^(x - 3) = 2^x / 8
-                if const_expr(cfg.native_exp2):
-                    # quarter = (global block index) % 4; a 64-key tile holds half the cycle
-                    if const_expr(self.tile_n == 128):
-                        quarter = Int32(b)
-                    else:
-                        quarter = (tile_idx % 2) * 2 + b
-                    nat_even = Int32(lane_q == quarter)
-                    nat_odd = Int32(lane_q == 0)
-                csum = Float32(0.0)
+        r_p2 = cute.recast_tensor(r_p, Int32)
+        if const_expr(cfg.p_path == "none"):
+            if const_expr(wait_pv):
+                cute.nvgpu.warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(r_p2)):
+                r_p2[i] = Int32(0x3F803F80)
+            for r in cutlass.range_constexpr(2):
+                row_l[r] = row_l[r] + (1.0 + acc_s[r] * 0.0)   # keeps S (and its WGMMAs) alive
+            return
+        # Stage by stage over all (row, block) pairs of the tile, so that the 8 independent chains
+        # (block max -> two shuffles -> exponent -> constants -> codes) overlap: one warp per
+        # scheduler runs Direct-P at a time and is otherwise latency-bound.
+        nb = self.tile_n // DP_BLOCK
+        rbs = [(r, b) for r in range(2) for b in range(nb)]
+        idx = {}
+        vals = {}
+        mx = {}
+        for r, b in rbs:
+            idx[r, b] = [c + 2 * r + 4 * (4 * b + cb) for cb in range(4) for c in range(2)]
+            v = [acc_s[i] for i in idx[r, b]]
+            if const_expr(masked):
                 for t in cutlass.range_constexpr(8):
-                    cb = t // 2
-                    d = vals[t]
-                    if const_expr(cfg.anchor > 0):
-                        d = d - m   # (raw - m) first, as the reference does
-                    if const_expr(eighths):
-                        y = fma_rn_sat(d, a_s, kaff)
+                    v[t] = mask_key(v[t], 32 * b + 8 * (t // 2) + 2 * lane_q + (t % 2), kv_limit)
+            vals[r, b] = v
+            m4 = [cute.arch.fmax(v[2 * i], v[2 * i + 1]) for i in range(4)]
+            mx[r, b] = cute.arch.fmax(cute.arch.fmax(m4[0], m4[1]), cute.arch.fmax(m4[2], m4[3]))
+        for off in (1, 2):
+            for rb in rbs:
+                mx[rb] = cute.arch.fmax(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
+        consts = {}
+        for r, b in rbs:
+            u = block_exponent(mx[r, b], row_m[r], s_log2, anchored)
+            consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
+        if const_expr(wait_pv):
+            cute.nvgpu.warpgroup.wait_group(0)   # the PV in flight reads r_p
+        l_acc = [Float32(0.0), Float32(0.0)]
+        for r, b in rbs:
+            m = row_m[r]
+            alpha, kaff, knat = consts[r, b]
+            if const_expr(cfg.native_exp2):
+                # quarter = (global block index) % 4; a 64-key tile holds half the cycle
+                if const_expr(self.tile_n == 128):
+                    quarter = Int32(b)
+                else:
+                    quarter = (tile_idx % 2) * 2 + b
+                nat_even = Int32(lane_q == quarter)
+                nat_odd = Int32(lane_q == 0)
+            codes = [Float32(0.0)] * 8
+            for t in cutlass.range_constexpr(8):
+                cb = t // 2
+                d = vals[r, b][t]
+                if const_expr(anchored):
+                    d = d - m   # (raw - m) first, as the reference does
+                if const_expr(eighths):
+                    y = fma_rn_sat(d, a_s, kaff)
+                else:
+                    y = fma_rn(d, a_s, kaff)
+                if const_expr(cfg.native_exp2):
+                    # native iff pair % 8 == quarter or pair % 8 == 4, pair = 4*cb + lane_q
+                    yn = ex2_approx(fma_rn(d, s_log2, knat))
+                    if const_expr(cb % 2 == 0):
+                        y = select_f32(nat_even, yn, y)
                     else:
-                        y = fma_rn(d, a_s, kaff)
-                    if const_expr(cfg.native_exp2):
-                        # native iff pair % 8 == quarter or pair % 8 == 4, pair = 4*cb + lane_q
-                        yn = ex2_approx(fma_rn(d, s_log2, knat))
-                        if const_expr(cb % 2 == 0):
-                            y = select_f32(nat_even, yn, y)
-                        else:
-                            y = select_f32(nat_odd, yn, y)
-                    if const_expr(eighths):
-                        q = e2m1_round_eighths(y)
-                    else:
-                        q = e2m1_relu_round(y)
-                    csum = csum + q
-                    r_p[idx[t]] = (q * alpha).to(self.in_dtype)
-                l_acc = l_acc + alpha * csum
-            row_l[r] = row_l[r] + l_acc
+                        y = select_f32(nat_odd, yn, y)
+                if const_expr(packed):
+                    codes[t] = e2m1_grid_eighths(y)
+                elif const_expr(eighths):
+                    codes[t] = e2m1_round_eighths(y)
+                else:
+                    codes[t] = e2m1_relu_round(y)
+            if const_expr(packed):
+                alpha2 = bf16x2_splat_pow2(alpha)
+                pairs = [pack_sat_bf16x2(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
+                for cb in cutlass.range_constexpr(4):
+                    r_p2[idx[r, b][2 * cb] // 2] = mul_bf16x2(pairs[cb], alpha2)
+                csum = bf16x2_sum(add_bf16x2(add_bf16x2(pairs[0], pairs[1]), add_bf16x2(pairs[2], pairs[3])))
+            else:
+                csum = codes[0]
+                for t in cutlass.range_constexpr(1, 8):
+                    csum = csum + codes[t]
+                for t in cutlass.range_constexpr(8):
+                    r_p[idx[r, b][t]] = (codes[t] * alpha).to(self.in_dtype)
+            l_acc[r] = l_acc[r] + alpha * csum
+        for r in cutlass.range_constexpr(2):
+            row_l[r] = row_l[r] + l_acc[r]
 
     @cute.jit
     def epilogue(self, thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q):

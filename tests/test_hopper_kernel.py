@@ -125,16 +125,24 @@ def test_torch_compile_no_graph_break():
     assert rel_l2(out, ref) <= TOL
 
 
-@pytest.mark.parametrize("schedule", [0, 1], ids=["plain", "overlap"])
+KERNEL_VARIANTS = [("pingpong", "packed"), ("pingpong", "scalar"), ("serial", "packed"), ("serial", "scalar"),
+                   ("overlap", "packed")]
+
+
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: "-".join(v))
 @pytest.mark.parametrize("shape", SHAPES + [(1, 1, 64, 64 * 7 + 5, 128)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("policy", ["fast", "accurate"])
-def test_schedules_match_reference(policy, shape, schedule):
-    """Both kernel schedules (plain 128-key tiles; overlapped 64-key tiles), odd and even tile counts."""
+@pytest.mark.parametrize("policy", ["fast", "accurate", "guard"])
+def test_kernel_variants_match_reference(policy, shape, variant):
+    """Every schedule (ping-pong and serial with 128-key tiles, overlapped with 64-key tiles; the
+    128-anchor guard runs the default schedule in place of the overlapped one) and both P paths,
+    odd and even tile counts."""
     policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
     pol = fp4vis.get_policy(policy)
     q, k, v = make_inputs(shape, torch.bfloat16, "wide", policy, seed=7)
     scale = 1 / math.sqrt(shape[-1])
-    out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, shape[-1], scale), schedule=schedule)
+    schedule, p_path = variant
+    out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, shape[-1], scale),
+                                            schedule=schedule, p_path=p_path)
     ref = run(q, k, v, policy, "reference")
     assert bool(torch.isfinite(out).all())
     assert rel_l2(out, ref) <= TOL

@@ -1,0 +1,40 @@
+"""Run the Hopper kernel (prepared operands) a few times at one shape, for Nsight Compute.
+
+    ncu --clock-control none -k regex:kernel --launch-skip 2 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
+        --section ComputeWorkloadAnalysis python benchmarks/ncu_kernel.py --variant pingpong/packed
+
+Only the attention kernel is launched after the operands are prepared (pre-pass excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1,8192,24", help="B,S,H at D=128")
+    ap.add_argument("--policy", default="fast")
+    ap.add_argument("--variant", default="", help="SCHEDULE/P_PATH (empty parts: the defaults)")
+    ap.add_argument("--calls", type=int, default=4)
+    a = ap.parse_args(argv)
+    from fp4vis.evals.kernel_bench import _hopper_parts
+    b, s, h = (int(x) for x in a.shape.split(","))
+    schedule, _, p_path = a.variant.partition("/")
+    pre, ker = _hopper_parts(a.policy, schedule, p_path)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    scale = 1 / math.sqrt(128)
+    ops = pre(q, k, v, scale)
+    for _ in range(a.calls):
+        ker(ops, q, scale)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
