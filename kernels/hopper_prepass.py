@@ -12,9 +12,10 @@ This is the same arithmetic as ``fp4vis.formats`` / ``fp4vis.reference.quantize_
 CPU tests check bit equality), written without host synchronisation (no NaN checks, no boolean
 indexing, the permutation built once on the host and cached per device) so that it runs inside
 CUDA-graph capture and torch.compile. Inputs are validated by ``fp4vis.attention`` beforehand.
-On CUDA tensors the default is the fused Triton version (``hopper_prepass_triton``: one read of
-each input, one write of each operand, anchor permutation folded into the loads); the PyTorch
-formulation here (several elementwise passes) is the fallback and the CPU-checkable statement.
+On CUDA tensors the default is the fused Triton version (``hopper_prepass_triton``: one launch,
+one read of each input, one write of each operand, anchor permutation folded into the loads); the
+PyTorch formulation here (several elementwise passes) is the fallback and the CPU-checkable
+statement.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _PERM_CACHE: dict[tuple, torch.Tensor] = {}
 def cached_anchor_permutation(seq_len: int, n: int, device: torch.device,
                               dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``anchor_permutation(seq_len, n)`` computed on the CPU once and kept on ``device``."""
-    key = (seq_len, n, str(device), dtype)
+    key = (seq_len, n, device, dtype)
     perm = _PERM_CACHE.get(key)
     if perm is None:
         perm = anchor_permutation(seq_len, n, device="cpu").to(dtype).to(device)
@@ -48,18 +49,23 @@ def _qk_hat(x: torch.Tensor, layout: str) -> torch.Tensor:
     return nvfp4_qdq(x, layout).to(torch.bfloat16).contiguous()
 
 
+_TP: list = []
+
+
 def _triton_prepass():
-    """The fused Triton pre-pass module, or None where Triton cannot run (CPU tensors, no Triton)."""
-    try:
-        from . import hopper_prepass_triton
-    except Exception:  # pragma: no cover - depends on the machine
-        return None
-    return hopper_prepass_triton
+    """The fused Triton pre-pass module, or None where Triton cannot run (no Triton); imported once."""
+    if not _TP:
+        try:
+            from . import hopper_prepass_triton
+        except Exception:  # pragma: no cover - depends on the machine
+            hopper_prepass_triton = None
+        _TP.append(hopper_prepass_triton)
+    return _TP[0]
 
 
-# The fused Triton pre-pass computes what fp4vis.formats does (amax/6 correctly rounded, the
-# folded-K64 MSE summed exactly in float64); FP4VIS_PREPASS_FUSED_FOLDED=0 sends the folded layout
-# through fp4vis.formats instead (bit-equal by construction, slow).
+# The fused Triton pre-pass computes what fp4vis.formats does (exactly: see hopper_prepass_triton);
+# FP4VIS_PREPASS_FUSED_FOLDED=0 sends the folded layout through fp4vis.formats instead (bit-equal by
+# construction, slow).
 FUSED_FOLDED = os.environ.get("FP4VIS_PREPASS_FUSED_FOLDED", "1") == "1"
 
 
@@ -67,18 +73,19 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layou
                      anchor: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_hat, k_hat, v6), BF16, (B, H, S, D) contiguous, from (B, H, S, D) inputs.
 
-    ``fused`` (default: on CUDA tensors when Triton imports) runs the one-pass Triton kernels of
-    ``hopper_prepass_triton``; otherwise the PyTorch formulation below (several passes). The
-    folded-K64 Q/K quantizer is fused only when ``FUSED_FOLDED`` is on (see there)."""
+    ``fused`` (default: on CUDA tensors when Triton imports) runs the Triton pre-pass of
+    ``hopper_prepass_triton``: one launch for Q, K and V, the three operands views of one buffer;
+    otherwise the PyTorch formulation below (several passes). The folded-K64 Q/K quantizer is fused
+    only when ``FUSED_FOLDED`` is on (see there) or ``fused`` is True."""
     tp = _triton_prepass() if (fused or fused is None) and q.is_cuda else None
     if fused and tp is None:
         raise RuntimeError("fused pre-pass needs CUDA tensors and Triton")
     if tp is not None:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         perm = cached_anchor_permutation(k.shape[-2], anchor, k.device, torch.int32) if anchor > 0 else None
-        v6 = tp.mxfp4_v6(v, perm)
         if qk_layout == "block16" or FUSED_FOLDED or fused:
-            return tp.nvfp4_qdq(q, qk_layout), tp.nvfp4_qdq(k, qk_layout, perm), v6
+            return tp.prepass(q, k, v, qk_layout, perm)
+        v6 = tp.mxfp4_v6(v, perm)
         if anchor > 0:
             k = k.index_select(-2, cached_anchor_permutation(k.shape[-2], anchor, k.device))
         return _qk_hat(q, qk_layout), _qk_hat(k, qk_layout), v6

@@ -1,19 +1,37 @@
-"""Fused GPU pre-pass (Triton): one read of q, k, v and one write of the kernel's operands.
+"""Fused GPU pre-pass (Triton): ONE launch reads q, k, v once and writes the kernel's operands.
 
-Same arithmetic as ``kernels/hopper_prepass.py`` (the PyTorch version, which is bit-checked against
-``fp4vis.formats`` on the CPU): NVFP4 quantize-dequantize of Q and K (``block16`` or
-``folded64_mse`` with the MSE scale search), MXFP4 ``alpha * c`` of V, and the anchor permutation
-of K and V folded into the loads (``perm[p]`` is the logical key at physical position p). All
-roundings are exact round-to-nearest-even: divisions use ``div_rn``, minifloat rounding adds a
-power of two whose ulp is the target ulp (``(t + C) - C``). The MSE error of each folded-K64
-candidate is summed in float64, where it is exact, so ties go to the first candidate in any
-summation order (SPEC: "a later candidate wins only with a strictly smaller error"), as
-``fp4vis.formats`` does. ``amax / 6`` is correctly rounded (``div_rn``), as in ``fp4vis.formats``.
-The kernels are compiled with ``enable_fp_fusion=False``: a fused multiply-add could skip the
-float32 rounding of ``base * m`` before its E4M3 rounding (the reference rounds it first).
+Same numbers as ``fp4vis.formats`` (``nvfp4_qdq`` / ``mxfp4_qdq``; the PyTorch statement is
+``kernels/hopper_prepass.py``): NVFP4 quantize-dequantize of Q and K (``block16`` or ``folded64_mse``
+with its 12-candidate MSE scale search), MXFP4 ``alpha * c`` of V, the anchor permutation of K and
+V folded into the loads (``perm[p]`` is the logical key at physical position p). One program grid
+covers the three tensors: programs ``[0, tq)`` quantize Q rows, ``[tq, tq + tk)`` K rows, the rest
+one 32-token V block each; the three outputs live in one buffer.
+
+Exact arithmetic, cheaper than the literal formulation (the proofs are in the comments below and in
+docs/hopper_kernel.md; CPU tests run this through Triton's interpreter, the GPU check counts
+differing values against ``fp4vis.formats``):
+
+* E2M1 code of ``x / sc`` without a division: ``t = |x| * rcp(sc)``, snapped to a multiple of
+  2^-12, then rounded to the E2M1 grid (ties to even). ``x`` is BF16 (8 significant bits) and
+  ``b * sc`` (b an E2M1 midpoint, sc an E4M3 value) has at most 7, so ``x / sc`` is either exactly
+  a midpoint b or at least ``b * 2^-9`` away from it; ``t`` is within 2^-22 relative of ``x / sc``,
+  so the snap puts exact ties exactly on b and leaves everything else on its side.
+* Folded-K64 MSE search: ``err = sum (c*sc - x)^2 = sum x^2 + sum_{c != 0} P (P - 2|x|)`` with
+  ``P = c * sc``. The first sum is common to all candidates and dropped. Each term of the second
+  is an integer multiple of ``U = 2^(2E - 12)`` (E = floor(log2 sc)) below 2^22 U in magnitude
+  whenever no candidate scale saturates E4M3 (``base * 1.25 <= 448``), so it is computed exactly by
+  one FMA into the mantissa of 1.5 * 2^23 and summed as int32: the comparison of candidates is
+  exact (ties keep the earlier candidate), as with the float64 sums of the reference. A tile with a
+  saturating group runs the literal float64 formulation instead (same numbers, slower). The second
+  ``m = 1.0`` candidate repeats the first's scale exactly and can never win: it is skipped.
+
+The kernels are compiled with ``enable_fp_fusion=False`` (no contraction of ``base * m`` before
+its E4M3 rounding, nor of the snap); the exact FMAs are written explicitly.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -23,6 +41,9 @@ from fp4vis.formats import FOLDED_MSE_MULTIPLIERS
 
 # _mult below spells these out as compile-time constants; keep the two in step.
 assert FOLDED_MSE_MULTIPLIERS == (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
+
+_MAGIC = tl.constexpr(12582912.0)       # 1.5 * 2^23: float32 values in [2^23, 2^24) have ulp 1
+_MAGIC_BITS = tl.constexpr(0x4B400000)  # its bit pattern
 
 
 @triton.jit
@@ -45,12 +66,27 @@ def _bf16_round(x):
 
 
 @triton.jit
+def _e2m1_mag(t):
+    """E2M1 RNE magnitude with saturation of t >= 0."""
+    r = _round_pow2_grid(t, 22 << 23, 149 << 23)  # 1 mantissa bit, min normal exp 0
+    return tl.minimum(r, 6.0)
+
+
+@triton.jit
 def _e2m1(x):
-    """E2M1 RNE with saturation, sign kept (values of fp4vis.formats.e2m1_round)."""
-    mag = tl.abs(x)
-    r = _round_pow2_grid(mag, 22 << 23, 149 << 23)  # 1 mantissa bit, min normal exp 0
-    r = tl.minimum(r, 6.0)
-    return tl.where(x < 0, -r, r)
+    """E2M1 RNE with saturation, sign copied (fp4vis.formats.e2m1_round, -0 included)."""
+    r = _e2m1_mag(tl.abs(x))
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _code(ax, r):
+    """E2M1 magnitude of ax / sc given r = rcp(sc) (r = 0 for sc = 0): exact, see the module doc.
+    (t + 2048) - 2048 rounds t < 2048 to a multiple of 2^-12; larger t saturate anyway."""
+    t = ax * r
+    t = (t + 2048.0) - 2048.0
+    return _e2m1_mag(t)
 
 
 @triton.jit
@@ -61,8 +97,23 @@ def _e4m3(mag):
 
 
 @triton.jit
+def _rcp(sc):
+    """Correctly rounded 1 / sc, 0 for sc == 0."""
+    return tl.where(sc == 0.0, 0.0, tl.math.div_rn(1.0, tl.where(sc == 0.0, 1.0, sc)))
+
+
+@triton.jit
+def _signed(mag, x, sc):
+    """mag with the sign of x (copysign, so -0 for a negative x whose code is 0), +0 where sc == 0
+    (as fp4vis.formats: a zero scale gives +0 codes)."""
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    sign = tl.where(sc > 0.0, sign, 0)
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _qdq(x, sc):
-    """Decoded E2M1(x / sc) * sc, 0 where sc == 0."""
+    """Decoded E2M1(x / sc) * sc, 0 where sc == 0 (the literal formulation: a division per value)."""
     safe = tl.where(sc == 0.0, 1.0, sc)
     return tl.where(sc == 0.0, 0.0, _e2m1(tl.math.div_rn(x, safe)) * sc)
 
@@ -97,29 +148,49 @@ def _mult(i: tl.constexpr):
 
 
 @triton.jit
-def _div6(x, RECIP6: tl.constexpr):
-    """x / 6 rounded to nearest (RECIP6 False), or x * float32(1/6) as PyTorch computes a CUDA
-    tensor divided by a Python scalar (RECIP6 True)."""
-    if RECIP6:
-        return x * 0.16666667163372040
-    else:
-        return tl.math.div_rn(x, 6.0)
+def _mult_rt(i):
+    """FOLDED_MSE_MULTIPLIERS[i] for a runtime i in 1..11: k / 16 with k = 4, 5, 6, 7, 8, 10, ..., 20
+    (exact, so base * m rounds as with the constant)."""
+    k = tl.where(i <= 5, i + 3, 2 * i - 2)
+    return k.to(tl.float32) * 0.0625
 
 
 @triton.jit
-def _nvfp4_kernel(X, Y, PERM, N, S, D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr,
-                  BLOCK_R: tl.constexpr, RECIP6: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)           # global row = g * S + s (physical)
+def _cand_err(alo, ahi, alo2, ahi2, sc):
+    """sum over the 32 values of P (P - 2|x|), P = c * sc, exactly, as float64 (see module doc;
+    valid when sc is the unsaturated E4M3 rounding of base * m)."""
+    r = _rcp(sc)
+    e = tl.maximum(((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -9)   # floor(log2 sc)
+    inv_u = ((127 + 12 - 2 * e) << 23).to(tl.float32, bitcast=True)           # 2^(12 - 2E)
+    u = ((127 - 12 + 2 * e) << 23).to(tl.float32, bitcast=True)               # 2^(2E - 12)
+    scu = sc * inv_u                                                          # exact
+    sc3 = sc[:, :, None]
+    scu3 = scu[:, :, None]
+    r3 = r[:, :, None]
+    c_lo = _code(alo, r3)
+    c_hi = _code(ahi, r3)
+    f_lo = tl.fma(c_lo * scu3, tl.fma(c_lo, sc3, -alo2), _MAGIC)    # MAGIC + P (P - 2|x|) / U
+    f_hi = tl.fma(c_hi * scu3, tl.fma(c_hi, sc3, -ahi2), _MAGIC)
+    n = (f_lo.to(tl.int32, bitcast=True) - _MAGIC_BITS) + (f_hi.to(tl.int32, bitcast=True) - _MAGIC_BITS)
+    tot = tl.sum(n, axis=2)                                                   # |tot| < 2^27
+    return tot.to(tl.float64) * u.to(tl.float64)
+
+
+@triton.jit
+def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.constexpr,
+                HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """BLOCK_R rows of one NVFP4 operand: X (N = G*S rows of D) -> decoded BF16 rows in Y; rows
+    gathered by PERM where HAS_PERM and the runtime flag use_perm (the K part) are set."""
+    rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)          # global row = g * S + s (physical)
     rmask = rows < N
     rows = tl.where(rmask, rows, 0)
-    g = rows // S
-    s = rows % S
     if HAS_PERM:
-        src_s = tl.load(PERM + s)
+        g = rows // S
+        s = rows - g * S
+        src_rows = tl.where(use_perm, g * S + tl.load(PERM + s, mask=rmask & use_perm, other=0), rows)
     else:
-        src_s = s
-    src = (g * S + src_s).to(tl.int64) * D
+        src_rows = rows
+    src = src_rows.to(tl.int64) * D
     dst = rows.to(tl.int64) * D
     m3 = rmask[:, None, None]
     if FOLDED:
@@ -129,31 +200,55 @@ def _nvfp4_kernel(X, Y, PERM, N, S, D: tl.constexpr, FOLDED: tl.constexpr, HAS_P
         col = j[None, :, None] * 16 + t[None, None, :]    # (1, NB2, 16)
         lo = _bf16_round(tl.load(X + src[:, None, None] + col, mask=m3, other=0.0).to(tl.float32))
         hi = _bf16_round(tl.load(X + src[:, None, None] + col + D // 2, mask=m3, other=0.0).to(tl.float32))
-        amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))   # (R, NB2)
-        base = _div6(amax, RECIP6)
+        alo = tl.abs(lo)
+        ahi = tl.abs(hi)
+        amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))   # (R, NB2)
+        base = tl.math.div_rn(amax, 6.0)
         best_sc = _e4m3(base * 1.0)
-        d_lo = (_qdq(lo, best_sc[:, :, None]) - lo).to(tl.float64)
-        d_hi = (_qdq(hi, best_sc[:, :, None]) - hi).to(tl.float64)
-        best_err = tl.sum(d_lo * d_lo, axis=2) + tl.sum(d_hi * d_hi, axis=2)   # exact in float64
-        for i in tl.static_range(1, 12):
-            sc = _e4m3(base * _mult(i))
-            e_lo = (_qdq(lo, sc[:, :, None]) - lo).to(tl.float64)
-            e_hi = (_qdq(hi, sc[:, :, None]) - hi).to(tl.float64)
-            err = tl.sum(e_lo * e_lo, axis=2) + tl.sum(e_hi * e_hi, axis=2)
-            better = err < best_err
-            best_err = tl.where(better, err, best_err)
-            best_sc = tl.where(better, sc, best_sc)
-        tl.store(Y + dst[:, None, None] + col, _qdq(lo, best_sc[:, :, None]).to(tl.bfloat16), mask=m3)
-        tl.store(Y + dst[:, None, None] + col + D // 2, _qdq(hi, best_sc[:, :, None]).to(tl.bfloat16),
-                 mask=m3)
+        # exact integer path unless a candidate scale saturates E4M3 somewhere in the tile
+        if tl.max((base * 1.25 > 448.0).to(tl.int32)) == 0:
+            alo2 = alo + alo
+            ahi2 = ahi + ahi
+            best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc)
+            # a loop, not unrolled (keeps the code small); candidate 9, the second m = 1.0, gives the
+            # first's scale and can never be strictly better: skipped
+            for i in range(1, 12):
+                if i != 9:
+                    sc = _e4m3(base * _mult_rt(i))
+                    err = _cand_err(alo, ahi, alo2, ahi2, sc)
+                    better = err < best_err
+                    best_err = tl.where(better, err, best_err)
+                    best_sc = tl.where(better, sc, best_sc)
+        else:
+            # literal formulation: float32 error per value, squares summed in float64
+            d_lo = (_qdq(lo, best_sc[:, :, None]) - lo).to(tl.float64)
+            d_hi = (_qdq(hi, best_sc[:, :, None]) - hi).to(tl.float64)
+            best_err = tl.sum(d_lo * d_lo, axis=2) + tl.sum(d_hi * d_hi, axis=2)
+            for i in range(1, 12):
+                sc = _e4m3(base * _mult_rt(i))
+                e_lo = (_qdq(lo, sc[:, :, None]) - lo).to(tl.float64)
+                e_hi = (_qdq(hi, sc[:, :, None]) - hi).to(tl.float64)
+                err = tl.sum(e_lo * e_lo, axis=2) + tl.sum(e_hi * e_hi, axis=2)
+                better = err < best_err
+                best_err = tl.where(better, err, best_err)
+                best_sc = tl.where(better, sc, best_sc)
+        sc3 = best_sc[:, :, None]
+        r3 = _rcp(best_sc)[:, :, None]
+        out_lo = _signed(_code(alo, r3) * sc3, lo, sc3)
+        out_hi = _signed(_code(ahi, r3) * sc3, hi, sc3)
+        tl.store(Y + dst[:, None, None] + col, out_lo.to(tl.bfloat16), mask=m3)
+        tl.store(Y + dst[:, None, None] + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
         NB: tl.constexpr = D // 16
         j = tl.arange(0, NB)
         t = tl.arange(0, 16)
         col = j[None, :, None] * 16 + t[None, None, :]
         x = _bf16_round(tl.load(X + src[:, None, None] + col, mask=m3, other=0.0).to(tl.float32))
-        sc = _e4m3(_div6(tl.max(tl.abs(x), axis=2), RECIP6))
-        tl.store(Y + dst[:, None, None] + col, _qdq(x, sc[:, :, None]).to(tl.bfloat16), mask=m3)
+        ax = tl.abs(x)
+        sc = _e4m3(tl.math.div_rn(tl.max(ax, axis=2), 6.0))
+        sc3 = sc[:, :, None]
+        out = _signed(_code(ax, _rcp(sc)[:, :, None]) * sc3, x, sc3)
+        tl.store(Y + dst[:, None, None] + col, out.to(tl.bfloat16), mask=m3)
 
 
 @triton.jit
@@ -164,18 +259,18 @@ def _pow2(e):
 
 
 @triton.jit
-def _mxfp4_kernel(V, Y, PERM, S, D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_D: tl.constexpr):
-    blk = tl.program_id(0)        # 32-token block within the sequence
-    g = tl.program_id(1)          # head group b*H + h
+def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One 32-token block of V (head group g) -> alpha * c in BF16."""
     p = blk * 32 + tl.arange(0, 32)
     valid = p < S
     if HAS_PERM:
         src_s = tl.load(PERM + p, mask=valid, other=0)
     else:
         src_s = p
+    src = (g * S + src_s).to(tl.int64) * D
+    dst = (g * S + p).to(tl.int64) * D
     for d0 in tl.static_range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
-        src = (g * S + src_s).to(tl.int64) * D
         v = tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(v), axis=0)                                  # (BLOCK_D,)
         bits = amax.to(tl.int32, bitcast=True)
@@ -184,34 +279,141 @@ def _mxfp4_kernel(V, Y, PERM, S, D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_
         up = (amax > mid) | ((amax == mid) & ((e & 1) != 0))
         u = tl.minimum(tl.maximum(e + up.to(tl.int32) + 127, 0), 254)
         u = tl.where(amax <= 1e-38, 0, u)
+        # 6 v is exact in float32 for BF16/FP16 v; scaling by a power of two is exact
         codes = _e2m1((6.0 * v) * _pow2(127 - u)[None, :])
         out = codes * _pow2(u - 127)[None, :]
-        dst = (g * S + p).to(tl.int64) * D
         tl.store(Y + dst[:, None] + dcol[None, :], out.to(tl.bfloat16), mask=valid[:, None])
 
 
-def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None, div6: str = "exact") -> torch.Tensor:
-    """Decoded NVFP4 of contiguous (B, H, S, D) x, BF16, rows optionally gathered by ``perm``.
+@triton.jit(do_not_specialize=["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB"])
+def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, NQ, SQ, NK, SK, TQ, TK, NVB,
+                    D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Programs [0, TQ): Q row tiles; [TQ, TQ + TK): K row tiles (rows gathered by PERM);
+    the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM)."""
+    pid = tl.program_id(0)
+    if pid < TQ + TK:
+        # Q and K share one copy of the (large) quantizer code: pick the part's pointers and sizes
+        if pid < TQ:
+            X, Y, tile, N, S, use_perm = Q, YQ, pid, NQ, SQ, False
+        else:
+            X, Y, tile, N, S, use_perm = K, YK, pid - TQ, NK, SK, True
+        _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D, FOLDED, HAS_PERM, BLOCK_R)
+    else:
+        vid = pid - TQ - TK
+        g = vid // NVB
+        _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, D, HAS_PERM, BLOCK_D)
 
-    ``div6``: how ``amax / 6`` is rounded. "exact" (default) is SPEC's correctly rounded division, as
-    ``fp4vis.formats`` computes it on every device; "recip" multiplies by float32(1/6) (kept to
-    measure what that shortcut changes)."""
-    b, h, s, d = x.shape
+
+BLOCK_R = 16
+NUM_WARPS = 4
+
+# Host path. ``prepass`` keeps, per input signature, the launch geometry (one allocation and one
+# ``unbind`` per call). Triton's ``kernel[grid](...)`` binds and specialises every argument on each
+# call (tens of microseconds); with FAST_LAUNCH (env FP4VIS_PREPASS_DIRECT_LAUNCH=1; off by default
+# until it has been checked on the GPU's Triton: benchmarks/prepass_bench.py turns it on and
+# records LAUNCH_STATE) the compiled kernel is cached and ``CompiledKernel.run`` called directly, as
+# ``JITFunction.run`` does (all arguments, constexprs last). Only when no Triton launch hooks are
+# set when it is cached (a profiler attached later does not see these launches) and the inputs are
+# 16-byte aligned (as the cached kernel was specialised); if the direct call ever raises it is
+# turned off for the process (LAUNCH_STATE says why) and the ordinary launch is used.
+FAST_LAUNCH = os.environ.get("FP4VIS_PREPASS_DIRECT_LAUNCH", "0") == "1"
+LAUNCH_STATE = "not used yet"
+_META: dict[tuple, list] = {}
+
+
+def _hooks_clear() -> bool:
+    """No Triton launch hook is set (None, or an empty ``knobs.HookChain``)."""
+    rt = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if rt is None:
+        from triton.compiler import CompiledKernel as rt
+    hooks = (getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None))
+    return all(h is None or (isinstance(getattr(h, "calls", None), list) and not h.calls) for h in hooks)
+
+
+def _geometry(nq: int, sq: int, nk: int, sk: int, g_v: int, d: int, block_r: int) -> tuple[int, tuple]:
+    """(grid, integer arguments) for nq Q rows (sequence sq), nk K rows and g_v V head groups
+    (sequence sk)."""
+    tq = -(-nq // block_r)
+    tk = -(-nk // block_r)
+    nvb = -(-sk // 32)
+    return tq + tk + nvb * g_v, (nq, sq, nk, sk, tq, tk, nvb)
+
+
+def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, num_warps: int | None = None):
+    """One ordinary Triton launch over the parts whose tensors are given (None: skipped); returns
+    the compiled kernel (or None)."""
+    ref = q if q is not None else (k if k is not None else v)
+    d = ref.shape[-1]
+    block_r = block_r or BLOCK_R
+    sk = (k if k is not None else v).shape[-2] if (k is not None or v is not None) else 1
+    grid, ints = _geometry(q.numel() // d if q is not None else 0, q.shape[-2] if q is not None else 1,
+                           k.numel() // d if k is not None else 0, sk,
+                           v.numel() // (d * sk) if v is not None else 0, d, block_r)
+    if grid == 0:
+        return None
+    ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm))
+    return _prepass_kernel[(grid,)](*ptrs, *ints, d, layout == "folded64_mse", perm is not None, block_r,
+                                    min(d, 64), num_warps=num_warps or NUM_WARPS, enable_fp_fusion=False)
+
+
+def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
+            block_r: int | None = None, num_warps: int | None = None):
+    """(q_hat, k_hat, v6) of contiguous (B, H, S, D) q, k, v in one launch; BF16, contiguous, views of
+    one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor permutation)."""
+    global FAST_LAUNCH, LAUNCH_STATE
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, layout, perm is not None, block_r, num_warps,
+           q.device)
+    meta = _META.get(key)
+    if meta is None:
+        d = q.shape[-1]
+        nq, nk = q.numel(), k.numel()
+        same = q.shape == k.shape == v.shape
+        br = block_r or BLOCK_R
+        grid, ints = _geometry(nq // d, q.shape[-2], nk // d, k.shape[-2], v.numel() // (d * k.shape[-2]), d, br)
+        tail = ints + (d, layout == "folded64_mse", perm is not None, br, min(d, 64))
+        meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, None]
+        _META[key] = meta
+    alloc, same, grid, tail, ck = meta
+    buf = torch.empty(alloc, dtype=torch.bfloat16, device=q.device)
+    if same:
+        yq, yk, yv = buf.unbind(0)
+    else:
+        nq, nk = q.numel(), k.numel()
+        yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
+    ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm)
+    if ck is not None and FAST_LAUNCH and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0:
+        try:
+            ck.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(q.device.index), ck.function, ck.packed_metadata,
+                   None, None, None, *ptrs, *tail)
+            return yq, yk, yv
+        except Exception as exc:  # pragma: no cover - depends on the Triton version
+            FAST_LAUNCH = False
+            LAUNCH_STATE = f"direct launch off: {type(exc).__name__}: {exc}"
+    ck = _prepass_kernel[(grid,)](*ptrs, *tail, num_warps=num_warps or NUM_WARPS, enable_fp_fusion=False)
+    if meta[4] is None and q.is_cuda and FAST_LAUNCH:
+        if not hasattr(ck, "packed_metadata") or not hasattr(ck, "function"):
+            LAUNCH_STATE = f"direct launch off: the launch returned {type(ck).__name__}"
+        elif not _hooks_clear():
+            LAUNCH_STATE = "direct launch off: Triton launch hooks are set"
+        elif ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0:
+            meta[4] = ck
+            LAUNCH_STATE = "direct"
+    return yq, yk, yv
+
+
+def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Decoded NVFP4 of contiguous (B, H, S, D) x, BF16, rows optionally gathered by ``perm``."""
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    n = b * h * s
-    block_r = 16
-    recip6 = div6 == "recip"
-    _nvfp4_kernel[(triton.cdiv(n, block_r),)](x, y, perm if perm is not None else x, n, s, D=d,
-                                              FOLDED=layout == "folded64_mse", HAS_PERM=perm is not None,
-                                              BLOCK_R=block_r, RECIP6=recip6, enable_fp_fusion=False)
+    if perm is None:
+        _launch(x, None, None, y, None, None, layout, None)
+    else:
+        _launch(None, x, None, None, y, None, layout, perm)
     return y
 
 
 def mxfp4_v6(v: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
     """``alpha * c`` of MXFP4 V (contiguous (B, H, S, D)), BF16, keys optionally permuted."""
-    b, h, s, d = v.shape
     y = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
-    grid = (triton.cdiv(s, 32), b * h)
-    _mxfp4_kernel[grid](v, y, perm if perm is not None else v, s, D=d, HAS_PERM=perm is not None,
-                        BLOCK_D=min(d, 64), enable_fp_fusion=False)
+    _launch(None, None, v, None, None, y, "block16", perm)
     return y
