@@ -290,25 +290,56 @@ def _nvfp4_rows(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tens
         return _codes_for_scale(blocks, sc).flatten(-2), sc.squeeze(-1)
     half = blocks.shape[-2] // 2
     pair = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)  # (N, nb/2, 32)
+    index, cands = _folded_mse_choice(pair)
+    sc = cands.gather(-1, index)
+    pv = _codes_for_scale(pair, sc)
+    return torch.cat((pv[..., :16], pv[..., 16:]), dim=-2).flatten(-2), sc.squeeze(-1)  # back to block order
+
+
+_HUGE_RATIO = 48.0  # a group with amax >= 48 * (largest candidate scale) takes the largest scale
+
+
+def _folded_mse_choice(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index (..., 1) of the chosen candidate, candidate scales (..., 12)) for float32 groups
+    (..., 32): the first candidate with the least squared error (SPEC section 1), found exactly.
+
+    err(sc) = sum (P - |x|)^2 = sum x^2 + sum P (P - 2|x|) with P = |c| * sc, c = E2M1(x / sc). The
+    first sum is the same for every candidate and is dropped; the second is computed in float64, where
+    it is EXACT in any summation order (so every device picks the same candidate, ties included):
+    * Write sc = s * 2^(E-3), s in 8..15, E = floor(log2 sc) >= -9 (E4M3 has 4 significant bits);
+      c in {k/2}, k <= 12, so P is a multiple of 2^(E-4) with k*s < 2^8 units. A term with c != 0
+      has |x| > sc/4 >= 2^(E-2), so the float32 x (24 significant bits) is a multiple of 2^(E-25).
+      Hence P - 2|x| is a multiple of 2^(E-24), P (P - 2|x|) one of U = 2^(2E-28); terms with c = 0
+      are 0.
+    * Size: unless the group is huge (below), |x| < 48 sc for every candidate sc > 0: E4M3 rounding
+      of y = b m (m >= 1/4, y within 2^-23 of amax m / 6) keeps sc >= (15/16) y, or >= y / 1.5 when
+      subnormal, so |x| <= amax < 37 sc, unless it saturates: then sc = 448 = sc_max and the group
+      not being huge means amax < 48 * 448. So |P - 2|x|| < 96 sc < 2^(E+8), i.e. < 2^32 units, exact;
+      the product with P has < 2^40 units of U, exact; 32 of them sum to < 2^45 U: every partial sum,
+      in any order, is exact.
+    * Huge groups, amax >= 48 * sc_max (only when a candidate saturates E4M3, or when every candidate
+      is 0 and all errors are equal anyway): for candidate scales
+      a < b (distinct E4M3 values, so b - a >= b/16), the element x_h = amax gives c = 6 under both
+      and err_h(a) - err_h(b) = 6 (b - a)(2|x_h| - 6a - 6b) >= (6/16) b (96 b - 12 b) = 31.5 b^2,
+      while any other element changes by at most b^2 in the other direction (x with |x| > 6b also
+      has c = 6 under both and moves the same way; otherwise its error at b is at most b^2, the
+      half-gap between 4b and 6b). So the error strictly decreases with the scale: the first
+      candidate with the largest scale wins, which is what the key -sc selects.
+    ``argmin`` returns the first minimal index, so a later candidate wins only when strictly better.
+    """
+    amax = pair.abs().amax(-1, keepdim=True)
     # b = amax/6 and b*m are float32 values (a float32 GPU pre-pass computes the same), then E4M3
-    base = _over_six(pair.abs().amax(-1, keepdim=True))
-    cands = e4m3_round(base * _mse_multipliers(xf.device))  # (N, nb/2, n_cand)
-    # squared errors summed in float64, where they are exact: the choice does not depend on a
-    # device's summation order; a later candidate replaces the best only when strictly better
-    best_err, scales, pv = None, None, None
+    cands = e4m3_round(_over_six(amax) * _mse_multipliers(pair.device))  # (..., n_cand)
+    two_ax = pair.abs().double() * 2
+    errs = []
     for i in range(cands.shape[-1]):
         sc = cands[..., i:i + 1]
-        vals = _codes_for_scale(pair, sc)
-        err = ((vals * sc - pair).double() ** 2).sum(-1, keepdim=True)
-        if best_err is None:
-            best_err, scales, pv = err, sc, vals
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            scales = torch.where(better, sc, scales)
-            pv = torch.where(better, vals, pv)
-    scales = scales.squeeze(-1)
-    return torch.cat((pv[..., :16], pv[..., 16:]), dim=-2).flatten(-2), scales  # back to block order
+        p = (_codes_for_scale(pair, sc).abs() * sc).double()  # exact: at most 6 significant bits
+        errs.append((p * (p - two_ax)).sum(-1, keepdim=True))
+    errs = torch.cat(errs, dim=-1)
+    huge = amax >= _HUGE_RATIO * cands.amax(-1, keepdim=True)
+    errs = torch.where(huge, -cands.double(), errs)
+    return errs.argmin(-1, keepdim=True), cands
 
 
 # ---------------------------------------------------------------------------------------------

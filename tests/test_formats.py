@@ -2,6 +2,7 @@
 cross-checks against independent implementations (torch's float8 casts, torchao's mx_formats)."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -276,6 +277,151 @@ def test_nvfp4_folded_mse_can_beat_amax_scale():
     err = ((t.dequantize() - x.bfloat16().float()) ** 2).sum()
     err_amax = ((fm.nvfp4_quantize(x, "block16").dequantize() - x.bfloat16().float()) ** 2).sum()
     assert err < err_amax
+
+
+# Exact references for the folded-K64 MSE choice: Python Fractions, no float arithmetic at all.
+_E2M1_FRACS = [Fraction(v) for v in E2M1_MAGS]
+
+
+def _e2m1_exact(q: Fraction) -> Fraction:
+    """Nearest E2M1 magnitude of q >= 0 by exhaustive search, ties to the even index, saturating."""
+    q = min(q, Fraction(6))
+    return _E2M1_FRACS[min(range(8), key=lambda i: (abs(_E2M1_FRACS[i] - q), i % 2))]
+
+
+def _exact_choice(xs: list[float], cands: list[float]) -> tuple[int, list[Fraction], list[Fraction]]:
+    """(first candidate index with the least exact squared error, decoded values, all errors)."""
+    fx = [Fraction(x) for x in xs]
+    best, errs = None, []
+    for i, sc in enumerate(cands):
+        s = Fraction(sc)
+        dec = [_e2m1_exact(abs(x) / s) * s * (1 if x >= 0 else -1) if s else Fraction(0) for x in fx]
+        errs.append(sum((d - x) ** 2 for d, x in zip(dec, fx, strict=True)))
+        if best is None or errs[-1] < errs[best[0]]:
+            best = (i, dec)
+    return best[0], best[1], errs
+
+
+def test_nvfp4_folded_mse_exact_tie_in_wide_range_group():
+    """SPEC: a later candidate wins only when STRICTLY better. Here sc = 1 (m = 1.0, index 0) and
+    sc = 0.875 (m = 0.875, index 8) have exactly equal errors: 6 -> 6 and 5.25 -> 6 (error 9/16)
+    against 6 -> 5.25 (9/16) and 5.25 -> 5.25, plus the same 30 * (2^-28)^2 from the tiny values
+    (codes 0 under every candidate). Each 2^-56 is 1/8 ulp of 9/16: a float64 sum in element order
+    loses them one by one after 9/16 (index 8: exactly 9/16) but adds them up exactly before it
+    (index 0: 9/16 + 3.75 ulp, rounded up), so the old float64 formula picked 0.875 (torch's CPU sum
+    too, on this x86 build; the assertion below fixes the order so that it holds on any build)."""
+    x = torch.full((32,), 2.0 ** -28)
+    x[0], x[31] = 6.0, 5.25  # one folded group for D = 32: blocks 0 and 1
+    index, cands = fm._folded_mse_choice(x[None])
+    cands = cands.flatten().tolist()
+    assert (cands[0], cands[8]) == (1.0, 0.875)
+    exact_index, exact_dec, errs = _exact_choice(x.tolist(), cands)
+    assert errs[0] == errs[8] == min(errs) and exact_index == 0
+
+    def float64_in_order(sc: float) -> float:  # the old formula, summed left to right
+        s = torch.tensor(sc)
+        acc = 0.0
+        for term in ((fm._codes_for_scale(x, s) * s - x).double() ** 2).tolist():
+            acc += term
+        return acc
+
+    assert float64_in_order(0.875) < float64_in_order(1.0)  # the rounding splits the tie
+    assert index.item() == 0
+    t = fm.nvfp4_quantize(x, "folded64_mse")
+    assert fm.e4m3_decode(t.scales).item() == 1.0
+    assert t.dequantize().tolist() == [float(d) for d in exact_dec] == [6.0] + [0.0] * 30 + [6.0]
+
+
+def _wide_tie_groups(g: torch.Generator, rows: int) -> torch.Tensor:
+    """rows x 128 BF16 values: each folded group holds two tie-prone values k/8 among tiny ones
+    (about 2^-28) whose squares are near the ulps of the groups' errors."""
+    x = torch.randn(rows, 4, 32, generator=g) * torch.exp2(torch.randint(-32, -24, (rows, 4, 32), generator=g).float())
+    pos = torch.rand(rows, 4, 32, generator=g).argsort(-1)[..., :2]
+    x.scatter_(-1, pos, torch.randint(-48, 49, (rows, 4, 2), generator=g).float() / 8)
+    return torch.cat((x[..., :16].flatten(-2), x[..., 16:].flatten(-2)), -1).bfloat16().float()
+
+
+def _mse_groups(kind: str, g: torch.Generator, rows: int = 24) -> torch.Tensor:
+    """rows x 128 float32 inputs (4 folded groups per row) of one kind."""
+    shape = (rows, 128)
+    if kind == "gauss":
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 12, (rows, 1), generator=g).float())
+    elif kind == "ties":  # small integers times powers of two: many exact ties between candidates
+        x = torch.randint(-48, 49, shape, generator=g).float() * torch.exp2(
+            torch.randint(-8, 4, (rows, 1), generator=g).float())
+    elif kind == "wide":  # 44 binades per group: E4M3 underflow, saturation and huge groups
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 14, shape, generator=g).float())
+    elif kind == "wide_ties":
+        x = _wide_tie_groups(g, rows)
+    elif kind == "saturating":  # amax around 48 * 448 (the huge threshold) and far above it
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 10, shape, generator=g).float())
+        x[:, 0] = torch.exp2(torch.rand(rows, generator=g) * 6 + 11)  # 2^11 .. 2^17
+        x[:, 33] = -torch.exp2(torch.rand(rows, generator=g) * 100 + 11)  # up to 2^111
+    elif kind == "tiny":  # subnormal and zero E4M3 scales
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-16, -4, (rows, 1), generator=g).float())
+    else:  # float32 values, not BF16 (what the global encode scale produces)
+        return torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 6, (rows, 1), generator=g).float())
+    return x.bfloat16().float()
+
+
+@pytest.mark.parametrize("kind", ["gauss", "ties", "wide", "wide_ties", "saturating", "tiny", "float32"])
+def test_nvfp4_folded_mse_matches_exact_fractions(kind):
+    """The chosen candidate index and the decoded values equal the exact (Fraction) search, group by
+    group: first candidate with the least exact squared error."""
+    g = torch.Generator().manual_seed(sum(map(ord, kind)))
+    x = _mse_groups(kind, g)
+    vals, scales = fm._nvfp4_chunked(x, "folded64_mse")
+    dec = (vals.unflatten(-1, (-1, 16)) * torch.cat((scales, scales), -1).unsqueeze(-1)).flatten(-2)
+    pair = torch.cat((x[:, :64].unflatten(-1, (4, 16)), x[:, 64:].unflatten(-1, (4, 16))), -1)  # (rows, 4, 32)
+    dec_pair = torch.cat((dec[:, :64].unflatten(-1, (4, 16)), dec[:, 64:].unflatten(-1, (4, 16))), -1)
+    index, cands = fm._folded_mse_choice(pair)
+    # the candidates themselves: torch's float8 cast of float32 (amax / 6) * m, saturated
+    base = (pair.abs().amax(-1, keepdim=True).double() / 6).float()
+    mult = torch.tensor(fm.FOLDED_MSE_MULTIPLIERS)
+    assert torch.equal(cands, (base * mult).clamp(max=448).to(torch.float8_e4m3fn).float())
+    ties = 0
+    for r in range(pair.shape[0]):
+        for j in range(pair.shape[1]):
+            cs = cands[r, j].tolist()
+            want, want_dec, errs = _exact_choice(pair[r, j].tolist(), cs)
+            assert index[r, j].item() == want, (kind, r, j)
+            assert dec_pair[r, j].tolist() == [float(d) for d in want_dec], (kind, r, j)
+            ties += len({cs[i] for i, e in enumerate(errs) if e == errs[want]}) > 1
+    if kind in ("ties", "wide_ties"):
+        assert ties > 0  # exact ties between distinct scales were exercised
+
+
+def test_nvfp4_folded_mse_exact_where_float64_rounds_ties_apart():
+    """Random wide-range groups where the old formula (squared errors summed in float64, here in
+    element order so that the selection does not depend on the torch build) chooses differently:
+    every one is an exact tie that float64 rounded apart, and the new choice is the exact one."""
+    g = torch.Generator().manual_seed(1)
+    x = _wide_tie_groups(g, 2000)
+    pair = torch.cat((x[:, :64].unflatten(-1, (4, 16)), x[:, 64:].unflatten(-1, (4, 16))), -1)
+    index, cands = fm._folded_mse_choice(pair)
+    old_err = []
+    for i in range(cands.shape[-1]):
+        sc = cands[..., i:i + 1]
+        terms = (fm._codes_for_scale(pair, sc) * sc - pair).double() ** 2
+        acc = torch.zeros_like(terms[..., 0])
+        for k in range(32):
+            acc = acc + terms[..., k]
+        old_err.append(acc)
+    old_err = torch.stack(old_err, -1)
+    old_index = torch.zeros_like(index[..., 0])
+    for i in range(1, cands.shape[-1]):  # a later candidate wins when strictly smaller
+        better = old_err[..., i] < old_err.gather(-1, old_index[..., None])[..., 0]
+        old_index = torch.where(better, i, old_index)
+    differ = (cands.gather(-1, old_index[..., None]) != cands.gather(-1, index)).squeeze(-1).nonzero().tolist()
+    assert len(differ) >= 10, len(differ)
+    for r, j in differ[:40]:
+        cs = cands[r, j].tolist()
+        want, want_dec, errs = _exact_choice(pair[r, j].tolist(), cs)
+        assert index[r, j].item() == want
+        assert errs[old_index[r, j].item()] == errs[want]  # the old choice was an exact tie, later
+        got = fm.nvfp4_qdq(x[r], "folded64_mse")
+        got_pair = torch.cat((got[16 * j:16 * j + 16], got[64 + 16 * j:64 + 16 * j + 16]))
+        assert got_pair.tolist() == [float(d) for d in want_dec]
 
 
 def test_nvfp4_global_scale_roundtrip():
