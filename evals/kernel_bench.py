@@ -10,9 +10,9 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
   ``hopper_plain`` / ``hopper_overlap``  the whole call with the serial or the overlapped schedule
-  ``hopper@SCHEDULE/P_PATH``, ``hopper_kernel@SCHEDULE/P_PATH``  a kernel variant (either part may
-                    be empty: the default), e.g. ``hopper_kernel@serial/scalar``; see
-                    ``fp4vis.kernels.hopper_fwd.SCHEDULES`` and ``P_PATHS``
+  ``hopper@SCHEDULE/P_PATH/NUM_WG``, ``hopper_kernel@...``  a kernel variant (a part may be empty
+                    or left out: the default), e.g. ``hopper_kernel@serial/scalar`` or
+                    ``hopper@pingpong/packed/3``; see ``fp4vis.kernels.hopper_fwd.DirectPConfig``
   ``hopper_fused``  the whole call with the fused (Triton) folded-K64 Q/K pre-pass, whose exact MSE
                     can choose other scales than the reference's float32 one at ties
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
@@ -26,7 +26,9 @@ Backends (each skipped with a reason in its row when it cannot run here):
 Timing: CUDA events around each call after warm-up, median over repetitions, inputs rotated over
 enough copies to exceed the L2 cache. Errors: relative L2 against the reference emulation
 (``backend="reference"``, on a sample of heads and query rows against all keys, since the
-reference is slow) and against BF16 SDPA. ``quick=True`` runs on the CPU: the reference backend on
+reference is slow) and against BF16 SDPA; for a policy that is not SPEC-exact (``code_rounding``
+other than "exact", e.g. ``fast_bf16round``) also against the reference of its exact twin
+(``rel_l2_vs_exact_reference``). ``quick=True`` runs on the CPU: the reference backend on
 tiny shapes (a smoke test of the harness).
 """
 
@@ -155,31 +157,37 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-def split_variant(backend: str) -> tuple[str, str, str]:
-    """``"hopper_kernel@serial/scalar"`` -> ("hopper_kernel", "serial", "scalar"); "" = default."""
+def split_variant(backend: str) -> tuple[str, str, str, int]:
+    """``"hopper_kernel@serial/scalar/3"`` -> ("hopper_kernel", "serial", "scalar", 3); ""/0 = default."""
     base, _, variant = backend.partition("@")
-    schedule, _, p_path = variant.partition("/")
-    return base, schedule, p_path
+    schedule, p_path, num_wg = (variant.split("/") + ["", "", ""])[:3]
+    return base, schedule, p_path, int(num_wg or 0)
 
 
-def _hopper(policy: str, schedule: str = "", fused_folded: bool | None = None, p_path: str = ""):
-    policy_args = _kmod("hopper_backend").policy_args
+def _hopper(policy: str, schedule: str = "", fused_folded: bool | None = None, p_path: str = "", num_wg: int = 0):
+    """The whole call. The default variant goes through the public API (``fp4vis.attention``,
+    ``backend="hopper"``: what users and the patchers run); variants call the backend's function."""
+    import fp4vis
+    hb = _kmod("hopper_backend")
     prepass = _kmod("hopper_prepass")
     pol = get_policy(policy)
+    default = not (schedule or p_path or num_wg)
 
     def call(q, k, v, scale):
         saved = prepass.FUSED_FOLDED
         if fused_folded is not None:
             prepass.FUSED_FOLDED = fused_folded
         try:
-            return torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, q.shape[-1], scale),
-                                                     schedule=schedule, p_path=p_path)
+            if default:
+                return fp4vis.attention(q, k, v, policy=pol, scale=scale, backend="hopper", range_check="off")
+            return hb.hopper_attention_eager(q, k, v, scale, **hb.policy_args(pol, q.shape[-1], scale),
+                                             schedule=schedule, p_path=p_path, num_wg=num_wg)
         finally:
             prepass.FUSED_FOLDED = saved
     return call
 
 
-def _hopper_parts(policy: str, schedule: str = "", p_path: str = ""):
+def _hopper_parts(policy: str, schedule: str = "", p_path: str = "", num_wg: int = 0):
     """(prepass(q,k,v) -> operands, kernel(operands) -> out) for the split timings."""
     hb = _kmod("hopper_backend")
     LOG2E, policy_args, run_kernel = hb.LOG2E, hb.policy_args, hb.run_kernel
@@ -196,7 +204,7 @@ def _hopper_parts(policy: str, schedule: str = "", p_path: str = ""):
         out = torch.empty_like(q)
         cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", a["affine_a"],
                                  a["affine_b"], a["shift"], a["native_exp2"], a["anchor"],
-                                 schedule=schedule or None, p_path=p_path or None)
+                                 schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None)
         run_kernel(*ops, out, cfg, scale * LOG2E, a["margin_raw"])
         return out
     return pre, ker
@@ -312,9 +320,9 @@ def run_grid(shapes: Sequence = GRID_D128, backends: Sequence[str] = ("hopper", 
 def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budget_s=2.0):
     shape_flops = 4.0 * row["b"] * row["h"] * row["s"] * row["skv"] * row["d"]
     out0 = None
-    base, schedule, p_path = split_variant(backend)
+    base, schedule, p_path, num_wg = split_variant(backend)
     if base in ("prepass", "prepass_fused", "hopper_kernel"):
-        pre, ker = _hopper_parts(pol, schedule, p_path)
+        pre, ker = _hopper_parts(pol, schedule, p_path, num_wg)
         ops = [pre(q, k, v, scale) for q, k, v in sets] if base == "hopper_kernel" else None
         if base == "prepass":
             fn = lambda i: pre(*sets[i], scale)  # noqa: E731
@@ -324,7 +332,7 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
             fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
             out0 = ker(ops[0], sets[0][0], scale)
     else:
-        call = {"hopper": lambda: _hopper(pol, schedule, p_path=p_path),
+        call = {"hopper": lambda: _hopper(pol, schedule, p_path=p_path, num_wg=num_wg),
                 "hopper_plain": lambda: _hopper(pol, "serial"),
                 "hopper_overlap": lambda: _hopper(pol, "overlap"), "hopper_fused": lambda: _hopper(pol, "", True),
                 "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
@@ -346,7 +354,12 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
             from fp4vis.metrics import rel_l2
             q, k, v = sets[0]
             ref, idx = _reference_rows(q, k, v, pol, scale)
-            row["rel_l2_vs_reference"] = float(f"{rel_l2(out0[idx[0], idx[1]][:, :, idx[2]], ref):.3e}")
+            sample = out0[idx[0], idx[1]][:, :, idx[2]]
+            row["rel_l2_vs_reference"] = float(f"{rel_l2(sample, ref):.3e}")
+            exact = get_policy(pol)
+            if exact.code_rounding != "exact":  # what the inexact Hopper policy trades: vs its exact twin
+                exact_ref, _ = _reference_rows(q, k, v, exact.replace(code_rounding="exact"), scale)
+                row["rel_l2_vs_exact_reference"] = float(f"{rel_l2(sample, exact_ref):.3e}")
 
 
 def add_speedups(rows: list[dict]) -> None:

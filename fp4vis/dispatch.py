@@ -52,9 +52,10 @@ class ReferenceBackend(Backend):
     # graph break) instead of tracing every chunk.
     @torch.compiler.disable
     def forward(self, q, k, v, policy, scale):
-        for name, t in (("q", q), ("k", k), ("v", v)):  # attention() cannot check while tracing
+        for name, t in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{name}: contains NaN or Inf; attention inputs must be finite")
+                bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+                raise ValueError(f"{name}: contains {bad}; attention inputs must be finite")
         b, h = q.shape[:2]
         out, report = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), policy, scale)
         return out.unflatten(0, (b, h)), report

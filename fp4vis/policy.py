@@ -15,6 +15,7 @@ from typing import Literal
 Method = Literal["direct_p", "nv_fp8", "exact"]
 QKFormat = Literal["block16", "folded64_mse"]
 MarginUnits = Literal["code", "paper"]
+CodeRounding = Literal["exact", "bf16"]
 
 # SPEC section 2: representable block exponents relative to the row reference are [L-126, 127];
 # an anchored policy needs its margin plus its stored shift to stay inside that window.
@@ -38,6 +39,12 @@ class Policy:
         shift: L, the stored shift of the P block scales.
         qk_format: NVFP4 scale layout for Q and K.
         qk_global_scale: also apply the optional per-tensor FP32 encode ``G = 6*448/amax``.
+        code_rounding: ``"exact"`` (SPEC): the P code is E2M1 of y, the affine or exp2 value;
+            ``"bf16"``: y is first rounded to BF16 (8 significant bits), then to E2M1 — a double
+            rounding that moves a code one step where y lies within half a BF16 ulp of an E2M1
+            midpoint (about 0.5 % of the codes on Gaussian inputs). Not SPEC-exact: it lets the
+            Hopper kernel round pairs of codes with BF16x2 instructions (``fast_bf16round``;
+            docs/hopper_kernel.md).
     """
 
     name: str
@@ -51,6 +58,7 @@ class Policy:
     shift: int = 16
     qk_format: QKFormat = "folded64_mse"
     qk_global_scale: bool = False
+    code_rounding: CodeRounding = "exact"
 
     def __post_init__(self) -> None:
         if self.method not in ("direct_p", "nv_fp8", "exact"):
@@ -59,6 +67,9 @@ class Policy:
         if self.qk_format not in ("block16", "folded64_mse"):
             raise ValueError(f"Policy {self.name!r}: qk_format must be 'block16' or 'folded64_mse', "
                              f"got {self.qk_format!r}")
+        if self.code_rounding not in ("exact", "bf16"):
+            raise ValueError(f"Policy {self.name!r}: code_rounding must be 'exact' or 'bf16', "
+                             f"got {self.code_rounding!r}")
         if self.margin_units not in ("code", "paper"):
             raise ValueError(f"Policy {self.name!r}: margin_units must be 'code' or 'paper', "
                              f"got {self.margin_units!r}")
@@ -112,6 +123,11 @@ def guard_policy_for_heads(num_heads: int) -> Policy:
 POLICIES: dict[str, Policy] = {
     "fast": Policy("fast", affine_a=1.50, affine_b=1.20, shift=16, qk_format="folded64_mse"),
     "wan_fast": Policy("wan_fast", affine_a=1.60, affine_b=0.95, shift=16, qk_format="folded64_mse"),
+    # not from the paper: `fast` with codes rounded through BF16, the inexact trade tried for Hopper.
+    # Measured on the H200 (docs/hopper_kernel.md): no faster than `fast` (the P path is not
+    # instruction-bound), 3-4 % relL2 off `fast`'s reference; kept as that measurement's subject.
+    "fast_bf16round": Policy("fast_bf16round", affine_a=1.50, affine_b=1.20, shift=16, qk_format="folded64_mse",
+                             code_rounding="bf16"),
     "accurate": Policy("accurate", affine_a=1.65, affine_b=0.80, native_exp2=True, anchor=32,
                        margin=64, shift=8, qk_format="block16"),
     "guard": guard_policy(110, 16, name="guard"),

@@ -187,6 +187,14 @@ class DirectPBlock:
     saturated_blocks: int
 
 
+def _code(y: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """SPEC section 2, step 5: E2M1_rne_sat(max(0, y)); with ``code_rounding="bf16"``, y is first
+    rounded to BF16 (through float32, as the kernel computes it)."""
+    if policy.code_rounding == "bf16":
+        y = y.float().bfloat16().double()
+    return e2m1_round(y, relu=True)
+
+
 def direct_p_block(raw: torch.Tensor, m: torch.Tensor, s: float, policy: Policy,
                    valid: torch.Tensor, native: torch.Tensor | None) -> DirectPBlock:
     """SPEC section 2, steps 1-7, for raw scores (..., Sq, nk) with nk a multiple of 32 whose
@@ -210,12 +218,12 @@ def direct_p_block(raw: torch.Tensor, m: torch.Tensor, s: float, policy: Policy,
     r = blocks.double()  # masked keys are -inf: they give q = 0 on both paths
     a, b = policy.affine_a, policy.affine_b
     # affine: E2M1(max(0, A x + B)) with A x + B = raw * (A s) + (A offset + B)
-    codes = e2m1_round(torch.addcmul(offset * a + b, r, torch.tensor(a * s, dtype=torch.float64)), relu=True)
+    codes = _code(torch.addcmul(offset * a + b, r, torch.tensor(a * s, dtype=torch.float64)), policy)
     if native is not None:
         pattern = native.view(nb, KEY_BLOCK)
         for blk in range(min(nb, 4)):  # the native pattern repeats every 4 blocks (quarter = block % 4)
             sl = (..., slice(blk, None, 4), pattern[blk].nonzero().flatten())
-            codes[sl] = e2m1_round(torch.exp2(r[sl] * s + offset[..., blk::4, :]), relu=True)
+            codes[sl] = _code(torch.exp2(r[sl] * s + offset[..., blk::4, :]), policy)
     alpha = torch.exp2(u_work - policy.shift - 127)  # exact powers of two >= 2**-126
     p_scaled = (codes * alpha.unsqueeze(-1)).flatten(-2).float()
     weighted_sum = (codes.sum(-1) * alpha).sum(-1)

@@ -233,7 +233,8 @@ def variants(head_dims=(128, 64)):
 
     from .hopper_fwd import DirectPConfig
     pols = [("fast", POLICIES["fast"]), ("wan_fast", POLICIES["wan_fast"]), ("accurate", POLICIES["accurate"]),
-            ("guard", POLICIES["guard"]), ("guard_h40", guard_policy_for_heads(40))]
+            ("guard", POLICIES["guard"]), ("guard_h40", guard_policy_for_heads(40)),
+            ("fast_bf16round", POLICIES["fast_bf16round"])]
     out = []
     for d in head_dims:
         for name, p in pols:

@@ -123,25 +123,34 @@ def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, out: 
         fn(*(_to_cute(t) for t in tensors), Float32(s_log2), Float32(m_offset), _current_stream())
 
 
-@torch.library.custom_op("fp4vis::hopper_attention", mutates_args=(), device_types="cuda")
-def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, affine_a: float,
-                     affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
-                     qk_fmt: str, schedule: str = "", p_path: str = "") -> torch.Tensor:
+def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, affine_a: float,
+                           affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
+                           qk_fmt: str, schedule: str = "", p_path: str = "", num_wg: int = 0,
+                           code_rounding: str = "exact") -> torch.Tensor:
     """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Hopper kernel.
-    ``schedule`` / ``p_path``: "" the defaults, else one of ``hopper_fwd.SCHEDULES`` / ``P_PATHS``
-    (kernel variants, for the tests and the benchmark)."""
+    ``schedule`` / ``p_path`` / ``num_wg``: ""/0 the defaults, else a kernel variant (see
+    ``hopper_fwd.DirectPConfig``; for the tests and the benchmark).
+
+    This plain function is the body of the custom op ``torch.ops.fp4vis.hopper_attention``;
+    ``HopperBackend`` calls it directly outside torch.compile, which saves the dispatcher's
+    30-85 us per call (H200, benchmarks/results/prepass_h200_20261129.json)."""
     from .hopper_fwd import DirectPConfig
     q_hat, k_hat, v6 = prepare_operands(q, k, v, qk_fmt, anchor)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
-                             shift, native_exp2, anchor, schedule=schedule or None, p_path=p_path or None)
+                             shift, native_exp2, anchor, schedule=schedule or None, p_path=p_path or None,
+                             num_wg=num_wg or None, code_rounding=code_rounding)
     run_kernel(q_hat, k_hat, v6, out, cfg, scale * LOG2E, margin_raw)
     return out
 
 
+hopper_attention = torch.library.custom_op("fp4vis::hopper_attention", mutates_args=(),
+                                           device_types="cuda")(hopper_attention_eager)
+
+
 @hopper_attention.register_fake
 def _hopper_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw,
-                           qk_fmt, schedule="", p_path=""):
+                           qk_fmt, schedule="", p_path="", num_wg=0, code_rounding="exact"):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -153,7 +162,7 @@ def policy_args(policy: Policy, head_dim: int, scale: float) -> dict:
         margin_raw = policy.margin * math.log(2.0) if policy.margin_units == "code" else policy.margin / s
     return dict(affine_a=float(policy.affine_a), affine_b=float(policy.affine_b), shift=int(policy.shift),
                 native_exp2=bool(policy.native_exp2), anchor=int(policy.anchor), margin_raw=float(margin_raw),
-                qk_fmt=qk_layout(policy, head_dim))
+                qk_fmt=qk_layout(policy, head_dim), code_rounding=policy.code_rounding)
 
 
 class HopperBackend(Backend):
@@ -184,13 +193,17 @@ class HopperBackend(Backend):
             return "empty sequence"
         if policy.qk_global_scale:
             return "qk_global_scale (per-tensor NVFP4 scale) is not implemented in the kernel"
+        if policy.code_rounding == "bf16" and policy.shift < 3:
+            return "code_rounding='bf16' needs the shift L >= 3"
         if policy.anchor > MAX_ANCHOR:
             return f"anchor = {policy.anchor} > {MAX_ANCHOR}"
         return _cutlass_import_error()
 
     def forward(self, q, k, v, policy, scale):
-        out = torch.ops.fp4vis.hopper_attention(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
-                                                **policy_args(policy, q.shape[-1], float(scale)))
+        # the custom op under torch.compile (one graph node); the same function, undispatched, eagerly
+        op = torch.ops.fp4vis.hopper_attention if torch.compiler.is_compiling() else hopper_attention_eager
+        out = op(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
+                 **policy_args(policy, q.shape[-1], float(scale)))
         return out, None
 
 

@@ -46,12 +46,11 @@ from cutlass.utils import LayoutEnum
 # Tuning constants (one place)
 # ------------------------------------------------------------------------------------------------
 TILE_M_PER_WG = 64      # query rows per consumer warpgroup (one WGMMA M)
-NUM_MMA_WG = 2          # consumer warpgroups per CTA
+NUM_MMA_WG = 2          # default consumer warpgroups per CTA (DirectPConfig.num_wg: 2, or 3 with 64-key tiles)
 TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 64 also supported
-KV_STAGES = 4           # K and V tiles in flight (they alternate in one pipeline)
-Q_STAGES = NUM_MMA_WG   # one Q tile per consumer warpgroup
+KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
-REGS_CONSUMER = 240
+REGS_CONSUMER = {2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
 DP_BLOCK = 32           # Direct-P block: 32 consecutive keys
 # Schedules of the consumer warpgroups (DirectPConfig.schedule):
 #   "pingpong": each warpgroup issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T back to back, then hands
@@ -89,6 +88,8 @@ class DirectPConfig:
     schedule: str = SCHEDULE         # see SCHEDULES
     tile_n: int = TILE_N             # keys per tile: 128, or 64 (what the overlapped schedule fits)
     p_path: str = P_PATH             # see P_PATHS
+    num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3 needs 64-key tiles
+    code_rounding: str = "exact"     # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
 
     @property
     def overlap(self) -> bool:
@@ -96,12 +97,14 @@ class DirectPConfig:
 
     def key(self) -> tuple:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
-                self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path)
+                self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
+                self.code_rounding)
 
     @staticmethod
     def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
              anchor: int, schedule: str | None = None, tile_n: int | None = None,
-             p_path: str | None = None) -> DirectPConfig:
+             p_path: str | None = None, num_wg: int | None = None,
+             code_rounding: str = "exact") -> DirectPConfig:
         """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
         tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
         tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule."""
@@ -113,19 +116,34 @@ class DirectPConfig:
             raise ValueError(f"p_path: one of {P_PATHS}, got {p_path!r}")
         if schedule == "overlap" and anchor > 64:
             schedule = SCHEDULE if SCHEDULE != "overlap" else "pingpong"
+        if code_rounding not in ("exact", "bf16"):
+            raise ValueError(f"code_rounding: 'exact' or 'bf16', got {code_rounding!r}")
+        if code_rounding == "bf16" and (shift < EIGHTHS_LOG2 or not EIGHTHS):
+            raise ValueError(f"code_rounding='bf16' needs the shift L >= {EIGHTHS_LOG2} (codes computed as q/8)")
+        num_wg = num_wg or NUM_MMA_WG
+        if num_wg not in REGS_CONSUMER:
+            raise ValueError(f"num_wg: one of {tuple(REGS_CONSUMER)}, got {num_wg!r}")
+        if num_wg == 3 and anchor > 64:
+            num_wg = 2     # three warpgroups need 64-key tiles, which hold at most 64 anchors
         if tile_n is None:
-            tile_n = 64 if schedule == "overlap" else 128
+            tile_n = 64 if schedule == "overlap" or num_wg == 3 else 128
+        if num_wg == 3 and (tile_n != 64 or schedule == "overlap"):
+            raise ValueError("num_wg = 3 needs tile_n = 64 and the pingpong or serial schedule "
+                             "(registers: 160 per consumer thread)")
         if schedule == "overlap" and tile_n != 64:
             raise ValueError("schedule 'overlap' needs tile_n = 64")
         return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
                              affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
-                             anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path)
+                             anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path, num_wg=num_wg,
+                             code_rounding=code_rounding)
 
     @staticmethod
     def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,
-                    tile_n: int | None = None, p_path: str | None = None) -> DirectPConfig:
+                    tile_n: int | None = None, p_path: str | None = None,
+                    num_wg: int | None = None) -> DirectPConfig:
         return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
-                                  policy.native_exp2, policy.anchor, schedule, tile_n, p_path)
+                                  policy.native_exp2, policy.anchor, schedule, tile_n, p_path, num_wg,
+                                  policy.code_rounding)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,6 +211,13 @@ def ex2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
 def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [Float32(a), Float32(b), Float32(c)], "fma.rn.f32 $0, $1, $2, $3;",
                         "=f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def fmax_nan(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """max that propagates NaN (``max.NaN``; plain ``max`` returns the other operand): a NaN score
+    from a non-finite input reaches the row's denominator (see ``direct_p``). Same cost as max."""
+    return Float32(_asm(T.f32(), [Float32(a), Float32(b)], "max.NaN.f32 $0, $1, $2;", "=f,f,f", loc, ip))
 
 
 @dsl_user_op
@@ -281,6 +306,25 @@ def pack_sat_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def e2m1_bf16x2_eighths(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """``code_rounding="bf16"``: a pair of y/8 values rounded to BF16, then to the E2M1 grid / 8 on
+    BF16x2 (the grid trick of ``e2m1_round_eighths`` with C = max(2^(e + 6), 8): BF16 has 7
+    mantissa bits; y/8 <= 1 after ``fma.sat``, larger native values saturate all the same), and
+    saturated at 6/8: 8 instructions per pair instead of 13."""
+    body = ("{ .reg .b32 p, c, f, r;\n"
+            "cvt.rn.bf16x2.f32 p, $2, $1;\n"
+            "and.b32 c, p, 0x7F807F80;\n"
+            "add.s32 c, c, 0x03000300;\n"
+            "mov.b32 f, 0x41004100;\n"
+            "max.bf16x2 c, c, f;\n"
+            "add.rn.bf16x2 r, p, c;\n"
+            "sub.rn.bf16x2 r, r, c;\n"
+            "mov.b32 f, 0x3F403F40;\n"
+            "min.bf16x2 $0, r, f; }")
+    return Int32(_asm(T.i32(), [Float32(lo), Float32(hi)], body, "=r,f,f", loc, ip))
+
+
+@dsl_user_op
 def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc, ip))
 
@@ -334,11 +378,13 @@ class DirectPAttentionSm90:
         self.o_dtype = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
         self.in_dtype = cutlass.BFloat16
         self.acc_dtype = Float32
-        self.tile_m = TILE_M_PER_WG * NUM_MMA_WG
+        self.num_wg = cfg.num_wg
+        self.tile_m = TILE_M_PER_WG * cfg.num_wg
         self.tile_n = cfg.tile_n
         self.qk_tiler = (TILE_M_PER_WG, cfg.tile_n, cfg.head_dim)
         self.pv_tiler = (TILE_M_PER_WG, cfg.head_dim, cfg.tile_n)
-        self.threads = 128 * (NUM_MMA_WG + 1)
+        self.threads = 128 * (cfg.num_wg + 1)
+        self.kv_stages = 2 * KV_KEYS_IN_FLIGHT // cfg.tile_n
         self.buffer_align_bytes = 1024
 
     # ---------------------------------------------------------------- host side
@@ -364,9 +410,9 @@ class DirectPAttentionSm90:
             self.in_dtype, self.in_dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1),
             self.pv_tiler[:2], cute.nvgpu.warpgroup.OperandSource.RMEM)
 
-        q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.in_dtype, Q_STAGES)
-        k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.in_dtype, KV_STAGES)
-        v_sl = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, self.pv_tiler, self.in_dtype, KV_STAGES)
+        q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.in_dtype, self.num_wg)
+        k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.in_dtype, self.kv_stages)
+        v_sl = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, self.pv_tiler, self.in_dtype, self.kv_stages)
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -380,8 +426,8 @@ class DirectPAttentionSm90:
 
         @cute.struct
         class SharedStorage:
-            q_mbar: cute.struct.MemRange[cutlass.Int64, Q_STAGES * 2]
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, self.num_wg * 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(q_sl)],
                                   self.buffer_align_bytes]
             sKV: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(k_sl)],
@@ -409,14 +455,14 @@ class DirectPAttentionSm90:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(), num_stages=Q_STAGES,
+            barrier_storage=storage.q_mbar.data_ptr(), num_stages=self.num_wg,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
             tx_count=self.q_bytes, defer_sync=True)
         kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_mbar.data_ptr(), num_stages=KV_STAGES,
+            barrier_storage=storage.kv_mbar.data_ptr(), num_stages=self.kv_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_MMA_WG),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_wg),
             tx_count=self.kv_bytes, defer_sync=True)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1, 1))
@@ -435,7 +481,7 @@ class DirectPAttentionSm90:
                 self.producer(tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
                               m_blk, h_idx, b_idx, n_tiles)
         else:
-            cute.arch.warpgroup_reg_alloc(REGS_CONSUMER)
+            cute.arch.warpgroup_reg_alloc(REGS_CONSUMER[self.num_wg])
             self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, s_log2, m_offset,
                           tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles)
 
@@ -453,14 +499,14 @@ class DirectPAttentionSm90:
         tVsV, tVgV = cute.nvgpu.cpasync.tma_partition(
             tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
-        for w in cutlass.range_constexpr(NUM_MMA_WG):
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_wg)
+        for w in cutlass.range_constexpr(self.num_wg):
             q_pipe.producer_acquire(q_state)
-            cute.copy(tma_q, tQgQ[None, m_blk * NUM_MMA_WG + w], tQsQ[None, q_state.index],
+            cute.copy(tma_q, tQgQ[None, m_blk * self.num_wg + w], tQsQ[None, q_state.index],
                       tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
             q_state.advance()
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         for j in cutlass.range(n_tiles, unroll=1):
             kv_pipe.producer_acquire(kv_state)
             cute.copy(tma_k, tKgK[None, j], tKsK[None, kv_state.index],
@@ -495,13 +541,14 @@ class DirectPAttentionSm90:
         row_m.fill(0.0)
         row_l.fill(0.0)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
-        if wg == 1:
-            q_state.advance()
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_wg)
+        for w in cutlass.range_constexpr(1, self.num_wg):   # stage wg, phase 0
+            if wg >= w:
+                q_state.advance()
         q_pipe.consumer_wait(q_state)
         q_stage = q_state.index
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         partial_last = seqlen_k % self.tile_n != 0
         if const_expr(self.cfg.overlap):
             # S_0 first; then every step issues S_{j+1} = Q K_{j+1}^T before Direct-P of S_j, so the
@@ -565,16 +612,18 @@ class DirectPAttentionSm90:
     @cute.jit
     def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
                       acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles, partial_last):
-        """The ping-pong schedule. Per key tile j one "tensor phase" issues O += P_{j-1} V_{j-1} and
-        S_j = Q K_j^T together, then Direct-P of S_j runs on the ALUs. Named barrier BAR_SCHED + w
-        means "warpgroup w may issue": each warpgroup waits for its own before a tensor phase and
-        signals the other's right after issuing, so one warpgroup's Direct-P runs under the other's
-        matrix products. Counts balance: each warpgroup syncs n + 1 times; warpgroup 1 signals once
-        up front and after its first n phases, warpgroup 0 after all n + 1."""
+        """The ping-pong schedule. Per key tile j one "tensor phase" issues S_j = Q K_j^T and
+        O += P_{j-1} V_{j-1} together, then Direct-P of S_j runs on the ALUs. Named barrier
+        BAR_SCHED + w means "warpgroup w may issue": each warpgroup waits for its own before a
+        tensor phase and signals the next one's (round robin) right after issuing, so Direct-P
+        runs under the other warpgroups' matrix products. Counts balance: each warpgroup syncs
+        n + 1 times; the last warpgroup signals warpgroup 0 once up front and after its first n
+        phases, every other warpgroup signals its successor after all n + 1."""
+        last = self.num_wg - 1
         own_bar = BAR_SCHED + wg
-        other_bar = BAR_SCHED + 1 - wg
-        n_sched = 128 * NUM_MMA_WG
-        if wg == 1:
+        other_bar = BAR_SCHED + (wg + 1) % self.num_wg
+        n_sched = 256      # the waiting warpgroup and the signalling one
+        if wg == last:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         k_state = kv_state.clone()          # K_j (stream position 2j)
         v_state = kv_state.clone()          # V_{j-1} (position 2j - 1); first used at j = 1
@@ -616,7 +665,7 @@ class DirectPAttentionSm90:
         cute.nvgpu.warpgroup.fence()
         cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
         cute.nvgpu.warpgroup.commit_group()
-        if wg == 0:
+        if wg != last:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(0)
         kv_pipe.consumer_release(v_state)
@@ -690,7 +739,8 @@ class DirectPAttentionSm90:
         summed on pairs (at most 4 codes/8 per half, multiples of 1/16 up to 3: exact in BF16)."""
         cfg = self.cfg
         eighths = EIGHTHS and cfg.shift >= EIGHTHS_LOG2
-        packed = const_expr(cfg.p_path == "packed" and eighths)
+        bf16codes = const_expr(cfg.code_rounding == "bf16")
+        packed = const_expr((cfg.p_path == "packed" and eighths) or bf16codes)
         anchored = cfg.anchor > 0
         a_s = s_log2 * cfg.affine_a
         if const_expr(eighths):
@@ -719,11 +769,17 @@ class DirectPAttentionSm90:
                 for t in cutlass.range_constexpr(8):
                     v[t] = mask_key(v[t], 32 * b + 8 * (t // 2) + 2 * lane_q + (t % 2), kv_limit)
             vals[r, b] = v
-            m4 = [cute.arch.fmax(v[2 * i], v[2 * i + 1]) for i in range(4)]
-            mx[r, b] = cute.arch.fmax(cute.arch.fmax(m4[0], m4[1]), cute.arch.fmax(m4[2], m4[3]))
+            m4 = [fmax_nan(v[2 * i], v[2 * i + 1]) for i in range(4)]
+            mx[r, b] = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]))
         for off in (1, 2):
             for rb in rbs:
-                mx[rb] = cute.arch.fmax(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
+                mx[rb] = fmax_nan(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
+        # NaN scores (non-finite inputs: the pre-pass turns them into NaN operands) must not become
+        # codes 0 silently: a per-row flag, max.NaN over the block maxima (0 or a finite score
+        # otherwise), is added times 0 to the denominator, which is then NaN and so is the row.
+        nan_flag = [Float32(0.0), Float32(0.0)]
+        for r, b in rbs:
+            nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
         consts = {}
         for r, b in rbs:
             u = block_exponent(mx[r, b], row_m[r], s_log2, anchored)
@@ -759,7 +815,9 @@ class DirectPAttentionSm90:
                         y = select_f32(nat_even, yn, y)
                     else:
                         y = select_f32(nat_odd, yn, y)
-                if const_expr(packed):
+                if const_expr(bf16codes):
+                    codes[t] = y                      # rounded in pairs below
+                elif const_expr(packed):
                     codes[t] = e2m1_grid_eighths(y)
                 elif const_expr(eighths):
                     codes[t] = e2m1_round_eighths(y)
@@ -767,7 +825,10 @@ class DirectPAttentionSm90:
                     codes[t] = e2m1_relu_round(y)
             if const_expr(packed):
                 alpha2 = bf16x2_splat_pow2(alpha)
-                pairs = [pack_sat_bf16x2(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
+                if const_expr(bf16codes):
+                    pairs = [e2m1_bf16x2_eighths(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
+                else:
+                    pairs = [pack_sat_bf16x2(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
                 for cb in cutlass.range_constexpr(4):
                     r_p2[idx[r, b][2 * cb] // 2] = mul_bf16x2(pairs[cb], alpha2)
                 csum = bf16x2_sum(add_bf16x2(add_bf16x2(pairs[0], pairs[1]), add_bf16x2(pairs[2], pairs[3])))
@@ -779,7 +840,7 @@ class DirectPAttentionSm90:
                     r_p[idx[r, b][t]] = (codes[t] * alpha).to(self.in_dtype)
             l_acc[r] = l_acc[r] + alpha * csum
         for r in cutlass.range_constexpr(2):
-            row_l[r] = row_l[r] + l_acc[r]
+            row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
 
     @cute.jit
     def epilogue(self, thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q):
@@ -791,11 +852,11 @@ class DirectPAttentionSm90:
             lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
             den = lt * 6.0
             inv[r] = 0.0
-            if den > 0.0:
+            if den != 0.0:       # 0: every probability underflowed; NaN (non-finite input) stays NaN
                 inv[r] = 1.0 / den
-        row0 = (m_blk * NUM_MMA_WG + wg) * TILE_M_PER_WG
+        row0 = (m_blk * self.num_wg + wg) * TILE_M_PER_WG
         gO = cute.local_tile(mO[None, None, h_idx, b_idx], (TILE_M_PER_WG, self.head_dim),
-                             (m_blk * NUM_MMA_WG + wg, 0))
+                             (m_blk * self.num_wg + wg, 0))
         tOgO = thr_pv.partition_C(gO)
         cO = cute.make_identity_tensor((TILE_M_PER_WG, self.head_dim))
         tOcO = thr_pv.partition_C(cO)

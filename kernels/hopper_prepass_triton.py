@@ -177,6 +177,13 @@ def _cand_err(alo, ahi, alo2, ahi2, sc):
 
 
 @triton.jit
+def _nan_if_not_finite(out, mag):
+    """NaN where the input magnitude is NaN or Inf: the attention kernel then propagates it to
+    the output (as SDPA does) instead of quantizing it to a finite code."""
+    return tl.where(mag < float("inf"), out, float("nan"))
+
+
+@triton.jit
 def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.constexpr,
                 HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr):
     """BLOCK_R rows of one NVFP4 operand: X (N = G*S rows of D) -> decoded BF16 rows in Y; rows
@@ -234,8 +241,8 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.co
                 best_sc = tl.where(better, sc, best_sc)
         sc3 = best_sc[:, :, None]
         r3 = _rcp(best_sc)[:, :, None]
-        out_lo = _signed(_code(alo, r3) * sc3, lo, sc3)
-        out_hi = _signed(_code(ahi, r3) * sc3, hi, sc3)
+        out_lo = _nan_if_not_finite(_signed(_code(alo, r3) * sc3, lo, sc3), alo)
+        out_hi = _nan_if_not_finite(_signed(_code(ahi, r3) * sc3, hi, sc3), ahi)
         tl.store(Y + dst[:, None, None] + col, out_lo.to(tl.bfloat16), mask=m3)
         tl.store(Y + dst[:, None, None] + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
@@ -247,7 +254,7 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.co
         ax = tl.abs(x)
         sc = _e4m3(tl.math.div_rn(tl.max(ax, axis=2), 6.0))
         sc3 = sc[:, :, None]
-        out = _signed(_code(ax, _rcp(sc)[:, :, None]) * sc3, x, sc3)
+        out = _nan_if_not_finite(_signed(_code(ax, _rcp(sc)[:, :, None]) * sc3, x, sc3), ax)
         tl.store(Y + dst[:, None, None] + col, out.to(tl.bfloat16), mask=m3)
 
 
@@ -281,7 +288,7 @@ def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr,
         u = tl.where(amax <= 1e-38, 0, u)
         # 6 v is exact in float32 for BF16/FP16 v; scaling by a power of two is exact
         codes = _e2m1((6.0 * v) * _pow2(127 - u)[None, :])
-        out = codes * _pow2(u - 127)[None, :]
+        out = _nan_if_not_finite(codes * _pow2(u - 127)[None, :], tl.abs(v))
         tl.store(Y + dst[:, None] + dcol[None, :], out.to(tl.bfloat16), mask=valid[:, None])
 
 

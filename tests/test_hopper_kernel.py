@@ -33,7 +33,7 @@ SHAPES = [
     (1, 1, 130, 40, 64),       # fewer keys than one tile (and than the guard's 128 anchors)
 ]
 # largest logit z*log2(e) we drive each policy to (below its representable range)
-LOGIT_LIMIT = {"fast": 100.0, "wan_fast": 100.0, "accurate": 200.0, "guard": 300.0}
+LOGIT_LIMIT = {"fast": 100.0, "wan_fast": 100.0, "accurate": 200.0, "guard": 300.0, "fast_bf16round": 100.0}
 
 
 def make_inputs(shape, dtype, kind, policy, seed=0):
@@ -57,7 +57,7 @@ def run(q, k, v, policy, backend):
 
 @pytest.mark.parametrize("kind", ["gauss", "wide"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", POLICIES + ["fast_bf16round"])
 def test_kernel_matches_reference_bf16(policy, shape, kind):
     q, k, v = make_inputs(shape, torch.bfloat16, kind, policy)
     out = run(q, k, v, policy, "hopper")
@@ -125,24 +125,26 @@ def test_torch_compile_no_graph_break():
     assert rel_l2(out, ref) <= TOL
 
 
-KERNEL_VARIANTS = [("pingpong", "packed"), ("pingpong", "scalar"), ("serial", "packed"), ("serial", "scalar"),
-                   ("overlap", "packed")]
+KERNEL_VARIANTS = [("pingpong", "packed", 2), ("pingpong", "scalar", 2), ("serial", "packed", 2),
+                   ("serial", "scalar", 2), ("overlap", "packed", 2), ("pingpong", "packed", 3),
+                   ("serial", "packed", 3)]
 
 
-@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: "-".join(v))
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: "-".join(map(str, v)))
 @pytest.mark.parametrize("shape", SHAPES + [(1, 1, 64, 64 * 7 + 5, 128)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("policy", ["fast", "accurate", "guard"])
 def test_kernel_variants_match_reference(policy, shape, variant):
     """Every schedule (ping-pong and serial with 128-key tiles, overlapped with 64-key tiles; the
-    128-anchor guard runs the default schedule in place of the overlapped one) and both P paths,
-    odd and even tile counts."""
+    128-anchor guard runs the default schedule in place of the overlapped one), both P paths, two
+    and three consumer warpgroups (three: 64-key tiles; the guard keeps two), odd and even tile
+    counts."""
     policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
     pol = fp4vis.get_policy(policy)
     q, k, v = make_inputs(shape, torch.bfloat16, "wide", policy, seed=7)
     scale = 1 / math.sqrt(shape[-1])
-    schedule, p_path = variant
+    schedule, p_path, num_wg = variant
     out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, shape[-1], scale),
-                                            schedule=schedule, p_path=p_path)
+                                            schedule=schedule, p_path=p_path, num_wg=num_wg)
     ref = run(q, k, v, policy, "reference")
     assert bool(torch.isfinite(out).all())
     assert rel_l2(out, ref) <= TOL
@@ -197,3 +199,20 @@ def test_codes_match_reference_up_to_rounding_boundaries(policy, d):
         bnd = torch.tensor(E2M1_BOUNDARIES, dtype=torch.float64, device="cuda")
         dist = (y[diff].unsqueeze(-1) - bnd).abs().amin(-1) / y[diff].abs().clamp(min=1.0)
         assert float(dist.max()) < 1e-4, f"codes differ away from a rounding boundary: {float(dist.max()):.2e}"
+
+
+@pytest.mark.parametrize("policy", ["fast", "guard"])
+def test_non_finite_inputs_propagate(policy):
+    """The kernel path does not synchronise to check inputs: NaN/Inf propagate as in SDPA (a bad q
+    row gives a NaN output row; a bad k or v entry gives NaN for the whole head), never a finite
+    number from a quantized Inf. The reference raises instead (tests/test_reference.py)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, 3, 300, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    q[0, 0, 5, 3] = math.nan
+    k[0, 1, 200, 0] = math.inf
+    v[0, 2, 17, 9] = -math.inf
+    out = fp4vis.attention(q, k, v, policy=policy, backend="hopper")
+    row_nan = torch.isnan(out).any(-1)[0]          # (H, S)
+    assert row_nan[0, 5] and not row_nan[0, torch.arange(300, device="cuda") != 5].any()
+    assert row_nan[1].all()
+    assert torch.isnan(out[0, 2]).any(-1).all()

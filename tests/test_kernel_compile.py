@@ -24,7 +24,8 @@ compile_check = importlib.import_module("fp4vis.kernels.compile_check")
 prepare_operands = importlib.import_module("fp4vis.kernels.hopper_prepass").prepare_operands
 
 VARIANTS = compile_check.variants()
-EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar"}
+EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
+            "fast_bf16round"}
 
 
 @pytest.fixture(scope="module")

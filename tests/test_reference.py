@@ -408,3 +408,25 @@ def test_formats_identical_on_cpu_and_cuda(layout):
     assert torch.equal(fm.nvfp4_qdq(x, layout), fm.nvfp4_qdq(x.cuda(), layout).cpu())
     v = torch.randn(2, 300, 64, generator=g)
     assert torch.equal(fm.mxfp4_qdq(v), fm.mxfp4_qdq(v.cuda()).cpu())
+
+
+def test_code_rounding_bf16_is_a_double_rounding():
+    """code_rounding="bf16" (policy fast_bf16round, the Hopper speed trade) rounds y to BF16 first:
+    2.5 + 2^-10 is above the 2.5 midpoint (E2M1 3) but its BF16 value is 2.5 (ties to even: 2)."""
+    y = torch.tensor([2.5 + 2**-10, 2.5 - 2**-10, 3.5 + 2**-9, 0.7, 5.2, 9.0, -1.0], dtype=torch.float64)
+    exact = ref._code(y, POLICIES["fast"])
+    via_bf16 = ref._code(y, POLICIES["fast_bf16round"])
+    assert exact.tolist() == [3.0, 2.0, 4.0, 0.5, 6.0, 6.0, 0.0]
+    assert via_bf16.tolist() == [2.0, 2.0, 4.0, 0.5, 6.0, 6.0, 0.0]
+
+
+def test_fast_bf16round_trades_little_against_bf16():
+    """The inexact policy moves a few codes one step: measurably off the exact fast reference, but
+    its error against exact attention is within 1 % of fast's."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(3))
+    exact = fp4vis.attention(q, k, v, policy="bf16")
+    fast = fp4vis.attention(q, k, v, policy="fast")
+    rounded = fp4vis.attention(q, k, v, policy="fast_bf16round")
+    assert 1e-3 < fp4vis.rel_l2(rounded, fast) < 5e-2
+    assert abs(fp4vis.rel_l2(rounded, exact) - fp4vis.rel_l2(fast, exact)) < 0.01 * fp4vis.rel_l2(fast, exact)
