@@ -37,21 +37,10 @@ def _copies(nbytes: int) -> int:
     return max(2, min(64, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
 
 
-def time_events(fn, n_inputs: int, budget: float = 0.25, warmup: int = 3, min_reps: int = 5) -> float:
-    """Median ms of fn(i) by CUDA events, i rotating over the inputs."""
-    for i in range(warmup):
-        fn(i % n_inputs)
-    torch.cuda.synchronize()
-    times, t_end, i = [], time.perf_counter() + budget, 0
-    while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < 2000):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i % n_inputs)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-        i += 1
-    return statistics.median(times)
+def time_events(fn, n_inputs: int, budget: float = 0.25) -> float:
+    """Median ms of fn(i) by CUDA events, i rotating over the inputs (fp4vis.evals.kernel_bench's timer)."""
+    from fp4vis.evals.kernel_bench import time_cuda
+    return statistics.median(time_cuda(fn, n_inputs, reps=2000, budget_s=budget))
 
 
 def time_host(fn, n_inputs: int, reps: int = 200, sync: bool = False) -> float:
