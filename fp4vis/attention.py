@@ -21,6 +21,28 @@ class RangeExceededError(FloatingPointError):
     """A Direct-P policy was driven past its representable range (SPEC section 2)."""
 
 
+def _is_tracing() -> bool:
+    """True under CUDA-graph capture or torch.compile tracing, where data-dependent host checks
+    (which synchronise) are not allowed."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_kernel_output(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> None:
+    """SPEC section 6 for the kernel paths, with one host synchronisation: the kernels propagate
+    NaN/Inf inputs to the output (they never quantize them to finite codes), so a finite output
+    means finite inputs; otherwise name the bad input (or report a kernel bug)."""
+    if bool(torch.isfinite(out).all()):
+        return
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not bool(torch.isfinite(t).all()):
+            bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+            raise ValueError(f"{name}: contains {bad}; attention inputs must be finite")
+    raise RuntimeError(f"fp4vis: the {backend} backend produced a non-finite output from finite inputs "
+                       "(a bug: please report it with the shapes and policy)")
+
+
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -72,14 +94,17 @@ def attention(
             warning), "reference" or "hopper" (these raise when they cannot run).
         range_check: when a Direct-P policy is driven past its range (saturated P blocks, rows
             that underflow, non-finite output): "raise" RangeExceededError, "warn", or "off".
-            Only the reference reports ranges; the Hopper kernel does not check them.
+            Only the reference reports ranges; the Hopper kernel does not check them. "off" also
+            skips the kernel path's input check (below): no host synchronisation at all.
 
     Returns:
         The attention output, q's dtype, in ``layout``.
 
-    Non-finite inputs: the reference raises ValueError naming the tensor; the Hopper kernel,
-    which must not synchronise with the host, propagates them as SDPA does (NaN or Inf in q row
-    i gives a NaN output row i; in k or v, NaN output everywhere in that head).
+    Non-finite inputs raise ValueError naming the tensor (SPEC section 6). The reference checks
+    them first; the Hopper kernel propagates them to the output (NaN or Inf in q row i gives a NaN
+    output row i; in k or v, NaN in that head) and ``attention`` checks the output once (one host
+    synchronisation). With ``range_check="off"``, under torch.compile and in CUDA-graph capture
+    that check is skipped and the NaNs are returned, as SDPA does.
     """
     pol = get_policy(policy)
     if layout not in ("bhsd", "bshd"):
@@ -100,6 +125,8 @@ def attention(
         return out.transpose(1, 2) if layout == "bshd" else out
     chosen = select_backend(backend, q, k, v, pol, float(scale))
     out, report = chosen.forward(q, k, v, pol, float(scale))
+    if report is None and range_check != "off" and not _is_tracing():
+        _check_kernel_output(out, q, k, v, chosen.name)
     if report is not None and not report.ok and range_check != "off":
         message = report.describe(pol)
         if range_check == "raise":

@@ -70,6 +70,9 @@ class Policy:
         if self.code_rounding not in ("exact", "bf16"):
             raise ValueError(f"Policy {self.name!r}: code_rounding must be 'exact' or 'bf16', "
                              f"got {self.code_rounding!r}")
+        if self.code_rounding != "exact" and self.method != "direct_p":
+            raise ValueError(f"Policy {self.name!r}: code_rounding applies to Direct-P codes only "
+                             f"(method {self.method!r})")
         if self.margin_units not in ("code", "paper"):
             raise ValueError(f"Policy {self.name!r}: margin_units must be 'code' or 'paper', "
                              f"got {self.margin_units!r}")

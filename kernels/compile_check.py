@@ -13,6 +13,7 @@ CLI: ``python -m fp4vis.kernels.compile_check [--policy fast] [--head-dim 128] [
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import io
 import json
@@ -105,10 +106,7 @@ def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = Tru
     with _CaptureFds() as cap:
         compiled = cute.compile(kernel, *args, options=opts)
     dt = time.perf_counter() - t0
-    rep = CompileReport(variant=dict(zip(
-        ("head_dim", "out_dtype", "affine_a", "affine_b", "shift", "native_exp2", "anchor", "schedule", "tile_n",
-         "p_path"),
-        cfg.key())), compile_s=round(dt, 2))
+    rep = CompileReport(variant=dataclasses.asdict(cfg), compile_s=round(dt, 2))
     cubins = sorted(glob.glob(os.path.join(dump, "**", "*.cubin"), recursive=True), key=os.path.getmtime)
     if not cubins:
         # 4.8.1 embeds the device binary in the host module instead of honouring --keep-cubin
@@ -227,8 +225,8 @@ def _parse_ptxas(rep: CompileReport, text: str) -> None:
 
 def variants(head_dims=(128, 64)):
     """The kernel variants CI compiles: every supported policy x head dim with the default schedule
-    and P path, plus the serial schedule with the scalar P path and the overlapped schedule for
-    the policies with at most 64 anchors (BF16 out)."""
+    and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
+    policies with at most 64 anchors, and three consumer warpgroups (BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
@@ -244,6 +242,7 @@ def variants(head_dims=(128, 64)):
         for name, p in (pols[0], pols[2]):
             out.append((f"{name}_serial_scalar", DirectPConfig.from_policy(p, d, "bf16", schedule="serial",
                                                                            p_path="scalar")))
+        out.append(("fast_3wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", num_wg=3)))
     return out
 
 

@@ -200,8 +200,11 @@ class HopperBackend(Backend):
         return _cutlass_import_error()
 
     def forward(self, q, k, v, policy, scale):
-        # the custom op under torch.compile (one graph node); the same function, undispatched, eagerly
-        op = torch.ops.fp4vis.hopper_attention if torch.compiler.is_compiling() else hopper_attention_eager
+        # the custom op under torch.compile (one graph node) and where autograd would need it (it has
+        # no backward: it then fails at backward, not silently); the same function, undispatched,
+        # otherwise
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        op = torch.ops.fp4vis.hopper_attention if torch.compiler.is_compiling() or grad else hopper_attention_eager
         out = op(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
                  **policy_args(policy, q.shape[-1], float(scale)))
         return out, None

@@ -239,16 +239,18 @@ def block_exponent(mx: Float32, m: Float32, s2: Float32, anchored: bool, *, loc=
     """u = clamp(floor((mx - m) * s + 1 - log2(1.5)) + 127, 0, 254) (SPEC section 2, steps 1-2).
 
     The floor is taken with a round-down add of 1.5 * 2^23, which puts floor(g) in the low mantissa
-    bits for |g| < 2^22 (beyond that, and for -inf of an all-masked block, the clamp gives 254 or 0
-    as before): no float-to-int conversion (16/clk/SM on Hopper). Without anchors m = 0 and
-    ``mx - m`` is skipped (exact: x - 0 = x)."""
+    bits for |g| < 2^22: no float-to-int conversion (16/clk/SM on Hopper). The bits are clamped
+    from below before the subtraction: a sum below 2^23 (g < -2^22), a negative one (g below
+    -1.5 * 2^23, where the signed bits would wrap) and -inf (an all-masked block) all give u = 0;
+    g >= 2^22 and +inf give 254 — as cvt.rmi.sat did, for every non-NaN g. Without anchors m = 0
+    and ``mx - m`` is skipped (exact: x - 0 = x)."""
     g = "sub.rn.f32 g, $1, $2;\nmul.rn.f32 g, g, $3;\n" if anchored else "mul.rn.f32 g, $1, $3;\n"
     body = ("{ .reg .f32 g; .reg .s32 e;\n" + g +
             f"add.rn.f32 g, g, {_f32_hex(1.0 - LOG2_1P5)};\n"
             "add.rm.f32 g, g, 0f4B400000;\n"
             "mov.b32 e, g;\n"
+            f"max.s32 e, e, {0x4B400000 - 127};\n"
             f"sub.s32 e, e, {0x4B400000 - 127};\n"
-            "max.s32 e, e, 0;\n"
             "min.s32 $0, e, 254; }")
     return Int32(_asm(T.i32(), [Float32(mx), Float32(m), Float32(s2)], body, "=r,f,f,f", loc, ip))
 

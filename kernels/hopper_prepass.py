@@ -11,7 +11,9 @@
 This is the same arithmetic as ``fp4vis.formats`` / ``fp4vis.reference.quantize_operands`` (the
 CPU tests check bit equality), written without host synchronisation (no NaN checks, no boolean
 indexing, the permutation built once on the host and cached per device) so that it runs inside
-CUDA-graph capture and torch.compile. Inputs are validated by ``fp4vis.attention`` beforehand.
+CUDA-graph capture and torch.compile. Non-finite inputs become NaN operands on every path (never
+a finite code): the kernel propagates them and ``fp4vis.attention`` turns that into an error
+naming the input.
 On CUDA tensors the default is the fused Triton version (``hopper_prepass_triton``: one launch,
 one read of each input, one write of each operand, anchor permutation folded into the loads); the
 PyTorch formulation here (several elementwise passes) is the fallback and the CPU-checkable
@@ -44,9 +46,14 @@ def cached_anchor_permutation(seq_len: int, n: int, device: torch.device,
     return perm
 
 
+def _nan_where_not_finite(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x_hat, NaN where x is NaN or Inf (the quantizers saturate Inf to a finite code)."""
+    return torch.where(torch.isfinite(x), x_hat, torch.nan).contiguous()
+
+
 def _qk_hat(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Decoded NVFP4 of x in BF16 (exact), from the project's one quantizer."""
-    return nvfp4_qdq(x, layout).to(torch.bfloat16).contiguous()
+    return _nan_where_not_finite(nvfp4_qdq(x, layout).to(torch.bfloat16), x)
 
 
 _TP: list = []
@@ -94,5 +101,5 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layou
         k = k.index_select(-2, perm)
         v = v.index_select(-2, perm)
     q_hat, k_hat = _qk_hat(q, qk_layout), _qk_hat(k, qk_layout)
-    v6 = mxfp4_qdq(v, times_six=True).to(torch.bfloat16).contiguous()
-    return q_hat.contiguous(), k_hat.contiguous(), v6
+    v6 = _nan_where_not_finite(mxfp4_qdq(v, times_six=True).to(torch.bfloat16), v)
+    return q_hat, k_hat, v6

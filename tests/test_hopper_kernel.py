@@ -201,18 +201,45 @@ def test_codes_match_reference_up_to_rounding_boundaries(policy, d):
         assert float(dist.max()) < 1e-4, f"codes differ away from a rounding boundary: {float(dist.max()):.2e}"
 
 
+PREPASS_PATHS = ["triton", "torch_folded", "torch"]
+
+
+@pytest.mark.parametrize("prepass_path", PREPASS_PATHS)
 @pytest.mark.parametrize("policy", ["fast", "guard"])
-def test_non_finite_inputs_propagate(policy):
-    """The kernel path does not synchronise to check inputs: NaN/Inf propagate as in SDPA (a bad q
-    row gives a NaN output row; a bad k or v entry gives NaN for the whole head), never a finite
-    number from a quantized Inf. The reference raises instead (tests/test_reference.py)."""
+def test_non_finite_inputs(policy, prepass_path, monkeypatch):
+    """SPEC section 6 on the kernel path, on every pre-pass path (fused Triton; folded Q/K through
+    fp4vis.formats; all PyTorch): the pre-pass turns NaN/Inf into NaN operands and the kernel
+    propagates them (a bad q row gives a NaN output row; a bad k or v entry NaN in that head), so
+    fp4vis.attention raises ValueError naming the tensor; with range_check="off" (no host
+    synchronisation) the NaNs come back, as from SDPA — never a finite number from a quantized Inf."""
+    hp = importlib.import_module("fp4vis.kernels.hopper_prepass")
+    if prepass_path == "torch_folded":
+        monkeypatch.setattr(hp, "FUSED_FOLDED", False)
+    elif prepass_path == "torch":
+        monkeypatch.setattr(hp, "_TP", [None])
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(1, 3, 300, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    for name, bad in (("q", q), ("k", k), ("v", v)):
+        x = bad.clone()
+        x[0, 1, 17, 9] = math.inf
+        args = {"q": q, "k": k, "v": v, name: x}
+        with pytest.raises(ValueError, match=f"{name}: contains Inf"):
+            fp4vis.attention(args["q"], args["k"], args["v"], policy=policy, backend="hopper")
     q[0, 0, 5, 3] = math.nan
     k[0, 1, 200, 0] = math.inf
     v[0, 2, 17, 9] = -math.inf
-    out = fp4vis.attention(q, k, v, policy=policy, backend="hopper")
+    out = fp4vis.attention(q, k, v, policy=policy, backend="hopper", range_check="off")
     row_nan = torch.isnan(out).any(-1)[0]          # (H, S)
     assert row_nan[0, 5] and not row_nan[0, torch.arange(300, device="cuda") != 5].any()
     assert row_nan[1].all()
     assert torch.isnan(out[0, 2]).any(-1).all()
+
+
+def test_fast_bf16round_kernel_follows_its_own_reference():
+    """The inexact policy's kernel implements code_rounding="bf16" (not merely fast within tolerance):
+    its output is far closer to its own reference than to fast's."""
+    q, k, v = make_inputs((1, 4, 512, 512, 128), torch.bfloat16, "gauss", "fast", seed=11)
+    out = run(q, k, v, "fast_bf16round", "hopper")
+    own = rel_l2(out, run(q, k, v, "fast_bf16round", "reference"))
+    other = rel_l2(out, run(q, k, v, "fast", "reference"))
+    assert own <= TOL and other > 10 * max(own, 1e-4), (own, other)

@@ -8,6 +8,7 @@
 """
 
 import importlib
+import math
 import os
 
 import pytest
@@ -25,7 +26,7 @@ prepare_operands = importlib.import_module("fp4vis.kernels.hopper_prepass").prep
 
 VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
-            "fast_bf16round"}
+            "fast_bf16round", "fast_3wg"}
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +132,32 @@ def test_triton_prepass_matches_torch_prepass_interpreted():
     res = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("anchor", [0, 32])
+def test_prepass_turns_non_finite_inputs_into_nan(anchor):
+    """The quantizers saturate Inf to a finite code; the pre-pass must hand the kernel NaN instead
+    (the kernel propagates it, fp4vis.attention then names the input), exactly where the input was
+    non-finite (after the anchor permutation), and change nothing else."""
+    q, k, v = _inputs(1, 2, 64, 64, 128, torch.bfloat16, seed=4)
+    k[0, 1, 3, 5] = math.inf
+    v[0, 0, 7, 2] = -math.nan
+    q[0, 1, 9, 100] = -math.inf
+    qh, kh, vh = prepare_operands(q, k, v, "folded64_mse", anchor)
+    for hat in (qh, kh, vh):
+        assert int(torch.isnan(hat).sum()) == 1 and not torch.isinf(hat).any()
+    assert torch.isnan(qh[0, 1, 9, 100])
+    assert torch.equal(torch.isnan(kh).nonzero()[:, [0, 1, 3]], torch.tensor([[0, 1, 5]]))
+    assert torch.equal(torch.isnan(vh).nonzero()[:, [0, 1, 3]], torch.tensor([[0, 0, 2]]))
+
+
+def test_kernel_output_check_names_the_input():
+    from fp4vis.attention import _check_kernel_output
+    q, k, v = _inputs(1, 1, 8, 8, 64, torch.float32)
+    _check_kernel_output(torch.zeros(3), q, k, v, "hopper")   # finite output: nothing to say
+    bad = torch.tensor([0.0, math.nan])
+    k[0, 0, 1, 1] = math.inf
+    with pytest.raises(ValueError, match="k: contains Inf"):
+        _check_kernel_output(bad, q, k, v, "hopper")
+    with pytest.raises(RuntimeError, match="non-finite output from finite inputs"):
+        _check_kernel_output(bad, q, q, q, "hopper")
