@@ -21,9 +21,13 @@ differing values against ``fp4vis.formats``):
   is an integer multiple of ``U = 2^(2E - 12)`` (E = floor(log2 sc)) below 2^22 U in magnitude
   whenever no candidate scale saturates E4M3 (``base * 1.25 <= 448``), so it is computed exactly by
   one FMA into the mantissa of 1.5 * 2^23 and summed as int32: the comparison of candidates is
-  exact (ties keep the earlier candidate), as with the float64 sums of the reference. A tile with a
-  saturating group runs the literal float64 formulation instead (same numbers, slower). The second
-  ``m = 1.0`` candidate repeats the first's scale exactly and can never win: it is skipped.
+  exact (ties keep the earlier candidate). The reference (``fp4vis.formats._folded_mse_choice``)
+  sums the same ``P (P - 2|x|)`` in float64, which is exact too except in "huge" groups
+  (amax >= 48 * the largest candidate scale), where it takes the first candidate with the largest
+  scale (the error decreases strictly with the scale there). A tile with a saturating group runs
+  the reference's formulation instead: float64 sums (exact in any order) and the huge-group rule, so
+  it splits exact ties as the reference does (slower). The second ``m = 1.0`` candidate repeats the
+  first's scale exactly and can never win: it is skipped in both branches.
 
 The kernels are compiled with ``enable_fp_fusion=False`` (no contraction of ``base * m`` before
 its E4M3 rounding, nor of the snap); the exact FMAs are written explicitly.
@@ -112,13 +116,6 @@ def _signed(mag, x, sc):
 
 
 @triton.jit
-def _qdq(x, sc):
-    """Decoded E2M1(x / sc) * sc, 0 where sc == 0 (the literal formulation: a division per value)."""
-    safe = tl.where(sc == 0.0, 1.0, sc)
-    return tl.where(sc == 0.0, 0.0, _e2m1(tl.math.div_rn(x, safe)) * sc)
-
-
-@triton.jit
 def _mult(i: tl.constexpr):
     """FOLDED_MSE_MULTIPLIERS[i] as a compile-time constant."""
     if i == 0:
@@ -177,6 +174,17 @@ def _cand_err(alo, ahi, alo2, ahi2, sc):
 
 
 @triton.jit
+def _cand_err64(alo, ahi, alo2, ahi2, sc):
+    """sum over the 32 values of P (P - 2|x|), P = c * sc, in float64 as fp4vis.formats computes it
+    (alo2, ahi2: 2|x| in float64): exact, in any summation order, unless the group is huge."""
+    sc3 = sc[:, :, None]
+    r3 = _rcp(sc)[:, :, None]
+    p_lo = (_code(alo, r3) * sc3).to(tl.float64)       # exact: at most 6 significant bits
+    p_hi = (_code(ahi, r3) * sc3).to(tl.float64)
+    return tl.sum(p_lo * (p_lo - alo2), axis=2) + tl.sum(p_hi * (p_hi - ahi2), axis=2)
+
+
+@triton.jit
 def _nan_if_not_finite(out, mag):
     """NaN where the input magnitude is NaN or Inf: the attention kernel then propagates it to
     the output (as SDPA does) instead of quantizing it to a finite code."""
@@ -227,18 +235,24 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.co
                     best_err = tl.where(better, err, best_err)
                     best_sc = tl.where(better, sc, best_sc)
         else:
-            # literal formulation: float32 error per value, squares summed in float64
-            d_lo = (_qdq(lo, best_sc[:, :, None]) - lo).to(tl.float64)
-            d_hi = (_qdq(hi, best_sc[:, :, None]) - hi).to(tl.float64)
-            best_err = tl.sum(d_lo * d_lo, axis=2) + tl.sum(d_hi * d_hi, axis=2)
+            # a candidate saturates E4M3: the float64 sums of fp4vis.formats (exact unless the group
+            # is huge), then the huge groups' rule
+            ax64 = alo.to(tl.float64)
+            ahx64 = ahi.to(tl.float64)
+            alo2 = ax64 + ax64
+            ahi2 = ahx64 + ahx64
+            best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc)
             for i in range(1, 12):
-                sc = _e4m3(base * _mult_rt(i))
-                e_lo = (_qdq(lo, sc[:, :, None]) - lo).to(tl.float64)
-                e_hi = (_qdq(hi, sc[:, :, None]) - hi).to(tl.float64)
-                err = tl.sum(e_lo * e_lo, axis=2) + tl.sum(e_hi * e_hi, axis=2)
-                better = err < best_err
-                best_err = tl.where(better, err, best_err)
-                best_sc = tl.where(better, sc, best_sc)
+                if i != 9:
+                    sc = _e4m3(base * _mult_rt(i))
+                    err = _cand_err64(alo, ahi, alo2, ahi2, sc)
+                    better = err < best_err
+                    best_err = tl.where(better, err, best_err)
+                    best_sc = tl.where(better, sc, best_sc)
+            # huge group (amax >= 48 * the largest candidate, E4M3(base * 1.25): the rounding is
+            # monotonic): the error decreases strictly with the scale, the largest scale wins
+            sc_max = _e4m3(base * 1.25)
+            best_sc = tl.where(amax >= 48.0 * sc_max, sc_max, best_sc)
         sc3 = best_sc[:, :, None]
         r3 = _rcp(best_sc)[:, :, None]
         out_lo = _nan_if_not_finite(_signed(_code(alo, r3) * sc3, lo, sc3), alo)
