@@ -185,6 +185,30 @@ def _cand_err64(alo, ahi, alo2, ahi2, sc):
 
 
 @triton.jit
+def _best_scale(alo, ahi, alo2, ahi2, base, WIDE: tl.constexpr):
+    """The first folded-K64 candidate scale with the least error (a later one wins only when
+    strictly better), errors from ``_cand_err`` (exact integer units) or, WIDE, ``_cand_err64``
+    (float64). A loop, not unrolled (keeps the code small); candidate 9, the second m = 1.0, gives
+    the first's scale and can never be strictly better: skipped."""
+    best_sc = _e4m3(base * 1.0)
+    if WIDE:
+        best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc)
+    else:
+        best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc)
+    for i in range(1, 12):
+        if i != 9:
+            sc = _e4m3(base * _mult_rt(i))
+            if WIDE:
+                err = _cand_err64(alo, ahi, alo2, ahi2, sc)
+            else:
+                err = _cand_err(alo, ahi, alo2, ahi2, sc)
+            better = err < best_err
+            best_err = tl.where(better, err, best_err)
+            best_sc = tl.where(better, sc, best_sc)
+    return best_sc
+
+
+@triton.jit
 def _nan_if_not_finite(out, mag):
     """NaN where the input magnitude is NaN or Inf: the attention kernel then propagates it to
     the output (as SDPA does) instead of quantizing it to a finite code."""
@@ -219,36 +243,15 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.co
         ahi = tl.abs(hi)
         amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))   # (R, NB2)
         base = tl.math.div_rn(amax, 6.0)
-        best_sc = _e4m3(base * 1.0)
         # exact integer path unless a candidate scale saturates E4M3 somewhere in the tile
         if tl.max((base * 1.25 > 448.0).to(tl.int32)) == 0:
-            alo2 = alo + alo
-            ahi2 = ahi + ahi
-            best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc)
-            # a loop, not unrolled (keeps the code small); candidate 9, the second m = 1.0, gives the
-            # first's scale and can never be strictly better: skipped
-            for i in range(1, 12):
-                if i != 9:
-                    sc = _e4m3(base * _mult_rt(i))
-                    err = _cand_err(alo, ahi, alo2, ahi2, sc)
-                    better = err < best_err
-                    best_err = tl.where(better, err, best_err)
-                    best_sc = tl.where(better, sc, best_sc)
+            best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, False)
         else:
             # a candidate saturates E4M3: the float64 sums of fp4vis.formats (exact unless the group
             # is huge), then the huge groups' rule
             ax64 = alo.to(tl.float64)
             ahx64 = ahi.to(tl.float64)
-            alo2 = ax64 + ax64
-            ahi2 = ahx64 + ahx64
-            best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc)
-            for i in range(1, 12):
-                if i != 9:
-                    sc = _e4m3(base * _mult_rt(i))
-                    err = _cand_err64(alo, ahi, alo2, ahi2, sc)
-                    better = err < best_err
-                    best_err = tl.where(better, err, best_err)
-                    best_sc = tl.where(better, sc, best_sc)
+            best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, True)
             # huge group (amax >= 48 * the largest candidate, E4M3(base * 1.25): the rounding is
             # monotonic): the error decreases strictly with the scale, the largest scale wins
             sc_max = _e4m3(base * 1.25)

@@ -2,7 +2,8 @@
 Triton's interpreter: bit-for-bit (BF16 bit patterns, signed zeros included) the values of
 fp4vis.formats (nvfp4_qdq for Q and K in both layouts, mxfp4_qdq for V), on tie-heavy, Gaussian and
 wide-range inputs (E4M3-saturating groups, whose tiles take the float64 MSE branch), BF16 and FP16,
-D = 64 and 128, with and without the anchor permutation, partial 32-token V blocks, Sq != Skv."""
+D = 64 and 128, with and without the anchor permutation, partial 32-token V blocks, Sq != Skv; and
+the kernel's GPU build (sm_90 cubin, compiled without a GPU)."""
 
 import os
 import subprocess
@@ -124,3 +125,23 @@ def test_triton_prepass_saturating_tiles_bit_identical_interpreted():
     res = subprocess.run([sys.executable, "-c", _CHECK_SATURATING], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
+
+
+@pytest.mark.parametrize("folded,has_perm", [(True, True), (False, False)], ids=["folded-perm", "block16"])
+def test_triton_prepass_compiles_for_sm90(folded, has_perm):
+    """The pre-pass kernel compiles for sm_90 down to a cubin on a machine without a GPU (Triton's
+    bundled ptxas): the interpreted tests check its arithmetic, this its GPU build."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fp4vis.kernels import hopper_prepass_triton as tpt
+
+    sig = {name: "*bf16" for name in ("Q", "K", "V", "YQ", "YK", "YV")}
+    sig.update(PERM="*i32", **{name: "i32" for name in ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")})
+    consts = dict(D=128, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64)
+    sig.update({name: "constexpr" for name in consts})
+    src = ASTSource(fn=tpt._prepass_kernel, signature=sig, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": tpt.NUM_WARPS, "enable_fp_fusion": False})
+    assert compiled.asm.get("cubin")
