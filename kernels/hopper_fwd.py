@@ -62,8 +62,10 @@ SCHEDULES = ("pingpong", "serial", "overlap")
 SCHEDULE = os.environ.get("FP4VIS_HOPPER_SCHEDULE", "pingpong")
 # P path: "packed" rounds in FP32, then saturates, scales by alpha' and sums the codes on BF16 pairs
 # (exact: see DirectPAttentionSm90.direct_p); "scalar" does every step in FP32.
-# "none" is for timing only (wrong results): P = 1, no Direct-P, to measure the kernel's structure.
-P_PATHS = ("packed", "scalar", "none")
+# Timing only (wrong results), to place time inside the kernel by leaving stages out (the device
+# notes' method where counters cannot): "none" P = 1, no Direct-P; "timing_scales" the block
+# scales (maxima, shuffles, exponents) but P = 1; "timing_codes" the codes with fixed block scales.
+P_PATHS = ("packed", "scalar", "none", "timing_scales", "timing_codes")
 P_PATH = os.environ.get("FP4VIS_HOPPER_P_PATH", "packed")
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # compute the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
@@ -771,24 +773,37 @@ class DirectPAttentionSm90:
                 for t in cutlass.range_constexpr(8):
                     v[t] = mask_key(v[t], 32 * b + 8 * (t // 2) + 2 * lane_q + (t % 2), kv_limit)
             vals[r, b] = v
-            m4 = [fmax_nan(v[2 * i], v[2 * i + 1]) for i in range(4)]
-            mx[r, b] = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]))
-        for off in (1, 2):
-            for rb in rbs:
-                mx[rb] = fmax_nan(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
-        # NaN scores (non-finite inputs: the pre-pass turns them into NaN operands) must not become
-        # codes 0 silently: a per-row flag, max.NaN over the block maxima (0 or a finite score
-        # otherwise), is added times 0 to the denominator, which is then NaN and so is the row.
+            if const_expr(cfg.p_path != "timing_codes"):
+                m4 = [fmax_nan(v[2 * i], v[2 * i + 1]) for i in range(4)]
+                mx[r, b] = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]))
         nan_flag = [Float32(0.0), Float32(0.0)]
-        for r, b in rbs:
-            nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
         consts = {}
-        for r, b in rbs:
-            u = block_exponent(mx[r, b], row_m[r], s_log2, anchored)
-            consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
+        if const_expr(cfg.p_path != "timing_codes"):
+            for off in (1, 2):
+                for rb in rbs:
+                    mx[rb] = fmax_nan(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
+            # NaN scores (non-finite inputs: the pre-pass turns them into NaN operands) must not
+            # become codes 0 silently: a per-row flag, max.NaN over the block maxima (0 or a finite
+            # score otherwise), is added times 0 to the denominator, which is then NaN and so is the row.
+            for r, b in rbs:
+                nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
+            for r, b in rbs:
+                u = block_exponent(mx[r, b], row_m[r], s_log2, anchored)
+                consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
+        else:
+            for r, b in rbs:   # fixed block scales: no maxima, shuffles or exponent chain
+                consts[r, b] = block_constants(Int32(127), cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
         if const_expr(wait_pv):
             cute.nvgpu.warpgroup.wait_group(0)   # the PV in flight reads r_p
         l_acc = [Float32(0.0), Float32(0.0)]
+        if const_expr(cfg.p_path == "timing_scales"):
+            for i in cutlass.range_constexpr(cute.size(r_p2)):
+                r_p2[i] = Int32(0x3F803F80)
+            for r, b in rbs:   # keeps the scales alive
+                l_acc[r] = l_acc[r] + consts[r, b][0] + fma_rn(consts[r, b][1], Float32(0.0), Float32(0.0))
+            for r in cutlass.range_constexpr(2):
+                row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
+            return
         for r, b in rbs:
             m = row_m[r]
             alpha, kaff, knat = consts[r, b]
