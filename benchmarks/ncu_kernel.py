@@ -1,8 +1,16 @@
-"""Run the Hopper kernel (prepared operands) a few times at one shape, for Nsight Compute.
+r"""Run the Hopper kernel (prepared operands) a few times at one shape, for Nsight Compute.
 
-    ncu --clock-control none -k regex:kernel --launch-skip 2 --launch-count 1 \\
-        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
-        --section ComputeWorkloadAnalysis python benchmarks/ncu_kernel.py --variant pingpong/packed
+The two runs behind benchmarks/results/hopper_h200_20261129b_ncu_sections.txt and _ncu_stalls.txt:
+
+    ncu --clock-control none -k regex:DirectP --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section ComputeWorkloadAnalysis --section InstructionStats \
+        python benchmarks/ncu_kernel.py --variant pingpong/packed
+    M='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
+    M="$M,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
+    M="$M,smsp__issue_active.avg.pct_of_peak_sustained_active"
+    ncu --clock-control none -k regex:DirectP --launch-skip 1 --launch-count 1 --metrics "$M" \
+        python benchmarks/ncu_kernel.py --variant pingpong/packed
 
 Only the attention kernel is launched after the operands are prepared (pre-pass excluded).
 """

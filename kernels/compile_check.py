@@ -226,8 +226,8 @@ def _parse_ptxas(rep: CompileReport, text: str) -> None:
 def variants(head_dims=(128, 64)):
     """The kernel variants CI compiles: every supported policy x head dim with the default schedule
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
-    policies with at most 64 anchors, three consumer warpgroups, and the timing-only P paths (BF16
-    out)."""
+    policies with at most 64 anchors, three consumer warpgroups, and (first head dim) the scalar and
+    the timing-only P paths with the default schedule (BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
@@ -245,7 +245,7 @@ def variants(head_dims=(128, 64)):
                                                                            p_path="scalar")))
         out.append(("fast_3wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", num_wg=3)))
         if d == head_dims[0]:  # the timing-only P paths (wrong results) must stay buildable
-            for pp in ("none", "timing_scales", "timing_codes"):
+            for pp in ("scalar", "none", "timing_scales", "timing_codes"):
                 out.append((f"fast_{pp}", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_path=pp)))
     return out
 

@@ -593,14 +593,10 @@ class DirectPAttentionSm90:
                 kv_pipe.consumer_release(kv_state)
                 kv_state.advance()
 
-                kv_limit = seqlen_k - j * self.tile_n
                 if const_expr(self.cfg.anchor > 0):
                     if j == 0:
-                        self.anchor_reference(acc_s, row_m, m_offset, lane_q, kv_limit)
-                if partial_last and j == n_tiles - 1:
-                    self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True)
-                else:
-                    self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False)
+                        self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
+                self.direct_p_tile(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last)
 
                 # O += P V
                 kv_pipe.consumer_wait(kv_state)
@@ -649,14 +645,11 @@ class DirectPAttentionSm90:
             cute.nvgpu.warpgroup.wait_group(1)
             kv_pipe.consumer_release(k_state)
 
-            kv_limit = seqlen_k - j * self.tile_n
             if const_expr(self.cfg.anchor > 0):
                 if j == 0:
-                    self.anchor_reference(acc_s, row_m, m_offset, lane_q, kv_limit)
-            if partial_last and j == n_tiles - 1:
-                self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True, True)
-            else:
-                self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False, True)
+                    self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
+            self.direct_p_tile(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last,
+                               True)
             if j > 0:
                 kv_pipe.consumer_release(v_state)
             v_state = k_state.clone()
@@ -695,11 +688,7 @@ class DirectPAttentionSm90:
             cute.nvgpu.warpgroup.fence()
             self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_next)
             cute.nvgpu.warpgroup.commit_group()
-        kv_limit = seqlen_k - j * self.tile_n
-        if partial_last and j == n_tiles - 1:
-            self.direct_p(acc_cur, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True)
-        else:
-            self.direct_p(acc_cur, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False)
+        self.direct_p_tile(acc_cur, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last)
         kv_pipe.consumer_wait(v_state)
         cute.nvgpu.warpgroup.fence()
         cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
@@ -727,6 +716,16 @@ class DirectPAttentionSm90:
             a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1))
             a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=2))
             row_m[r] = a + m_offset
+
+    @cute.jit
+    def direct_p_tile(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last,
+                      wait_pv: cutlass.Constexpr = False):
+        """Direct-P of key tile j: the masked variant (keys >= Skv) only for a partial last tile."""
+        kv_limit = seqlen_k - j * self.tile_n
+        if partial_last and j == n_tiles - 1:
+            self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True, wait_pv)
+        else:
+            self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False, wait_pv)
 
     @cute.jit
     def direct_p(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, tile_idx,

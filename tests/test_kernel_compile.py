@@ -26,7 +26,7 @@ prepare_operands = importlib.import_module("fp4vis.kernels.hopper_prepass").prep
 
 VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
-            "fast_bf16round", "fast_3wg", "fast_none", "fast_timing_scales", "fast_timing_codes"}
+            "fast_bf16round", "fast_3wg", "fast_scalar", "fast_none", "fast_timing_scales", "fast_timing_codes"}
 
 
 @pytest.fixture(scope="module")
