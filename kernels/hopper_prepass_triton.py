@@ -43,7 +43,7 @@ import triton.language as tl
 
 from fp4vis.formats import FOLDED_MSE_MULTIPLIERS
 
-# _mult below spells these out as compile-time constants; keep the two in step.
+# _mult_rt below computes these as k / 16 for candidates 1..11; keep the two in step.
 assert FOLDED_MSE_MULTIPLIERS == (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
 
 _MAGIC = tl.constexpr(12582912.0)       # 1.5 * 2^23: float32 values in [2^23, 2^24) have ulp 1
@@ -113,35 +113,6 @@ def _signed(mag, x, sc):
     sign = x.to(tl.int32, bitcast=True) & -2147483648
     sign = tl.where(sc > 0.0, sign, 0)
     return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mult(i: tl.constexpr):
-    """FOLDED_MSE_MULTIPLIERS[i] as a compile-time constant."""
-    if i == 0:
-        return 1.0
-    elif i == 1:
-        return 0.25
-    elif i == 2:
-        return 0.3125
-    elif i == 3:
-        return 0.375
-    elif i == 4:
-        return 0.4375
-    elif i == 5:
-        return 0.5
-    elif i == 6:
-        return 0.625
-    elif i == 7:
-        return 0.75
-    elif i == 8:
-        return 0.875
-    elif i == 9:
-        return 1.0
-    elif i == 10:
-        return 1.125
-    else:
-        return 1.25
 
 
 @triton.jit
