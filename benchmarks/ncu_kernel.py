@@ -12,6 +12,24 @@ The two runs behind benchmarks/results/hopper_h200_20261129b_ncu_sections.txt an
     ncu --clock-control none -k regex:DirectP --launch-skip 1 --launch-count 1 --metrics "$M" \
         python benchmarks/ncu_kernel.py --variant pingpong/packed
 
+Per-pipe utilisation (hopper_h200_20261129c_ncu_pipes_before.txt; variants packed, none,
+timing_scales, timing_codes) and the stalls after the late PV wait (..._ncu_stalls.txt):
+
+    M='regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active'
+    M="$M,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active"
+    ncu --clock-control none -k regex:DirectP --launch-skip 1 --launch-count 1 --metrics "$M" \
+        python benchmarks/ncu_kernel.py --variant pingpong/timing_codes
+    M='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
+    M="$M,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active"
+    ncu --clock-control none -k regex:DirectP --launch-skip 1 --launch-count 1 --metrics "$M" \
+        python benchmarks/ncu_kernel.py --variant serial/packed
+
+The timings beside them: ``benchmarks/kernel_grid.py --shapes "1,32768,12;1,8192,24;1,4096,24"
+--backends "hopper_kernel@/none,hopper_kernel,hopper_kernel@/packed_alu,hopper_kernel@serial/packed,
+hopper_kernel@serial/packed/1,hopper_kernel@serial/none/1,fa4"`` (..._variants.json) and, on the
+afternoon's kernel, ``--backends "hopper_kernel@/none,hopper_kernel@/timing_scales,
+hopper_kernel@/timing_codes,hopper_kernel,hopper_kernel@serial/packed,fa4"`` (..._stages_before.json).
+
 Only the attention kernel is launched after the operands are prepared (pre-pass excluded).
 """
 

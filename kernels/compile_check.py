@@ -7,7 +7,8 @@ spill bytes, stack frame, shared memory, instruction counts (HGMMA, QGMMA, MUFU.
 traffic, total) and the compile time. CI uses it to assert, per variant, that the kernel compiles,
 does not spill, uses the tensor cores (HGMMA), and that the exp-free policies contain no MUFU.EX2.
 
-CLI: ``python -m fp4vis.kernels.compile_check [--policy fast] [--head-dim 128] [--json]``.
+CLI: ``python -m fp4vis.kernels.compile_check [--policy fast] [--head-dim 128] [--json] [--schedule]``
+(``--schedule``: ptxas's static schedule of the ping-pong loop's Direct-P, ``direct_p_schedule``).
 """
 
 from __future__ import annotations
@@ -181,6 +182,32 @@ def _inspect_cubin(rep: CompileReport, cubin: str) -> None:
     rep.total_instructions = total
 
 
+def direct_p_schedule(cubin: str) -> dict:
+    """ptxas's static schedule of the ping-pong loop's Direct-P: the instructions from the loop's
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready) to the predicated store that pins the PV wait
+    (``order_before_wait``), and the sum of their stall counts (bits 105-108 of each 128-bit
+    instruction word): the cycles one warp needs to issue them when nothing else delays it."""
+    sass = subprocess.run([find_nvdisasm(), "-c", "-hex", cubin], capture_output=True, text=True,
+                          check=True).stdout
+    insts = []   # (text, high 64-bit word)
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);\s*/\* 0x[0-9a-f]+ \*/", line)
+        if m:
+            insts.append([m.group(1).strip(), None])
+        elif insts and insts[-1][1] is None and (m2 := re.search(r"/\* (0x[0-9a-f]+) \*/", line)):
+            insts[-1][1] = int(m2.group(1), 16)
+    waits = [i for i, (t, _) in enumerate(insts) if t.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1")]
+    if not waits:
+        return {}
+    start = waits[0]
+    end = next((i for i in range(start, len(insts)) if "STS" in insts[i][0] and insts[i][0].startswith("@")),
+               None)
+    if end is None:
+        return {}
+    stalls = [(hi >> 41) & 0xF for _, hi in insts[start:end]]
+    return {"instructions": len(stalls), "stall_cycles": sum(stalls)}
+
+
 class _CaptureFds:
     """Capture what native code writes to fds 1 and 2 (ptxas remarks are printed there)."""
 
@@ -226,8 +253,9 @@ def _parse_ptxas(rep: CompileReport, text: str) -> None:
 def variants(head_dims=(128, 64)):
     """The kernel variants CI compiles: every supported policy x head dim with the default schedule
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
-    policies with at most 64 anchors, three consumer warpgroups, and (first head dim) the scalar and
-    the timing-only P paths with the default schedule (BF16 out)."""
+    policies with at most 64 anchors, three consumer warpgroups, and (first head dim) the scalar,
+    integer-constant and timing-only P paths with the default schedule and one serial warpgroup
+    (BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
@@ -245,8 +273,10 @@ def variants(head_dims=(128, 64)):
                                                                            p_path="scalar")))
         out.append(("fast_3wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", num_wg=3)))
         if d == head_dims[0]:  # the timing-only P paths (wrong results) must stay buildable
-            for pp in ("scalar", "none", "timing_scales", "timing_codes"):
+            for pp in ("scalar", "packed_alu", "none", "timing_scales", "timing_codes"):
                 out.append((f"fast_{pp}", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_path=pp)))
+            out.append(("fast_serial_1wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", schedule="serial",
+                                                                     num_wg=1)))
     return out
 
 
@@ -256,14 +286,21 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--keep-dir", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--schedule", action="store_true",
+                    help="also report ptxas's static schedule of the loop's Direct-P (ping-pong variants)")
     a = ap.parse_args(argv)
     rows = []
     for name, cfg in variants((a.head_dim,) if a.head_dim else (128, 64)):
         if a.policy and name != a.policy:
             continue
-        rep = compile_variant(cfg, keep_dir=a.keep_dir)
+        keep = a.keep_dir or (tempfile.mkdtemp(prefix="fp4vis_cc_") if a.schedule else None)
+        rep = compile_variant(cfg, keep_dir=keep)
         d = rep.to_dict()
         d["policy"] = name
+        if a.schedule and cfg.schedule == "pingpong":
+            d["direct_p_schedule"] = direct_p_schedule(rep.cubin)
+        if keep and not a.keep_dir:
+            shutil.rmtree(keep, ignore_errors=True)
         rows.append(d)
         if not a.json:
             c = rep.counts
@@ -271,7 +308,8 @@ def main(argv=None) -> int:
                   f"frame={rep.stack_frame_bytes} LDL/STL={c.get('LDL', 0)}/{c.get('STL', 0)} "
                   f"HGMMA={c.get('HGMMA', 0)} QGMMA={c.get('QGMMA', 0)} MUFU.EX2={c.get('MUFU.EX2', 0)} "
                   f"spill={rep.spill_store_bytes}/{rep.spill_load_bytes} serialized={rep.wgmma_serialized} "
-                  f"total={rep.total_instructions}", flush=True)
+                  f"total={rep.total_instructions}"
+                  + (f" direct_p={d['direct_p_schedule']}" if d.get("direct_p_schedule") else ""), flush=True)
     if a.json:
         json.dump(rows, sys.stdout, indent=1)
     return 0

@@ -46,11 +46,11 @@ from cutlass.utils import LayoutEnum
 # Tuning constants (one place)
 # ------------------------------------------------------------------------------------------------
 TILE_M_PER_WG = 64      # query rows per consumer warpgroup (one WGMMA M)
-NUM_MMA_WG = 2          # default consumer warpgroups per CTA (DirectPConfig.num_wg: 2, or 3 with 64-key tiles)
+NUM_MMA_WG = 2          # default consumer warpgroups per CTA (DirectPConfig.num_wg: 2, 3 with 64-key tiles, 1 serial)
 TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 64 also supported
 KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
-REGS_CONSUMER = {2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
+REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
 DP_BLOCK = 32           # Direct-P block: 32 consecutive keys
 # Schedules of the consumer warpgroups (DirectPConfig.schedule):
 #   "pingpong": each warpgroup issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T back to back, then hands
@@ -60,12 +60,13 @@ DP_BLOCK = 32           # Direct-P block: 32 consecutive keys
 #   "overlap":  64-key tiles, S_{j+1} issued before Direct-P of S_j (two score buffers).
 SCHEDULES = ("pingpong", "serial", "overlap")
 SCHEDULE = os.environ.get("FP4VIS_HOPPER_SCHEDULE", "pingpong")
-# P path: "packed" rounds in FP32, then saturates, scales by alpha' and sums the codes on BF16 pairs
+# P path: "packed" rounds in FP32, then saturates, scales by alpha' and sums the codes on BF16 pairs;
+# "packed_alu" the same with the rounding constant made on the integer ALU (the previous default);
 # (exact: see DirectPAttentionSm90.direct_p); "scalar" does every step in FP32.
 # Timing only (wrong results), to place time inside the kernel by leaving stages out (the device
 # notes' method where counters cannot): "none" P = 1, no Direct-P; "timing_scales" the block
 # scales (maxima, shuffles, exponents) but P = 1; "timing_codes" the codes with fixed block scales.
-P_PATHS = ("packed", "scalar", "none", "timing_scales", "timing_codes")
+P_PATHS = ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")
 P_PATH = os.environ.get("FP4VIS_HOPPER_P_PATH", "packed")
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # compute the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
@@ -125,6 +126,9 @@ class DirectPConfig:
         num_wg = num_wg or NUM_MMA_WG
         if num_wg not in REGS_CONSUMER:
             raise ValueError(f"num_wg: one of {tuple(REGS_CONSUMER)}, got {num_wg!r}")
+        if num_wg == 1 and schedule == "pingpong":
+            raise ValueError("num_wg = 1 has no partner warpgroup to ping-pong with: use schedule 'serial' "
+                             "(a measurement variant: Direct-P of one warpgroup with no other to share the SM)")
         if num_wg == 3 and anchor > 64:
             num_wg = 2     # three warpgroups need 64-key tiles, which hold at most 64 anchors
         if tile_n is None:
@@ -287,13 +291,24 @@ def block_constants(u: Int32, shift: int, aff_a: float, aff_b: float, eighths: b
 
 
 @dsl_user_op
-def e2m1_grid_eighths(y8: Float32, *, loc=None, ip=None) -> Float32:
+def e2m1_grid_eighths(y8: Float32, fma_constant: bool = True, *, loc=None, ip=None) -> Float32:
     """``e2m1_round_eighths`` without the final saturation (8 * y8 = 8 rounds to 8/8; the packed P
-    path saturates on BF16 pairs): 5 instructions."""
+    path saturates on BF16 pairs), for 0 <= y8 <= 1.
+
+    ``fma_constant``: the rounding constant is C = 2^e * 2^22 + (2^19 - 2^16) for y8 in [2^e,
+    2^(e+1)), one FFMA on the exponent bits instead of an integer add and max (which ptxas fuses
+    into one ALU instruction): C lies in the binade [2^(e+22), 2^(e+23)) for e >= -3 (steps 2^(e-1))
+    and in [2^19, 2^20) for -6 <= e <= -4 (step 1/16); below 2^-6, where C falls to [2^18, 2^19)
+    (step 1/32), every y8 < 1/64 rounds to 0 either way; C is an even multiple of its step wherever a
+    tie can occur, so ties go to even as E2M1 wants. Identical to the integer form for every float32
+    in [0, 1] (checked exhaustively); not for +inf (gives NaN), so only for the affine codes. Same
+    count (4 instructions), one fewer on the ALU pipe."""
+    if fma_constant:
+        c = f"fma.rn.f32 c, c, 0f4A800000, {_f32_hex(2.0 ** 19 - 2.0 ** 16)};\n"
+    else:
+        c = "add.s32 c, c, 0x0B000000;\nmax.s32 c, c, 0x49000000;\n"
     body = ("{ .reg .f32 r; .reg .b32 c;\n"
-            "and.b32 c, $1, 0x7F800000;\n"
-            "add.s32 c, c, 0x0B000000;\n"
-            "max.s32 c, c, 0x49000000;\n"
+            "and.b32 c, $1, 0x7F800000;\n" + c +
             "add.rn.f32 r, $1, c;\n"
             "sub.rn.f32 $0, r, c; }")
     return Float32(_asm(T.f32(), [Float32(y8)], body, "=f,f", loc, ip))
@@ -326,6 +341,18 @@ def e2m1_bf16x2_eighths(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32
             "mov.b32 f, 0x3F403F40;\n"
             "min.bf16x2 $0, r, f; }")
     return Int32(_asm(T.i32(), [Float32(lo), Float32(hi)], body, "=r,f,f", loc, ip))
+
+
+@dsl_user_op
+def order_before_wait(x: Float32, never: Int32, *, loc=None, ip=None) -> None:
+    """A shared-memory store of ``x`` predicated on ``never < 0`` (false at run time, unknown to
+    ptxas), placed just before ``wgmma.wait_group``: ptxas keeps the wait after memory operations
+    but otherwise hoists it as early as it can, which would put it before the work it is meant
+    to overlap; ``x`` depending on that work pins the wait behind it."""
+    body = "{ .reg .pred p; setp.lt.s32 p, $1, 0; @p st.shared.f32 [$1], $0; }"
+    llvm.inline_asm(None, [Float32(x).ir_value(loc=loc, ip=ip), Int32(never).ir_value(loc=loc, ip=ip)],
+                    body, "f,r", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op
@@ -580,8 +607,7 @@ class DirectPAttentionSm90:
                     kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
         elif const_expr(self.cfg.schedule == "pingpong"):
             self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                               acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles,
-                               partial_last)
+                               acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles)
         else:
             for j in cutlass.range(n_tiles, unroll=1):
                 # S = Q K^T
@@ -611,7 +637,7 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                      acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles, partial_last):
+                      acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles):
         """The ping-pong schedule. Per key tile j one "tensor phase" issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} together, then Direct-P of S_j runs on the ALUs. Named barrier
         BAR_SCHED + w means "warpgroup w may issue": each warpgroup waits for its own before a
@@ -625,37 +651,41 @@ class DirectPAttentionSm90:
         n_sched = 256      # the waiting warpgroup and the signalling one
         if wg == last:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        # Tile 0 (S_0 alone) and the last tile are peeled, with the masked Direct-P (exact for a
+        # whole tile too), so that the loop body has no branch: across a branch ptxas loses track
+        # of which WGMMA group is complete and waits for all of them before Direct-P (SASS: the
+        # "WARPGROUP.DEPBAR.LE gsb0, 0x0" of PV_{j-1} hoisted to its first instruction).
         k_state = kv_state.clone()          # K_j (stream position 2j)
-        v_state = kv_state.clone()          # V_{j-1} (position 2j - 1); first used at j = 1
-        for j in cutlass.range(n_tiles, unroll=1):
-            kv_pipe.consumer_wait(k_state)
-            if j > 0:
-                kv_pipe.consumer_wait(v_state)
-            cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
-            cute.nvgpu.warpgroup.fence()
-            # S_j first, then PV_{j-1} as a second group (empty at j = 0), so that Direct-P's block
-            # scales can start once S_j is done while PV_{j-1} still runs; P_j is written into r_p
-            # (which PV_{j-1} reads) only after wait_group(0), inside direct_p.
-            self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
-            cute.nvgpu.warpgroup.commit_group()
-            if j > 0:
-                cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
-            cute.nvgpu.warpgroup.wait_group(1)
-            kv_pipe.consumer_release(k_state)
-
-            if const_expr(self.cfg.anchor > 0):
-                if j == 0:
-                    self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
-            self.direct_p_tile(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last,
-                               True)
-            if j > 0:
-                kv_pipe.consumer_release(v_state)
+        kv_pipe.consumer_wait(k_state)
+        cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.fence()
+        self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.wait_group(0)
+        kv_pipe.consumer_release(k_state)
+        if const_expr(self.cfg.anchor > 0):
+            self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
+        self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, 0, True, False)
+        v_state = k_state.clone()           # V_{j-1} (position 2j - 1)
+        v_state.advance()
+        k_state.advance()
+        k_state.advance()
+        # tiles 1 .. n-2 are whole
+        for j in cutlass.range(1, n_tiles - 1, unroll=1):
+            self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
+                               acc_s, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, own_bar, other_bar,
+                               n_sched, False)
             v_state = k_state.clone()
             v_state.advance()
             k_state.advance()
             k_state.advance()
+        if n_tiles > 1:    # the last tile, masked (exact for a whole tile too)
+            self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
+                               acc_s, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles - 1, own_bar,
+                               other_bar, n_sched, True)
+            v_state = k_state.clone()
+            v_state.advance()
         # the last tensor phase: O += P_{n-1} V_{n-1}
         kv_pipe.consumer_wait(v_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
@@ -665,6 +695,27 @@ class DirectPAttentionSm90:
         if wg != last:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(0)
+        kv_pipe.consumer_release(v_state)
+
+    @cute.jit
+    def pingpong_step(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
+                      acc_s, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, own_bar, other_bar, n_sched,
+                      masked: cutlass.Constexpr):
+        """One tensor phase (S_j = Q K_j^T, then O += P_{j-1} V_{j-1} as a second group) and
+        Direct-P of S_j, which starts once S_j is done while PV_{j-1} still runs; P_j goes into r_p
+        (which PV_{j-1} reads) only after wait_group(0), inside direct_p."""
+        kv_pipe.consumer_wait(k_state)
+        kv_pipe.consumer_wait(v_state)
+        cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.fence()
+        self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.wait_group(1)
+        kv_pipe.consumer_release(k_state)
+        self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k - j * self.tile_n, j, masked, True)
         kv_pipe.consumer_release(v_state)
 
     @cute.jit
@@ -743,7 +794,7 @@ class DirectPAttentionSm90:
         cfg = self.cfg
         eighths = EIGHTHS and cfg.shift >= EIGHTHS_LOG2
         bf16codes = const_expr(cfg.code_rounding == "bf16")
-        packed = const_expr((cfg.p_path == "packed" and eighths) or bf16codes)
+        packed = const_expr((cfg.p_path in ("packed", "packed_alu") and eighths) or bf16codes)
         anchored = cfg.anchor > 0
         a_s = s_log2 * cfg.affine_a
         if const_expr(eighths):
@@ -792,9 +843,13 @@ class DirectPAttentionSm90:
         else:
             for r, b in rbs:   # fixed block scales: no maxima, shuffles or exponent chain
                 consts[r, b] = block_constants(Int32(127), cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
-        if const_expr(wait_pv):
-            cute.nvgpu.warpgroup.wait_group(0)   # the PV in flight reads r_p
+        # The packed path computes every pair of the tile before waiting for the PV in flight (which
+        # reads r_p) and writes r_p after the wait; the other paths wait first.
+        late_wait = const_expr(wait_pv and packed and cfg.p_path in ("packed", "packed_alu"))
+        if const_expr(wait_pv and not late_wait):
+            cute.nvgpu.warpgroup.wait_group(0)
         l_acc = [Float32(0.0), Float32(0.0)]
+        scaled = {}
         if const_expr(cfg.p_path == "timing_scales"):
             for i in cutlass.range_constexpr(cute.size(r_p2)):
                 r_p2[i] = Int32(0x3F803F80)
@@ -834,7 +889,8 @@ class DirectPAttentionSm90:
                 if const_expr(bf16codes):
                     codes[t] = y                      # rounded in pairs below
                 elif const_expr(packed):
-                    codes[t] = e2m1_grid_eighths(y)
+                    # FFMA constant: affine codes only (y8 <= 1 by fma.sat); exp2 values can be inf
+                    codes[t] = e2m1_grid_eighths(y, cfg.p_path != "packed_alu" and not cfg.native_exp2)
                 elif const_expr(eighths):
                     codes[t] = e2m1_round_eighths(y)
                 else:
@@ -846,7 +902,7 @@ class DirectPAttentionSm90:
                 else:
                     pairs = [pack_sat_bf16x2(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
                 for cb in cutlass.range_constexpr(4):
-                    r_p2[idx[r, b][2 * cb] // 2] = mul_bf16x2(pairs[cb], alpha2)
+                    scaled[idx[r, b][2 * cb] // 2] = (pairs[cb], alpha2)
                 csum = bf16x2_sum(add_bf16x2(add_bf16x2(pairs[0], pairs[1]), add_bf16x2(pairs[2], pairs[3])))
             else:
                 csum = codes[0]
@@ -855,6 +911,11 @@ class DirectPAttentionSm90:
                 for t in cutlass.range_constexpr(8):
                     r_p[idx[r, b][t]] = (codes[t] * alpha).to(self.in_dtype)
             l_acc[r] = l_acc[r] + alpha * csum
+        if const_expr(late_wait):
+            order_before_wait(l_acc[0] + l_acc[1], kv_limit)   # kv_limit >= 1: never stores
+            cute.nvgpu.warpgroup.wait_group(0)
+        for i, (pair, alpha2) in scaled.items():
+            r_p2[i] = mul_bf16x2(pair, alpha2)
         for r in cutlass.range_constexpr(2):
             row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
 

@@ -127,7 +127,7 @@ def test_torch_compile_no_graph_break():
 
 KERNEL_VARIANTS = [("pingpong", "packed", 2), ("pingpong", "scalar", 2), ("serial", "packed", 2),
                    ("serial", "scalar", 2), ("overlap", "packed", 2), ("pingpong", "packed", 3),
-                   ("serial", "packed", 3)]
+                   ("serial", "packed", 3), ("pingpong", "packed_alu", 2), ("serial", "packed", 1)]
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: "-".join(map(str, v)))
@@ -135,9 +135,9 @@ KERNEL_VARIANTS = [("pingpong", "packed", 2), ("pingpong", "scalar", 2), ("seria
 @pytest.mark.parametrize("policy", ["fast", "accurate", "guard"])
 def test_kernel_variants_match_reference(policy, shape, variant):
     """Every schedule (ping-pong and serial with 128-key tiles, overlapped with 64-key tiles; the
-    128-anchor guard runs the default schedule in place of the overlapped one), both P paths, two
-    and three consumer warpgroups (three: 64-key tiles; the guard keeps two), odd and even tile
-    counts."""
+    128-anchor guard runs the default schedule in place of the overlapped one), the P paths (packed
+    with the FFMA or the integer rounding constant, scalar), one (serial), two and three consumer
+    warpgroups (three: 64-key tiles; the guard keeps two), odd and even tile counts."""
     policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
     pol = fp4vis.get_policy(policy)
     q, k, v = make_inputs(shape, torch.bfloat16, "wide", policy, seed=7)
