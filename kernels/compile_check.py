@@ -186,7 +186,8 @@ def direct_p_schedule(cubin: str) -> dict:
     """ptxas's static schedule of the ping-pong loop's Direct-P: the instructions from the loop's
     ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready) to the predicated store that pins the PV wait
     (``order_before_wait``), and the sum of their stall counts (bits 105-108 of each 128-bit
-    instruction word): the cycles one warp needs to issue them when nothing else delays it."""
+    instruction word): the cycles one warp needs to issue them when nothing else delays it; the
+    same for the whole loop iteration (``loop_*``: from one turn's named-barrier wait to the next)."""
     sass = subprocess.run([find_nvdisasm(), "-c", "-hex", cubin], capture_output=True, text=True,
                           check=True).stdout
     insts = []   # (text, high 64-bit word)
@@ -204,8 +205,15 @@ def direct_p_schedule(cubin: str) -> dict:
                None)
     if end is None:
         return {}
-    stalls = [(hi >> 41) & 0xF for _, hi in insts[start:end]]
-    return {"instructions": len(stalls), "stall_cycles": sum(stalls)}
+    def stall(i):
+        return (insts[i][1] >> 41) & 0xF
+
+    # the whole loop iteration: from the named-barrier wait for this warpgroup's turn to the next one
+    syncs = [i for i, (t, _) in enumerate(insts) if t.startswith("BAR.SYNC.DEFER_BLOCKING R")]
+    lo = max((i for i in syncs if i < start), default=start)
+    hi = min((i for i in syncs if i > end), default=end)
+    return {"instructions": end - start, "stall_cycles": sum(stall(i) for i in range(start, end)),
+            "loop_instructions": hi - lo, "loop_stall_cycles": sum(stall(i) for i in range(lo, hi))}
 
 
 class _CaptureFds:

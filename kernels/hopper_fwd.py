@@ -667,25 +667,18 @@ class DirectPAttentionSm90:
         if const_expr(self.cfg.anchor > 0):
             self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
         self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, 0, True, False)
-        v_state = k_state.clone()           # V_{j-1} (position 2j - 1)
-        v_state.advance()
-        k_state.advance()
-        k_state.advance()
+        k_state, v_state = self.next_tile_states(k_state)
         # tiles 1 .. n-2 are whole
         for j in cutlass.range(1, n_tiles - 1, unroll=1):
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
                                acc_s, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, own_bar, other_bar,
                                n_sched, False)
-            v_state = k_state.clone()
-            v_state.advance()
-            k_state.advance()
-            k_state.advance()
+            k_state, v_state = self.next_tile_states(k_state)
         if n_tiles > 1:    # the last tile, masked (exact for a whole tile too)
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
                                acc_s, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles - 1, own_bar,
                                other_bar, n_sched, True)
-            v_state = k_state.clone()
-            v_state.advance()
+            k_state, v_state = self.next_tile_states(k_state)
         # the last tensor phase: O += P_{n-1} V_{n-1}
         kv_pipe.consumer_wait(v_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
@@ -696,6 +689,15 @@ class DirectPAttentionSm90:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(0)
         kv_pipe.consumer_release(v_state)
+
+    @staticmethod
+    def next_tile_states(k_state):
+        """From K_j's pipeline state (stream position 2j): the states of K_{j+1} and V_j."""
+        v_state = k_state.clone()
+        v_state.advance()
+        k_state.advance()
+        k_state.advance()
+        return k_state, v_state
 
     @cute.jit
     def pingpong_step(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
@@ -769,14 +771,14 @@ class DirectPAttentionSm90:
             row_m[r] = a + m_offset
 
     @cute.jit
-    def direct_p_tile(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last,
-                      wait_pv: cutlass.Constexpr = False):
-        """Direct-P of key tile j: the masked variant (keys >= Skv) only for a partial last tile."""
+    def direct_p_tile(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last):
+        """Direct-P of key tile j (serial and overlapped schedules): the masked variant (keys >= Skv)
+        only for a partial last tile."""
         kv_limit = seqlen_k - j * self.tile_n
         if partial_last and j == n_tiles - 1:
-            self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True, wait_pv)
+            self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True)
         else:
-            self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False, wait_pv)
+            self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False)
 
     @cute.jit
     def direct_p(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, tile_idx,
@@ -845,7 +847,7 @@ class DirectPAttentionSm90:
                 consts[r, b] = block_constants(Int32(127), cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
         # The packed path computes every pair of the tile before waiting for the PV in flight (which
         # reads r_p) and writes r_p after the wait; the other paths wait first.
-        late_wait = const_expr(wait_pv and packed and cfg.p_path in ("packed", "packed_alu"))
+        late_wait = const_expr(wait_pv and packed)
         if const_expr(wait_pv and not late_wait):
             cute.nvgpu.warpgroup.wait_group(0)
         l_acc = [Float32(0.0), Float32(0.0)]
