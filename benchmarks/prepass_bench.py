@@ -190,7 +190,7 @@ def _call_one(shape, log) -> dict:
     import torch.nn.functional as F
 
     from fp4vis.kernels import hopper_backend as hb
-    from fp4vis.kernels.hopper_prepass import prepare_operands
+    from fp4vis.kernels.hopper_prepass import prepare_kernel_operands
     from fp4vis.policy import POLICIES
     b, s, h, d = shape
     row = dict(shape=[b, s, h, d])
@@ -212,11 +212,11 @@ def _call_one(shape, log) -> dict:
         raw = getattr(hb.hopper_attention, "_init_fn", None)
         if raw is not None:
             row["call_nodispatch_host_us"] = time_host(lambda i: raw(*ins[i], scale, **kw), n)
-        row["prepass_host_us"] = time_host(lambda i: prepare_operands(*ins[i], kw["qk_fmt"], kw["anchor"]), n)
+        row["prepass_host_us"] = time_host(lambda i: prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]), n)
         row["empty_host_us"] = time_host(lambda i: torch.empty(ins[i][0].shape, dtype=torch.bfloat16,
                                                                device="cuda"), n)
         m = min(n, 4)
-        ops = [prepare_operands(*ins[i], kw["qk_fmt"], kw["anchor"]) for i in range(m)]
+        ops = [prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]) for i in range(m)]
         outs = [torch.empty_like(ins[i][0]) for i in range(m)]
         from fp4vis.kernels.hopper_fwd import DirectPConfig
         cfg_args = (d, "bf16", kw["affine_a"], kw["affine_b"], kw["shift"], kw["native_exp2"], kw["anchor"])

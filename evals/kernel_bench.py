@@ -192,22 +192,42 @@ def _hopper_parts(policy: str, schedule: str = "", p_path: str = "", num_wg: int
     hb = _kmod("hopper_backend")
     LOG2E, policy_args, run_kernel = hb.LOG2E, hb.policy_args, hb.run_kernel
     DirectPConfig = _kmod("hopper_fwd").DirectPConfig
-    prepare_operands = _kmod("hopper_prepass").prepare_operands
+    prepare_kernel_operands = _kmod("hopper_prepass").prepare_kernel_operands
     pol = get_policy(policy)
 
     def pre(q, k, v, scale, fused=None):
         a = policy_args(pol, q.shape[-1], scale)
-        return prepare_operands(q, k, v, a["qk_fmt"], a["anchor"], fused=fused)
+        return prepare_kernel_operands(q, k, v, a["qk_fmt"], a["anchor"], fused=fused)
 
     def ker(ops, q, scale):
         a = policy_args(pol, q.shape[-1], scale)
         out = torch.empty_like(q)
-        cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", a["affine_a"],
-                                 a["affine_b"], a["shift"], a["native_exp2"], a["anchor"],
-                                 schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None)
+        # from the policy: every numerics field (code rounding, FP8 Q/K) reaches the kernel
+        cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
+                                        schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None)
         run_kernel(*ops, out, cfg, scale * LOG2E, a["margin_raw"])
         return out
     return pre, ker
+
+
+def fp8_tensor_core_scores(q_hat: torch.Tensor, k_hat: torch.Tensor) -> torch.Tensor:
+    """``raw = Q̂ K̂ᵀ`` of decoded ``fp8_e4m3`` operands (G, Sq, D), (G, Skv, D) (Skv a multiple of 32)
+    as Hopper's FP8 tensor cores form it: ``torch._scaled_mm`` with one accumulator over D, as the
+    kernel's QGMMA chain (``use_fast_accum``), times the power-of-two scales, which are recovered
+    exactly from the decoded values (a group's largest E4M3 value lies in [2^7, 2^8]). For
+    ``fp4vis.reference.direct_p_attention(..., score_product=...)``: the reference with FP8 scores."""
+    from fp4vis.formats import fp8_group_exponent, pow2
+    eq = fp8_group_exponent(q_hat.abs().amax(-1))                          # (G, Sq)
+    kb = k_hat.unflatten(-2, (-1, 32))
+    ek = fp8_group_exponent(kb.abs().amax(dim=(-2, -1)))                   # (G, Skv/32)
+    sq = q_hat.shape[-2]
+    pad = (-sq) % 16                                                       # _scaled_mm wants M % 16 == 0
+    q8 = torch.nn.functional.pad(q_hat * pow2(-eq)[..., None], (0, 0, 0, pad)).to(torch.float8_e4m3fn)
+    k8 = (kb * pow2(-ek)[..., None, None]).flatten(-3, -2).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=q_hat.device)
+    raw = torch.stack([torch._scaled_mm(q8[g], k8[g].T, scale_a=one, scale_b=one, out_dtype=torch.float32,
+                                        use_fast_accum=True)[:sq] for g in range(q8.shape[0])])
+    return raw * pow2(eq)[..., None] * pow2(ek).repeat_interleave(32, -1)[:, None, :]
 
 
 def _reference(policy: str):
@@ -356,9 +376,9 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
             ref, idx = _reference_rows(q, k, v, pol, scale)
             sample = out0[idx[0], idx[1]][:, :, idx[2]]
             row["rel_l2_vs_reference"] = float(f"{rel_l2(sample, ref):.3e}")
-            exact = get_policy(pol)
-            if exact.code_rounding != "exact":  # what the inexact Hopper policy trades: vs its exact twin
-                exact_ref, _ = _reference_rows(q, k, v, exact.replace(code_rounding="exact"), scale)
+            twin = get_policy(pol).spec_twin()
+            if twin is not get_policy(pol):  # what an inexact Hopper policy trades: vs its exact twin
+                exact_ref, _ = _reference_rows(q, k, v, twin, scale)
                 row["rel_l2_vs_exact_reference"] = float(f"{rel_l2(sample, exact_ref):.3e}")
 
 
@@ -440,9 +460,12 @@ def summary_table(rows: list[dict]) -> str:
                   f"{hop.get('prepass_fraction', '—')}", f"{hop.get('rel_l2_vs_reference', '—')}",
                   f"{hop.get('rel_l2_vs_bf16', '—')}"] if hop else ["—"] * 5
         lines.append("| " + " | ".join(cells) + " |")
-    gm = geo_mean_speedup(rows)
-    if gm is not None:
-        lines.append(f"\nGeo-mean speedup of hopper/fast over flash-attn-4 at S >= 4096, D = 128: {gm:.3f}x")
+    gms = [(b, p, geo_mean_speedup(rows, b, p)) for b, p in cols if b in ("hopper", "hopper_kernel") and p]
+    if any(gm is not None for _, _, gm in gms):
+        lines.append("")
+    for b, p, gm in gms:
+        if gm is not None:
+            lines.append(f"Geo-mean speedup of {b}/{p} over flash-attn-4 at S >= 4096, D = 128: {gm:.3f}x")
     return "\n".join(lines)
 
 

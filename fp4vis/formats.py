@@ -16,6 +16,9 @@ Block formats (all quantizers return a small dataclass with the storage tensors 
     MXFP4 (V): blocks of 32 consecutive tokens (dim -2) for each feature column.
         codes (..., S, D/2) packed along D, scales (..., ceil(S/32), D) E8M0 bytes; decode is
         ``alpha * c / 6`` (the scale stores the block amplitude, SPEC section 1).
+    FP8 with power-of-two group scales (Q and K of the Hopper FP8 policy, not in SPEC): groups of
+        rows (one query row, or 32 consecutive keys) share ``2**E``; the values ``x / 2**E`` are
+        E4M3. ``fp8_pow2_quantize`` returns both (float32), ``fp8_pow2_qdq`` their product.
 
 All rounding is round-to-nearest-even with saturation. Everything is vectorised torch and runs on
 any device; values are computed in float32 (float64 inputs stay float64 where noted).
@@ -382,6 +385,47 @@ def mxfp4_qdq(v: torch.Tensor, *, times_six: bool = False) -> torch.Tensor:
     vals, u = _mxfp4_blocks(v)
     prod = (vals * pow2(u.to(torch.int32) - 127).unsqueeze(-2)).flatten(-3, -2)[..., : v.shape[-2], :]
     return prod if times_six else (prod.double() / E2M1_MAX).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 E4M3 with power-of-two group scales (Q and K of the FP8 policy; not part of SPEC)
+# ---------------------------------------------------------------------------------------------
+
+# The group maximum is scaled into [2**7, 2**8): E4M3 never saturates (max 448) and keeps all 3 mantissa
+# bits down to 2**-6, i.e. for elements up to 13 binades below their group's maximum.
+FP8_GROUP_TOP_EXP = 7
+FP8_MIN_GROUP_EXP = -126  # 2**-E must be a normal float32 too
+
+
+def fp8_group_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """int32 E = max(floor(log2 amax) - 7, -126) of float32 group maxima, read off the exponent field
+    (zero and subnormal maxima count as 2**-127, infinities and NaN as 2**128: their groups become NaN
+    in the kernel's pre-pass anyway)."""
+    field = (amax.float().view(torch.int32) >> 23) & 0xFF
+    return (field - 127 - FP8_GROUP_TOP_EXP).clamp(min=FP8_MIN_GROUP_EXP)
+
+
+def fp8_pow2_quantize(x: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 values ``x / 2**E`` (float32, shape of x) and scales ``2**E`` (float32, (..., ceil(S/g), 1))
+    of ``x`` (..., S, D), one scale per ``group_rows`` consecutive rows (1: per token; 32: per key
+    block). The scaling is exact and the group's largest element lands in [2**7, 2**8), so one E4M3
+    rounding (RNE) is the only error: relative 2**-4 at most for elements within 13 binades of their
+    group's maximum."""
+    xf = x.float()
+    s = xf.shape[-2]
+    pad = (-s) % group_rows
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
+    groups = xf.unflatten(-2, (-1, group_rows))                    # (..., ng, g, D)
+    e = fp8_group_exponent(groups.abs().amax(dim=(-2, -1)))         # (..., ng)
+    vals = e4m3_round(groups * pow2(-e)[..., None, None]).flatten(-3, -2)[..., :s, :]
+    return vals, pow2(e).unsqueeze(-1)
+
+
+def fp8_pow2_qdq(x: torch.Tensor, group_rows: int) -> torch.Tensor:
+    """float32 ``2**E * E4M3(x / 2**E)`` of ``fp8_pow2_quantize`` (exact in float32)."""
+    vals, scales = fp8_pow2_quantize(x, group_rows)
+    return vals * scales.repeat_interleave(group_rows, dim=-2)[..., : x.shape[-2], :]
 
 
 def _mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Method = Literal["direct_p", "nv_fp8", "exact"]
-QKFormat = Literal["block16", "folded64_mse"]
+QKFormat = Literal["block16", "folded64_mse", "fp8_e4m3"]
 MarginUnits = Literal["code", "paper"]
 CodeRounding = Literal["exact", "bf16"]
 
@@ -37,7 +37,10 @@ class Policy:
         margin_units: ``"code"`` adds ``M*ln 2`` in raw-score units (the published code, default);
             ``"paper"`` adds ``M*ln 2 / scale`` (M in binary exponents of P, the paper's text).
         shift: L, the stored shift of the P block scales.
-        qk_format: NVFP4 scale layout for Q and K.
+        qk_format: how Q and K are quantized: NVFP4 with its scale layout (``"block16"``,
+            ``"folded64_mse"``, SPEC section 1), or ``"fp8_e4m3"``: E4M3 with a power-of-two
+            scale per query row and per 32-key block (``fp4vis.formats.fp8_pow2_quantize``; not
+            SPEC: the Hopper FP8 policy ``fast_fp8qk``, whose QK^T runs on FP8 tensor cores).
         qk_global_scale: also apply the optional per-tensor FP32 encode ``G = 6*448/amax``.
         code_rounding: ``"exact"`` (SPEC): the P code is E2M1 of y, the affine or exp2 value;
             ``"bf16"``: y is first rounded to BF16 (8 significant bits), then to E2M1 — a double
@@ -64,9 +67,12 @@ class Policy:
         if self.method not in ("direct_p", "nv_fp8", "exact"):
             raise ValueError(f"Policy {self.name!r}: method must be 'direct_p', 'nv_fp8' or 'exact', "
                              f"got {self.method!r}")
-        if self.qk_format not in ("block16", "folded64_mse"):
-            raise ValueError(f"Policy {self.name!r}: qk_format must be 'block16' or 'folded64_mse', "
-                             f"got {self.qk_format!r}")
+        if self.qk_format not in ("block16", "folded64_mse", "fp8_e4m3"):
+            raise ValueError(f"Policy {self.name!r}: qk_format must be 'block16', 'folded64_mse' or "
+                             f"'fp8_e4m3', got {self.qk_format!r}")
+        if self.qk_format == "fp8_e4m3" and self.qk_global_scale:
+            raise ValueError(f"Policy {self.name!r}: qk_global_scale is an NVFP4 option; qk_format "
+                             "'fp8_e4m3' has its own power-of-two scales")
         if self.code_rounding not in ("exact", "bf16"):
             raise ValueError(f"Policy {self.name!r}: code_rounding must be 'exact' or 'bf16', "
                              f"got {self.code_rounding!r}")
@@ -102,6 +108,20 @@ class Policy:
     def is_direct_p(self) -> bool:
         return self.method == "direct_p"
 
+    @property
+    def is_spec_exact(self) -> bool:
+        """False for the documented inexact trades (codes rounded through BF16, FP8 Q/K)."""
+        return self.code_rounding == "exact" and self.qk_format != "fp8_e4m3"
+
+    def spec_twin(self) -> Policy:
+        """The SPEC-exact policy this one approximates: itself if exact, else the same policy with
+        exact code rounding and NVFP4 folded-K64 Q/K in place of FP8 (``fast`` for both inexact
+        named policies)."""
+        if self.is_spec_exact:
+            return self
+        return self.replace(name=f"{self.name}_spec", code_rounding="exact",
+                            qk_format="folded64_mse" if self.qk_format == "fp8_e4m3" else self.qk_format)
+
     def replace(self, **changes) -> Policy:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -131,6 +151,11 @@ POLICIES: dict[str, Policy] = {
     # instruction-bound), 3-4 % relL2 off `fast`'s reference; kept as that measurement's subject.
     "fast_bf16round": Policy("fast_bf16round", affine_a=1.50, affine_b=1.20, shift=16, qk_format="folded64_mse",
                              code_rounding="bf16"),
+    # not from the paper: `fast` with Q and K in FP8 (E4M3, power-of-two scales per query row and per
+    # 32-key block) instead of NVFP4, so that QK^T runs on Hopper's FP8 tensor cores; P and V as in
+    # `fast`. Finer than NVFP4 (3 mantissa bits), so closer to BF16 attention, but not SPEC-exact and
+    # not bit-reproducible on the GPU (FP8 WGMMA accumulation): docs/hopper_kernel.md.
+    "fast_fp8qk": Policy("fast_fp8qk", affine_a=1.50, affine_b=1.20, shift=16, qk_format="fp8_e4m3"),
     "accurate": Policy("accurate", affine_a=1.65, affine_b=0.80, native_exp2=True, anchor=32,
                        margin=64, shift=8, qk_format="block16"),
     "guard": guard_policy(110, 16, name="guard"),

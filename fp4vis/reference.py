@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fp4vis.formats import e2m1_round, e4m3_round, mxfp4_quantize, nvfp4_quantize
+from fp4vis.formats import check_no_nan, e2m1_round, e4m3_round, fp8_pow2_qdq, mxfp4_quantize, nvfp4_quantize
 from fp4vis.policy import Policy
 
 LOG2E = 1.0 / math.log(2.0)
@@ -121,7 +121,9 @@ class QuantizedOperands:
 
 
 def qk_layout(policy: Policy, head_dim: int) -> str:
-    """The NVFP4 layout actually used: folded64_mse needs D % 32 == 0 (SPEC), else block16."""
+    """The Q/K format actually used: folded64_mse needs D % 32 == 0 (SPEC), else block16."""
+    if policy.qk_format == "fp8_e4m3":
+        return "fp8_e4m3"
     return "folded64_mse" if policy.qk_format == "folded64_mse" and head_dim % 32 == 0 else "block16"
 
 
@@ -133,7 +135,12 @@ def pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def quantize_qk(q: torch.Tensor, k: torch.Tensor, policy: Policy) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Decoded NVFP4 Q̂ and K̂ (float32, D padded to a multiple of 16) and the product of their
-    per-tensor decode scales."""
+    per-tensor decode scales. ``fp8_e4m3``: E4M3 with power-of-two scales per query row and per
+    32-key block of k (in its physical order), decoded (exact in float32)."""
+    if policy.qk_format == "fp8_e4m3":
+        check_no_nan(q, "q")
+        check_no_nan(k, "k")
+        return fp8_pow2_qdq(q, 1), fp8_pow2_qdq(k, KEY_BLOCK), 1.0
     q, k = pad_last(q, 16), pad_last(k, 16)
     layout = qk_layout(policy, q.shape[-1])
     qq = nvfp4_quantize(q, layout, policy.qk_global_scale, name="q")
@@ -244,8 +251,12 @@ def _chunk_sizes(groups: int, sq: int, nk: int, align: int) -> tuple[int, int, i
 
 
 def direct_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
-                       scale: float) -> tuple[torch.Tensor, RangeReport]:
-    """Direct-P attention of (G, S, D) tensors: float32 output (G, Sq, Dv) and a RangeReport."""
+                       scale: float, score_product=None) -> tuple[torch.Tensor, RangeReport]:
+    """Direct-P attention of (G, S, D) tensors: float32 output (G, Sq, Dv) and a RangeReport.
+
+    ``score_product(q_hat, k_hat)``: how ``raw = Q̂ K̂ᵀ`` is formed from chunks of the decoded
+    operands (default: the float32 matrix product). A test passes the GPU's FP8 tensor-core product
+    to tell accumulation error apart from a kernel's own."""
     ops = quantize_operands(q, k, v, policy, scale)
     groups, sq, nkp = ops.q.shape[0], ops.q.shape[1], ops.k.shape[1]
     valid = torch.arange(nkp, device=q.device) < ops.num_keys
@@ -260,7 +271,8 @@ def direct_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy
             num = torch.zeros(g1 - g0, q1 - q0, ops.v6.shape[-1], dtype=torch.float32, device=q.device)
             den = torch.zeros(g1 - g0, q1 - q0, dtype=torch.float64, device=q.device)
             for k0, k1 in _chunks(nkp, ck):
-                raw = qc @ ops.k[g0:g1, k0:k1].mT
+                kc = ops.k[g0:g1, k0:k1]
+                raw = qc @ kc.mT if score_product is None else score_product(qc, kc)
                 blk = direct_p_block(raw, m, ops.s, policy, valid[k0:k1],
                                      None if native is None else native[k0:k1])
                 num += blk.p_scaled @ ops.v6[g0:g1, k0:k1]

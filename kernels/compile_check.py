@@ -83,12 +83,19 @@ def _fake_args(cfg):
                                 stride=(d, 1, cute.sym_int64(divisibility=d), cute.sym_int64(divisibility=d)),
                                 assumed_align=16)
 
+    def scales(n_sym):
+        # (B, H, N) contiguous float32 viewed as (N, H, B)
+        return make_fake_tensor(cutlass.Float32, (n_sym, cute.sym_int32(), cute.sym_int32()),
+                                stride=(1, cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+
     sq, skv = cute.sym_int32(), cute.sym_int32()
-    q = t(cutlass.BFloat16, sq)
-    k = t(cutlass.BFloat16, skv)
+    qk_dt = cutlass.Uint8 if cfg.qk_fp8 else cutlass.BFloat16   # E4M3 bytes arrive as uint8
+    q = t(qk_dt, sq)
+    k = t(qk_dt, skv)
     v = t(cutlass.BFloat16, skv)
     o = t(out_dt, sq)
-    return q, k, v, o, cutlass.Float32(0.18), cutlass.Float32(0.0), make_fake_stream()
+    return (q, k, v, o, scales(sq), scales(cute.sym_int32()), cutlass.Float32(0.18), cutlass.Float32(0.0),
+            make_fake_stream())
 
 
 def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = True) -> CompileReport:
@@ -269,7 +276,7 @@ def variants(head_dims=(128, 64)):
     from .hopper_fwd import DirectPConfig
     pols = [("fast", POLICIES["fast"]), ("wan_fast", POLICIES["wan_fast"]), ("accurate", POLICIES["accurate"]),
             ("guard", POLICIES["guard"]), ("guard_h40", guard_policy_for_heads(40)),
-            ("fast_bf16round", POLICIES["fast_bf16round"])]
+            ("fast_bf16round", POLICIES["fast_bf16round"]), ("fast_fp8qk", POLICIES["fast_fp8qk"])]
     out = []
     for d in head_dims:
         for name, p in pols:

@@ -5,7 +5,8 @@ Importing this module registers ``HopperBackend`` (name ``"hopper"``) with ``fp4
 * Supported: CUDA device of compute capability 9.0, BF16 or FP16 q/k/v (output in the same
   dtype), head dim 64 or 128 (q, k and v alike), any B, H, Sq, Skv >= 1 (partial tiles masked,
   cross-attention), Direct-P policies without the per-tensor global Q/K scale (``fast``,
-  ``wan_fast``, ``accurate``, ``guard`` and user policies within those rules, anchors <= 128).
+  ``wan_fast``, ``accurate``, ``guard`` and user policies within those rules, anchors <= 128), and
+  the FP8 Q/K policy ``fast_fp8qk`` (``qk_format="fp8_e4m3"``, without anchors).
   Anything else: ``unsupported_reason`` says why, and ``backend="auto"`` falls back visibly.
 * The op ``torch.ops.fp4vis.hopper_attention`` is a ``torch.library.custom_op`` with a fake
   implementation, so torch.compile keeps it as one node (no graph break); it launches on the
@@ -32,7 +33,7 @@ from fp4vis.dispatch import Backend, register_backend
 from fp4vis.policy import Policy
 from fp4vis.reference import qk_layout
 
-from .hopper_prepass import prepare_operands
+from .hopper_prepass import prepare_kernel_operands
 
 log = logging.getLogger("fp4vis.kernels.hopper")
 
@@ -56,11 +57,30 @@ def _cutlass_import_error() -> str | None:
     return None
 
 
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """The kernel's view of a contiguous operand: (B, H, S, D) -> (S, D, H, B); (B, H, N) scales ->
+    (N, H, B)."""
+    return t.permute(2, 3, 1, 0) if t.dim() == 4 else t.permute(2, 1, 0)
+
+
 def _to_cute(t: torch.Tensor, tvm_ffi: bool = False):
-    """(B, H, S, D) contiguous torch tensor -> CuTe tensor viewed as (S, D, H, B), dynamic layout."""
+    """Contiguous torch tensor -> CuTe tensor of ``_kernel_view``, dynamic layout."""
     from cutlass.cute.runtime import from_dlpack
     kw = {"enable_tvm_ffi": True} if tvm_ffi else {}
-    return from_dlpack(t.permute(2, 3, 1, 0).detach(), assumed_align=16, **kw).mark_layout_dynamic(leading_dim=1)
+    lead = 1 if t.dim() == 4 else 0
+    return from_dlpack(_kernel_view(t).detach(), assumed_align=16 if t.dim() == 4 else 4,
+                       **kw).mark_layout_dynamic(leading_dim=lead)
+
+
+_NO_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_scales(device: torch.device) -> torch.Tensor:
+    """A placeholder for the kernel's q_scale/k_scale arguments where the policy has none (NVFP4 Q/K)."""
+    t = _NO_SCALES.get(device)
+    if t is None:
+        t = _NO_SCALES[device] = torch.ones(1, 1, 4, dtype=torch.float32, device=device)
+    return t
 
 
 def _current_stream():
@@ -110,14 +130,21 @@ def get_kernel(cfg, tensors) -> tuple[object, bool]:
     return entry
 
 
-def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, out: torch.Tensor, cfg,
-               s_log2: float, m_offset: float) -> None:
-    """Launch the Direct-P kernel on prepared operands (all (B, H, S, D) contiguous) on the
-    current CUDA stream."""
-    tensors = (q_hat, k_hat, v6, out)
+def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, q_scale: torch.Tensor | None,
+               k_scale: torch.Tensor | None, out: torch.Tensor, cfg, s_log2: float, m_offset: float) -> None:
+    """Launch the Direct-P kernel on the operands of ``prepare_kernel_operands`` (all (B, H, S, D)
+    contiguous; with ``cfg.qk_fp8`` q_hat, k_hat are float8_e4m3fn and q_scale, k_scale their
+    power-of-two scales, otherwise the scales are None) on the current CUDA stream."""
+    if cfg.qk_fp8:
+        if q_scale is None or k_scale is None:
+            raise ValueError("q_scale, k_scale: the FP8 Q/K kernel needs both (prepare_fp8_operands)")
+        q_hat, k_hat = q_hat.view(torch.uint8), k_hat.view(torch.uint8)   # the kernel recasts to E4M3
+    else:
+        q_scale = k_scale = _unused_scales(q_hat.device)
+    tensors = (q_hat, k_hat, v6, out, q_scale, k_scale)
     fn, tvm_ffi = get_kernel(cfg, tensors)
     if tvm_ffi:
-        fn(*(t.permute(2, 3, 1, 0) for t in tensors), s_log2, m_offset)
+        fn(*(_kernel_view(t) for t in tensors), s_log2, m_offset)
     else:
         from cutlass import Float32
         fn(*(_to_cute(t) for t in tensors), Float32(s_log2), Float32(m_offset), _current_stream())
@@ -135,12 +162,12 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     ``HopperBackend`` calls it directly outside torch.compile, which saves the dispatcher's
     30-85 us per call (H200, benchmarks/results/prepass_h200_20261129.json)."""
     from .hopper_fwd import DirectPConfig
-    q_hat, k_hat, v6 = prepare_operands(q, k, v, qk_fmt, anchor)
+    ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
                              shift, native_exp2, anchor, schedule=schedule or None, p_path=p_path or None,
-                             num_wg=num_wg or None, code_rounding=code_rounding)
-    run_kernel(q_hat, k_hat, v6, out, cfg, scale * LOG2E, margin_raw)
+                             num_wg=num_wg or None, code_rounding=code_rounding, qk_fp8=qk_fmt == "fp8_e4m3")
+    run_kernel(*ops, out, cfg, scale * LOG2E, margin_raw)
     return out
 
 
@@ -195,6 +222,8 @@ class HopperBackend(Backend):
             return "qk_global_scale (per-tensor NVFP4 scale) is not implemented in the kernel"
         if policy.code_rounding == "bf16" and policy.shift < 3:
             return "code_rounding='bf16' needs the shift L >= 3"
+        if policy.qk_format == "fp8_e4m3" and policy.anchor > 0:
+            return "qk_format 'fp8_e4m3' with anchors is not implemented in the kernel"
         if policy.anchor > MAX_ANCHOR:
             return f"anchor = {policy.anchor} > {MAX_ANCHOR}"
         return _cutlass_import_error()

@@ -8,6 +8,10 @@ What the kernel consumes (produced by ``kernels/hopper_prepass.py``):
   at physical key positions 0..n-1.
 * ``v``: the MXFP4 value operand as ``alpha * c`` in BF16 (exact; the two factors 1/6 of P-tilde
   and V-hat are applied once, at the end).
+* With ``qk_fp8`` (policy ``fast_fp8qk``, not SPEC-exact) ``q``, ``k`` are instead E4M3 values with
+  power-of-two scales per query row (``q_scale``) and per 32-key block (``k_scale``), and S = Q K^T
+  runs on FP8 WGMMA (twice BF16's rate; FP8 accumulation is not exact, KERNELS.md). The scales
+  factor out exactly: they multiply the per-(row, block) constants of Direct-P, never a score.
 
 What it computes (SPEC.md section 2), per query row i and key block B of 32 keys:
 ``raw = Q-hat K-hat^T`` in FP32 (BF16 WGMMA, exact products, FP32 sums), the block maximum, the E8M0
@@ -93,6 +97,7 @@ class DirectPConfig:
     p_path: str = P_PATH             # see P_PATHS
     num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3 needs 64-key tiles
     code_rounding: str = "exact"     # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
+    qk_fp8: bool = False             # Policy.qk_format "fp8_e4m3": FP8 Q/K with power-of-two row/block scales
 
     @property
     def overlap(self) -> bool:
@@ -101,13 +106,13 @@ class DirectPConfig:
     def key(self) -> tuple:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
                 self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
-                self.code_rounding)
+                self.code_rounding, self.qk_fp8)
 
     @staticmethod
     def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
              anchor: int, schedule: str | None = None, tile_n: int | None = None,
              p_path: str | None = None, num_wg: int | None = None,
-             code_rounding: str = "exact") -> DirectPConfig:
+             code_rounding: str = "exact", qk_fp8: bool = False) -> DirectPConfig:
         """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
         tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
         tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule."""
@@ -123,6 +128,9 @@ class DirectPConfig:
             raise ValueError(f"code_rounding: 'exact' or 'bf16', got {code_rounding!r}")
         if code_rounding == "bf16" and (shift < EIGHTHS_LOG2 or not EIGHTHS):
             raise ValueError(f"code_rounding='bf16' needs the shift L >= {EIGHTHS_LOG2} (codes computed as q/8)")
+        if qk_fp8 and anchor > 0:
+            raise ValueError("qk_fp8 with anchors is not implemented: the anchor maximum would have to "
+                             "be taken over rescaled scores")
         num_wg = num_wg or NUM_MMA_WG
         if num_wg not in REGS_CONSUMER:
             raise ValueError(f"num_wg: one of {tuple(REGS_CONSUMER)}, got {num_wg!r}")
@@ -141,7 +149,7 @@ class DirectPConfig:
         return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
                              affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
                              anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path, num_wg=num_wg,
-                             code_rounding=code_rounding)
+                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8))
 
     @staticmethod
     def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,
@@ -149,7 +157,7 @@ class DirectPConfig:
                     num_wg: int | None = None) -> DirectPConfig:
         return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
                                   policy.native_exp2, policy.anchor, schedule, tile_n, p_path, num_wg,
-                                  policy.code_rounding)
+                                  policy.code_rounding, policy.qk_format == "fp8_e4m3")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,9 +398,11 @@ def bf16x2_sum(p: Int32, *, loc=None, ip=None) -> Float32:
 class DirectPAttentionSm90:
     """Direct-P FP4 attention forward, non-causal, for sm_90a.
 
-    Host entry: ``__call__(q, k, v, o, s_log2, m_offset, stream)`` with q/k/v/o viewed as
-    (S, D, H, B) (D contiguous; that is SDPA's (B, H, S, D) contiguous tensor permuted), BF16
-    q/k/v, ``o`` in ``out_dtype``; ``s_log2 = scale * log2(e)``; ``m_offset`` the anchor margin in
+    Host entry: ``__call__(q, k, v, o, q_scale, k_scale, s_log2, m_offset, stream)`` with q/k/v/o
+    viewed as (S, D, H, B) (D contiguous; that is SDPA's (B, H, S, D) contiguous tensor permuted),
+    BF16 q/k/v (with ``qk_fp8``: q, k E4M3 bytes as uint8), ``o`` in ``out_dtype``; ``q_scale``
+    (Sq, H, B) and ``k_scale`` (key blocks padded to whole 128-key tiles, H, B) float32 powers of two
+    (read only with ``qk_fp8``); ``s_log2 = scale * log2(e)``; ``m_offset`` the anchor margin in
     raw-score units (ignored without anchors).
     """
 
@@ -407,7 +417,11 @@ class DirectPAttentionSm90:
         self.cfg = cfg
         self.head_dim = cfg.head_dim
         self.o_dtype = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
-        self.in_dtype = cutlass.BFloat16
+        self.in_dtype = cutlass.BFloat16     # V and P
+        self.qk_dtype = cutlass.Float8E4M3FN if cfg.qk_fp8 else cutlass.BFloat16
+        # K and V tiles alternate through one ring of V-sized stages; an FP8 K tile fills half a
+        # stage, so the K view of the ring has twice the stages and K uses the even ones
+        self.k_slot_factor = 2 if cfg.qk_fp8 else 1
         self.acc_dtype = Float32
         self.num_wg = cfg.num_wg
         self.tile_m = TILE_M_PER_WG * cfg.num_wg
@@ -421,7 +435,10 @@ class DirectPAttentionSm90:
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 s_log2: Float32, m_offset: Float32, stream):
+                 mQs: cute.Tensor, mKs: cute.Tensor, s_log2: Float32, m_offset: Float32, stream):
+        if const_expr(self.cfg.qk_fp8):   # E4M3 bytes arrive as uint8
+            mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=self.qk_dtype), mQ.layout)
+            mK = cute.make_tensor(cute.recast_ptr(mK.iterator, dtype=self.qk_dtype), mK.layout)
         # V as the B operand of P V: (N = D, K = S, H, B), N contiguous.
         mVt = cute.make_tensor(mV.iterator, cute.make_layout(
             (mV.shape[1], mV.shape[0], mV.shape[2], mV.shape[3]),
@@ -430,19 +447,20 @@ class DirectPAttentionSm90:
         K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.MN
         qk_mma = sm90_utils.make_trivial_tiled_mma(
-            self.in_dtype, self.in_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.qk_dtype, self.qk_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
             self.qk_tiler[:2])
         # a second copy whose ACCUMULATE flag stays on (the first k-block uses qk_mma with it off):
         # flags are set once at kernel start, never inside staged control flow
         qk_mma_acc = sm90_utils.make_trivial_tiled_mma(
-            self.in_dtype, self.in_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.qk_dtype, self.qk_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
             self.qk_tiler[:2])
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             self.in_dtype, self.in_dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1),
             self.pv_tiler[:2], cute.nvgpu.warpgroup.OperandSource.RMEM)
 
-        q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.in_dtype, self.num_wg)
-        k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.in_dtype, self.kv_stages)
+        q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype, self.num_wg)
+        k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype,
+                                             self.kv_stages * self.k_slot_factor)
         v_sl = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, self.pv_tiler, self.in_dtype, self.kv_stages)
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
@@ -452,21 +470,22 @@ class DirectPAttentionSm90:
             g2s, mK, cute.slice_(k_sl, (None, None, 0)), (self.tile_n, self.head_dim))
         tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, mVt, cute.slice_(v_sl, (None, None, 0)), (self.head_dim, self.tile_n))
-        self.q_bytes = cute.size_in_bytes(self.in_dtype, cute.slice_(q_sl, (None, None, 0)))
-        self.kv_bytes = cute.size_in_bytes(self.in_dtype, cute.slice_(k_sl, (None, None, 0)))
+        self.q_bytes = cute.size_in_bytes(self.qk_dtype, cute.slice_(q_sl, (None, None, 0)))
+        self.k_bytes = cute.size_in_bytes(self.qk_dtype, cute.slice_(k_sl, (None, None, 0)))
+        self.kv_bytes = cute.size_in_bytes(self.in_dtype, cute.slice_(v_sl, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
             q_mbar: cute.struct.MemRange[cutlass.Int64, self.num_wg * 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(q_sl)],
+            sQ: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(q_sl)],
                                   self.buffer_align_bytes]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(k_sl)],
+            sKV: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(v_sl)],
                                    self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
         grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
-        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, s_log2, m_offset,
+        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, s_log2, m_offset,
                     q_sl, k_sl, v_sl).launch(
             grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
@@ -475,7 +494,7 @@ class DirectPAttentionSm90:
     @cute.kernel
     def kernel(self, qk_mma: cute.TiledMma, qk_mma_acc: cute.TiledMma, pv_mma: cute.TiledMma,
                tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
-               tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor,
+               tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
                s_log2: Float32, m_offset: Float32,
                q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout, v_sl: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -499,8 +518,8 @@ class DirectPAttentionSm90:
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1, 1))
 
         sQ = storage.sQ.get_tensor(q_sl.outer, swizzle=q_sl.inner)
-        sK = storage.sKV.get_tensor(k_sl.outer, swizzle=k_sl.inner)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_sl.inner), v_sl.outer)
+        sV = storage.sKV.get_tensor(v_sl.outer, swizzle=v_sl.inner)
+        sK = cute.make_tensor(cute.recast_ptr(sV.iterator, k_sl.inner, dtype=self.qk_dtype), k_sl.outer)
 
         seqlen_q = tQ.shape[0]
         seqlen_k = tK.shape[0]
@@ -513,7 +532,7 @@ class DirectPAttentionSm90:
                               m_blk, h_idx, b_idx, n_tiles)
         else:
             cute.arch.warpgroup_reg_alloc(REGS_CONSUMER[self.num_wg])
-            self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, s_log2, m_offset,
+            self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
                           tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles)
 
     @cute.jit
@@ -539,8 +558,13 @@ class DirectPAttentionSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         for j in cutlass.range(n_tiles, unroll=1):
-            kv_pipe.producer_acquire(kv_state)
-            cute.copy(tma_k, tKgK[None, j], tKsK[None, kv_state.index],
+            if const_expr(self.cfg.qk_fp8):
+                # an FP8 K tile moves fewer bytes than the pipeline's V-sized stage expects
+                kv_pipe.sync_object_empty.wait(kv_state.index, kv_state.phase)
+                kv_pipe.sync_object_full.arrive_and_expect_tx(kv_state.index, self.k_bytes)
+            else:
+                kv_pipe.producer_acquire(kv_state)
+            cute.copy(tma_k, tKgK[None, j], tKsK[None, kv_state.index * self.k_slot_factor],
                       tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
             kv_state.advance()
             kv_pipe.producer_acquire(kv_state)
@@ -549,7 +573,7 @@ class DirectPAttentionSm90:
             kv_state.advance()
 
     @cute.jit
-    def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, s_log2, m_offset,
+    def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
                  tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
         """One consumer warpgroup: 64 query rows against every key tile."""
         tid_wg = tidx % 128
@@ -571,6 +595,9 @@ class DirectPAttentionSm90:
         row_l = cute.make_rmem_tensor((2,), Float32)
         row_m.fill(0.0)
         row_l.fill(0.0)
+        qk_scales = None
+        if const_expr(self.cfg.qk_fp8):
+            qk_scales = (self.query_scales(thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q), mKs, h_idx, b_idx)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_wg)
         for w in cutlass.range_constexpr(1, self.num_wg):   # stage wg, phase 0
@@ -597,20 +624,21 @@ class DirectPAttentionSm90:
             for jj in cutlass.range(n_tiles // 2, unroll=1):
                 kv_state = self.overlap_step(
                     2 * jj, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
                 kv_state = self.overlap_step(
                     2 * jj + 1, acc_s1, acc_s, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
             if n_tiles % 2 == 1:
                 kv_state = self.overlap_step(
                     n_tiles - 1, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
         elif const_expr(self.cfg.schedule == "pingpong"):
             self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                               acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles)
+                               acc_o, r_p, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles)
         else:
             for j in cutlass.range(n_tiles, unroll=1):
                 # S = Q K^T
+                tile_scales = self.tile_scales(qk_scales, j)
                 kv_pipe.consumer_wait(kv_state)
                 cute.nvgpu.warpgroup.fence()
                 self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, kv_state.index, acc_s)
@@ -622,7 +650,8 @@ class DirectPAttentionSm90:
                 if const_expr(self.cfg.anchor > 0):
                     if j == 0:
                         self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
-                self.direct_p_tile(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last)
+                self.direct_p_tile(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
+                                   partial_last)
 
                 # O += P V
                 kv_pipe.consumer_wait(kv_state)
@@ -637,7 +666,7 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                      acc_o, r_p, row_m, row_l, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles):
+                      acc_o, r_p, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles):
         """The ping-pong schedule. Per key tile j one "tensor phase" issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} together, then Direct-P of S_j runs on the ALUs. Named barrier
         BAR_SCHED + w means "warpgroup w may issue": each warpgroup waits for its own before a
@@ -656,6 +685,7 @@ class DirectPAttentionSm90:
         # of which WGMMA group is complete and waits for all of them before Direct-P (SASS: the
         # "WARPGROUP.DEPBAR.LE gsb0, 0x0" of PV_{j-1} hoisted to its first instruction).
         k_state = kv_state.clone()          # K_j (stream position 2j)
+        tile_scales = self.tile_scales(qk_scales, 0)
         kv_pipe.consumer_wait(k_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.fence()
@@ -666,18 +696,18 @@ class DirectPAttentionSm90:
         kv_pipe.consumer_release(k_state)
         if const_expr(self.cfg.anchor > 0):
             self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
-        self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, 0, True, False)
+        self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, 0, True, False)
         k_state, v_state = self.next_tile_states(k_state)
         # tiles 1 .. n-2 are whole
         for j in cutlass.range(1, n_tiles - 1, unroll=1):
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                               acc_s, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, own_bar, other_bar,
-                               n_sched, False)
+                               acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar,
+                               other_bar, n_sched, False)
             k_state, v_state = self.next_tile_states(k_state)
         if n_tiles > 1:    # the last tile, masked (exact for a whole tile too)
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                               acc_s, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles - 1, own_bar,
-                               other_bar, n_sched, True)
+                               acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles - 1,
+                               own_bar, other_bar, n_sched, True)
             k_state, v_state = self.next_tile_states(k_state)
         # the last tensor phase: O += P_{n-1} V_{n-1}
         kv_pipe.consumer_wait(v_state)
@@ -701,11 +731,12 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def pingpong_step(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                      acc_s, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, own_bar, other_bar, n_sched,
-                      masked: cutlass.Constexpr):
+                      acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar, other_bar,
+                      n_sched, masked: cutlass.Constexpr):
         """One tensor phase (S_j = Q K_j^T, then O += P_{j-1} V_{j-1} as a second group) and
         Direct-P of S_j, which starts once S_j is done while PV_{j-1} still runs; P_j goes into r_p
         (which PV_{j-1} reads) only after wait_group(0), inside direct_p."""
+        tile_scales = self.tile_scales(qk_scales, j)
         kv_pipe.consumer_wait(k_state)
         kv_pipe.consumer_wait(v_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
@@ -717,22 +748,26 @@ class DirectPAttentionSm90:
         cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(1)
         kv_pipe.consumer_release(k_state)
-        self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k - j * self.tile_n, j, masked, True)
+        self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k - j * self.tile_n, j, masked,
+                      True)
         kv_pipe.consumer_release(v_state)
 
     @cute.jit
     def qk_gemm(self, qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_stage, acc):
-        """acc = Q K^T over the head dim (k-blocks of 16): the first block overwrites acc
+        """acc = Q K^T over the head dim (k-blocks of 16, 32 in FP8): the first block overwrites acc
         (qk_mma, ACCUMULATE off), the others add (qk_mma_acc)."""
         for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             mma = qk_mma if kb == 0 else qk_mma_acc
-            cute.gemm(mma, acc, tSrQ[None, None, kb, q_stage], tSrK[None, None, kb, k_stage], acc)
+            cute.gemm(mma, acc, tSrQ[None, None, kb, q_stage], tSrK[None, None, kb, k_stage * self.k_slot_factor],
+                      acc)
 
     @cute.jit
     def overlap_step(self, j, acc_cur, acc_next, v_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV,
-                     q_stage, kv_pipe, acc_o, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, n_tiles, partial_last):
+                     q_stage, kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
+                     partial_last):
         """One key tile in the overlapped schedule: S_j is in acc_cur, V_j at v_state; issue
         S_{j+1} into acc_next, Direct-P on S_j, O += P V_j; returns the state of V_{j+1}."""
+        tile_scales = self.tile_scales(qk_scales, j)
         k_state = v_state.clone()
         k_state.advance()
         has_next = j + 1 < n_tiles
@@ -741,7 +776,8 @@ class DirectPAttentionSm90:
             cute.nvgpu.warpgroup.fence()
             self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_next)
             cute.nvgpu.warpgroup.commit_group()
-        self.direct_p_tile(acc_cur, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last)
+        self.direct_p_tile(acc_cur, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
+                           partial_last)
         kv_pipe.consumer_wait(v_state)
         cute.nvgpu.warpgroup.fence()
         cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
@@ -752,6 +788,30 @@ class DirectPAttentionSm90:
             kv_pipe.consumer_release(k_state)
         k_state.advance()
         return k_state
+
+    @cute.jit
+    def query_scales(self, thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q):
+        """qk_fp8: 2^Eq of this thread's two query rows (register i = c + 2 r + 4 chunk holds row
+        r0 + 8 r); 1 for rows past Sq."""
+        row_qs = cute.make_rmem_tensor((2,), Float32)
+        row_qs.fill(1.0)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M_PER_WG, self.tile_n)))
+        row0 = (m_blk * self.num_wg + wg) * TILE_M_PER_WG
+        for r in cutlass.range_constexpr(2):
+            row = row0 + tScS[2 * r][0]
+            if row < seqlen_q:
+                row_qs[r] = mQs[row, h_idx, b_idx]
+        return row_qs
+
+    def tile_scales(self, qk_scales, j):
+        """qk_fp8: (2^Eq of the two rows, [2^Ek of key tile j's 32-key blocks]), the loads issued at the
+        top of a step so that their latency hides under the matrix products (k_scale is padded to
+        whole 128-key tiles: no predicate); None without qk_fp8."""
+        if const_expr(qk_scales is None):
+            return None
+        row_qs, mKs, h_idx, b_idx = qk_scales
+        nb = self.tile_n // DP_BLOCK
+        return row_qs, [mKs[j * nb + b, h_idx, b_idx] for b in range(nb)]
 
     @cute.jit
     def anchor_reference(self, acc_s, row_m, m_offset, lane_q, kv_limit):
@@ -771,17 +831,18 @@ class DirectPAttentionSm90:
             row_m[r] = a + m_offset
 
     @cute.jit
-    def direct_p_tile(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, seqlen_k, j, n_tiles, partial_last):
+    def direct_p_tile(self, acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
+                      partial_last):
         """Direct-P of key tile j (serial and overlapped schedules): the masked variant (keys >= Skv)
         only for a partial last tile."""
         kv_limit = seqlen_k - j * self.tile_n
         if partial_last and j == n_tiles - 1:
-            self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, True)
+            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, True)
         else:
-            self.direct_p(acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, j, False)
+            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, False)
 
     @cute.jit
-    def direct_p(self, acc_s, r_p, row_m, row_l, s_log2, lane_q, kv_limit, tile_idx,
+    def direct_p(self, acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, tile_idx,
                  masked: cutlass.Constexpr, wait_pv: cutlass.Constexpr = False):
         """Direct-P on one 64 x 128 score tile held in registers: reads the scores (never writes
         them: a non-WGMMA write to accumulator registers would make ptxas serialise the WGMMAs
@@ -789,6 +850,9 @@ class DirectPAttentionSm90:
         sum_B alpha'_B c_B to row_l. Register index i = c + 2 r + 4 chunk is (row r0 + 8 r,
         column 8 chunk + 2 lane_q + c): the same order in the accumulator and in the A fragment,
         so elements i, i+1 (c = 0, 1) form one BF16 pair of r_p.
+
+        ``tile_scales`` (qk_fp8): the scores are raw / (2^Eq 2^Ek); the powers of two go into each
+        (row, block) pair's two multipliers (s for the exponent, A s for the codes), exactly.
 
         Packed P path: after the FP32 grid rounding, the pair is packed to BF16 (exact: codes/8),
         saturated at 6/8, multiplied by (8 alpha', 8 alpha') (a power of two: exact) and its codes
@@ -815,6 +879,14 @@ class DirectPAttentionSm90:
         # scheduler runs Direct-P at a time and is otherwise latency-bound.
         nb = self.tile_n // DP_BLOCK
         rbs = [(r, b) for r in range(2) for b in range(nb)]
+        s_pair = {rb: s_log2 for rb in rbs}     # score multipliers per (row, block) pair
+        a_pair = {rb: a_s for rb in rbs}
+        if const_expr(tile_scales is not None):
+            row_qs, k_scales = tile_scales
+            for r in cutlass.range_constexpr(2):
+                s_row, a_row = s_log2 * row_qs[r], a_s * row_qs[r]
+                for b in cutlass.range_constexpr(nb):
+                    s_pair[r, b], a_pair[r, b] = s_row * k_scales[b], a_row * k_scales[b]
         idx = {}
         vals = {}
         mx = {}
@@ -840,7 +912,7 @@ class DirectPAttentionSm90:
             for r, b in rbs:
                 nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
             for r, b in rbs:
-                u = block_exponent(mx[r, b], row_m[r], s_log2, anchored)
+                u = block_exponent(mx[r, b], row_m[r], s_pair[r, b], anchored)
                 consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
         else:
             for r, b in rbs:   # fixed block scales: no maxima, shuffles or exponent chain
@@ -878,12 +950,12 @@ class DirectPAttentionSm90:
                 if const_expr(anchored):
                     d = d - m   # (raw - m) first, as the reference does
                 if const_expr(eighths):
-                    y = fma_rn_sat(d, a_s, kaff)
+                    y = fma_rn_sat(d, a_pair[r, b], kaff)
                 else:
-                    y = fma_rn(d, a_s, kaff)
+                    y = fma_rn(d, a_pair[r, b], kaff)
                 if const_expr(cfg.native_exp2):
                     # native iff pair % 8 == quarter or pair % 8 == 4, pair = 4*cb + lane_q
-                    yn = ex2_approx(fma_rn(d, s_log2, knat))
+                    yn = ex2_approx(fma_rn(d, s_pair[r, b], knat))
                     if const_expr(cb % 2 == 0):
                         y = select_f32(nat_even, yn, y)
                     else:

@@ -7,6 +7,9 @@
 * For anchored policies K and V are first permuted so that the anchor samples occupy physical key
   positions 0..n-1 (``fp4vis.reference.anchor_permutation``), then quantized (MXFP4 blocks follow
   the physical order, as in the reference).
+* FP8 Q/K (``prepare_fp8_operands``, ``qk_format="fp8_e4m3"``): ``q8``, ``k8`` float8_e4m3fn values
+  and their power-of-two scales ``q_scale`` (per query row) and ``k_scale`` (per 32 physical keys,
+  padded with 1.0 to whole 128-key kernel tiles), ``fp4vis.formats.fp8_pow2_quantize``; V as above.
 
 This is the same arithmetic as ``fp4vis.formats`` / ``fp4vis.reference.quantize_operands`` (the
 CPU tests check bit equality), written without host synchronisation (no NaN checks, no boolean
@@ -15,9 +18,9 @@ CUDA-graph capture and torch.compile. Non-finite inputs become NaN operands on e
 a finite code): the kernel propagates them and ``fp4vis.attention`` turns that into an error
 naming the input.
 On CUDA tensors the default is the fused Triton version (``hopper_prepass_triton``: one launch,
-one read of each input, one write of each operand, anchor permutation folded into the loads); the
-PyTorch formulation here (several elementwise passes) is the fallback and the CPU-checkable
-statement.
+one read of each input, one write of each operand, anchor permutation folded into the loads; for
+either kind of Q/K operand); the PyTorch formulation here (several elementwise passes) is the
+fallback and the CPU-checkable statement.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import os
 
 import torch
 
-from fp4vis.formats import mxfp4_qdq, nvfp4_qdq
+from fp4vis.formats import fp8_pow2_quantize, mxfp4_qdq, nvfp4_qdq
 from fp4vis.reference import anchor_permutation
 
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
+FP8_KEY_GROUP = 32   # keys per FP8 K scale: the P block, as MXFP4_BLOCK
+FP8_KEY_TILE = 128   # keys per kernel tile: k_scale covers whole tiles, so the kernel loads it unmasked
 
 _PERM_CACHE: dict[tuple, torch.Tensor] = {}
 
@@ -51,9 +56,40 @@ def _nan_where_not_finite(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x_hat, torch.nan).contiguous()
 
 
+def fp8_key_scale_blocks(skv: int) -> int:
+    """Entries of k_scale per head: the 32-key blocks of ceil(Skv / 128) whole kernel tiles."""
+    return FP8_KEY_TILE // FP8_KEY_GROUP * -(-skv // FP8_KEY_TILE)
+
+
 def _qk_hat(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Decoded NVFP4 of x in BF16 (exact), from the project's one quantizer."""
     return _nan_where_not_finite(nvfp4_qdq(x, layout).to(torch.bfloat16), x)
+
+
+def _fp8_values(x: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 values as float8_e4m3fn, NaN where x is not finite; float32 scales (..., groups)) of
+    x, from the project's one quantizer (its values are E4M3 already: the cast is exact)."""
+    vals, scales = fp8_pow2_quantize(x, group_rows)
+    return _nan_where_not_finite(vals, x).to(torch.float8_e4m3fn), scales.squeeze(-1).contiguous()
+
+
+def _v6(v: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``alpha * c`` of V in BF16 (exact), NaN where v is not finite."""
+    return _nan_where_not_finite(mxfp4_qdq(v, times_six=True).to(torch.bfloat16), v)
+
+
+def _physical_keys(k: torch.Tensor, v: torch.Tensor, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v with the keys in physical order: the anchor samples first (anchor > 0), else as given."""
+    if anchor > 0:
+        perm = cached_anchor_permutation(k.shape[-2], anchor, k.device)
+        k = k.index_select(-2, perm)
+        v = v.index_select(-2, perm)
+    return k, v
+
+
+def _int32_permutation(k: torch.Tensor, anchor: int) -> torch.Tensor | None:
+    """The anchor permutation as the Triton pre-pass reads it (int32), None without anchors."""
+    return cached_anchor_permutation(k.shape[-2], anchor, k.device, torch.int32) if anchor > 0 else None
 
 
 _TP: list = []
@@ -70,6 +106,17 @@ def _triton_prepass():
     return _TP[0]
 
 
+def _fused_module(x: torch.Tensor, fused: bool | None):
+    """The Triton pre-pass module where the fused path is asked for (``fused``) or is the default
+    (None: CUDA tensors), else None; raises where it is asked for and cannot run. CPU tensors run it
+    only under Triton's interpreter (TRITON_INTERPRET=1: the CPU tests check the dispatch too)."""
+    runnable = x.is_cuda or (bool(fused) and os.environ.get("TRITON_INTERPRET") == "1")
+    tp = _triton_prepass() if (fused or fused is None) and runnable else None
+    if fused and tp is None:
+        raise RuntimeError("fused pre-pass needs CUDA tensors and Triton")
+    return tp
+
+
 # The fused Triton pre-pass computes what fp4vis.formats does (exactly: see hopper_prepass_triton);
 # FP4VIS_PREPASS_FUSED_FOLDED=0 sends the folded layout through fp4vis.formats instead (bit-equal by
 # construction, slow).
@@ -84,22 +131,64 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layou
     ``hopper_prepass_triton``: one launch for Q, K and V, the three operands views of one buffer;
     otherwise the PyTorch formulation below (several passes). The folded-K64 Q/K quantizer is fused
     only when ``FUSED_FOLDED`` is on (see there) or ``fused`` is True."""
-    tp = _triton_prepass() if (fused or fused is None) and q.is_cuda else None
-    if fused and tp is None:
-        raise RuntimeError("fused pre-pass needs CUDA tensors and Triton")
+    tp = _fused_module(q, fused)
     if tp is not None:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        perm = cached_anchor_permutation(k.shape[-2], anchor, k.device, torch.int32) if anchor > 0 else None
+        perm = _int32_permutation(k, anchor)
         if qk_layout == "block16" or FUSED_FOLDED or fused:
             return tp.prepass(q, k, v, qk_layout, perm)
         v6 = tp.mxfp4_v6(v, perm)
         if anchor > 0:
             k = k.index_select(-2, cached_anchor_permutation(k.shape[-2], anchor, k.device))
         return _qk_hat(q, qk_layout), _qk_hat(k, qk_layout), v6
-    if anchor > 0:
-        perm = cached_anchor_permutation(k.shape[-2], anchor, k.device)
-        k = k.index_select(-2, perm)
-        v = v.index_select(-2, perm)
-    q_hat, k_hat = _qk_hat(q, qk_layout), _qk_hat(k, qk_layout)
-    v6 = _nan_where_not_finite(mxfp4_qdq(v, times_six=True).to(torch.bfloat16), v)
-    return q_hat, k_hat, v6
+    k, v = _physical_keys(k, v, anchor)
+    return _qk_hat(q, qk_layout), _qk_hat(k, qk_layout), _v6(v)
+
+
+def _fp8_fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The shapes the fused FP8 pre-pass handles: one head dim D, a power of two (Triton's ranges;
+    the kernel's 64 and 128 among them), and V shaped like K (its blocks are K's programs)."""
+    d = q.shape[-1]
+    return d > 0 and d & (d - 1) == 0 and k.shape[-1] == d and v.shape == k.shape
+
+
+def prepare_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchor: int,
+                         fused: bool | None = None):
+    """(q8, k8, v6, q_scale, k_scale) for ``qk_format="fp8_e4m3"`` from (B, H, S, D) inputs (Sq may
+    differ from Skv), all contiguous:
+
+    * q8 (B, H, Sq, D), k8 (B, H, Skv, D): float8_e4m3fn E4M3 values of x / 2^E, E per query row
+      and per 32 physical keys (anchor-permuted order; a partial last block uses its valid keys);
+    * v6: BF16 MXFP4 ``alpha * c`` of V in physical order, as ``prepare_operands``;
+    * q_scale (B, H, Sq), k_scale (B, H, 4 * ceil(Skv / 128)): float32 2^E, k_scale padded with
+      1.0 to whole 128-key kernel tiles so the kernel reads it without predicates.
+
+    NaN or Inf in q or k gives NaN in q8 / k8 at that position (the scales are then unspecified).
+    ``fused`` as in ``prepare_operands`` (the Triton pre-pass where D is a power of two and V is
+    shaped like K; the PyTorch formulation otherwise, through ``fp4vis.formats.fp8_pow2_quantize``).
+    No host synchronisation on either path (CUDA-graph capture)."""
+    tp = _fused_module(q, fused)
+    if tp is not None and not _fp8_fusable(q, k, v):
+        if fused:
+            raise ValueError(f"fused FP8 pre-pass: needs one head dim, a power of two, and v shaped like k; "
+                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        tp = None
+    if tp is not None:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return tp.fp8_prepass(q, k, v, _int32_permutation(k, anchor))
+    k, v = _physical_keys(k, v, anchor)
+    q8, q_scale = _fp8_values(q, 1)
+    k8, k_scale = _fp8_values(k, FP8_KEY_GROUP)
+    k_scale = torch.nn.functional.pad(k_scale, (0, fp8_key_scale_blocks(k.shape[-2]) - k_scale.shape[-1]),
+                                      value=1.0)
+    return q8, k8, _v6(v), q_scale, k_scale
+
+
+def prepare_kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_fmt: str, anchor: int,
+                            fused: bool | None = None):
+    """(q_hat, k_hat, v6, q_scale, k_scale) for the kernel, whichever the Q/K format: the FP8 operands
+    of ``prepare_fp8_operands`` for ``"fp8_e4m3"``, else ``prepare_operands`` with both scales None
+    (the NVFP4 operands are decoded values: the kernel reads no scales)."""
+    if qk_fmt == "fp8_e4m3":
+        return prepare_fp8_operands(q, k, v, anchor, fused)
+    return (*prepare_operands(q, k, v, qk_fmt, anchor, fused), None, None)

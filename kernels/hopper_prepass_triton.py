@@ -7,6 +7,14 @@ V folded into the loads (``perm[p]`` is the logical key at physical position p).
 covers the three tensors: programs ``[0, tq)`` quantize Q rows, ``[tq, tq + tk)`` K rows, the rest
 one 32-token V block each; the three outputs live in one buffer.
 
+FP8 Q/K operands (``fp8_prepass``, policy ``fast_fp8qk``; ``fp4vis.formats.fp8_pow2_quantize``): a
+second kernel, also one launch: programs ``[0, tq)`` turn ``FP8_BLOCK_Q`` query rows each into E4M3
+bytes and their power-of-two scales, every other program one 32-key block of K (bytes and one scale,
+gathered by ``perm``) and the V block at the same physical keys (MXFP4 as above). The group
+exponent is read off the float32 exponent field of the group maximum, the scaling by 2^-E is exact,
+``_e4m3`` rounds in float32 and only then is the value converted to ``float8e4nv`` (exact whatever
+rounding the conversion uses).
+
 Exact arithmetic, cheaper than the literal formulation (the proofs are in the comments below and in
 docs/hopper_kernel.md; CPU tests run this through Triton's interpreter, the GPU check counts
 differing values against ``fp4vis.formats``):
@@ -35,19 +43,25 @@ its E4M3 rounding, nor of the snap); the exact FMAs are written explicitly.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from fp4vis.formats import FOLDED_MSE_MULTIPLIERS
+from fp4vis.formats import FOLDED_MSE_MULTIPLIERS, FP8_GROUP_TOP_EXP, FP8_MIN_GROUP_EXP
+
+from .hopper_prepass import fp8_key_scale_blocks
 
 # _mult_rt below computes these as k / 16 for candidates 1..11; keep the two in step.
 assert FOLDED_MSE_MULTIPLIERS == (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
 
 _MAGIC = tl.constexpr(12582912.0)       # 1.5 * 2^23: float32 values in [2^23, 2^24) have ulp 1
 _MAGIC_BITS = tl.constexpr(0x4B400000)  # its bit pattern
+_FP8_TOP_EXP = tl.constexpr(FP8_GROUP_TOP_EXP)
+_FP8_MIN_EXP = tl.constexpr(FP8_MIN_GROUP_EXP)
+_E4M3_NAN = tl.constexpr(0x7F)
 
 
 @triton.jit
@@ -59,6 +73,23 @@ def _round_pow2_grid(mag, min_exp_plus: tl.constexpr, floor_bits: tl.constexpr):
     c = tl.maximum(c, floor_bits)
     cf = c.to(tl.float32, bitcast=True)
     return (mag + cf) - cf
+
+
+@triton.jit
+def _f32(x):
+    """BF16 or FP16 x in float32, exactly. BF16 by moving its bits up 16 places, which is what the
+    GPU's conversion does; Triton's interpreter flushes BF16 subnormals to 0 instead."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _bf16_exact(x):
+    """float32 x that is a BF16 value (NaN included) -> BF16 by dropping its low 16 bits, exactly as
+    the GPU's rounding conversion would give it; Triton's interpreter flushes BF16 subnormals."""
+    return (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -77,11 +108,17 @@ def _e2m1_mag(t):
 
 
 @triton.jit
+def _with_sign_of(mag, x):
+    """copysign(mag, x) for mag >= 0 on the bits: a negative x whose magnitude rounds to 0 gives -0,
+    as torch.copysign in fp4vis.formats does."""
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1(x):
     """E2M1 RNE with saturation, sign copied (fp4vis.formats.e2m1_round, -0 included)."""
-    r = _e2m1_mag(tl.abs(x))
-    sign = x.to(tl.int32, bitcast=True) & -2147483648
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return _with_sign_of(_e2m1_mag(tl.abs(x)), x)
 
 
 @triton.jit
@@ -254,19 +291,28 @@ def _pow2(e):
 
 
 @triton.jit
-def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One 32-token block of V (head group g) -> alpha * c in BF16."""
+def _key_block_rows(PERM, blk, g, S, HAS_PERM: tl.constexpr):
+    """(valid, src, dst) of the 32 physical keys of block blk in head group g: the int64 rows read
+    (``perm[p]``, the logical key at physical position p, where HAS_PERM) and written (p). Shared
+    by the K and V blocks, which must agree on the physical order."""
     p = blk * 32 + tl.arange(0, 32)
     valid = p < S
     if HAS_PERM:
         src_s = tl.load(PERM + p, mask=valid, other=0)
     else:
         src_s = p
-    src = (g * S + src_s).to(tl.int64) * D
-    dst = (g * S + p).to(tl.int64) * D
+    return valid, (g * S + src_s).to(tl.int64), (g * S + p).to(tl.int64)
+
+
+@triton.jit
+def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One 32-token block of V (head group g) -> alpha * c in BF16."""
+    valid, src, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
+    src = src * D
+    dst = dst * D
     for d0 in tl.static_range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
-        v = tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v = _f32(tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0))
         amax = tl.max(tl.abs(v), axis=0)                                  # (BLOCK_D,)
         bits = amax.to(tl.int32, bitcast=True)
         e = ((bits >> 23) & 0xFF) - 127                                   # floor(log2 amax), normals
@@ -277,7 +323,7 @@ def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr,
         # 6 v is exact in float32 for BF16/FP16 v; scaling by a power of two is exact
         codes = _e2m1((6.0 * v) * _pow2(127 - u)[None, :])
         out = _nan_if_not_finite(codes * _pow2(u - 127)[None, :], tl.abs(v))
-        tl.store(Y + dst[:, None] + dcol[None, :], out.to(tl.bfloat16), mask=valid[:, None])
+        tl.store(Y + dst[:, None] + dcol[None, :], _bf16_exact(out), mask=valid[:, None])
 
 
 @triton.jit(do_not_specialize=["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB"])
@@ -300,18 +346,83 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, NQ, SQ, NK, SK, TQ, TK, NVB,
         _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, D, HAS_PERM, BLOCK_D)
 
 
+@triton.jit
+def _fp8_group_exponent(amax):
+    """fp4vis.formats.fp8_group_exponent: E = max(floor(log2 amax) - 7, -126) off the float32
+    exponent field (amax >= 0), so that the group maximum scales into [2^7, 2^8)."""
+    field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.maximum(field - 127 - _FP8_TOP_EXP, _FP8_MIN_EXP)
+
+
+@triton.jit
+def _fp8_e4m3(x, e):
+    """E4M3 (float8e4nv) of x * 2^-e. The scaling by a power of two is exact (whatever it pushes
+    below float32's normal range is far below E4M3's smallest subnormal, 2^-9, and rounds to a
+    signed 0 either way) and ``_e4m3`` rounds in float32 (|x| 2^-e < 2^8: no saturation), so the
+    conversion of an exact E4M3 value is exact whatever rounding it uses. NaN (0x7F) where x is
+    NaN or Inf, set on the byte: the GPU's conversion gives it too, Triton's interpreter does not."""
+    ax = tl.abs(x)
+    byte = _with_sign_of(_e4m3(ax * _pow2(-e)), x).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    nan = tl.full(byte.shape, _E4M3_NAN, tl.uint8)
+    return tl.where(ax < float("inf"), byte, nan).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _fp8_query_rows(Q, Q8, QS, tile, NQ, D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """BLOCK_Q rows of Q (NQ rows of D in all), one scale per row: E4M3 in Q8, 2^E in QS."""
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rmask = rows < NQ
+    off = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    x = _f32(tl.load(Q + off, mask=rmask[:, None], other=0.0))
+    e = _fp8_group_exponent(tl.max(tl.abs(x), axis=1))
+    tl.store(Q8 + off, _fp8_e4m3(x, e[:, None]), mask=rmask[:, None])
+    tl.store(QS + rows, _pow2(e), mask=rmask)
+
+
+@triton.jit
+def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, D: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Physical 32-key block blk of head group g, one scale for the block (its valid keys only):
+    E4M3 in K8, 2^E in KS (NKB entries per head group; blocks past the sequence, which pad the
+    scales to whole kernel tiles, get 1.0)."""
+    valid, src, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
+    col = tl.arange(0, D)[None, :]
+    x = _f32(tl.load(K + src[:, None] * D + col, mask=valid[:, None], other=0.0))
+    e = _fp8_group_exponent(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    tl.store(K8 + dst[:, None] * D + col, _fp8_e4m3(x, e), mask=valid[:, None])
+    tl.store(KS + g * NKB + blk, tl.where(blk * 32 < S, _pow2(e), 1.0))
+
+
+@triton.jit(do_not_specialize=["NQ", "TQ", "SK", "NKB", "NVB"])
+def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, NQ, TQ, SK, NKB, NVB,
+                        D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Programs [0, TQ): Q row tiles; the rest one (head group, 32-key block) each, NKB blocks per
+    group (scales padded to whole kernel tiles): the K block and, for the NVB blocks that hold keys,
+    the V block at the same physical keys (both gathered by PERM)."""
+    pid = tl.program_id(0)
+    if pid < TQ:
+        _fp8_query_rows(Q, Q8, QS, pid, NQ, D, BLOCK_Q)
+    else:
+        kid = pid - TQ
+        g = kid // NKB
+        blk = kid - g * NKB
+        _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, D, HAS_PERM)
+        if blk < NVB:
+            _mxfp4_block(V, V6, PERM, blk, g, SK, D, HAS_PERM, BLOCK_D)
+
+
 BLOCK_R = 16
 NUM_WARPS = 4
 
-# Host path. ``prepass`` keeps, per input signature, the launch geometry (one allocation and one
-# ``unbind`` per call). Triton's ``kernel[grid](...)`` binds and specialises every argument on each
-# call (tens of microseconds); with FAST_LAUNCH (env FP4VIS_PREPASS_DIRECT_LAUNCH=1; off by default
-# until it has been checked on the GPU's Triton: benchmarks/prepass_bench.py turns it on and
-# records LAUNCH_STATE) the compiled kernel is cached and ``CompiledKernel.run`` called directly, as
-# ``JITFunction.run`` does (all arguments, constexprs last). Only when no Triton launch hooks are
-# set when it is cached (a profiler attached later does not see these launches) and the inputs are
-# 16-byte aligned (as the cached kernel was specialised); if the direct call ever raises it is
-# turned off for the process (LAUNCH_STATE says why) and the ordinary launch is used.
+# Host path. ``prepass`` and ``fp8_prepass`` keep, per input signature, the launch geometry (one
+# allocation and a few views per call); ``_run`` launches. Triton's ``kernel[grid](...)`` binds and
+# specialises every argument on each call (tens of microseconds); with FAST_LAUNCH (env
+# FP4VIS_PREPASS_DIRECT_LAUNCH=1; off by default until it has been checked on the GPU's Triton:
+# benchmarks/prepass_bench.py turns it on and records LAUNCH_STATE) the compiled kernel is cached
+# and ``CompiledKernel.run`` called directly, as ``JITFunction.run`` does (all arguments,
+# constexprs last). Only when no Triton launch hooks are set when it is cached (a profiler attached
+# later does not see these launches) and the inputs are 16-byte aligned (as the cached kernel was
+# specialised); if the direct call ever raises it is turned off for the process (LAUNCH_STATE says
+# why) and the ordinary launch is used.
 FAST_LAUNCH = os.environ.get("FP4VIS_PREPASS_DIRECT_LAUNCH", "0") == "1"
 LAUNCH_STATE = "not used yet"
 _META: dict[tuple, list] = {}
@@ -352,11 +463,43 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
                                     min(d, 64), num_warps=num_warps or NUM_WARPS, enable_fp_fusion=False)
 
 
+def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple, num_warps: int):
+    """One launch of ``kernel`` (all arguments: ``ptrs`` then ``tail``, constexprs last) for the
+    input signature whose cached state is ``meta``; ``meta[-1]`` keeps the compiled kernel for the
+    direct launch (FAST_LAUNCH, see above; ``inputs`` are the tensors whose alignment it assumes)."""
+    global FAST_LAUNCH, LAUNCH_STATE
+    ck = meta[-1]
+    if ck is not None and FAST_LAUNCH and _aligned(inputs):
+        try:
+            ck.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(inputs[0].device.index), ck.function,
+                   ck.packed_metadata, None, None, None, *ptrs, *tail)
+            return
+        except Exception as exc:  # pragma: no cover - depends on the Triton version
+            FAST_LAUNCH = False
+            LAUNCH_STATE = f"direct launch off: {type(exc).__name__}: {exc}"
+    ck = kernel[(grid,)](*ptrs, *tail, num_warps=num_warps, enable_fp_fusion=False)
+    if meta[-1] is None and inputs[0].is_cuda and FAST_LAUNCH:
+        if not hasattr(ck, "packed_metadata") or not hasattr(ck, "function"):
+            LAUNCH_STATE = f"direct launch off: the launch returned {type(ck).__name__}"
+        elif not _hooks_clear():
+            LAUNCH_STATE = "direct launch off: Triton launch hooks are set"
+        elif _aligned(inputs):
+            meta[-1] = ck
+            LAUNCH_STATE = "direct"
+
+
+def _aligned(inputs: tuple) -> bool:
+    """All input tensors start on 16 bytes (as a kernel specialised on the first call assumes)."""
+    bits = 0
+    for t in inputs:
+        bits |= t.data_ptr()
+    return (bits & 15) == 0
+
+
 def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
             block_r: int | None = None, num_warps: int | None = None):
     """(q_hat, k_hat, v6) of contiguous (B, H, S, D) q, k, v in one launch; BF16, contiguous, views of
     one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor permutation)."""
-    global FAST_LAUNCH, LAUNCH_STATE
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, layout, perm is not None, block_r, num_warps,
            q.device)
     meta = _META.get(key)
@@ -369,7 +512,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         tail = ints + (d, layout == "folded64_mse", perm is not None, br, min(d, 64))
         meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, None]
         _META[key] = meta
-    alloc, same, grid, tail, ck = meta
+    alloc, same, grid, tail, _ = meta
     buf = torch.empty(alloc, dtype=torch.bfloat16, device=q.device)
     if same:
         yq, yk, yv = buf.unbind(0)
@@ -377,24 +520,62 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
     ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm)
-    if ck is not None and FAST_LAUNCH and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0:
-        try:
-            ck.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(q.device.index), ck.function, ck.packed_metadata,
-                   None, None, None, *ptrs, *tail)
-            return yq, yk, yv
-        except Exception as exc:  # pragma: no cover - depends on the Triton version
-            FAST_LAUNCH = False
-            LAUNCH_STATE = f"direct launch off: {type(exc).__name__}: {exc}"
-    ck = _prepass_kernel[(grid,)](*ptrs, *tail, num_warps=num_warps or NUM_WARPS, enable_fp_fusion=False)
-    if meta[4] is None and q.is_cuda and FAST_LAUNCH:
-        if not hasattr(ck, "packed_metadata") or not hasattr(ck, "function"):
-            LAUNCH_STATE = f"direct launch off: the launch returned {type(ck).__name__}"
-        elif not _hooks_clear():
-            LAUNCH_STATE = "direct launch off: Triton launch hooks are set"
-        elif ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0:
-            meta[4] = ck
-            LAUNCH_STATE = "direct"
+    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v), num_warps or NUM_WARPS)
     return yq, yk, yv
+
+
+FP8_BLOCK_Q = 32     # query rows per program of the FP8 pre-pass (as many values as a 32-key block)
+_FP8_ALIGN = 128     # byte alignment of each operand inside the FP8 pre-pass's one buffer
+_FP8_META: dict[tuple, list] = {}
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    """Row-major strides (in elements) of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _fp8_plan(q: torch.Tensor, k: torch.Tensor, has_perm: bool) -> list:
+    """What ``fp8_prepass`` keeps per input signature: [buffer bytes, the five outputs as (dtype,
+    shape, strides, element offset) in the order returned, grid, kernel arguments after the
+    pointers, compiled kernel (None)]. The outputs are 128-byte aligned slices of one uint8 buffer."""
+    d, sk = q.shape[-1], k.shape[-2]
+    g = k.numel() // (sk * d) if sk else 0
+    nkb = fp8_key_scale_blocks(sk)
+    shapes = ((torch.float8_e4m3fn, tuple(q.shape)), (torch.float8_e4m3fn, tuple(k.shape)),
+              (torch.bfloat16, tuple(k.shape)), (torch.float32, tuple(q.shape[:-1])),
+              (torch.float32, tuple(k.shape[:-2]) + (nkb,)))
+    parts, nbytes = [], 0
+    for dtype, shape in shapes:
+        item = dtype.itemsize
+        parts.append((dtype, shape, _contiguous_strides(shape), nbytes // item))
+        nbytes += -(-math.prod(shape) * item // _FP8_ALIGN) * _FP8_ALIGN
+    nq = q.numel() // d
+    tq = -(-nq // FP8_BLOCK_Q)
+    tail = (nq, tq, sk, nkb, -(-sk // 32), d, has_perm, FP8_BLOCK_Q, min(d, 64))
+    return [nbytes, parts, tq + g * nkb, tail, None]
+
+
+def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
+                num_warps: int | None = None):
+    """(q8, k8, v6, q_scale, k_scale) of contiguous (B, H, S, D) q, k, v (v shaped like k, D a power
+    of two) in one launch (see ``hopper_prepass.prepare_fp8_operands`` for what they are); views of
+    one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor permutation)."""
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, perm is not None, num_warps, q.device)
+    meta = _FP8_META.get(key)
+    if meta is None:
+        meta = _FP8_META[key] = _fp8_plan(q, k, perm is not None)
+    nbytes, parts, grid, tail, _ = meta
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+    typed = {dtype: buf.view(dtype) for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)}
+    outs = tuple(typed[dtype].as_strided(shape, strides, off) for dtype, shape, strides, off in parts)
+    if grid:
+        ptrs = (q, k, v) + outs + (q if perm is None else perm,)
+        _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v), num_warps or NUM_WARPS)
+    return outs
 
 
 def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None) -> torch.Tensor:

@@ -542,3 +542,62 @@ def test_nvfp4_property_error_bound(rows, mag, layout):
     amax = x.abs().unflatten(-1, (4, 16)).amax(-1, keepdim=True)
     # RNE in [0, 6*sc] gives at most sc (the 4..6 step / 2); clipping above 6*sc at most amax - 6*sc
     assert bool((err <= torch.maximum(sc, amax - 6 * sc) * 1.0001 + 1e-12).all())
+
+
+# ------------------------------------------------------------------------------ FP8 with power-of-two group scales
+
+def _fp8_groups_brute(x: torch.Tensor, g: int):
+    """Independent statement: per group of g rows, E = floor(log2 amax) - 7 (>= -126) from math.frexp,
+    values = torch's own float8_e4m3fn cast of x * 2^-E (RNE; nothing here reaches 448)."""
+    s = x.shape[-2]
+    vals = torch.empty_like(x, dtype=torch.float32)
+    scales = []
+    for i in range(0, s, g):
+        grp = x[..., i:i + g, :].float()
+        amax = float(grp.abs().max())
+        e = math.frexp(amax)[1] - 1 - 7 if amax >= 2.0 ** -126 else -126 - 7
+        e = max(e, -126)
+        vals[..., i:i + g, :] = (grp * 2.0 ** -e).to(torch.float8_e4m3fn).float()
+        scales.append(2.0 ** e)
+    return vals, scales
+
+
+@pytest.mark.parametrize("group", [1, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_pow2_matches_independent_statement(group, dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(77, 64, generator=g)
+    x[3] *= 2.0 ** 14          # wide range between groups
+    x[40:50] *= 2.0 ** -20
+    x[60] = 0.0                # an all-zero row
+    x[:, 5] *= 1e-4            # small elements inside a group (E4M3 subnormals)
+    x = x.to(dtype)
+    vals, scales = fm.fp8_pow2_quantize(x, group)
+    want_vals, want_scales = _fp8_groups_brute(x, group)
+    assert torch.equal(vals, want_vals)
+    assert scales.squeeze(-1).tolist() == want_scales
+    assert torch.equal(fm.fp8_pow2_qdq(x, group), vals * torch.tensor(want_scales).repeat_interleave(group)[:77, None])
+
+
+def test_fp8_pow2_group_max_lands_in_top_binade_and_error_bound():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 96, 128, generator=g) * torch.logspace(-30, 30, 96, base=2.0)[:, None]
+    vals, scales = fm.fp8_pow2_quantize(x, 32)
+    top = vals.abs().unflatten(-2, (-1, 32)).amax(dim=(-2, -1))
+    assert bool(((top >= 128) & (top <= 256)).all())
+    # one E4M3 rounding: relative error <= 2^-4 for elements within 13 binades of their group max
+    qdq = fm.fp8_pow2_qdq(x, 32)
+    amax = x.abs().unflatten(-2, (-1, 32)).amax(dim=(-2, -1), keepdim=True).expand(-1, -1, 32, 128).flatten(1, 2)
+    inwin = x.abs() >= amax * 2.0 ** -13
+    rel = ((qdq - x).abs() / x.abs().clamp(min=1e-38))[inwin]
+    assert float(rel.max()) <= 2.0 ** -4
+    assert torch.equal(fm.fp8_pow2_qdq(qdq, 32), qdq)   # idempotent
+
+
+def test_policy_fp8_qk_format_rules():
+    from fp4vis.policy import POLICIES
+    pol = POLICIES["fast_fp8qk"]
+    assert pol.qk_format == "fp8_e4m3" and not pol.is_spec_exact
+    assert pol.spec_twin().qk_format == "folded64_mse" and pol.spec_twin().is_spec_exact
+    with pytest.raises(ValueError, match="qk_global_scale"):
+        pol.replace(qk_global_scale=True)

@@ -27,7 +27,7 @@ prepare_operands = importlib.import_module("fp4vis.kernels.hopper_prepass").prep
 VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
             "fast_bf16round", "fast_3wg", "fast_scalar", "fast_none", "fast_timing_scales", "fast_timing_codes",
-            "fast_packed_alu", "fast_serial_1wg"}
+            "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk"}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,8 @@ def test_variant_compiles_clean(name, cfg, nvdisasm):
     assert not rep.wgmma_serialized, rep.ptxas_log
     c = rep.counts
     assert c.get("HGMMA", 0) > 0, c
+    # FP8 Q/K: QK^T on QGMMA (FP8), PV stays HGMMA (BF16)
+    assert (c.get("QGMMA", 0) > 0) == cfg.qk_fp8, c
     assert c.get("LDL", 0) == 0 and c.get("STL", 0) == 0, c
     if name in EXP_FREE:
         assert c.get("MUFU.EX2", 0) == 0, c

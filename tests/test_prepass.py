@@ -3,7 +3,9 @@ Triton's interpreter: bit-for-bit (BF16 bit patterns, signed zeros included) the
 fp4vis.formats (nvfp4_qdq for Q and K in both layouts, mxfp4_qdq for V), on tie-heavy, Gaussian and
 wide-range inputs (E4M3-saturating groups, whose tiles take the float64 MSE branch), BF16 and FP16,
 D = 64 and 128, with and without the anchor permutation, partial 32-token V blocks, Sq != Skv; and
-the kernel's GPU build (sm_90 cubin, compiled without a GPU)."""
+the kernel's GPU build (sm_90 cubin, compiled without a GPU). The FP8 Q/K pre-pass
+(``prepare_fp8_operands``: fused Triton and PyTorch paths) likewise: bit-equal to
+fp4vis.formats.fp8_pow2_quantize, decoding to fp8_pow2_qdq, NaN for non-finite inputs."""
 
 import os
 import subprocess
@@ -57,11 +59,17 @@ print("OK" if not bad else "FAIL")
 """
 
 
-def test_triton_prepass_bit_identical_to_formats_interpreted():
+def _run_interpreted(script: str) -> None:
+    """Run ``script`` in a fresh interpreter with TRITON_INTERPRET=1 (set before Triton is imported,
+    as it must be) and require it to print OK."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
+
+
+def test_triton_prepass_bit_identical_to_formats_interpreted():
+    _run_interpreted(_CHECK)
 
 
 _CHECK_SATURATING = r"""
@@ -120,28 +128,191 @@ def test_triton_prepass_saturating_tiles_bit_identical_interpreted():
     """Tiles with an E4M3-saturating folded group take the float64 MSE branch: exact ties between
     distinct scales (in saturating groups and in ordinary groups of those tiles) and huge groups are
     split as fp4vis.formats splits them, BF16 and FP16 inputs."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _CHECK_SATURATING], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
+    _run_interpreted(_CHECK_SATURATING)
 
 
-@pytest.mark.parametrize("folded,has_perm", [(True, True), (False, False)], ids=["folded-perm", "block16"])
-def test_triton_prepass_compiles_for_sm90(folded, has_perm):
-    """The pre-pass kernel compiles for sm_90 down to a cubin on a machine without a GPU (Triton's
-    bundled ptxas): the interpreted tests check its arithmetic, this its GPU build."""
+def _compile_sm90(fn, signature: dict, constexprs: dict) -> dict:
+    """Compile the Triton kernel ``fn`` for sm_90 down to a cubin with Triton's bundled ptxas (no GPU
+    needed), as the pre-pass is built on the GPU (``enable_fp_fusion=False``); returns its asm."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from fp4vis.kernels import hopper_prepass_triton as tpt
 
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": tpt.NUM_WARPS, "enable_fp_fusion": False}).asm
+
+
+@pytest.mark.parametrize("folded,has_perm", [(True, True), (False, False)], ids=["folded-perm", "block16"])
+def test_triton_prepass_compiles_for_sm90(folded, has_perm):
+    """The pre-pass kernel compiles for sm_90 down to a cubin on a machine without a GPU (Triton's
+    bundled ptxas): the interpreted tests check its arithmetic, this its GPU build."""
+    pytest.importorskip("triton")
+    from fp4vis.kernels import hopper_prepass_triton as tpt
+
     sig = {name: "*bf16" for name in ("Q", "K", "V", "YQ", "YK", "YV")}
     sig.update(PERM="*i32", **{name: "i32" for name in ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")})
     consts = dict(D=128, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64)
-    sig.update({name: "constexpr" for name in consts})
-    src = ASTSource(fn=tpt._prepass_kernel, signature=sig, constexprs=consts)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tpt.NUM_WARPS, "enable_fp_fusion": False})
-    assert compiled.asm.get("cubin")
+    assert _compile_sm90(tpt._prepass_kernel, sig, consts).get("cubin")
+
+
+_FP8_COMMON = r"""
+import torch
+from fp4vis.formats import fp8_pow2_qdq, fp8_pow2_quantize, mxfp4_qdq
+from fp4vis.kernels.hopper_prepass import cached_anchor_permutation, prepare_fp8_operands
+
+def physical(x, anchor):
+    # keys in the physical order the K groups and V blocks follow
+    return x[:, :, cached_anchor_permutation(x.shape[-2], anchor, x.device)] if anchor else x
+
+def from_physical(x, anchor):
+    # the logical tensor whose physical order is x
+    if not anchor:
+        return x
+    out = torch.empty_like(x)
+    out[:, :, cached_anchor_permutation(x.shape[-2], anchor, x.device)] = x
+    return out
+
+def bits(t):
+    # bit patterns (scales as they are): signed zeros and NaN codes count
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+def e4m3_bytes(vals):
+    return vals.to(torch.float8_e4m3fn).view(torch.uint8)
+
+def both_paths(q, k, v, anchor):
+    # (fused Triton pre-pass, interpreted; PyTorch statement), shapes, dtypes and layout checked
+    fused = prepare_fp8_operands(q, k, v, anchor, fused=True)
+    plain = prepare_fp8_operands(q, k, v, anchor, fused=False)
+    b, h, sq, d = q.shape
+    skv = k.shape[-2]
+    shapes = ((b, h, sq, d), (b, h, skv, d), (b, h, skv, d), (b, h, sq), (b, h, 4 * -(-skv // 128)))
+    dtypes = (torch.float8_e4m3fn,) * 2 + (torch.bfloat16,) + (torch.float32,) * 2
+    for out in (fused, plain):
+        for t, shape, dtype in zip(out, shapes, dtypes):
+            assert t.shape == shape and t.dtype == dtype and t.is_contiguous(), (t.shape, t.dtype)
+    return fused, plain
+"""
+
+_CHECK_FP8 = _FP8_COMMON + r"""
+def mk(shape, group_rows, dtype, g):
+    # rows grouped as the pre-pass groups them: every group scaled by its own power of two (BF16:
+    # 2^-20..2^20, FP16 within its range) around 8-significant-bit integers (RNE ties, carries into
+    # the next binade: 255 -> 256) with per-element exponents over 14 binades (E4M3 subnormals and
+    # underflow to +-0 within a group); the first group all zero, the second tiny (float32
+    # subnormals for BF16, FP16 subnormals)
+    x = torch.randint(-255, 256, shape, generator=g).float()
+    x = x * torch.exp2(-torch.randint(0, 14, shape, generator=g).float())
+    lo, hi, tiny = (-20, 20, -136) if dtype == torch.bfloat16 else (-16, 8, -24)
+    rows = shape[-2]
+    group_exp = torch.randint(lo, hi + 1, shape[:-2] + (-(-rows // group_rows),), generator=g).float()
+    group_exp[..., 1] = tiny
+    x = x * torch.exp2(group_exp.repeat_interleave(group_rows, -1)[..., :rows, None])
+    x[..., :group_rows, :] = 0.0
+    return x.to(dtype)
+
+g = torch.Generator().manual_seed(0)
+n = 0
+for dtype in (torch.bfloat16, torch.float16):
+    for d in (64, 128):
+        for anchor in (0, 32):
+            for sq, skv in ((19, 77), (40, 160)):
+                q = mk((2, 2, sq, d), 1, dtype, g)
+                kk, vv = mk((2, 2, skv, d), 32, dtype, g), mk((2, 2, skv, d), 32, dtype, g)   # physical
+                fused, plain = both_paths(q, from_physical(kk, anchor), from_physical(vv, anchor), anchor)
+                for a, b in zip(fused, plain):
+                    assert torch.equal(bits(a), bits(b))
+                q8, k8, v6, q_scale, k_scale = fused
+                # the format's statement, bit for bit
+                qv, qs = fp8_pow2_quantize(q, 1)
+                kv, ks = fp8_pow2_quantize(kk, 32)
+                nb = ks.shape[-2]
+                assert torch.equal(q8.view(torch.uint8), e4m3_bytes(qv))
+                assert torch.equal(k8.view(torch.uint8), e4m3_bytes(kv))
+                assert torch.equal(q_scale, qs.squeeze(-1)) and torch.equal(k_scale[..., :nb], ks.squeeze(-1))
+                assert bool((k_scale[..., nb:] == 1.0).all()) and k_scale.shape[-1] - nb in (1, 3)
+                assert torch.equal(bits(v6), bits(mxfp4_qdq(vv, times_six=True).to(torch.bfloat16)))
+                # decoding gives the format's quantize-dequantize
+                assert torch.equal(q8.float() * q_scale[..., None], fp8_pow2_qdq(q, 1))
+                k_dec = k8.float() * k_scale[..., :nb].repeat_interleave(32, -1)[..., :skv, None]
+                assert torch.equal(k_dec, fp8_pow2_qdq(kk, 32))
+                # the inputs reached what they are meant to exercise
+                assert bool((q8[..., 0, :].float() == 0).all()) and bool((k8[..., :32, :].float() == 0).all())
+                assert dtype == torch.float16 or bool((q_scale[..., 1] == 2.0 ** -126).all())
+                assert bool((q8.view(torch.uint8) & 0x78 == 0).any())   # E4M3 subnormals
+                assert bool((k8.view(torch.uint8) == 0x78).any())       # 256: a carry into the top binade
+                assert bool((v6[..., 32:64, :] != 0).any())            # a tiny V block (u = 0) keeps codes
+                n += 1
+# the default on CPU tensors is the PyTorch formulation (even under the interpreter)
+k, v = from_physical(kk, 32), from_physical(vv, 32)
+default, plain = prepare_fp8_operands(q, k, v, 32), prepare_fp8_operands(q, k, v, 32, fused=False)
+assert all(torch.equal(bits(a), bits(b)) for a, b in zip(default, plain))
+print("cases", n)
+print("OK")
+"""
+
+
+def test_fp8_prepass_fused_torch_and_formats_bit_identical_interpreted():
+    """prepare_fp8_operands: the fused Triton path (interpreted) == the PyTorch path ==
+    fp8_pow2_quantize bit for bit (E4M3 bytes, scales, V's BF16 bits), decoding to fp8_pow2_qdq:
+    BF16 and FP16, D = 64 and 128, with and without the anchor permutation, Sq != Skv, Skv = 77
+    (partial last 32-key block, scales padded with 1.0) and 160, groups scaled over 2^+-20, an
+    all-zero row and block, tiny (subnormal) groups, RNE ties and carries into the top binade."""
+    _run_interpreted(_CHECK_FP8)
+
+
+_CHECK_FP8_NON_FINITE = _FP8_COMMON + r"""
+g = torch.Generator().manual_seed(1)
+b, h, sq, skv, d = 1, 2, 21, 77, 64
+for anchor in (0, 32):
+    q, k, v = (torch.randn(b, h, s, d, generator=g).bfloat16() for s in (sq, skv, skv))
+    q[0, 1, 4, 7], q[0, 0, 2, 3] = float("nan"), -float("inf")
+    k[0, 1, 10, 5], k[0, 0, 50, 0], k[0, 0, 51, 1] = float("inf"), -float("nan"), float("nan")
+    v[0, 0, 7, 2] = float("nan")
+    kk, vv = physical(k, anchor), physical(v, anchor)
+    qv, qs = fp8_pow2_quantize(q, 1)
+    kv, ks = fp8_pow2_quantize(kk, 32)
+    nb = ks.shape[-2]
+    row_ok = torch.isfinite(q).all(-1)
+    key_pad = torch.nn.functional.pad(torch.isfinite(kk), (0, 0, 0, 32 * nb - skv), value=True)
+    blk_ok = key_pad.unflatten(-2, (nb, 32)).all(-1).all(-1)
+    key_ok = blk_ok.repeat_interleave(32, -1)[..., :skv]
+    assert not bool(row_ok.all()) and not bool(blk_ok.all())
+    for q8, k8, v6, q_scale, k_scale in both_paths(q, k, v, anchor):
+        # NaN exactly where the input is NaN or Inf (after the permutation), never a finite code
+        assert torch.equal(torch.isnan(q8.float()), ~torch.isfinite(q))
+        assert torch.equal(torch.isnan(k8.float()), ~torch.isfinite(kk))
+        assert torch.equal(torch.isnan(v6), ~torch.isfinite(vv))
+        # rows and key blocks without a non-finite value are untouched
+        assert torch.equal(q8.view(torch.uint8)[row_ok], e4m3_bytes(qv)[row_ok])
+        assert torch.equal(q_scale[row_ok], qs.squeeze(-1)[row_ok])
+        assert torch.equal(k8.view(torch.uint8)[key_ok], e4m3_bytes(kv)[key_ok])
+        assert torch.equal(k_scale[..., :nb][blk_ok], ks.squeeze(-1)[blk_ok])
+print("OK")
+"""
+
+
+def test_fp8_prepass_non_finite_inputs_give_nan_interpreted():
+    """NaN or Inf in q or k gives NaN in q8 / k8 exactly there (after the anchor permutation) on both
+    paths (E4M3 has NaN; saturating to a finite code would hide the input's fault), V's NaN as in
+    prepare_operands, and every row / key block without a non-finite value is unchanged (the rest of
+    a non-finite group is unspecified, and the paths differ there)."""
+    _run_interpreted(_CHECK_FP8_NON_FINITE)
+
+
+@pytest.mark.parametrize("dtype,has_perm", [("bf16", True), ("fp16", False)], ids=["bf16-perm", "fp16"])
+def test_fp8_prepass_compiles_for_sm90(dtype, has_perm):
+    """The FP8 pre-pass kernel (E4M3 bytes through float8e4nv, scales, MXFP4 V) compiles for sm_90
+    to a cubin without a GPU, from BF16 and FP16 inputs."""
+    pytest.importorskip("triton")
+    from fp4vis.kernels import hopper_prepass_triton as tpt
+
+    sig = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Q8="*fp8e4nv", K8="*fp8e4nv", V6="*bf16", QS="*fp32",
+               KS="*fp32", PERM="*i32", **dict.fromkeys(("NQ", "TQ", "SK", "NKB", "NVB"), "i32"))
+    consts = dict(D=128, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64)
+    assert _compile_sm90(tpt._fp8_prepass_kernel, sig, consts).get("cubin")

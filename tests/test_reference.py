@@ -125,8 +125,11 @@ def python_direct_p(q, k, v, policy: Policy, scale: float) -> torch.Tensor:
     k, v = k[:, perm], v[:, perm]
     Dp = -(-D // 16) * 16
     layout = "folded64_mse" if policy.qk_format == "folded64_mse" and Dp % 32 == 0 else "block16"
-    qd = fm.nvfp4_quantize(torch.nn.functional.pad(q, (0, Dp - D)), layout).dequantize()
-    kd = fm.nvfp4_quantize(torch.nn.functional.pad(k, (0, Dp - D)), layout).dequantize()
+    if policy.qk_format == "fp8_e4m3":   # per query row, per 32 physical keys
+        qd, kd = fm.fp8_pow2_qdq(q, 1), fm.fp8_pow2_qdq(k, 32)
+    else:
+        qd = fm.nvfp4_quantize(torch.nn.functional.pad(q, (0, Dp - D)), layout).dequantize()
+        kd = fm.nvfp4_quantize(torch.nn.functional.pad(k, (0, Dp - D)), layout).dequantize()
     v6 = fm.mxfp4_quantize(v).dequantize(times_six=True)
     s = scale / LN2
     L = policy.shift
@@ -163,10 +166,10 @@ def python_direct_p(q, k, v, policy: Policy, scale: float) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("policy", ["fast", "wan_fast", "accurate", "guard"])
+@pytest.mark.parametrize("policy", ["fast", "wan_fast", "accurate", "guard", "fast_fp8qk", "fp8qk_anchored"])
 @pytest.mark.parametrize("sq, skv, d", [(5, 70, 64), (3, 33, 16), (4, 40, 48)])
 def test_reference_matches_plain_python(policy, sq, skv, d):
-    pol = POLICIES[policy]
+    pol = POLICIES.get(policy) or POLICIES["fast_fp8qk"].replace(name=policy, anchor=8, margin=4.0)
     q, k, v = gaussian(2, sq, d, seed=1) * 2, gaussian(2, skv, d, seed=2) * 2, gaussian(2, skv, d, seed=3)
     scale = 1 / math.sqrt(d)
     got, report = ref.direct_p_attention(q, k, v, pol, scale)
@@ -430,6 +433,37 @@ def test_fast_bf16round_trades_little_against_bf16():
     rounded = fp4vis.attention(q, k, v, policy="fast_bf16round")
     assert 1e-3 < fp4vis.rel_l2(rounded, fast) < 5e-2
     assert abs(fp4vis.rel_l2(rounded, exact) - fp4vis.rel_l2(fast, exact)) < 0.01 * fp4vis.rel_l2(fast, exact)
+
+
+def test_fast_fp8qk_is_closer_to_exact_attention_than_fast():
+    """FP8 Q/K (3 mantissa bits, power-of-two row/block scales) is finer than NVFP4 (1 mantissa bit):
+    the policy that trades SPEC-exactness for Hopper's FP8 tensor cores is closer to BF16
+    attention than fast on Gaussian inputs, and clearly different from fast."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(3))
+    q = q * 2
+    exact = fp4vis.attention(q, k, v, policy="bf16")
+    fast = fp4vis.attention(q, k, v, policy="fast")
+    fp8 = fp4vis.attention(q, k, v, policy="fast_fp8qk")
+    assert fp4vis.rel_l2(fp8, exact) < fp4vis.rel_l2(fast, exact)
+    assert fp4vis.rel_l2(fp8, fast) > 0.05
+
+
+def test_direct_p_sensitivity_to_score_noise():
+    """What bounds an inexact score product (FP8 MMA accumulation on Hopper, ~1e-4 relative): Direct-P
+    rounds every score to a code and every block maximum to an exponent, so noise of 1e-4 times the
+    mean |score| moves the output by a few 1e-3 relL2: why the fast_fp8qk kernel, whose scores come
+    from FP8 MMA, is tested against the reference fed with the tensor cores' own scores."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 256, 128, generator=g) for _ in range(3))
+    ops = ref.quantize_operands(q, k, v, POLICIES["fast"], 128 ** -0.5)
+    raw = ops.q @ ops.k.mT
+    noisy = raw + 1e-4 * raw.abs().mean() * torch.randn(raw.shape, generator=g)
+    m = torch.zeros(2, 256, 1, dtype=torch.float64)
+    valid = torch.ones(256, dtype=torch.bool)
+    outs = [ref.direct_p_block(r, m, ops.s, POLICIES["fast"], valid, None) for r in (raw, noisy)]
+    o = [(b.p_scaled @ ops.v6) / b.weighted_sum.unsqueeze(-1).float() for b in outs]
+    assert 1e-3 < fp4vis.rel_l2(o[1], o[0]) < 1e-2
 
 
 def test_code_rounding_bf16_moves_about_half_a_percent_of_codes():
