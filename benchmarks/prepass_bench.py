@@ -1,18 +1,41 @@
-"""Pre-pass benchmark and GPU bit-check of the Hopper backend's Triton pre-pass (one H200 run).
+"""Pre-pass benchmark and GPU bit-check of the Hopper backend's Triton pre-passes (one H200 run, ~3 min).
 
-    python3 benchmarks/prepass_bench.py --out $OUT/prepass.json [--old PATH_TO_OLD_MODULE]
+    python3 benchmarks/prepass_bench.py --out $OUT/prepass.json [--old PATH_TO_OLD_MODULE] [--skip fp8,...]
 
-1. Bit identity on CUDA tensors: ``hopper_prepass_triton.prepass`` (the one-launch pre-pass, through
-   its cached direct launcher) against ``fp4vis.formats`` (``nvfp4_qdq`` / ``mxfp4_qdq``), counting
-   differing BF16 bit patterns: Gaussian, tie-heavy (small integers times powers of two) and
-   wide-range inputs (E4M3-saturating groups too), BF16 and FP16, D = 64 and 128, both layouts, with
-   and without the anchor permutation, partial 32-token V blocks.
-2. Pre-pass time, old (three launches, ``--old``: the previous module) against new, per shape and
-   tile variant: CUDA events around each call, median, inputs rotated over enough copies to exceed
-   the 50 MB L2; host time of the Python call (perf_counter, no synchronisation).
-3. The whole ``torch.ops.fp4vis.hopper_attention`` call (policy ``fast``) and SDPA cuDNN: GPU time
-   (CUDA events) and host time per call, without and with a synchronisation, and a breakdown of
-   the host path (pre-pass launch, output allocation, config, kernel launch, custom-op dispatch).
+Sections (each one a key of the JSON, written after every section; ``--skip`` leaves any out):
+
+1. ``bits``: bit identity on CUDA tensors: ``hopper_prepass_triton.prepass`` (the one-launch NVFP4
+   pre-pass, through its cached direct launcher) against ``fp4vis.formats`` (``nvfp4_qdq`` /
+   ``mxfp4_qdq``), counting differing BF16 bit patterns: Gaussian, tie-heavy (small integers times
+   powers of two) and wide-range inputs (E4M3-saturating groups too), BF16 and FP16, D = 64 and
+   128, both layouts, with and without the anchor permutation, partial 32-token V blocks.
+2. ``fp8bits``: the same for the fused FP8 pre-pass (``hopper_prepass_triton.fp8_prepass``, policy
+   ``fast_fp8qk``): against the PyTorch formulation (``prepare_fp8_operands(..., fused=False)``) and
+   against ``fp4vis.formats.fp8_pow2_quantize`` (+ ``mxfp4_qdq`` for V), counting differing values of
+   each of (q8, k8, v6, q_scale, k_scale): E4M3 as uint8 bit patterns, V as BF16 bits, scales as
+   float32 bits (k_scale padded with 1.0 to whole 128-key tiles). Gaussian, tie-heavy, wide-range and
+   group-scaled inputs (per-group powers of two over 2^+-20, zero and tiny groups), BF16 and FP16,
+   D = 64 and 128, anchor 0 and 32, Skv = 301 (not a multiple of 32 or 128), Sq != Skv, and three
+   large shapes; for each case the first call (ordinary Triton launch: the cached launch state of
+   that input signature is dropped before it) and the second (the direct launcher when
+   ``FAST_LAUNCH`` is on), each with the launch path taken and ``LAUNCH_STATE``. Also NaN/Inf inputs:
+   NaN operands exactly where the (permuted) input is not finite, other rows and key blocks
+   unchanged.
+3. ``prepass``: pre-pass time per shape, CUDA events around each call, median, inputs rotated over
+   enough copies to exceed the 50 MB L2; host time of the Python call (perf_counter, no
+   synchronisation). NVFP4: old (three launches, ``--old``: the previous module) against new, per
+   tile variant; FP8 (``fp8_*`` keys): the fused pre-pass (default warps and 8 warps) and the PyTorch
+   formulation, on the same shapes and inputs.
+4. ``calls``: the whole ``torch.ops.fp4vis.hopper_attention`` call for policy ``fast`` (the row's
+   top-level keys) and ``fast_fp8qk`` (the same keys nested under ``row["fast_fp8qk"]``), and SDPA
+   cuDNN: GPU time (CUDA events) and host time per call, without and with a synchronisation, a
+   breakdown of the host path (pre-pass launch, output allocation, config, kernel launch, custom-op
+   dispatch) and the call's relative L2 distance to SDPA (a sanity check of what was timed).
+
+Host timings take at most 200 calls and about ``HOST_BUDGET_S`` of wall time each (at least 32
+calls), so that the 32k-token shape does not dominate the run. Also recorded: the final
+``FAST_LAUNCH`` / ``LAUNCH_STATE`` of the Triton module and the Triton launch hooks (a set hook turns
+the direct launcher off), the CuTe DSL compile times, and each section's wall time.
 """
 
 from __future__ import annotations
@@ -24,6 +47,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 import traceback
 
@@ -31,6 +55,14 @@ import torch
 
 SHAPES = [(1, 4096, 24, 128), (1, 32768, 24, 128), (1, 256, 16, 128), (64, 197, 12, 64)]
 L2_BYTES = 50 * 2**20
+HOST_BUDGET_S = 1.0   # wall time per host timing (fewer than 200 calls where a call's GPU work is long)
+CALL_POLICIES = ("fast", "fast_fp8qk")   # whole-call section: "fast" keys top-level, others nested
+SECTIONS = ("bits", "fp8bits", "prepass", "calls")
+SKIP_PARTS = ("fp8prepass", "fp8calls")   # the FP8 parts of the prepass / calls sections
+SKIP_HELP = ("comma list of what to leave out: bits (NVFP4 bit check), fp8bits (FP8 bit check), "
+             "prepass (all pre-pass timings), fp8prepass (only the FP8 pre-pass timings), calls (the "
+             "whole-call section), fp8calls (only its fast_fp8qk part), fp8 (= fp8bits,fp8prepass,fp8calls: "
+             "the run as before the FP8 path)")
 
 
 def _copies(nbytes: int) -> int:
@@ -43,11 +75,18 @@ def time_events(fn, n_inputs: int, budget: float = 0.25) -> float:
     return statistics.median(time_cuda(fn, n_inputs, reps=2000, budget_s=budget))
 
 
-def time_host(fn, n_inputs: int, reps: int = 200, sync: bool = False) -> float:
-    """Median microseconds of the Python call fn(i) (sync: including the wait for the GPU)."""
+def time_host(fn, n_inputs: int, reps: int = 200, sync: bool = False, budget: float | None = None) -> float:
+    """Median microseconds of the Python call fn(i) (sync: including the wait for the GPU); at most
+    ``reps`` calls, fewer (at least 32) where they would take more than ``budget`` seconds of wall
+    time (default HOST_BUDGET_S; the synchronisations below make each call cost its GPU time)."""
     for i in range(5):
         fn(i % n_inputs)
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(0)
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t0, 1e-6)
+    reps = max(min(reps, 32), min(reps, int((HOST_BUDGET_S if budget is None else budget) / est)))
     ts = []
     for i in range(reps):
         if not sync and i % 16 == 0:
@@ -105,7 +144,8 @@ def bit_check(tp, log) -> dict:
                 cases[-1]["exact_check"] = _exact_check((q, kk), (yq, yk), ref[:2])
             log(f"  DIFF {cases[-1]}")
     log(f"bit check: {total_diff} differing of {total_vals} values over {len(cases)} cases")
-    return dict(differing=total_diff, values=total_vals, cases=cases)
+    return dict(differing=total_diff, values=total_vals, cases=cases, fast_launch=tp.FAST_LAUNCH,
+                launch_state=tp.LAUNCH_STATE)
 
 
 def _exact_check(xs, ys, refs, limit=8) -> list:
@@ -146,19 +186,218 @@ def _exact_check(xs, ys, refs, limit=8) -> list:
     return out
 
 
+FP8_OPERANDS = ("q8", "k8", "v6", "q_scale", "k_scale")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns of an operand: E4M3 as uint8, BF16/FP16 as int16, float32 as int32 (signed zeros
+    and NaN codes count)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _ndiff(a: torch.Tensor, r: torch.Tensor) -> int:
+    """Number of differing bit patterns of a and r; -1 where their shapes or dtypes differ."""
+    if a.shape != r.shape or a.dtype != r.dtype:
+        return -1
+    return int((_bits(a) != _bits(r)).sum())
+
+
+def _diff_examples(a: torch.Tensor, r: torch.Tensor, x: torch.Tensor | None, limit: int = 4) -> list:
+    """The first differing positions of a and r (flat index, both bit patterns, the input there)."""
+    if a.shape != r.shape or a.dtype != r.dtype:
+        return [dict(shape=list(a.shape), dtype=str(a.dtype), ref_shape=list(r.shape), ref_dtype=str(r.dtype))]
+    ab, rb = _bits(a).flatten(), _bits(r).flatten()
+    idx = (ab != rb).nonzero().flatten()[:limit].tolist()
+    return [dict(index=i, got=int(ab[i]), ref=int(rb[i]),
+                 input=None if x is None else float(x.flatten()[i].float())) for i in idx]
+
+
+def _mk_groups(shape, group_rows, dtype, g, dev):
+    """Rows grouped as the FP8 pre-pass groups them (tests/test_prepass.py): each group scaled by its
+    own power of two (BF16 2^-20..2^20, FP16 within its range) around 8-significant-bit integers (RNE
+    ties, carries into the next binade) with per-element exponents over 14 binades (E4M3 subnormals,
+    underflow to +-0); the first group all zero, the second tiny (float32 subnormals for BF16)."""
+    x = torch.randint(-255, 256, shape, generator=g, device=dev).float()
+    x = x * torch.exp2(-torch.randint(0, 14, shape, generator=g, device=dev).float())
+    lo, hi, tiny = (-20, 20, -136) if dtype == torch.bfloat16 else (-16, 8, -24)
+    rows = shape[-2]
+    ge = torch.randint(lo, hi + 1, tuple(shape[:-2]) + (-(-rows // group_rows),), generator=g, device=dev).float()
+    if ge.shape[-1] > 1:
+        ge[..., 1] = tiny
+    x = x * torch.exp2(ge.repeat_interleave(group_rows, -1)[..., :rows, None])
+    x[..., :group_rows, :] = 0.0
+    return x.to(dtype)
+
+
+def _fp8_inputs(kind, b, h, sq, sk, d, dtype, perm, g, dev):
+    """q, k, v (logical key order) of one FP8 case; 'groups' builds K and V in physical order (the
+    pre-pass's 32-key groups) and scatters them back through the anchor permutation."""
+    if kind != "groups":
+        return tuple(_mk(kind, (b, h, s, d), g, dtype, dev) for s in (sq, sk, sk))
+    q = _mk_groups((b, h, sq, d), 1, dtype, g, dev)
+    kv = []
+    for _ in range(2):
+        x = _mk_groups((b, h, sk, d), 32, dtype, g, dev)
+        if perm is not None:
+            y = torch.empty_like(x)
+            y[:, :, perm.long()] = x
+            x = y
+        kv.append(x)
+    return (q, *kv)
+
+
+def _fp8_formats_ref(q, kk, vv):
+    """(q8, k8, v6, q_scale, k_scale) from fp4vis.formats for q and physical-order kk, vv."""
+    from fp4vis.formats import fp8_pow2_quantize, mxfp4_qdq
+    from fp4vis.kernels.hopper_prepass import fp8_key_scale_blocks
+    qv, qs = fp8_pow2_quantize(q, 1)
+    kv, ks = fp8_pow2_quantize(kk, 32)
+    ks = ks.squeeze(-1)
+    ks = torch.nn.functional.pad(ks, (0, fp8_key_scale_blocks(kk.shape[-2]) - ks.shape[-1]), value=1.0)
+    return (qv.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn),
+            mxfp4_qdq(vv, times_six=True).to(torch.bfloat16), qs.squeeze(-1).contiguous(), ks.contiguous())
+
+
+def _fp8_meta_key(q, k, v, perm) -> tuple:
+    """The key under which ``fp8_prepass`` keeps its launch state for these inputs (default warps)."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, perm is not None, None, q.device)
+
+
+def _fp8_calls(tp, q, k, v, perm, n_calls=2):
+    """n_calls calls of the fused FP8 pre-pass, the first through the ordinary Triton launch (the
+    signature's cached launch state, whose last entry is the direct launch's compiled kernel, is
+    dropped first); per call (outputs, launch path, LAUNCH_STATE after the call). The path is
+    "unknown" where the module keeps its state under another key than ``_fp8_meta_key``."""
+    metas = getattr(tp, "_FP8_META", {})
+    key = _fp8_meta_key(q, k, v, perm)
+    metas.pop(key, None)
+    out = []
+    for _ in range(n_calls):
+        meta = metas.get(key)
+        cached, fast = meta is not None and meta[-1] is not None, tp.FAST_LAUNCH
+        ops = tp.fp8_prepass(q, k, v, perm)
+        if q.is_cuda:
+            torch.cuda.synchronize()   # a launch fault shows here, at its call
+        direct = cached and fast and tp.FAST_LAUNCH   # FAST_LAUNCH is turned off where the direct call raised
+        path = "direct" if direct else ("triton" if key in metas else "unknown")
+        out.append((ops, path, tp.LAUNCH_STATE))
+    return out
+
+
+def _fp8_configs():
+    configs = [(dtype, d, kind, anchor, (2, 3, 77, 301))
+               for dtype in (torch.bfloat16, torch.float16) for d in (64, 128)
+               for kind in ("gauss", "ties", "wide", "groups") for anchor in (0, 32)]
+    configs += [(torch.bfloat16, 128, "gauss", 0, (1, 24, 4096, 4096)),
+                (torch.bfloat16, 128, "wide", 32, (1, 8, 4096, 4093)),
+                (torch.float16, 64, "ties", 0, (64, 12, 197, 197))]
+    return configs
+
+
+def fp8_bit_check(tp, log, dev: str = "cuda", configs: list | None = None) -> dict:
+    """The fused FP8 pre-pass (first and second call) against prepare_fp8_operands(fused=False) and
+    against fp4vis.formats, per operand (q8, k8, v6, q_scale, k_scale) the number of differing values."""
+    from fp4vis.kernels.hopper_prepass import cached_anchor_permutation, prepare_fp8_operands
+    g = torch.Generator(device=dev).manual_seed(1)
+    res = dict(operands=list(FP8_OPERANDS), fast_launch_at_start=tp.FAST_LAUNCH,
+               launch_state_at_start=tp.LAUNCH_STATE)
+    cases, total_diff, total_vals, mismatched, torch_formats = [], 0, 0, 0, 0
+    paths = {}
+    for dtype, d, kind, anchor, (b, h, sq, sk) in configs or _fp8_configs():
+        perm = cached_anchor_permutation(sk, anchor, torch.device(dev), torch.int32) if anchor else None
+        q, k, v = _fp8_inputs(kind, b, h, sq, sk, d, dtype, perm, g, dev)
+        kk, vv = (k[:, :, perm.long()], v[:, :, perm.long()]) if anchor else (k, v)
+        plain = prepare_fp8_operands(q, k, v, anchor, fused=False)
+        ref = _fp8_formats_ref(q, kk, vv)
+        case = dict(dtype=str(dtype), d=d, kind=kind, anchor=anchor, shape=[b, h, sq, sk],
+                    values=q.numel() + 2 * k.numel(), scales=ref[3].numel() + ref[4].numel(),
+                    torch_vs_formats=[_ndiff(a, r) for a, r in zip(plain, ref)])
+        torch_formats += sum(max(x, 0) for x in case["torch_vs_formats"])
+        bad = any(x != 0 for x in case["torch_vs_formats"])
+        for name, (ops, path, state) in zip(("first", "second"), _fp8_calls(tp, q, k, v, perm)):
+            rec = dict(path=path, launch_state=state, vs_torch=[_ndiff(a, r) for a, r in zip(ops, plain)],
+                       vs_formats=[_ndiff(a, r) for a, r in zip(ops, ref)])
+            paths[f"{name}:{path}"] = paths.get(f"{name}:{path}", 0) + 1
+            for x in rec["vs_torch"] + rec["vs_formats"]:
+                total_diff += max(x, 0)
+                mismatched += x < 0
+            if any(rec["vs_formats"]):
+                rec["examples_vs_formats"] = {
+                    op: _diff_examples(a, r, x) for op, a, r, x, n in
+                    zip(FP8_OPERANDS, ops, ref, (q, kk, vv, None, None), rec["vs_formats"]) if n}
+            bad = bad or any(rec["vs_torch"]) or any(rec["vs_formats"])
+            case[name] = rec
+            total_vals += 2 * (case["values"] + case["scales"])   # compared twice: vs torch, vs formats
+        cases.append(case)
+        if bad:
+            log(f"  FP8 DIFF {case}")
+    res.update(differing=total_diff, compared=total_vals, shape_or_dtype_mismatches=mismatched,
+               torch_vs_formats_differing=torch_formats, paths=paths, cases=cases)
+    try:
+        res["nonfinite"] = _fp8_nonfinite(tp, dev)
+    except Exception as exc:
+        res["nonfinite_error"] = f"{type(exc).__name__}: {exc}"
+        log(traceback.format_exc())
+    res.update(fast_launch=tp.FAST_LAUNCH, launch_state=tp.LAUNCH_STATE)
+    log(f"FP8 bit check: {total_diff} differing of {total_vals} compared values (fused vs torch and vs formats, "
+        f"two calls) over {len(cases)} cases, {mismatched} shape/dtype mismatches, torch vs formats "
+        f"{torch_formats}; paths {paths}; non-finite {res.get('nonfinite', {}).get('bad')}; "
+        f"LAUNCH_STATE {tp.LAUNCH_STATE!r}")
+    return res
+
+
+def _fp8_nonfinite(tp, dev: str) -> dict:
+    """NaN/Inf in q, k, v: both calls of the fused FP8 pre-pass give NaN exactly where the (physical)
+    input is not finite, and rows / key blocks without a non-finite value equal fp4vis.formats
+    (tests/test_prepass.py's statement, on the GPU's conversions)."""
+    from fp4vis.kernels.hopper_prepass import cached_anchor_permutation
+    g = torch.Generator(device=dev).manual_seed(2)
+    b, h, sq, sk, d = 1, 2, 21, 77, 128
+    out, bad = [], 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for anchor in (0, 32):
+            q, k, v = (torch.randn(b, h, s, d, generator=g, device=dev).to(dtype) for s in (sq, sk, sk))
+            q[0, 1, 4, 7], q[0, 0, 2, 3] = float("nan"), -float("inf")
+            k[0, 1, 10, 5], k[0, 0, 50, 0], k[0, 0, 51, 1] = float("inf"), -float("nan"), float("nan")
+            v[0, 0, 7, 2] = float("nan")
+            perm = cached_anchor_permutation(sk, anchor, torch.device(dev), torch.int32) if anchor else None
+            kk, vv = (k[:, :, perm.long()], v[:, :, perm.long()]) if anchor else (k, v)
+            rq8, rk8, _, rqs, rks = _fp8_formats_ref(q, kk, vv)
+            nb = -(-sk // 32)
+            row_ok = torch.isfinite(q).all(-1)
+            key_pad = torch.nn.functional.pad(torch.isfinite(kk), (0, 0, 0, 32 * nb - sk), value=True)
+            blk_ok = key_pad.unflatten(-2, (nb, 32)).all(-1).all(-1)
+            key_ok = blk_ok.repeat_interleave(32, -1)[..., :sk]
+            for call, ((q8, k8, v6, qs, ks), path, _) in enumerate(_fp8_calls(tp, q, k, v, perm)):
+                nan = [int((torch.isnan(t.float()) != ~torch.isfinite(x)).sum()) for t, x in
+                       ((q8, q), (k8, kk), (v6, vv))]
+                finite = [int((_bits(q8)[row_ok] != _bits(rq8)[row_ok]).sum()),
+                          int((_bits(qs)[row_ok] != _bits(rqs)[row_ok]).sum()),
+                          int((_bits(k8)[key_ok] != _bits(rk8)[key_ok]).sum()),
+                          int((_bits(ks[..., :nb])[blk_ok] != _bits(rks[..., :nb])[blk_ok]).sum())]
+                bad += sum(nan) + sum(finite)
+                out.append(dict(dtype=str(dtype), anchor=anchor, call=call + 1, path=path,
+                                nan_mismatch_q8_k8_v6=nan, finite_groups_differing_q8_qscale_k8_kscale=finite))
+    return dict(bad=bad, cases=out)
+
+
 def old_prepass(old, q, k, v, layout, perm):
     return old.nvfp4_qdq(q, layout), old.nvfp4_qdq(k, layout, perm), old.mxfp4_v6(v, perm)
 
 
-def bench_shapes(tp, old, log) -> list:
+def bench_shapes(tp, old, log, fp8: bool = True) -> list:
     rows = []
     for shape in SHAPES:
-        rows.append(_prepass_one(tp, old, shape, log))
+        rows.append(_prepass_one(tp, old, shape, log, fp8))
         torch.cuda.empty_cache()
     return rows
 
 
-def _prepass_one(tp, old, shape, log) -> dict:
+def _prepass_one(tp, old, shape, log, fp8: bool = True) -> dict:
     b, s, h, d = shape
     variants = [(16, 4), (32, 8)]
     nbytes = 3 * b * h * s * d * 2
@@ -174,63 +413,60 @@ def _prepass_one(tp, old, shape, log) -> dict:
             row[f"new_r{br}_w{nw}_ms" + tag] = time_events(
                 lambda i, lay=layout, br=br, nw=nw: tp.prepass(*ins[i], lay, None, br, nw), n)
         row["new_host_us" + tag] = time_host(lambda i, lay=layout: tp.prepass(*ins[i], lay, None), n)
+    if fp8:
+        try:
+            _fp8_prepass_times(tp, ins, n, row)
+        except Exception as exc:
+            row["fp8_error"] = f"{type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
     log(f"{row}")
     return row
 
 
-def bench_calls(log) -> list:
+def _fp8_prepass_times(tp, ins, n, row) -> None:
+    """FP8 pre-pass keys of a prepass row: the fused pre-pass with the default warps (fp8_ms,
+    fp8_host_us) and 8 warps (fp8_w8_ms), the PyTorch formulation (fp8_torch_ms), bytes read + written."""
+    from fp4vis.kernels.hopper_prepass import prepare_fp8_operands
+    outs = tp.fp8_prepass(*ins[0])
+    row["fp8_bytes_moved"] = sum(t.numel() * t.element_size() for t in ins[0] + tuple(outs))
+    del outs
+    row["fp8_ms"] = time_events(lambda i: tp.fp8_prepass(*ins[i]), n)
+    if tp.NUM_WARPS != 8:
+        row["fp8_w8_ms"] = time_events(lambda i: tp.fp8_prepass(*ins[i], None, 8), n)
+    row["fp8_host_us"] = time_host(lambda i: tp.fp8_prepass(*ins[i]), n)
+    row["fp8_torch_ms"] = time_events(lambda i: prepare_fp8_operands(*ins[i], 0, fused=False), n)
+
+
+def bench_calls(log, policies=CALL_POLICIES) -> list:
     rows = []
     for shape in SHAPES:
-        rows.append(_call_one(shape, log))
+        rows.append(_call_one(shape, log, policies))
         torch.cuda.empty_cache()
     return rows
 
 
-def _call_one(shape, log) -> dict:
+def _call_one(shape, log, policies=CALL_POLICIES) -> dict:
+    """One whole-call row: per policy (``fast``: the row's top-level keys, as before; others: the
+    same keys under ``row[policy]``) and SDPA cuDNN."""
     import torch.nn.functional as F
-
-    from fp4vis.kernels import hopper_backend as hb
-    from fp4vis.kernels.hopper_prepass import prepare_kernel_operands
-    from fp4vis.policy import POLICIES
     b, s, h, d = shape
     row = dict(shape=[b, s, h, d])
     n = _copies(3 * b * h * s * d * 2)
     ins = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)) for _ in range(n)]
+    ref = None
     try:
-        scale = d ** -0.5
-        kw = hb.policy_args(POLICIES["fast"], d, scale)
-        op = torch.ops.fp4vis.hopper_attention
-
-        def call(i):
-            return op(*ins[i], scale, **kw)
-
-        call(0)
-        torch.cuda.synchronize()
-        row["call_ms"] = time_events(call, n)
-        row["call_host_us"] = time_host(call, n)
-        row["call_host_sync_us"] = time_host(call, n, sync=True)
-        raw = getattr(hb.hopper_attention, "_init_fn", None)
-        if raw is not None:
-            row["call_nodispatch_host_us"] = time_host(lambda i: raw(*ins[i], scale, **kw), n)
-        row["prepass_host_us"] = time_host(lambda i: prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]), n)
-        row["empty_host_us"] = time_host(lambda i: torch.empty(ins[i][0].shape, dtype=torch.bfloat16,
-                                                               device="cuda"), n)
-        m = min(n, 4)
-        ops = [prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]) for i in range(m)]
-        outs = [torch.empty_like(ins[i][0]) for i in range(m)]
-        from fp4vis.kernels.hopper_fwd import DirectPConfig
-        cfg_args = (d, "bf16", kw["affine_a"], kw["affine_b"], kw["shift"], kw["native_exp2"], kw["anchor"])
-        row["config_host_us"] = time_host(lambda i: DirectPConfig.make(*cfg_args), n)
-        cfg = DirectPConfig.make(*cfg_args)
-
-        def kern(i):
-            hb.run_kernel(*ops[i], outs[i], cfg, scale * hb.LOG2E, kw["margin_raw"])
-
-        row["kernel_ms"] = time_events(kern, m)
-        row["kernel_host_us"] = time_host(kern, m)
+        ref = F.scaled_dot_product_attention(*ins[0]).float()
     except Exception as exc:
-        row["hopper_error"] = f"{type(exc).__name__}: {exc}"
-        log(traceback.format_exc())
+        row["sdpa_ref_error"] = f"{type(exc).__name__}: {exc}"
+    for name in policies:
+        sub = row if name == "fast" else row.setdefault(name, {})
+        try:
+            _call_policy(name, ins, n, d, ref, sub)
+        except Exception as exc:
+            sub["hopper_error"] = f"{type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
+        torch.cuda.empty_cache()
+    del ref
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -247,12 +483,90 @@ def _call_one(shape, log) -> dict:
     return row
 
 
+def _call_policy(name, ins, n, d, ref, row) -> None:
+    """Whole-call keys of policy ``name`` into ``row``: GPU and host time of the custom op, of its
+    undispatched body, and of each part of the host path as ``hopper_attention_eager`` runs it."""
+    from fp4vis.kernels import hopper_backend as hb
+    from fp4vis.kernels.hopper_fwd import DirectPConfig
+    from fp4vis.kernels.hopper_prepass import prepare_kernel_operands
+    from fp4vis.policy import POLICIES
+    scale = d ** -0.5
+    policy = POLICIES[name]
+    kw = hb.policy_args(policy, d, scale)
+    op = torch.ops.fp4vis.hopper_attention
+
+    def call(i):
+        return op(*ins[i], scale, **kw)
+
+    out = call(0)
+    torch.cuda.synchronize()
+    if ref is not None:
+        row["rel_l2_vs_sdpa"] = float((out.float() - ref).norm() / ref.norm())
+    del out
+    row["call_ms"] = time_events(call, n)
+    row["call_host_us"] = time_host(call, n)
+    row["call_host_sync_us"] = time_host(call, n, sync=True)
+    raw = getattr(hb.hopper_attention, "_init_fn", None)
+    if raw is not None:
+        row["call_nodispatch_host_us"] = time_host(lambda i: raw(*ins[i], scale, **kw), n)
+    row["prepass_host_us"] = time_host(lambda i: prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]), n)
+    row["empty_host_us"] = time_host(lambda i: torch.empty(ins[i][0].shape, dtype=torch.bfloat16,
+                                                           device="cuda"), n)
+    m = min(n, 4)
+    ops = [prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]) for i in range(m)]
+    outs = [torch.empty_like(ins[i][0]) for i in range(m)]
+
+    def config():   # as hopper_attention_eager builds it
+        return DirectPConfig.make(d, "bf16", kw["affine_a"], kw["affine_b"], kw["shift"], kw["native_exp2"],
+                                  kw["anchor"], schedule=None, p_path=None, num_wg=None,
+                                  code_rounding=kw["code_rounding"], qk_fp8=kw["qk_fmt"] == "fp8_e4m3")
+
+    row["config_host_us"] = time_host(lambda i: config(), n)
+    cfg = config()
+    row["config_matches_policy"] = cfg.key() == DirectPConfig.from_policy(policy, d, "bf16").key()
+
+    def kern(i):
+        hb.run_kernel(*ops[i], outs[i], cfg, scale * hb.LOG2E, kw["margin_raw"])
+
+    row["kernel_ms"] = time_events(kern, m)
+    row["kernel_host_us"] = time_host(kern, m)
+
+
+def _launch_hooks(tp) -> dict:
+    """Triton's launch hooks now (a hook set when a signature is first launched keeps the direct
+    launcher off: LAUNCH_STATE says so) and whether the Triton module counts them as clear."""
+    import triton
+    rt = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if rt is None:
+        from triton.compiler import CompiledKernel as rt
+
+    def desc(hook):
+        calls = getattr(hook, "calls", None)
+        return None if hook is None else [repr(c) for c in calls] if isinstance(calls, list) else repr(hook)
+
+    out = dict(enter=desc(getattr(rt, "launch_enter_hook", None)), exit=desc(getattr(rt, "launch_exit_hook", None)))
+    if hasattr(tp, "_hooks_clear"):
+        out["clear"] = tp._hooks_clear()
+    return out
+
+
+def _parse_skip(text: str, ap) -> set:
+    skip = {w.strip() for w in text.split(",") if w.strip()}
+    if "fp8" in skip:
+        skip |= {"fp8bits", "fp8prepass", "fp8calls"}
+    unknown = skip - set(SECTIONS) - set(SKIP_PARTS) - {"fp8"}
+    if unknown:
+        ap.error(f"--skip: unknown {sorted(unknown)} ({SKIP_HELP})")
+    return skip
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--old", default=None, help="path of the previous hopper_prepass_triton.py (three launches)")
-    ap.add_argument("--skip", default="", help="comma list of: bits,prepass,calls")
+    ap.add_argument("--skip", default="", help=SKIP_HELP)
     a = ap.parse_args()
+    skip = _parse_skip(a.skip, ap)
     lines = []
 
     def log(msg):
@@ -262,7 +576,7 @@ def main():
     import triton
 
     from fp4vis.kernels import hopper_prepass_triton as tp
-    tp.FAST_LAUNCH = True   # check the direct launcher too (bit check: second call; host timings)
+    tp.FAST_LAUNCH = True   # check the direct launcher too (bit checks: second call; host timings)
     old = None
     if a.old:
         spec = importlib.util.spec_from_file_location("old_prepass_triton", a.old)
@@ -270,24 +584,36 @@ def main():
         spec.loader.exec_module(old)
     meta = dict(date=dt.datetime.now(dt.UTC).isoformat(), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                defaults=dict(block_r=tp.BLOCK_R, num_warps=tp.NUM_WARPS))
+                defaults=dict(block_r=tp.BLOCK_R, num_warps=tp.NUM_WARPS,
+                              fp8_block_q=getattr(tp, "FP8_BLOCK_Q", None)),
+                host_budget_s=HOST_BUDGET_S, skip=sorted(skip), launch_hooks_at_start=_launch_hooks(tp))
     res = dict(meta=meta)
-    skip = set(a.skip.split(","))
+    policies = tuple(p for p in CALL_POLICIES if not (p == "fast_fp8qk" and "fp8calls" in skip))
+    sections = dict(bits=lambda: bit_check(tp, log), fp8bits=lambda: fp8_bit_check(tp, log),
+                    prepass=lambda: bench_shapes(tp, old, log, fp8="fp8prepass" not in skip),
+                    calls=lambda: bench_calls(log, policies))
     t0 = time.perf_counter()
-    for name, fn in (("bits", lambda: bit_check(tp, log)), ("prepass", lambda: bench_shapes(tp, old, log)),
-                     ("calls", lambda: bench_calls(log))):
+    res["section_s"] = {}
+    for name in SECTIONS:
         if name in skip:
             continue
+        t1 = time.perf_counter()
         try:
-            res[name] = fn()
+            res[name] = sections[name]()
         except Exception as exc:
             res[name + "_error"] = f"{type(exc).__name__}: {exc}"
             log(traceback.format_exc())
+        res["section_s"][name] = round(time.perf_counter() - t1, 2)
         log(f"[{name} done at {time.perf_counter() - t0:.1f} s]")
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     res["fast_launch"] = tp.FAST_LAUNCH
     res["launch_state"] = tp.LAUNCH_STATE
+    res["launch_hooks"] = _launch_hooks(tp)
+    hb = sys.modules.get("fp4vis.kernels.hopper_backend")
+    if hb is not None:
+        res["compile_s"] = {str(k): round(v, 2) for k, v in getattr(hb, "COMPILE_TIMES", {}).items()}
+    res["total_s"] = round(time.perf_counter() - t0, 2)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -157,21 +157,29 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-def split_variant(backend: str) -> tuple[str, str, str, int]:
-    """``"hopper_kernel@serial/scalar/3"`` -> ("hopper_kernel", "serial", "scalar", 3); ""/0 = default."""
+VARIANT_FIELDS = ("schedule", "p_path", "num_wg")
+
+
+def split_variant(backend: str) -> tuple[str, dict]:
+    """``"hopper_kernel@serial/scalar/3"`` -> ("hopper_kernel", {schedule: "serial", p_path: "scalar",
+    num_wg: 3}): the kernel variant's fields in VARIANT_FIELDS order, empty or missing fields left at
+    the defaults (hopper_fwd.DirectPConfig)."""
     base, _, variant = backend.partition("@")
-    schedule, p_path, num_wg = (variant.split("/") + ["", "", ""])[:3]
-    return base, schedule, p_path, int(num_wg or 0)
+    parts = variant.split("/") if variant else []
+    kw = {f: v for f, v in zip(VARIANT_FIELDS, parts) if v}
+    if "num_wg" in kw:
+        kw["num_wg"] = int(kw["num_wg"])
+    return base, kw
 
 
-def _hopper(policy: str, schedule: str = "", fused_folded: bool | None = None, p_path: str = "", num_wg: int = 0):
+def _hopper(policy: str, fused_folded: bool | None = None, **variant):
     """The whole call. The default variant goes through the public API (``fp4vis.attention``,
     ``backend="hopper"``: what users and the patchers run); variants call the backend's function."""
     import fp4vis
     hb = _kmod("hopper_backend")
     prepass = _kmod("hopper_prepass")
     pol = get_policy(policy)
-    default = not (schedule or p_path or num_wg)
+    default = not variant
 
     def call(q, k, v, scale):
         saved = prepass.FUSED_FOLDED
@@ -180,14 +188,13 @@ def _hopper(policy: str, schedule: str = "", fused_folded: bool | None = None, p
         try:
             if default:
                 return fp4vis.attention(q, k, v, policy=pol, scale=scale, backend="hopper", range_check="off")
-            return hb.hopper_attention_eager(q, k, v, scale, **hb.policy_args(pol, q.shape[-1], scale),
-                                             schedule=schedule, p_path=p_path, num_wg=num_wg)
+            return hb.hopper_attention_eager(q, k, v, scale, **hb.policy_args(pol, q.shape[-1], scale), **variant)
         finally:
             prepass.FUSED_FOLDED = saved
     return call
 
 
-def _hopper_parts(policy: str, schedule: str = "", p_path: str = "", num_wg: int = 0):
+def _hopper_parts(policy: str, **variant):
     """(prepass(q,k,v) -> operands, kernel(operands) -> out) for the split timings."""
     hb = _kmod("hopper_backend")
     LOG2E, policy_args, run_kernel = hb.LOG2E, hb.policy_args, hb.run_kernel
@@ -203,8 +210,7 @@ def _hopper_parts(policy: str, schedule: str = "", p_path: str = "", num_wg: int
         a = policy_args(pol, q.shape[-1], scale)
         out = torch.empty_like(q)
         # from the policy: every numerics field (code rounding, FP8 Q/K) reaches the kernel
-        cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
-                                        schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None)
+        cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", **variant)
         run_kernel(*ops, out, cfg, scale * LOG2E, a["margin_raw"])
         return out
     return pre, ker
@@ -340,9 +346,9 @@ def run_grid(shapes: Sequence = GRID_D128, backends: Sequence[str] = ("hopper", 
 def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budget_s=2.0):
     shape_flops = 4.0 * row["b"] * row["h"] * row["s"] * row["skv"] * row["d"]
     out0 = None
-    base, schedule, p_path, num_wg = split_variant(backend)
+    base, variant = split_variant(backend)
     if base in ("prepass", "prepass_fused", "hopper_kernel"):
-        pre, ker = _hopper_parts(pol, schedule, p_path, num_wg)
+        pre, ker = _hopper_parts(pol, **variant)
         ops = [pre(q, k, v, scale) for q, k, v in sets] if base == "hopper_kernel" else None
         if base == "prepass":
             fn = lambda i: pre(*sets[i], scale)  # noqa: E731
@@ -352,9 +358,10 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
             fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
             out0 = ker(ops[0], sets[0][0], scale)
     else:
-        call = {"hopper": lambda: _hopper(pol, schedule, p_path=p_path, num_wg=num_wg),
-                "hopper_plain": lambda: _hopper(pol, "serial"),
-                "hopper_overlap": lambda: _hopper(pol, "overlap"), "hopper_fused": lambda: _hopper(pol, "", True),
+        call = {"hopper": lambda: _hopper(pol, **variant),
+                "hopper_plain": lambda: _hopper(pol, schedule="serial"),
+                "hopper_overlap": lambda: _hopper(pol, schedule="overlap"),
+                "hopper_fused": lambda: _hopper(pol, True),
                 "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
                 "sdpa_flash": lambda: _sdpa("flash"), "sage": _sage,
                 "reference": lambda: _reference(pol)}[base]()
