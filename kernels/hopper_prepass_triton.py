@@ -415,15 +415,16 @@ NUM_WARPS = 4
 
 # Host path. ``prepass`` and ``fp8_prepass`` keep, per input signature, the launch geometry (one
 # allocation and a few views per call); ``_run`` launches. Triton's ``kernel[grid](...)`` binds and
-# specialises every argument on each call (tens of microseconds); with FAST_LAUNCH (env
-# FP4VIS_PREPASS_DIRECT_LAUNCH=1; off by default until it has been checked on the GPU's Triton:
-# benchmarks/prepass_bench.py turns it on and records LAUNCH_STATE) the compiled kernel is cached
+# specialises every argument on each call (tens of microseconds); with FAST_LAUNCH (default; env
+# FP4VIS_PREPASS_DIRECT_LAUNCH=0 turns it off; checked on the H200 with Triton 3.6:
+# benchmarks/prepass_bench.py compares the direct launches bit for bit and records LAUNCH_STATE,
+# benchmarks/results/prepass_h200_20261129d.json) the compiled kernel is cached
 # and ``CompiledKernel.run`` called directly, as ``JITFunction.run`` does (all arguments,
 # constexprs last). Only when no Triton launch hooks are set when it is cached (a profiler attached
 # later does not see these launches) and the inputs are 16-byte aligned (as the cached kernel was
 # specialised); if the direct call ever raises it is turned off for the process (LAUNCH_STATE says
 # why) and the ordinary launch is used.
-FAST_LAUNCH = os.environ.get("FP4VIS_PREPASS_DIRECT_LAUNCH", "0") == "1"
+FAST_LAUNCH = os.environ.get("FP4VIS_PREPASS_DIRECT_LAUNCH", "1") == "1"
 LAUNCH_STATE = "not used yet"
 _META: dict[tuple, list] = {}
 
