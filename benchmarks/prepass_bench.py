@@ -489,7 +489,7 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
     from fp4vis.kernels import hopper_backend as hb
     from fp4vis.kernels.hopper_fwd import DirectPConfig
     from fp4vis.kernels.hopper_prepass import prepare_kernel_operands
-    from fp4vis.policy import POLICIES
+    from fp4vis.policy import POLICIES, QK_FP8
     scale = d ** -0.5
     policy = POLICIES[name]
     kw = hb.policy_args(policy, d, scale)
@@ -519,7 +519,7 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
     def config():   # as hopper_attention_eager builds it
         return DirectPConfig.make(d, "bf16", kw["affine_a"], kw["affine_b"], kw["shift"], kw["native_exp2"],
                                   kw["anchor"], schedule=None, p_path=None, num_wg=None,
-                                  code_rounding=kw["code_rounding"], qk_fp8=kw["qk_fmt"] == "fp8_e4m3")
+                                  code_rounding=kw["code_rounding"], qk_fp8=kw["qk_fmt"] == QK_FP8)
 
     row["config_host_us"] = time_host(lambda i: config(), n)
     cfg = config()

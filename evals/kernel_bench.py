@@ -216,24 +216,46 @@ def _hopper_parts(policy: str, **variant):
     return pre, ker
 
 
-def fp8_tensor_core_scores(q_hat: torch.Tensor, k_hat: torch.Tensor) -> torch.Tensor:
+def fp8_tensor_core_scores(q_hat: torch.Tensor, k_hat: torch.Tensor, matmul=None) -> torch.Tensor:
     """``raw = Q̂ K̂ᵀ`` of decoded ``fp8_e4m3`` operands (G, Sq, D), (G, Skv, D) (Skv a multiple of 32)
-    as Hopper's FP8 tensor cores form it: ``torch._scaled_mm`` with one accumulator over D, as the
-    kernel's QGMMA chain (``use_fast_accum``), times the power-of-two scales, which are recovered
-    exactly from the decoded values (a group's largest E4M3 value lies in [2^7, 2^8]). For
-    ``fp4vis.reference.direct_p_attention(..., score_product=...)``: the reference with FP8 scores."""
-    from fp4vis.formats import fp8_group_exponent, pow2
-    eq = fp8_group_exponent(q_hat.abs().amax(-1))                          # (G, Sq)
-    kb = k_hat.unflatten(-2, (-1, 32))
-    ek = fp8_group_exponent(kb.abs().amax(dim=(-2, -1)))                   # (G, Skv/32)
-    sq = q_hat.shape[-2]
-    pad = (-sq) % 16                                                       # _scaled_mm wants M % 16 == 0
-    q8 = torch.nn.functional.pad(q_hat * pow2(-eq)[..., None], (0, 0, 0, pad)).to(torch.float8_e4m3fn)
+    as Hopper's FP8 tensor cores form it: ``matmul(q8, k8)`` of the E4M3 values (default
+    ``torch._scaled_mm`` with one accumulator over D, as the kernel's QGMMA chain: ``use_fast_accum``),
+    times the power-of-two scales. For ``fp4vis.reference.direct_p_attention(..., score_product=...)``:
+    the reference with FP8 scores.
+
+    The scales are recovered from the decoded values: a group's largest E4M3 value lies in [2^7, 2^8],
+    so E = floor(log2 max) - 7, except where the maximum is a power of two (128 * 2^E or 256 * 2^(E-1),
+    indistinguishable): there E = floor(log2 max) - 8, which doubles the group's values in the first
+    case (exact: E4M3 holds 2x every value up to 256) where E + 1 would halve them (inexact for the
+    smallest subnormals). A power-of-two factor on one operand of every product does not change the
+    FP8 MMA's accumulation, so the scores are the kernel's."""
+    from fp4vis.formats import FP8_MIN_GROUP_EXP, fp8_group_exponent, pow2
+    from fp4vis.reference import KEY_BLOCK
+
+    def exponent(amax):
+        pow2_max = (amax.view(torch.int32) & 0x7FFFFF) == 0
+        return torch.where(pow2_max & (amax > 0), (fp8_group_exponent(amax) - 1).clamp(min=FP8_MIN_GROUP_EXP),
+                           fp8_group_exponent(amax))
+
+    eq = exponent(q_hat.abs().amax(-1))                                    # (G, Sq)
+    kb = k_hat.unflatten(-2, (-1, KEY_BLOCK))
+    ek = exponent(kb.abs().amax(dim=(-2, -1)))                             # (G, Skv/32)
+    q8 = (q_hat * pow2(-eq)[..., None]).to(torch.float8_e4m3fn)
     k8 = (kb * pow2(-ek)[..., None, None]).flatten(-3, -2).to(torch.float8_e4m3fn)
-    one = torch.ones((), device=q_hat.device)
-    raw = torch.stack([torch._scaled_mm(q8[g], k8[g].T, scale_a=one, scale_b=one, out_dtype=torch.float32,
-                                        use_fast_accum=True)[:sq] for g in range(q8.shape[0])])
-    return raw * pow2(eq)[..., None] * pow2(ek).repeat_interleave(32, -1)[:, None, :]
+    if matmul is None:
+        matmul = _scaled_mm_fast_accum
+    raw = matmul(q8, k8)
+    return raw * pow2(eq)[..., None] * pow2(ek).repeat_interleave(KEY_BLOCK, -1)[:, None, :]
+
+
+def _scaled_mm_fast_accum(q8: torch.Tensor, k8: torch.Tensor) -> torch.Tensor:
+    """float32 q8 @ k8ᵀ per head group on the FP8 tensor cores (M padded to 16 for _scaled_mm)."""
+    sq = q8.shape[-2]
+    pad = (-sq) % 16
+    qp = torch.nn.functional.pad(q8.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+    one = torch.ones((), device=q8.device)
+    return torch.stack([torch._scaled_mm(qp[g], k8[g].T, scale_a=one, scale_b=one, out_dtype=torch.float32,
+                                         use_fast_accum=True)[:sq] for g in range(q8.shape[0])])
 
 
 def _reference(policy: str):
@@ -452,8 +474,10 @@ def summary_table(rows: list[dict]) -> str:
     shapes = list(dict.fromkeys(r["shape"] for r in rows if "shape" in r))
     cols = list(dict.fromkeys((r["backend"], r.get("policy")) for r in rows if "backend" in r))
     head = ["shape"] + [f"{b}{'/' + p if p else ''} ms" for b, p in cols]
-    lines = ["| " + " | ".join(head) + " | hopper vs fa4 | hopper vs cuDNN | pre-pass share | relL2 vs ref | "
-             "relL2 vs bf16 |", "|" + "---|" * (len(head) + 5)]
+    # the last five columns describe the first "hopper" row of each shape: name its policy
+    first = next((f"hopper/{p}" if p else "hopper" for b, p in cols if b == "hopper"), "hopper")
+    lines = ["| " + " | ".join(head) + f" | {first} vs fa4 | {first} vs cuDNN | {first} pre-pass share | "
+             f"{first} relL2 vs ref | {first} relL2 vs bf16 |", "|" + "---|" * (len(head) + 5)]
     for s in shapes:
         cells = [s]
         hop = None

@@ -410,7 +410,10 @@ def fp8_pow2_quantize(x: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, t
     of ``x`` (..., S, D), one scale per ``group_rows`` consecutive rows (1: per token; 32: per key
     block). The scaling is exact and the group's largest element lands in [2**7, 2**8), so one E4M3
     rounding (RNE) is the only error: relative 2**-4 at most for elements within 13 binades of their
-    group's maximum."""
+    group's maximum. Limits: a value that rounds up to 256 * 2**120 (|x| >= ~3.3e38, far beyond
+    attention activations) decodes to inf; groups below 2**-119 lose bits to the E = -126 floor.
+    (In the Hopper kernel, scales fold into products s * 2**(Eq+Ek), exact while those stay normal
+    float32: score scales between about 2**-100 and 2**100.)"""
     xf = x.float()
     s = xf.shape[-2]
     pad = (-s) % group_rows

@@ -14,6 +14,7 @@ from typing import Literal
 
 Method = Literal["direct_p", "nv_fp8", "exact"]
 QKFormat = Literal["block16", "folded64_mse", "fp8_e4m3"]
+QK_FP8 = "fp8_e4m3"   # the one non-NVFP4 Q/K format (FP8 with power-of-two scales; not SPEC)
 MarginUnits = Literal["code", "paper"]
 CodeRounding = Literal["exact", "bf16"]
 
@@ -70,7 +71,7 @@ class Policy:
         if self.qk_format not in ("block16", "folded64_mse", "fp8_e4m3"):
             raise ValueError(f"Policy {self.name!r}: qk_format must be 'block16', 'folded64_mse' or "
                              f"'fp8_e4m3', got {self.qk_format!r}")
-        if self.qk_format == "fp8_e4m3" and self.qk_global_scale:
+        if self.qk_fp8 and self.qk_global_scale:
             raise ValueError(f"Policy {self.name!r}: qk_global_scale is an NVFP4 option; qk_format "
                              "'fp8_e4m3' has its own power-of-two scales")
         if self.code_rounding not in ("exact", "bf16"):
@@ -109,9 +110,14 @@ class Policy:
         return self.method == "direct_p"
 
     @property
+    def qk_fp8(self) -> bool:
+        """Q and K are FP8 (``qk_format="fp8_e4m3"``), not NVFP4."""
+        return self.qk_format == QK_FP8
+
+    @property
     def is_spec_exact(self) -> bool:
         """False for the documented inexact trades (codes rounded through BF16, FP8 Q/K)."""
-        return self.code_rounding == "exact" and self.qk_format != "fp8_e4m3"
+        return self.code_rounding == "exact" and not self.qk_fp8
 
     def spec_twin(self) -> Policy:
         """The SPEC-exact policy this one approximates: itself if exact, else the same policy with
@@ -120,7 +126,7 @@ class Policy:
         if self.is_spec_exact:
             return self
         return self.replace(name=f"{self.name}_spec", code_rounding="exact",
-                            qk_format="folded64_mse" if self.qk_format == "fp8_e4m3" else self.qk_format)
+                            qk_format="folded64_mse" if self.qk_fp8 else self.qk_format)
 
     def replace(self, **changes) -> Policy:
         """A copy with some fields changed (validated again)."""

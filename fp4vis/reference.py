@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4vis.formats import check_no_nan, e2m1_round, e4m3_round, fp8_pow2_qdq, mxfp4_quantize, nvfp4_quantize
-from fp4vis.policy import Policy
+from fp4vis.policy import QK_FP8, Policy
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -122,8 +122,8 @@ class QuantizedOperands:
 
 def qk_layout(policy: Policy, head_dim: int) -> str:
     """The Q/K format actually used: folded64_mse needs D % 32 == 0 (SPEC), else block16."""
-    if policy.qk_format == "fp8_e4m3":
-        return "fp8_e4m3"
+    if policy.qk_fp8:
+        return QK_FP8
     return "folded64_mse" if policy.qk_format == "folded64_mse" and head_dim % 32 == 0 else "block16"
 
 
@@ -137,7 +137,7 @@ def quantize_qk(q: torch.Tensor, k: torch.Tensor, policy: Policy) -> tuple[torch
     """Decoded NVFP4 Q̂ and K̂ (float32, D padded to a multiple of 16) and the product of their
     per-tensor decode scales. ``fp8_e4m3``: E4M3 with power-of-two scales per query row and per
     32-key block of k (in its physical order), decoded (exact in float32)."""
-    if policy.qk_format == "fp8_e4m3":
+    if policy.qk_fp8:
         check_no_nan(q, "q")
         check_no_nan(k, "k")
         return fp8_pow2_qdq(q, 1), fp8_pow2_qdq(k, KEY_BLOCK), 1.0

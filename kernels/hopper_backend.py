@@ -30,10 +30,10 @@ import time
 import torch
 
 from fp4vis.dispatch import Backend, register_backend
-from fp4vis.policy import Policy
+from fp4vis.policy import QK_FP8, Policy
 from fp4vis.reference import qk_layout
 
-from .hopper_prepass import prepare_kernel_operands
+from .hopper_prepass import fp8_key_scale_blocks, prepare_kernel_operands
 
 log = logging.getLogger("fp4vis.kernels.hopper")
 
@@ -138,6 +138,12 @@ def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, q_sca
     if cfg.qk_fp8:
         if q_scale is None or k_scale is None:
             raise ValueError("q_scale, k_scale: the FP8 Q/K kernel needs both (prepare_fp8_operands)")
+        need = fp8_key_scale_blocks(k_hat.shape[-2])   # the kernel reads whole tiles without a bound check
+        if (q_scale.dtype != torch.float32 or tuple(q_scale.shape) != tuple(q_hat.shape[:-1])
+                or k_scale.dtype != torch.float32 or tuple(k_scale.shape) != tuple(k_hat.shape[:-2]) + (need,)):
+            raise ValueError(f"q_scale, k_scale: float32 {tuple(q_hat.shape[:-1])} and "
+                             f"{tuple(k_hat.shape[:-2]) + (need,)} expected (prepare_fp8_operands), got "
+                             f"{q_scale.dtype} {tuple(q_scale.shape)} and {k_scale.dtype} {tuple(k_scale.shape)}")
         q_hat, k_hat = q_hat.view(torch.uint8), k_hat.view(torch.uint8)   # the kernel recasts to E4M3
     else:
         q_scale = k_scale = _unused_scales(q_hat.device)
@@ -166,7 +172,7 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
                              shift, native_exp2, anchor, schedule=schedule or None, p_path=p_path or None,
-                             num_wg=num_wg or None, code_rounding=code_rounding, qk_fp8=qk_fmt == "fp8_e4m3")
+                             num_wg=num_wg or None, code_rounding=code_rounding, qk_fp8=qk_fmt == QK_FP8)
     run_kernel(*ops, out, cfg, scale * LOG2E, margin_raw)
     return out
 
@@ -222,7 +228,7 @@ class HopperBackend(Backend):
             return "qk_global_scale (per-tensor NVFP4 scale) is not implemented in the kernel"
         if policy.code_rounding == "bf16" and policy.shift < 3:
             return "code_rounding='bf16' needs the shift L >= 3"
-        if policy.qk_format == "fp8_e4m3" and policy.anchor > 0:
+        if policy.qk_fp8 and policy.anchor > 0:
             return "qk_format 'fp8_e4m3' with anchors is not implemented in the kernel"
         if policy.anchor > MAX_ANCHOR:
             return f"anchor = {policy.anchor} > {MAX_ANCHOR}"

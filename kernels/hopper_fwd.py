@@ -46,6 +46,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
+from .hopper_prepass import FP8_KEY_TILE
+
 # ------------------------------------------------------------------------------------------------
 # Tuning constants (one place)
 # ------------------------------------------------------------------------------------------------
@@ -157,7 +159,7 @@ class DirectPConfig:
                     num_wg: int | None = None) -> DirectPConfig:
         return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
                                   policy.native_exp2, policy.anchor, schedule, tile_n, p_path, num_wg,
-                                  policy.code_rounding, policy.qk_format == "fp8_e4m3")
+                                  policy.code_rounding, policy.qk_fp8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,6 +413,8 @@ class DirectPAttentionSm90:
             raise ValueError(f"head_dim: the Hopper kernel supports D = 64 and 128, got {cfg.head_dim}")
         if cfg.tile_n not in (64, 128):
             raise ValueError(f"tile_n: 64 or 128, got {cfg.tile_n}")
+        if cfg.qk_fp8 and FP8_KEY_TILE % cfg.tile_n:
+            raise ValueError(f"tile_n: k_scale is padded to {FP8_KEY_TILE}-key tiles, got tile_n {cfg.tile_n}")
         if cfg.anchor > cfg.tile_n:
             raise ValueError(f"anchor: at most tile_n = {cfg.tile_n} anchor samples (one key tile), "
                              f"got {cfg.anchor}")

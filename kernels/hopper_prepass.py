@@ -30,6 +30,7 @@ import os
 import torch
 
 from fp4vis.formats import fp8_pow2_quantize, mxfp4_qdq, nvfp4_qdq
+from fp4vis.policy import QK_FP8
 from fp4vis.reference import anchor_permutation
 
 NVFP4_BLOCK = 16
@@ -189,6 +190,6 @@ def prepare_kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     """(q_hat, k_hat, v6, q_scale, k_scale) for the kernel, whichever the Q/K format: the FP8 operands
     of ``prepare_fp8_operands`` for ``"fp8_e4m3"``, else ``prepare_operands`` with both scales None
     (the NVFP4 operands are decoded values: the kernel reads no scales)."""
-    if qk_fmt == "fp8_e4m3":
+    if qk_fmt == QK_FP8:
         return prepare_fp8_operands(q, k, v, anchor, fused)
     return (*prepare_operands(q, k, v, qk_fmt, anchor, fused), None, None)

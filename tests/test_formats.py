@@ -593,11 +593,3 @@ def test_fp8_pow2_group_max_lands_in_top_binade_and_error_bound():
     assert float(rel.max()) <= 2.0 ** -4
     assert torch.equal(fm.fp8_pow2_qdq(qdq, 32), qdq)   # idempotent
 
-
-def test_policy_fp8_qk_format_rules():
-    from fp4vis.policy import POLICIES
-    pol = POLICIES["fast_fp8qk"]
-    assert pol.qk_format == "fp8_e4m3" and not pol.is_spec_exact
-    assert pol.spec_twin().qk_format == "folded64_mse" and pol.spec_twin().is_spec_exact
-    with pytest.raises(ValueError, match="qk_global_scale"):
-        pol.replace(qk_global_scale=True)

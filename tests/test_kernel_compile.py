@@ -82,6 +82,38 @@ def test_prepass_matches_reference_operands(policy, dtype):
     assert torch.equal(v6.flatten(0, 1).float(), ops.v6[:, :skv])
 
 
+@pytest.mark.parametrize("anchor", [0, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_kernel_operands_decode_to_the_reference_operands(anchor, dtype):
+    """What the FP8 kernel reads (E4M3 bytes times their row / key-block scales, as the kernel folds
+    them) is exactly the reference's decoded Q-hat and K-hat, in the physical (anchor-permuted) order;
+    k_scale covers whole 128-key tiles."""
+    hp = importlib.import_module("fp4vis.kernels.hopper_prepass")
+    pol = POLICIES["fast_fp8qk"].replace(name="fp8_test", anchor=anchor, margin=4.0 if anchor else 0.0)
+    b, h, sq, skv, d = 1, 2, 40, 161, 64
+    q, k, v = _inputs(b, h, sq, skv, d, dtype)
+    q8, k8, v6, qs, ks = hp.prepare_kernel_operands(q, k, v, qk_layout(pol, d), pol.anchor)
+    ops = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, 0.125)
+    assert q8.dtype == k8.dtype == torch.float8_e4m3fn and qs.dtype == ks.dtype == torch.float32
+    assert ks.shape[-1] == hp.fp8_key_scale_blocks(skv) == 8
+    assert torch.equal((q8.float() * qs[..., None]).flatten(0, 1), ops.q)
+    k_dec = k8.float() * ks.repeat_interleave(32, -1)[..., :skv, None]
+    assert torch.equal(k_dec.flatten(0, 1), ops.k[:, :skv])
+    assert torch.equal(v6.flatten(0, 1).float(), ops.v6[:, :skv])
+    assert bool((ks[..., -(ks.shape[-1] - 6):] == 1.0).all())   # padding past the 6 blocks of 161 keys
+
+
+def test_fp8_config_plumbing():
+    """The policy's FP8 Q/K reaches the kernel configuration (the benchmark once built kernels without
+    a policy field), and the combination the kernel lacks is refused by name."""
+    from fp4vis.kernels.hopper_fwd import DirectPConfig
+    assert DirectPConfig.from_policy(POLICIES["fast_fp8qk"], 128, "bf16").qk_fp8
+    assert not DirectPConfig.from_policy(POLICIES["fast"], 128, "bf16").qk_fp8
+    assert DirectPConfig.from_policy(POLICIES["fast_bf16round"], 128, "bf16").code_rounding == "bf16"
+    with pytest.raises(ValueError, match="qk_fp8 with anchors"):
+        DirectPConfig.make(128, "bf16", 1.5, 1.2, 16, False, 32, qk_fp8=True)
+
+
 def test_backend_registers_and_explains_cpu():
     import fp4vis
     from fp4vis import dispatch

@@ -125,7 +125,7 @@ def python_direct_p(q, k, v, policy: Policy, scale: float) -> torch.Tensor:
     k, v = k[:, perm], v[:, perm]
     Dp = -(-D // 16) * 16
     layout = "folded64_mse" if policy.qk_format == "folded64_mse" and Dp % 32 == 0 else "block16"
-    if policy.qk_format == "fp8_e4m3":   # per query row, per 32 physical keys
+    if policy.qk_fp8:   # per query row, per 32 physical keys
         qd, kd = fm.fp8_pow2_qdq(q, 1), fm.fp8_pow2_qdq(k, 32)
     else:
         qd = fm.nvfp4_quantize(torch.nn.functional.pad(q, (0, Dp - D)), layout).dequantize()
@@ -483,3 +483,31 @@ def test_code_rounding_bf16_moves_about_half_a_percent_of_codes():
     steps = {0.0: 0.5, 0.5: 0.5, 1.0: 0.5, 1.5: 0.5, 2.0: 1.0, 3.0: 1.0, 4.0: 2.0}
     lo = torch.minimum(a, b)[moved]
     assert torch.equal((a - b).abs()[moved], torch.tensor([steps[x] for x in lo.tolist()], dtype=a.dtype))
+
+
+def test_fp8_tensor_core_scores_recovers_the_fp8_operands_exactly():
+    """The GPU tests' FP8-scores reference re-encodes the decoded operands: with an exact matrix product
+    in place of the tensor cores' it must give exactly the float64 product of the decoded values, also
+    for groups whose maximum rounded to a power of two (E4M3 256 * 2^E, where the exponent read off the
+    decoded maximum is one too high) and for groups with E4M3 subnormals."""
+    from fp4vis.evals.kernel_bench import fp8_tensor_core_scores
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 48, 64, generator=g) * torch.logspace(-8, 8, 48, base=2.0)[:, None]
+    k = torch.randn(2, 96, 64, generator=g)
+    top = 2.0 ** q[:, :8, 1:].abs().amax(-1).log2().ceil()      # 2^E * 128 above every other element
+    q[:, :8, 0] = 1.97 * top                                     # -> E4M3 252.2, rounded to 256 ...
+    q[:, :8, 2] = top * 2.0 ** -16                               # ... beside the smallest subnormal, 2^-9
+    k[:, :32, 5] = 1e-4                                       # E4M3 subnormals beside a large maximum
+    k[:, 40, :] = 2.0 ** -3                                    # a power-of-two maximum that is exact
+    assert bool((fm.fp8_pow2_quantize(q, 1)[0].abs().amax(-1) == 256).any())   # the ambiguous case occurs
+    qd, kd = fm.fp8_pow2_qdq(q, 1), fm.fp8_pow2_qdq(k, 32)
+    got = fp8_tensor_core_scores(qd, kd, matmul=lambda q8, k8: q8.double() @ k8.double().mT)
+    assert torch.equal(got, qd.double() @ kd.double().mT)    # float64: every sum here is exact
+
+
+def test_policy_fp8_qk_format_rules():
+    pol = POLICIES["fast_fp8qk"]
+    assert pol.qk_fp8 and not pol.is_spec_exact and POLICIES["fast"].is_spec_exact
+    assert pol.spec_twin().qk_format == "folded64_mse" and pol.spec_twin().is_spec_exact
+    with pytest.raises(ValueError, match="qk_global_scale"):
+        pol.replace(qk_global_scale=True)
