@@ -79,14 +79,8 @@ def time_host(fn, n_inputs: int, reps: int = 200, sync: bool = False, budget: fl
     """Median microseconds of the Python call fn(i) (sync: including the wait for the GPU); at most
     ``reps`` calls, fewer (at least 32) where they would take more than ``budget`` seconds of wall
     time (default HOST_BUDGET_S; the synchronisations below make each call cost its GPU time)."""
-    for i in range(5):
-        fn(i % n_inputs)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(0)
-    torch.cuda.synchronize()
-    est = max(time.perf_counter() - t0, 1e-6)
-    reps = max(min(reps, 32), min(reps, int((HOST_BUDGET_S if budget is None else budget) / est)))
+    from fp4vis.evals.kernel_bench import reps_within_budget
+    reps = reps_within_budget(fn, n_inputs, 5, reps, 32, HOST_BUDGET_S if budget is None else budget)
     ts = []
     for i in range(reps):
         if not sync and i % 16 == 0:

@@ -90,17 +90,24 @@ def as_shapes(shapes: Iterable, d: int = 128) -> list[Shape]:
 
 # ------------------------------------------------------------------------------------------ timing
 
-def time_cuda(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, reps: int = 30,
-              budget_s: float = 2.0) -> list[float]:
-    """Per-call milliseconds of ``fn(i)`` (i selects the input copy), CUDA events, after warm-up."""
+def reps_within_budget(fn: Callable[[int], object], n_inputs: int, warmup: int, reps: int, min_reps: int,
+                       budget_s: float) -> int:
+    """Warm ``fn`` up, time one synchronised call and return how many calls (between ``min_reps`` and
+    ``reps``) fit ``budget_s`` seconds: the shared front half of the benchmarks' timers."""
     for i in range(warmup):
         fn(i % n_inputs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn(0)
     torch.cuda.synchronize()
-    est = max(time.perf_counter() - t0, 1e-5)
-    reps = max(3, min(reps, int(budget_s / est)))
+    est = max(time.perf_counter() - t0, 1e-6)
+    return max(min(reps, min_reps), min(reps, int(budget_s / est)))
+
+
+def time_cuda(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, reps: int = 30,
+              budget_s: float = 2.0) -> list[float]:
+    """Per-call milliseconds of ``fn(i)`` (i selects the input copy), CUDA events, after warm-up."""
+    reps = reps_within_budget(fn, n_inputs, warmup, reps, 3, budget_s)
     times = []
     for r in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
