@@ -30,7 +30,10 @@ Sections (each one a key of the JSON, written after every section; ``--skip`` le
    top-level keys) and ``fast_fp8qk`` (the same keys nested under ``row["fast_fp8qk"]``), and SDPA
    cuDNN: GPU time (CUDA events) and host time per call, without and with a synchronisation, a
    breakdown of the host path (pre-pass launch, output allocation, config, kernel launch, custom-op
-   dispatch) and the call's relative L2 distance to SDPA (a sanity check of what was timed).
+   dispatch) and the call's relative L2 distance to SDPA (a sanity check of what was timed). For
+   S <= 1024 (host-bound: the issue's small-shape target) also the public ``fp4vis.attention`` call
+   (``api_ms`` with ``range_check="off"``, ``api_raise_ms`` with the default check, ``api_host_us``)
+   and the GPU time per call replayed from a CUDA graph (``graph_ms``, ``sdpa_cudnn_graph_ms``).
 
 Host timings take at most 200 calls and about ``HOST_BUDGET_S`` of wall time each (at least 32
 calls), so that the 32k-token shape does not dominate the run. Also recorded: the final
@@ -53,7 +56,9 @@ import traceback
 
 import torch
 
-SHAPES = [(1, 4096, 24, 128), (1, 32768, 24, 128), (1, 256, 16, 128), (64, 197, 12, 64)]
+SHAPES = [(1, 4096, 24, 128), (1, 32768, 24, 128), (1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64)]
+SMALL_S = 1024       # the issue's small-shape target (whole call within 1.25x of SDPA cuDNN) is S <= 1024
+GRAPH_CALLS = 8      # calls per captured CUDA graph (time_graph)
 L2_BYTES = 50 * 2**20
 HOST_BUDGET_S = 1.0   # wall time per host timing (fewer than 200 calls where a call's GPU work is long)
 CALL_POLICIES = ("fast", "fast_fp8qk")   # whole-call section: "fast" keys top-level, others nested
@@ -91,6 +96,23 @@ def time_host(fn, n_inputs: int, reps: int = 200, sync: bool = False, budget: fl
             torch.cuda.synchronize()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e6
+
+
+def time_graph(fn, calls: int = GRAPH_CALLS, budget: float = 0.25) -> float:
+    """Median ms per call of ``fn(0)`` replayed from one CUDA graph of ``calls`` calls: the GPU time
+    of the call without its host work (warmed up, so compiled and cached, on a side stream first, as
+    torch.cuda.graphs asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(0)
+    return time_events(lambda i: graph.replay(), 1, budget) / calls
 
 
 def _mk(kind, shape, g, dtype, dev):
@@ -471,6 +493,8 @@ def _call_one(shape, log, policies=CALL_POLICIES) -> dict:
             row["sdpa_cudnn_ms"] = time_events(sd, n)
             row["sdpa_cudnn_host_us"] = time_host(sd, n)
             row["sdpa_cudnn_host_sync_us"] = time_host(sd, n, sync=True)
+            if s <= SMALL_S:
+                row["sdpa_cudnn_graph_ms"] = time_graph(sd)
     except Exception as exc:
         row["sdpa_error"] = f"{type(exc).__name__}: {exc}"
     log(f"{row}")
@@ -500,6 +524,8 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
     row["call_ms"] = time_events(call, n)
     row["call_host_us"] = time_host(call, n)
     row["call_host_sync_us"] = time_host(call, n, sync=True)
+    if ins[0][0].shape[-2] <= SMALL_S:
+        _public_api_times(name, ins, n, scale, kw, row)
     raw = getattr(hb.hopper_attention, "_init_fn", None)
     if raw is not None:
         row["call_nodispatch_host_us"] = time_host(lambda i: raw(*ins[i], scale, **kw), n)
@@ -524,6 +550,23 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
 
     row["kernel_ms"] = time_events(kern, m)
     row["kernel_host_us"] = time_host(kern, m)
+
+
+def _public_api_times(name, ins, n, scale, kw, row) -> None:
+    """Small shapes: what a user's call costs. ``fp4vis.attention`` (backend "hopper") per call, CUDA
+    events (host-bound here, so this is its host path), with ``range_check="off"`` and with the default
+    "raise" (one output check and host synchronisation per call); its host time alone; and the GPU
+    time of the undispatched call replayed from a CUDA graph (no host work at all)."""
+    import fp4vis
+    from fp4vis.kernels import hopper_backend as hb
+
+    def api(check):
+        return lambda i: fp4vis.attention(*ins[i], policy=name, scale=scale, backend="hopper", range_check=check)
+
+    row["api_ms"] = time_events(api("off"), n)
+    row["api_host_us"] = time_host(api("off"), n)
+    row["api_raise_ms"] = time_events(api("raise"), n)
+    row["graph_ms"] = time_graph(lambda i: hb.hopper_attention_eager(*ins[i], scale, **kw))
 
 
 def _launch_hooks(tp) -> dict:

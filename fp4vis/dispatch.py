@@ -8,6 +8,7 @@ them lazily, only when a call could use them, so importing fp4vis never touches 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 
@@ -104,11 +105,18 @@ def available_backends() -> dict[str, str | None]:
     return result
 
 
+@functools.cache
+def device_capability(index: int) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of CUDA device ``index``, cached (asked on every call)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def kernel_backend_name(device: torch.device) -> str | None:
     """The kernel backend ``auto`` tries on this device (None: the reference is the only choice)."""
     if device.type != "cuda":
         return None
-    return _AUTO_BY_CAPABILITY.get(torch.cuda.get_device_capability(device))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _AUTO_BY_CAPABILITY.get(device_capability(index))
 
 
 def _warn_once(key: str, message: str) -> None:

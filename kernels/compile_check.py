@@ -77,16 +77,16 @@ def _fake_args(cfg):
     out_dt = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
 
     def t(dtype, s_sym):
-        # SDPA (B, H, S, D) contiguous viewed as (S, D, H, B)
-        h, b = cute.sym_int32(), cute.sym_int32()
-        return make_fake_tensor(dtype, (s_sym, d, h, b),
-                                stride=(d, 1, cute.sym_int64(divisibility=d), cute.sym_int64(divisibility=d)),
+        # SDPA (B, H, S, D), D contiguous
+        b, h = cute.sym_int32(), cute.sym_int32()
+        return make_fake_tensor(dtype, (b, h, s_sym, d),
+                                stride=(cute.sym_int64(divisibility=d), cute.sym_int64(divisibility=d), d, 1),
                                 assumed_align=16)
 
     def scales(n_sym):
-        # (B, H, N) contiguous float32 viewed as (N, H, B)
-        return make_fake_tensor(cutlass.Float32, (n_sym, cute.sym_int32(), cute.sym_int32()),
-                                stride=(1, cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+        # (B, H, N) float32, N contiguous
+        return make_fake_tensor(cutlass.Float32, (cute.sym_int32(), cute.sym_int32(), n_sym),
+                                stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
     sq, skv = cute.sym_int32(), cute.sym_int32()
     qk_dt = cutlass.Uint8 if cfg.qk_fp8 else cutlass.BFloat16   # E4M3 bytes arrive as uint8

@@ -21,6 +21,7 @@ Importing this module registers ``HopperBackend`` (name ``"hopper"``) with ``fp4
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-from fp4vis.dispatch import Backend, register_backend
+from fp4vis.dispatch import Backend, device_capability, register_backend
 from fp4vis.policy import QK_FP8, Policy
 from fp4vis.reference import qk_layout
 
@@ -48,6 +49,9 @@ USE_TVM_FFI = os.environ.get("FP4VIS_HOPPER_TVM_FFI", "1") == "1"
 COMPILE_TIMES: dict[tuple, float] = {}
 
 
+# The per-call checks and set-up below are cached: at small S the call is host-bound (SDPA cuDNN
+# takes ~18 us of host time per call), so every microsecond of Python counts.
+@functools.cache
 def _cutlass_import_error() -> str | None:
     try:
         import cutlass  # noqa: F401
@@ -57,19 +61,24 @@ def _cutlass_import_error() -> str | None:
     return None
 
 
-def _kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """The kernel's view of a contiguous operand: (B, H, S, D) -> (S, D, H, B); (B, H, N) scales ->
-    (N, H, B)."""
-    return t.permute(2, 3, 1, 0) if t.dim() == 4 else t.permute(2, 1, 0)
+@functools.lru_cache(maxsize=256)
+def kernel_config(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int,
+                  native_exp2: bool, anchor: int, schedule: str, p_path: str, num_wg: int,
+                  code_rounding: str, qk_fp8: bool):
+    """``DirectPConfig.make`` for the custom op's arguments (""/0: the defaults), cached."""
+    from .hopper_fwd import DirectPConfig
+    return DirectPConfig.make(head_dim, out_dtype, affine_a, affine_b, shift, native_exp2, anchor,
+                              schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None,
+                              code_rounding=code_rounding, qk_fp8=qk_fp8)
 
 
 def _to_cute(t: torch.Tensor, tvm_ffi: bool = False):
-    """Contiguous torch tensor -> CuTe tensor of ``_kernel_view``, dynamic layout."""
+    """Contiguous (B, H, S, D) operand or (B, H, N) scale tensor -> CuTe tensor, dynamic layout (the
+    kernel makes its own (S, D, H, B) view: no permuted torch view per call)."""
     from cutlass.cute.runtime import from_dlpack
     kw = {"enable_tvm_ffi": True} if tvm_ffi else {}
-    lead = 1 if t.dim() == 4 else 0
-    return from_dlpack(_kernel_view(t).detach(), assumed_align=16 if t.dim() == 4 else 4,
-                       **kw).mark_layout_dynamic(leading_dim=lead)
+    return from_dlpack(t.detach(), assumed_align=16 if t.dim() == 4 else 4,
+                       **kw).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
 _NO_SCALES: dict[torch.device, torch.Tensor] = {}
@@ -150,7 +159,7 @@ def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, q_sca
     tensors = (q_hat, k_hat, v6, out, q_scale, k_scale)
     fn, tvm_ffi = get_kernel(cfg, tensors)
     if tvm_ffi:
-        fn(*(_kernel_view(t) for t in tensors), s_log2, m_offset)
+        fn(*tensors, s_log2, m_offset)
     else:
         from cutlass import Float32
         fn(*(_to_cute(t) for t in tensors), Float32(s_log2), Float32(m_offset), _current_stream())
@@ -167,12 +176,10 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     This plain function is the body of the custom op ``torch.ops.fp4vis.hopper_attention``;
     ``HopperBackend`` calls it directly outside torch.compile, which saves the dispatcher's
     30-85 us per call (H200, benchmarks/results/prepass_h200_20261129.json)."""
-    from .hopper_fwd import DirectPConfig
     ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    cfg = DirectPConfig.make(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
-                             shift, native_exp2, anchor, schedule=schedule or None, p_path=p_path or None,
-                             num_wg=num_wg or None, code_rounding=code_rounding, qk_fp8=qk_fmt == QK_FP8)
+    cfg = kernel_config(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
+                        shift, native_exp2, anchor, schedule, p_path, num_wg, code_rounding, qk_fmt == QK_FP8)
     run_kernel(*ops, out, cfg, scale * LOG2E, margin_raw)
     return out
 
@@ -206,7 +213,7 @@ class HopperBackend(Backend):
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
             return "no CUDA device"
-        if not any(torch.cuda.get_device_capability(i) == (9, 0) for i in range(torch.cuda.device_count())):
+        if not any(device_capability(i) == (9, 0) for i in range(torch.cuda.device_count())):
             return "no sm_90 (Hopper) GPU"
         return _cutlass_import_error()
 
@@ -215,7 +222,7 @@ class HopperBackend(Backend):
             return f"policy {policy.name!r} is not a Direct-P policy"
         if not q.is_cuda:
             return "tensors are not on a CUDA device"
-        if torch.cuda.get_device_capability(q.device) != (9, 0):
+        if device_capability(q.device.index) != (9, 0):
             return f"device {torch.cuda.get_device_name(q.device)} is not sm_90"
         if q.dtype not in SUPPORTED_DTYPES:
             return f"dtype {q.dtype} (the kernel takes bfloat16 or float16)"

@@ -400,12 +400,12 @@ def bf16x2_sum(p: Int32, *, loc=None, ip=None) -> Float32:
 class DirectPAttentionSm90:
     """Direct-P FP4 attention forward, non-causal, for sm_90a.
 
-    Host entry: ``__call__(q, k, v, o, q_scale, k_scale, s_log2, m_offset, stream)`` with q/k/v/o
-    viewed as (S, D, H, B) (D contiguous; that is SDPA's (B, H, S, D) contiguous tensor permuted),
-    BF16 q/k/v (with ``qk_fp8``: q, k E4M3 bytes as uint8), ``o`` in ``out_dtype``; ``q_scale``
-    (Sq, H, B) and ``k_scale`` (key blocks padded to whole 128-key tiles, H, B) float32 powers of two
-    (read only with ``qk_fp8``); ``s_log2 = scale * log2(e)``; ``m_offset`` the anchor margin in
-    raw-score units (ignored without anchors).
+    Host entry: ``__call__(q, k, v, o, q_scale, k_scale, s_log2, m_offset, stream)`` with q/k/v/o in
+    SDPA's layout (B, H, S, D), D contiguous, BF16 q/k/v (with ``qk_fp8``: q, k E4M3 bytes as uint8),
+    ``o`` in ``out_dtype``; ``q_scale`` (B, H, Sq) and ``k_scale`` (B, H, key blocks padded to whole
+    128-key tiles) float32 powers of two (read only with ``qk_fp8``); ``s_log2 = scale * log2(e)``;
+    ``m_offset`` the anchor margin in raw-score units (ignored without anchors). The kernel works on
+    (S, D, H, B) / (N, H, B) views, made here from the layouts (no per-call view on the host).
     """
 
     def __init__(self, cfg: DirectPConfig):
@@ -440,6 +440,10 @@ class DirectPAttentionSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mQs: cute.Tensor, mKs: cute.Tensor, s_log2: Float32, m_offset: Float32, stream):
+        # (B, H, S, D) -> (S, D, H, B); (B, H, N) -> (N, H, B)
+        mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+                          for t in (mQ, mK, mV, mO)]
+        mQs, mKs = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mQs, mKs)]
         if const_expr(self.cfg.qk_fp8):   # E4M3 bytes arrive as uint8
             mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=self.qk_dtype), mQ.layout)
             mK = cute.make_tensor(cute.recast_ptr(mK.iterator, dtype=self.qk_dtype), mK.layout)
