@@ -272,8 +272,8 @@ def variants(head_dims=(128, 64)):
     """The kernel variants CI compiles: every supported policy x head dim with the default schedule
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
     policies with at most 64 anchors, three consumer warpgroups, and (first head dim) the scalar,
-    integer-constant and timing-only P paths with the default schedule and one serial warpgroup
-    (BF16 out)."""
+    integer-constant and timing-only P paths with the default schedule, one serial warpgroup, and P
+    through shared memory (p_operand "smem") (BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
@@ -295,6 +295,8 @@ def variants(head_dims=(128, 64)):
                 out.append((f"fast_{pp}", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_path=pp)))
             out.append(("fast_serial_1wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", schedule="serial",
                                                                      num_wg=1)))
+            # the experiment: P through shared memory, PV as an SS-WGMMA (p_operand "smem")
+            out.append(("fast_pv_smem", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_operand="smem")))
     return out
 
 
