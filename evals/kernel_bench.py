@@ -10,10 +10,9 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
   ``hopper_plain`` / ``hopper_overlap``  the whole call with the serial or the overlapped schedule
-  ``hopper@SCHEDULE/P_PATH/NUM_WG/P_OPERAND``, ``hopper_kernel@...``  a kernel variant (a part may
-                    be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
-                    ``hopper@pingpong/packed/3`` or ``hopper_kernel@pingpong/packed/2/smem`` (P through
-                    shared memory); see ``fp4vis.kernels.hopper_fwd.DirectPConfig``
+  ``hopper@SCHEDULE/P_PATH/NUM_WG``, ``hopper_kernel@...``  a kernel variant (a part may be empty
+                    or left out: the default), e.g. ``hopper_kernel@serial/scalar`` or
+                    ``hopper@pingpong/packed/3``; see ``fp4vis.kernels.hopper_fwd.DirectPConfig``
   ``hopper_fused``  the whole call with the fused (Triton) folded-K64 Q/K pre-pass, whose exact MSE
                     can choose other scales than the reference's float32 one at ties
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
@@ -165,14 +164,13 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "p_operand")
+VARIANT_FIELDS = ("schedule", "p_path", "num_wg")
 
 
 def split_variant(backend: str) -> tuple[str, dict]:
     """``"hopper_kernel@serial/scalar/3"`` -> ("hopper_kernel", {schedule: "serial", p_path: "scalar",
     num_wg: 3}): the kernel variant's fields in VARIANT_FIELDS order, empty or missing fields left at
-    the defaults (hopper_fwd.DirectPConfig); ``"hopper_kernel@pingpong/packed/2/smem"`` (or
-    ``"hopper_kernel@///smem"``) adds p_operand "smem" (P through shared memory, SS PV WGMMA)."""
+    the defaults (hopper_fwd.DirectPConfig)."""
     base, _, variant = backend.partition("@")
     parts = variant.split("/") if variant else []
     kw = {f: v for f, v in zip(VARIANT_FIELDS, parts) if v}

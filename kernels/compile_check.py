@@ -115,9 +115,6 @@ def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = Tru
         compiled = cute.compile(kernel, *args, options=opts)
     dt = time.perf_counter() - t0
     rep = CompileReport(variant=dataclasses.asdict(cfg), compile_s=round(dt, 2))
-    storage = getattr(kernel, "shared_storage", None)   # set while tracing: the dynamic shared memory
-    if storage is not None:
-        rep.shared_bytes = int(storage.size_in_bytes())
     cubins = sorted(glob.glob(os.path.join(dump, "**", "*.cubin"), recursive=True), key=os.path.getmtime)
     if not cubins:
         # 4.8.1 embeds the device binary in the host module instead of honouring --keep-cubin
@@ -272,8 +269,8 @@ def variants(head_dims=(128, 64)):
     """The kernel variants CI compiles: every supported policy x head dim with the default schedule
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
     policies with at most 64 anchors, three consumer warpgroups, and (first head dim) the scalar,
-    integer-constant and timing-only P paths with the default schedule, one serial warpgroup, and P
-    through shared memory (p_operand "smem") (BF16 out)."""
+    integer-constant and timing-only P paths with the default schedule and one serial warpgroup
+    (BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
@@ -295,8 +292,6 @@ def variants(head_dims=(128, 64)):
                 out.append((f"fast_{pp}", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_path=pp)))
             out.append(("fast_serial_1wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", schedule="serial",
                                                                      num_wg=1)))
-            # the experiment: P through shared memory, PV as an SS-WGMMA (p_operand "smem")
-            out.append(("fast_pv_smem", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_operand="smem")))
     return out
 
 

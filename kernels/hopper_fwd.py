@@ -75,12 +75,6 @@ SCHEDULE = os.environ.get("FP4VIS_HOPPER_SCHEDULE", "pingpong")
 P_PATHS = ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")
 P_PATH = os.environ.get("FP4VIS_HOPPER_P_PATH", "packed")
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
-# Where the PV WGMMA reads P from (DirectPConfig.p_operand): "rmem" (default) an A-fragment in
-# registers (RS-WGMMA); "smem" (experiment) each consumer warpgroup stores its BF16 P tile to its
-# own shared-memory buffer and PV is an SS-WGMMA, to test whether the RS-WGMMA's register-file
-# reads slow the Direct-P beside it (docs/hopper_kernel.md, "Why the exact kernel is slower", (b)).
-P_OPERANDS = ("rmem", "smem")
-BAR_P_STORED = 5        # named barriers BAR_P_STORED + wg: "warpgroup wg's P tile is in shared memory"
 # compute the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS = os.environ.get("FP4VIS_HOPPER_EIGHTHS", "1") == "1"
 EIGHTHS_LOG2 = 3
@@ -106,7 +100,6 @@ class DirectPConfig:
     num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3 needs 64-key tiles
     code_rounding: str = "exact"     # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
     qk_fp8: bool = False             # Policy.qk_format "fp8_e4m3": FP8 Q/K with power-of-two row/block scales
-    p_operand: str = "rmem"          # see P_OPERANDS: PV's A operand from registers or shared memory
 
     @property
     def overlap(self) -> bool:
@@ -115,14 +108,13 @@ class DirectPConfig:
     def key(self) -> tuple:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
                 self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
-                self.code_rounding, self.qk_fp8, self.p_operand)
+                self.code_rounding, self.qk_fp8)
 
     @staticmethod
     def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
              anchor: int, schedule: str | None = None, tile_n: int | None = None,
              p_path: str | None = None, num_wg: int | None = None,
-             code_rounding: str = "exact", qk_fp8: bool = False,
-             p_operand: str | None = None) -> DirectPConfig:
+             code_rounding: str = "exact", qk_fp8: bool = False) -> DirectPConfig:
         """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
         tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
         tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule."""
@@ -156,28 +148,18 @@ class DirectPConfig:
                              "(registers: 160 per consumer thread)")
         if schedule == "overlap" and tile_n != 64:
             raise ValueError("schedule 'overlap' needs tile_n = 64")
-        p_operand = p_operand or "rmem"
-        if p_operand not in P_OPERANDS:
-            raise ValueError(f"p_operand: one of {P_OPERANDS}, got {p_operand!r}")
-        if p_operand == "smem":
-            if schedule not in ("pingpong", "serial"):
-                raise ValueError(f"p_operand='smem' is implemented for the pingpong and serial schedules, "
-                                 f"got {schedule!r}")
-            if p_path not in ("packed", "packed_alu") or shift < EIGHTHS_LOG2 or not EIGHTHS:
-                raise ValueError(f"p_operand='smem' is implemented for the packed P paths (p_path 'packed' or "
-                                 f"'packed_alu', shift L >= {EIGHTHS_LOG2}), got p_path {p_path!r}, L = {shift}")
         return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
                              affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
                              anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path, num_wg=num_wg,
-                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8), p_operand=p_operand)
+                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8))
 
     @staticmethod
     def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,
                     tile_n: int | None = None, p_path: str | None = None,
-                    num_wg: int | None = None, p_operand: str | None = None) -> DirectPConfig:
+                    num_wg: int | None = None) -> DirectPConfig:
         return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
                                   policy.native_exp2, policy.anchor, schedule, tile_n, p_path, num_wg,
-                                  policy.code_rounding, policy.qk_fp8, p_operand)
+                                  policy.code_rounding, policy.qk_fp8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,7 +433,6 @@ class DirectPAttentionSm90:
         self.qk_tiler = (TILE_M_PER_WG, cfg.tile_n, cfg.head_dim)
         self.pv_tiler = (TILE_M_PER_WG, cfg.head_dim, cfg.tile_n)
         self.threads = 128 * (cfg.num_wg + 1)
-        self.p_smem = cfg.p_operand == "smem"
         self.kv_stages = 2 * KV_KEYS_IN_FLIGHT // cfg.tile_n
         self.buffer_align_bytes = 1024
 
@@ -481,22 +462,14 @@ class DirectPAttentionSm90:
         qk_mma_acc = sm90_utils.make_trivial_tiled_mma(
             self.qk_dtype, self.qk_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
             self.qk_tiler[:2])
-        # P from registers (RS-WGMMA), or with p_operand "smem" from shared memory (SS-WGMMA)
-        p_source = (cute.nvgpu.warpgroup.OperandSource.SMEM if const_expr(self.p_smem)
-                    else cute.nvgpu.warpgroup.OperandSource.RMEM)
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             self.in_dtype, self.in_dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1),
-            self.pv_tiler[:2], p_source)
+            self.pv_tiler[:2], cute.nvgpu.warpgroup.OperandSource.RMEM)
 
         q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype, self.num_wg)
         k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype,
                                              self.kv_stages * self.k_slot_factor)
         v_sl = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, self.pv_tiler, self.in_dtype, self.kv_stages)
-        # p_operand "smem": one 64 x tile_n BF16 P tile per consumer warpgroup, K-major (keys
-        # contiguous) as the A operand of the SS PV WGMMA; stage w belongs to warpgroup w
-        p_sl = None
-        if const_expr(self.p_smem):
-            p_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.pv_tiler, self.in_dtype, self.num_wg)
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -518,24 +491,10 @@ class DirectPAttentionSm90:
             sKV: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(v_sl)],
                                    self.buffer_align_bytes]
 
-        if const_expr(self.p_smem):
-            @cute.struct
-            class SharedStorageP:
-                q_mbar: cute.struct.MemRange[cutlass.Int64, self.num_wg * 2]
-                kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
-                sQ: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(q_sl)],
-                                      self.buffer_align_bytes]
-                sKV: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(v_sl)],
-                                       self.buffer_align_bytes]
-                sP: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(p_sl)],
-                                      self.buffer_align_bytes]
-
-            SharedStorage = SharedStorageP
-
         self.shared_storage = SharedStorage
         grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
         self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, s_log2, m_offset,
-                    q_sl, k_sl, v_sl, p_sl).launch(
+                    q_sl, k_sl, v_sl).launch(
             grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)
 
@@ -545,8 +504,7 @@ class DirectPAttentionSm90:
                tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
                tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
                s_log2: Float32, m_offset: Float32,
-               q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout, v_sl: cute.ComposedLayout,
-               p_sl: cute.ComposedLayout | None):
+               q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout, v_sl: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         m_blk, h_idx, b_idx = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -570,9 +528,6 @@ class DirectPAttentionSm90:
         sQ = storage.sQ.get_tensor(q_sl.outer, swizzle=q_sl.inner)
         sV = storage.sKV.get_tensor(v_sl.outer, swizzle=v_sl.inner)
         sK = cute.make_tensor(cute.recast_ptr(sV.iterator, k_sl.inner, dtype=self.qk_dtype), k_sl.outer)
-        sP = None
-        if const_expr(self.p_smem):
-            sP = storage.sP.get_tensor(p_sl.outer, swizzle=p_sl.inner)
 
         seqlen_q = tQ.shape[0]
         seqlen_k = tK.shape[0]
@@ -585,8 +540,8 @@ class DirectPAttentionSm90:
                               m_blk, h_idx, b_idx, n_tiles)
         else:
             cute.arch.warpgroup_reg_alloc(REGS_CONSUMER[self.num_wg])
-            self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, sP, q_pipe, kv_pipe, mO, mQs, mKs, s_log2,
-                          m_offset, tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles)
+            self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
+                          tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles)
 
     @cute.jit
     def producer(self, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
@@ -626,8 +581,8 @@ class DirectPAttentionSm90:
             kv_state.advance()
 
     @cute.jit
-    def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, sP, q_pipe, kv_pipe, mO, mQs, mKs, s_log2,
-                 m_offset, tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
+    def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
+                 tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
         """One consumer warpgroup: 64 query rows against every key tile."""
         tid_wg = tidx % 128
         lane_q = tidx % 4   # column pair inside each 8-column chunk of the accumulator
@@ -643,23 +598,7 @@ class DirectPAttentionSm90:
         qk_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         qk_mma_acc.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        # r_p: P (BF16) in registers, element i at the position of acc_s[i] (the A-fragment of the RS
-        # WGMMA has the accumulator's order). p_a: PV's A operand, r_p itself or (p_operand "smem")
-        # this warpgroup's shared-memory P tile, which direct_p fills from r_p (p_store).
-        p_store = None
-        if const_expr(self.p_smem):
-            r_p = cute.make_rmem_tensor_like(acc_s, self.in_dtype)
-            sP_wg = sP[None, None, wg]
-            p_a = thr_pv.make_fragment_A(thr_pv.partition_A(sP))[None, None, None, wg]
-            # stmatrix (four 8x8 BF16 matrices per instruction) from the S accumulator's layout
-            p_copy = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                    self.in_dtype), qk_mma)
-            thr_p_copy = p_copy.get_slice(tid_wg)
-            p_store = (p_copy, thr_p_copy.retile(r_p), thr_p_copy.partition_D(sP_wg), BAR_P_STORED + wg)
-        else:
-            r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((TILE_M_PER_WG, self.tile_n)), self.in_dtype)
-            p_a = r_p
+        r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((TILE_M_PER_WG, self.tile_n)), self.in_dtype)
         row_m = cute.make_rmem_tensor((2,), Float32)
         row_l = cute.make_rmem_tensor((2,), Float32)
         row_m.fill(0.0)
@@ -703,8 +642,7 @@ class DirectPAttentionSm90:
                     kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
         elif const_expr(self.cfg.schedule == "pingpong"):
             self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                               acc_o, r_p, p_a, p_store, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg,
-                               seqlen_k, n_tiles)
+                               acc_o, r_p, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles)
         else:
             for j in cutlass.range(n_tiles, unroll=1):
                 # S = Q K^T
@@ -721,12 +659,12 @@ class DirectPAttentionSm90:
                     if j == 0:
                         self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
                 self.direct_p_tile(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
-                                   partial_last, p_store)
+                                   partial_last)
 
                 # O += P V
                 kv_pipe.consumer_wait(kv_state)
                 cute.nvgpu.warpgroup.fence()
-                cute.gemm(pv_mma, acc_o, p_a, tOrV[None, None, None, kv_state.index], acc_o)
+                cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, kv_state.index], acc_o)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_pipe.consumer_release(kv_state)
@@ -736,8 +674,7 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                      acc_o, r_p, p_a, p_store, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k,
-                      n_tiles):
+                      acc_o, r_p, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles):
         """The ping-pong schedule. Per key tile j one "tensor phase" issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} together, then Direct-P of S_j runs on the ALUs. Named barrier
         BAR_SCHED + w means "warpgroup w may issue": each warpgroup waits for its own before a
@@ -767,24 +704,24 @@ class DirectPAttentionSm90:
         kv_pipe.consumer_release(k_state)
         if const_expr(self.cfg.anchor > 0):
             self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
-        self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, 0, True, False, p_store)
+        self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, 0, True, False)
         k_state, v_state = self.next_tile_states(k_state)
         # tiles 1 .. n-2 are whole
         for j in cutlass.range(1, n_tiles - 1, unroll=1):
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                               acc_s, acc_o, r_p, p_a, p_store, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j,
-                               own_bar, other_bar, n_sched, False)
+                               acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar,
+                               other_bar, n_sched, False)
             k_state, v_state = self.next_tile_states(k_state)
         if n_tiles > 1:    # the last tile, masked (exact for a whole tile too)
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                               acc_s, acc_o, r_p, p_a, p_store, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k,
-                               n_tiles - 1, own_bar, other_bar, n_sched, True)
+                               acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles - 1,
+                               own_bar, other_bar, n_sched, True)
             k_state, v_state = self.next_tile_states(k_state)
         # the last tensor phase: O += P_{n-1} V_{n-1}
         kv_pipe.consumer_wait(v_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.fence()
-        cute.gemm(pv_mma, acc_o, p_a, tOrV[None, None, None, v_state.index], acc_o)
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
         cute.nvgpu.warpgroup.commit_group()
         if wg != last:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
@@ -802,12 +739,11 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def pingpong_step(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                      acc_s, acc_o, r_p, p_a, p_store, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar,
-                      other_bar, n_sched, masked: cutlass.Constexpr):
+                      acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar, other_bar,
+                      n_sched, masked: cutlass.Constexpr):
         """One tensor phase (S_j = Q K_j^T, then O += P_{j-1} V_{j-1} as a second group) and
         Direct-P of S_j, which starts once S_j is done while PV_{j-1} still runs; P_j goes into r_p
-        (which PV_{j-1} reads) only after wait_group(0), inside direct_p (with p_operand "smem": P_j
-        into this warpgroup's shared-memory P tile, which PV_{j-1} reads, likewise)."""
+        (which PV_{j-1} reads) only after wait_group(0), inside direct_p."""
         tile_scales = self.tile_scales(qk_scales, j)
         kv_pipe.consumer_wait(k_state)
         kv_pipe.consumer_wait(v_state)
@@ -815,13 +751,13 @@ class DirectPAttentionSm90:
         cute.nvgpu.warpgroup.fence()
         self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
         cute.nvgpu.warpgroup.commit_group()
-        cute.gemm(pv_mma, acc_o, p_a, tOrV[None, None, None, v_state.index], acc_o)
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
         cute.nvgpu.warpgroup.commit_group()
         cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(1)
         kv_pipe.consumer_release(k_state)
         self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k - j * self.tile_n, j, masked,
-                      True, p_store)
+                      True)
         kv_pipe.consumer_release(v_state)
 
     @cute.jit
@@ -904,18 +840,18 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def direct_p_tile(self, acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
-                      partial_last, p_store=None):
+                      partial_last):
         """Direct-P of key tile j (serial and overlapped schedules): the masked variant (keys >= Skv)
         only for a partial last tile."""
         kv_limit = seqlen_k - j * self.tile_n
         if partial_last and j == n_tiles - 1:
-            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, True, False, p_store)
+            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, True)
         else:
-            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, False, False, p_store)
+            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, False)
 
     @cute.jit
     def direct_p(self, acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, tile_idx,
-                 masked: cutlass.Constexpr, wait_pv: cutlass.Constexpr = False, p_store=None):
+                 masked: cutlass.Constexpr, wait_pv: cutlass.Constexpr = False):
         """Direct-P on one 64 x 128 score tile held in registers: reads the scores (never writes
         them: a non-WGMMA write to accumulator registers would make ptxas serialise the WGMMAs
         in flight), writes P-tilde * alpha' (exact in BF16) into the PV A-fragment r_p and adds
@@ -928,10 +864,7 @@ class DirectPAttentionSm90:
 
         Packed P path: after the FP32 grid rounding, the pair is packed to BF16 (exact: codes/8),
         saturated at 6/8, multiplied by (8 alpha', 8 alpha') (a power of two: exact) and its codes
-        summed on pairs (at most 4 codes/8 per half, multiples of 1/16 up to 3: exact in BF16).
-
-        ``p_store`` (p_operand "smem", packed paths only): r_p is then a plain register tile, stored
-        at the end to this warpgroup's shared-memory P tile, the A operand of the SS PV WGMMA."""
+        summed on pairs (at most 4 codes/8 per half, multiples of 1/16 up to 3: exact in BF16)."""
         cfg = self.cfg
         eighths = EIGHTHS and cfg.shift >= EIGHTHS_LOG2
         bf16codes = const_expr(cfg.code_rounding == "bf16")
@@ -1065,17 +998,6 @@ class DirectPAttentionSm90:
             cute.nvgpu.warpgroup.wait_group(0)
         for i, (pair, alpha2) in scaled.items():
             r_p2[i] = mul_bf16x2(pair, alpha2)
-        if const_expr(p_store is not None):
-            # Write-after-read: the shared P tile is the operand of PV_{j-1}. With wait_pv (ping-pong)
-            # the late wait_group(0) above has completed that WGMMA before these stores; otherwise
-            # (tile 0 of the ping-pong, the serial schedule) no PV is in flight here: the serial loop
-            # waits for each PV before the next tile. Keep the stores behind that wait.
-            p_copy, t_rp, t_sp, bar_p = p_store
-            cute.copy(p_copy, t_rp, t_sp)
-            # generic-proxy stores read by the async proxy (WGMMA): fence.proxy.async.shared::cta,
-            # then all four warps of the warpgroup (its 128 threads) before the next PV is issued
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=bar_p, number_of_threads=128)
         for r in cutlass.range_constexpr(2):
             row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
 
