@@ -115,6 +115,9 @@ def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = Tru
         compiled = cute.compile(kernel, *args, options=opts)
     dt = time.perf_counter() - t0
     rep = CompileReport(variant=dataclasses.asdict(cfg), compile_s=round(dt, 2))
+    storage = getattr(kernel, "shared_storage", None)   # set while tracing: the dynamic shared memory
+    if storage is not None:
+        rep.shared_bytes = int(storage.size_in_bytes())
     cubins = sorted(glob.glob(os.path.join(dump, "**", "*.cubin"), recursive=True), key=os.path.getmtime)
     if not cubins:
         # 4.8.1 embeds the device binary in the host module instead of honouring --keep-cubin

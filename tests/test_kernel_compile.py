@@ -28,6 +28,7 @@ VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
             "fast_bf16round", "fast_3wg", "fast_scalar", "fast_none", "fast_timing_scales", "fast_timing_codes",
             "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk"}
+SMEM_LIMIT = 227 * 1024     # dynamic shared memory per block on sm_90
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,7 @@ def test_variant_compiles_clean(name, cfg, nvdisasm):
     # FP8 Q/K: QK^T on QGMMA (FP8), PV stays HGMMA (BF16)
     assert (c.get("QGMMA", 0) > 0) == cfg.qk_fp8, c
     assert c.get("LDL", 0) == 0 and c.get("STL", 0) == 0, c
+    assert rep.shared_bytes is not None and rep.shared_bytes <= SMEM_LIMIT, rep.shared_bytes
     if name in EXP_FREE:
         assert c.get("MUFU.EX2", 0) == 0, c
     else:
