@@ -10,9 +10,10 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
   ``hopper_plain`` / ``hopper_overlap``  the whole call with the serial or the overlapped schedule
-  ``hopper@SCHEDULE/P_PATH/NUM_WG``, ``hopper_kernel@...``  a kernel variant (a part may be empty
-                    or left out: the default), e.g. ``hopper_kernel@serial/scalar`` or
-                    ``hopper@pingpong/packed/3``; see ``fp4vis.kernels.hopper_fwd.DirectPConfig``
+  ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES``, ``hopper_kernel@...``  a kernel variant (a part
+                    may be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
+                    ``hopper@pingpong/packed/3`` or ``hopper_kernel@///lane``; see
+                    ``fp4vis.kernels.hopper_fwd.DirectPConfig``
   ``hopper_fused``  the whole call with the fused (Triton) folded-K64 Q/K pre-pass, whose exact MSE
                     can choose other scales than the reference's float32 one at ties
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
@@ -164,7 +165,7 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-VARIANT_FIELDS = ("schedule", "p_path", "num_wg")
+VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales")
 
 
 def split_variant(backend: str) -> tuple[str, dict]:

@@ -272,8 +272,8 @@ def variants(head_dims=(128, 64)):
     """The kernel variants CI compiles: every supported policy x head dim with the default schedule
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
     policies with at most 64 anchors, three consumer warpgroups, and (first head dim) the scalar,
-    integer-constant and timing-only P paths with the default schedule and one serial warpgroup
-    (BF16 out)."""
+    integer-constant and timing-only P paths with the default schedule, one serial warpgroup and
+    the per-thread block constants (BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
@@ -295,6 +295,8 @@ def variants(head_dims=(128, 64)):
                 out.append((f"fast_{pp}", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_path=pp)))
             out.append(("fast_serial_1wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", schedule="serial",
                                                                      num_wg=1)))
+            for name, p in (pols[0], pols[3], pols[6]):   # block constants per thread, the earlier form
+                out.append((f"{name}_lane", DirectPConfig.from_policy(p, d, "bf16", block_scales="lane")))
     return out
 
 

@@ -64,12 +64,12 @@ def _cutlass_import_error() -> str | None:
 @functools.lru_cache(maxsize=256)
 def kernel_config(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int,
                   native_exp2: bool, anchor: int, schedule: str, p_path: str, num_wg: int,
-                  code_rounding: str, qk_fp8: bool):
+                  code_rounding: str, qk_fp8: bool, block_scales: str = ""):
     """``DirectPConfig.make`` for the custom op's arguments (""/0: the defaults), cached."""
     from .hopper_fwd import DirectPConfig
     return DirectPConfig.make(head_dim, out_dtype, affine_a, affine_b, shift, native_exp2, anchor,
                               schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None,
-                              code_rounding=code_rounding, qk_fp8=qk_fp8)
+                              code_rounding=code_rounding, qk_fp8=qk_fp8, block_scales=block_scales or None)
 
 
 def _to_cute(t: torch.Tensor, tvm_ffi: bool = False):
@@ -168,9 +168,9 @@ def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, q_sca
 def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, affine_a: float,
                            affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
                            qk_fmt: str, schedule: str = "", p_path: str = "", num_wg: int = 0,
-                           code_rounding: str = "exact") -> torch.Tensor:
+                           code_rounding: str = "exact", block_scales: str = "") -> torch.Tensor:
     """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Hopper kernel.
-    ``schedule`` / ``p_path`` / ``num_wg``: ""/0 the defaults, else a kernel variant (see
+    ``schedule`` / ``p_path`` / ``num_wg`` / ``block_scales``: ""/0 the defaults, else a kernel variant (see
     ``hopper_fwd.DirectPConfig``; for the tests and the benchmark).
 
     This plain function is the body of the custom op ``torch.ops.fp4vis.hopper_attention``;
@@ -179,7 +179,8 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = kernel_config(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
-                        shift, native_exp2, anchor, schedule, p_path, num_wg, code_rounding, qk_fmt == QK_FP8)
+                        shift, native_exp2, anchor, schedule, p_path, num_wg, code_rounding, qk_fmt == QK_FP8,
+                        block_scales)
     run_kernel(*ops, out, cfg, scale * LOG2E, margin_raw)
     return out
 
@@ -190,7 +191,7 @@ hopper_attention = torch.library.custom_op("fp4vis::hopper_attention", mutates_a
 
 @hopper_attention.register_fake
 def _hopper_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw,
-                           qk_fmt, schedule="", p_path="", num_wg=0, code_rounding="exact"):
+                           qk_fmt, schedule="", p_path="", num_wg=0, code_rounding="exact", block_scales=""):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 

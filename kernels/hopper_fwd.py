@@ -74,6 +74,12 @@ SCHEDULE = os.environ.get("FP4VIS_HOPPER_SCHEDULE", "pingpong")
 # scales (maxima, shuffles, exponents) but P = 1; "timing_codes" the codes with fixed block scales.
 P_PATHS = ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")
 P_PATH = os.environ.get("FP4VIS_HOPPER_P_PATH", "packed")
+# Block constants (DirectPConfig.block_scales): the four threads of a quad hold parts of the same
+# eight (row, 32-key block) pairs of a 128-key tile. "lane": each thread computes the exponent and
+# constants of all eight (the same values four times); "quad": thread q of the quad computes those of
+# block q (both rows) and shuffles them to the others (the same bits, fewer instructions per tile).
+BLOCK_SCALES_MODES = ("quad", "lane")
+BLOCK_SCALES = os.environ.get("FP4VIS_HOPPER_BLOCK_SCALES", "quad")
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # compute the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS = os.environ.get("FP4VIS_HOPPER_EIGHTHS", "1") == "1"
@@ -100,6 +106,7 @@ class DirectPConfig:
     num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3 needs 64-key tiles
     code_rounding: str = "exact"     # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
     qk_fp8: bool = False             # Policy.qk_format "fp8_e4m3": FP8 Q/K with power-of-two row/block scales
+    block_scales: str = BLOCK_SCALES  # see BLOCK_SCALES_MODES ("quad" needs 128-key tiles)
 
     @property
     def overlap(self) -> bool:
@@ -108,13 +115,14 @@ class DirectPConfig:
     def key(self) -> tuple:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
                 self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
-                self.code_rounding, self.qk_fp8)
+                self.code_rounding, self.qk_fp8, self.block_scales)
 
     @staticmethod
     def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
              anchor: int, schedule: str | None = None, tile_n: int | None = None,
              p_path: str | None = None, num_wg: int | None = None,
-             code_rounding: str = "exact", qk_fp8: bool = False) -> DirectPConfig:
+             code_rounding: str = "exact", qk_fp8: bool = False,
+             block_scales: str | None = None) -> DirectPConfig:
         """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
         tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
         tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule."""
@@ -148,18 +156,23 @@ class DirectPConfig:
                              "(registers: 160 per consumer thread)")
         if schedule == "overlap" and tile_n != 64:
             raise ValueError("schedule 'overlap' needs tile_n = 64")
+        block_scales = block_scales or BLOCK_SCALES
+        if block_scales not in BLOCK_SCALES_MODES:
+            raise ValueError(f"block_scales: one of {BLOCK_SCALES_MODES}, got {block_scales!r}")
+        if tile_n != 128 or p_path in ("none", "timing_codes"):
+            block_scales = "lane"   # a quad shares four blocks only in 128-key tiles; no scales to share
         return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
                              affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
                              anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path, num_wg=num_wg,
-                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8))
+                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8), block_scales=block_scales)
 
     @staticmethod
     def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,
                     tile_n: int | None = None, p_path: str | None = None,
-                    num_wg: int | None = None) -> DirectPConfig:
+                    num_wg: int | None = None, block_scales: str | None = None) -> DirectPConfig:
         return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
                                   policy.native_exp2, policy.anchor, schedule, tile_n, p_path, num_wg,
-                                  policy.code_rounding, policy.qk_fp8)
+                                  policy.code_rounding, policy.qk_fp8, block_scales)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,6 +261,31 @@ def select_f32(flag: Int32, a: Float32, b: Float32, *, loc=None, ip=None) -> Flo
     """``a`` if flag != 0 else ``b``."""
     body = "{ .reg .pred p; setp.ne.s32 p, $1, 0; selp.f32 $0, $2, $3, p; }"
     return Float32(_asm(T.f32(), [Int32(flag), Float32(a), Float32(b)], body, "=f,r,f,f", loc, ip))
+
+
+@dsl_user_op
+def quad_broadcast(x, src: int, *, loc=None, ip=None):
+    """``x`` (Float32 or Int32) of thread ``src`` (0..3) of this thread's quad (lanes 4i..4i+3):
+    shfl.sync.idx with 4-lane segments (c = segment mask 0x1C << 8 | clamp 3)."""
+    body = f"shfl.sync.idx.b32 $0, $1, {src}, 0x1C03, 0xFFFFFFFF;"
+    if isinstance(x, Int32):
+        return Int32(_asm(T.i32(), [x], body, "=r,r", loc, ip))
+    return Float32(_asm(T.f32(), [Float32(x)], body, "=f,f", loc, ip))
+
+
+@dsl_user_op
+def select_by_lane(lane: Int32, xs: list, *, loc=None, ip=None) -> Float32:
+    """``xs[lane]`` for lane in 0..3 (three selects: registers cannot be indexed at run time)."""
+    body = ("{ .reg .pred p1, p2, p3; .reg .f32 t;\n"
+            "setp.eq.s32 p1, $1, 1;\nsetp.eq.s32 p2, $1, 2;\nsetp.eq.s32 p3, $1, 3;\n"
+            "selp.f32 t, $3, $2, p1;\nselp.f32 t, $4, t, p2;\nselp.f32 $0, $5, t, p3; }")
+    return Float32(_asm(T.f32(), [Int32(lane)] + [Float32(x) for x in xs], body, "=f,r,f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def pow2_of_splat(a2: Int32, *, loc=None, ip=None) -> Float32:
+    """alpha from ``bf16x2_splat_pow2(alpha)``: its high half is the power of two's float32 bits >> 16."""
+    return Float32(_asm(T.f32(), [Int32(a2)], "and.b32 $0, $1, 0xFFFF0000;", "=f,r", loc, ip))
 
 
 @dsl_user_op
@@ -889,12 +927,13 @@ class DirectPAttentionSm90:
         rbs = [(r, b) for r in range(2) for b in range(nb)]
         s_pair = {rb: s_log2 for rb in rbs}     # score multipliers per (row, block) pair
         a_pair = {rb: a_s for rb in rbs}
+        s_rows = [s_log2, s_log2]
         if const_expr(tile_scales is not None):
             row_qs, k_scales = tile_scales
             for r in cutlass.range_constexpr(2):
-                s_row, a_row = s_log2 * row_qs[r], a_s * row_qs[r]
+                s_rows[r], a_row = s_log2 * row_qs[r], a_s * row_qs[r]
                 for b in cutlass.range_constexpr(nb):
-                    s_pair[r, b], a_pair[r, b] = s_row * k_scales[b], a_row * k_scales[b]
+                    s_pair[r, b], a_pair[r, b] = s_rows[r] * k_scales[b], a_row * k_scales[b]
         idx = {}
         vals = {}
         mx = {}
@@ -910,18 +949,26 @@ class DirectPAttentionSm90:
                 mx[r, b] = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]))
         nan_flag = [Float32(0.0), Float32(0.0)]
         consts = {}
+        splats = {}   # (alpha', alpha') BF16 pairs, where quad_block_constants made them
         if const_expr(cfg.p_path != "timing_codes"):
-            for off in (1, 2):
-                for rb in rbs:
-                    mx[rb] = fmax_nan(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
+            if const_expr(cfg.block_scales == "quad"):
+                mx_own = [self.quad_block_max(mx, r, lane_q) for r in range(2)]
+            else:
+                for off in (1, 2):
+                    for rb in rbs:
+                        mx[rb] = fmax_nan(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
             # NaN scores (non-finite inputs: the pre-pass turns them into NaN operands) must not
             # become codes 0 silently: a per-row flag, max.NaN over the block maxima (0 or a finite
             # score otherwise), is added times 0 to the denominator, which is then NaN and so is the row.
-            for r, b in rbs:
-                nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
-            for r, b in rbs:
-                u = block_exponent(mx[r, b], row_m[r], s_pair[r, b], anchored)
-                consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
+            if const_expr(cfg.block_scales == "quad"):
+                self.quad_block_constants(mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
+                                          packed, eighths)
+            else:
+                for r, b in rbs:
+                    nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
+                for r, b in rbs:
+                    u = block_exponent(mx[r, b], row_m[r], s_pair[r, b], anchored)
+                    consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
         else:
             for r, b in rbs:   # fixed block scales: no maxima, shuffles or exponent chain
                 consts[r, b] = block_constants(Int32(127), cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
@@ -978,7 +1025,7 @@ class DirectPAttentionSm90:
                 else:
                     codes[t] = e2m1_relu_round(y)
             if const_expr(packed):
-                alpha2 = bf16x2_splat_pow2(alpha)
+                alpha2 = splats[r, b] if (r, b) in splats else bf16x2_splat_pow2(alpha)
                 if const_expr(bf16codes):
                     pairs = [e2m1_bf16x2_eighths(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
                 else:
@@ -1000,6 +1047,53 @@ class DirectPAttentionSm90:
             r_p2[i] = mul_bf16x2(pair, alpha2)
         for r in cutlass.range_constexpr(2):
             row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
+
+    @staticmethod
+    def quad_block_max(mx, r, lane_q):
+        """``block_scales="quad"``: the maximum of key block q of row r over the quad, in thread q
+        (a reduce-scatter: 6 shuffles per tile instead of the butterfly's 16, which gives every
+        thread every block maximum). ``mx[r, b]``: this thread's partial maxima of the 4 blocks."""
+        hi = lane_q & 2
+        lo = lane_q & 1
+        # with the thread two lanes away: keep blocks 2 hi, 2 hi + 1, send the other two
+        k0 = fmax_nan(select_f32(hi, mx[r, 2], mx[r, 0]),
+                      cute.arch.shuffle_sync_bfly(select_f32(hi, mx[r, 0], mx[r, 2]), offset=2))
+        k1 = fmax_nan(select_f32(hi, mx[r, 3], mx[r, 1]),
+                      cute.arch.shuffle_sync_bfly(select_f32(hi, mx[r, 1], mx[r, 3]), offset=2))
+        # with the neighbour (same two blocks): keep block 2 hi + lo
+        return fmax_nan(select_f32(lo, k1, k0), cute.arch.shuffle_sync_bfly(select_f32(lo, k0, k1), offset=1))
+
+    def quad_block_constants(self, mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
+                             packed: bool, eighths: bool):
+        """``block_scales="quad"``: thread q of each quad computes the exponent and constants of key
+        block q for both rows from ``mx_own`` (``quad_block_max``) and the quad's shuffles hand them
+        to the other three threads; the same operations as the per-thread form, so the same bits.
+        Fills ``consts[r, b]`` = (alpha', affine constant, native constant) and, on the packed path,
+        ``splats[r, b]`` = (alpha', alpha') in BF16 (alpha' is read back off the pair). The NaN flag
+        is taken over the owned blocks only: the quad's four threads together see every block, and
+        the denominator is summed over the quad at the end."""
+        cfg = self.cfg
+        nb = self.tile_n // DP_BLOCK
+        k_own = None
+        if tile_scales is not None:
+            k_own = select_by_lane(lane_q, tile_scales[1])
+        own = []
+        for r in range(2):
+            nan_flag[r] = fmax_nan(nan_flag[r], mx_own[r])
+            s_own = s_rows[r] if k_own is None else s_rows[r] * k_own
+            u = block_exponent(mx_own[r], row_m[r], s_own, cfg.anchor > 0)
+            alpha, kaff, knat = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
+            own.append((alpha, kaff, knat, bf16x2_splat_pow2(alpha) if packed else None))
+        for r in range(2):
+            alpha, kaff, knat, splat = own[r]
+            for b in range(nb):
+                if packed:
+                    splats[r, b] = quad_broadcast(splat, b)
+                    alpha_b = pow2_of_splat(splats[r, b])
+                else:
+                    alpha_b = quad_broadcast(alpha, b)
+                knat_b = quad_broadcast(knat, b) if cfg.native_exp2 else knat
+                consts[r, b] = (alpha_b, quad_broadcast(kaff, b), knat_b)
 
     @cute.jit
     def epilogue(self, thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q):

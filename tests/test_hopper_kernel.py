@@ -143,9 +143,16 @@ def test_torch_compile_no_graph_break():
     assert rel_l2(out, ref) <= TOL
 
 
+# (schedule, p_path, num_wg[, block_scales]); the default block_scales is "quad" (128-key tiles)
 KERNEL_VARIANTS = [("pingpong", "packed", 2), ("pingpong", "scalar", 2), ("serial", "packed", 2),
                    ("serial", "scalar", 2), ("overlap", "packed", 2), ("pingpong", "packed", 3),
-                   ("serial", "packed", 3), ("pingpong", "packed_alu", 2), ("serial", "packed", 1)]
+                   ("serial", "packed", 3), ("pingpong", "packed_alu", 2), ("serial", "packed", 1),
+                   ("pingpong", "packed", 2, "lane"), ("serial", "scalar", 2, "lane")]
+
+
+def variant_kwargs(variant) -> dict:
+    schedule, p_path, num_wg, *rest = variant
+    return dict(schedule=schedule, p_path=p_path, num_wg=num_wg, block_scales=rest[0] if rest else "")
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: "-".join(map(str, v)))
@@ -155,17 +162,33 @@ def test_kernel_variants_match_reference(policy, shape, variant):
     """Every schedule (ping-pong and serial with 128-key tiles, overlapped with 64-key tiles; the
     128-anchor guard runs the default schedule in place of the overlapped one), the P paths (packed
     with the FFMA or the integer rounding constant, scalar), one (serial), two and three consumer
-    warpgroups (three: 64-key tiles; the guard keeps two), odd and even tile counts."""
+    warpgroups (three: 64-key tiles; the guard keeps two), odd and even tile counts, block constants
+    per quad (the default) and per thread."""
     policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
     pol = fp4vis.get_policy(policy)
     q, k, v = make_inputs(shape, torch.bfloat16, "wide", policy, seed=7)
     scale = 1 / math.sqrt(shape[-1])
-    schedule, p_path, num_wg = variant
     out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, shape[-1], scale),
-                                            schedule=schedule, p_path=p_path, num_wg=num_wg)
+                                            **variant_kwargs(variant))
     ref = reference(q, k, v, policy)
     assert bool(torch.isfinite(out).all())
     assert rel_l2(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["wide", "gauss"])
+@pytest.mark.parametrize("shape", SHAPES + [(1, 1, 64, 64 * 7 + 5, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("policy", ["fast", "accurate", "guard", "fast_bf16round", "fast_fp8qk"])
+def test_quad_block_constants_bit_identical(policy, shape, kind):
+    """Block constants made once per quad and shuffled (block_scales "quad", the default) give the same
+    bits as every thread making all of them ("lane"): the same operations, only where they run."""
+    policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
+    pol = fp4vis.get_policy(policy)
+    q, k, v = make_inputs(shape, torch.bfloat16, kind, policy, seed=17)
+    scale = 1 / math.sqrt(shape[-1])
+    kw = policy_args(pol, shape[-1], scale)
+    quad = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, block_scales="quad")
+    lane = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, block_scales="lane")
+    assert torch.equal(quad, lane), f"max |diff| {(quad.float() - lane.float()).abs().max().item()}"
 
 
 E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -281,7 +304,8 @@ def test_fp8qk_kernel_error_is_fp8_accumulation(shape, kind):
     assert err_tc <= 1e-3 and err_float32 < 0.1
 
 
-@pytest.mark.parametrize("variant", [("pingpong", "packed", 2), ("pingpong", "packed", 3), ("serial", "scalar", 2)],
+@pytest.mark.parametrize("variant", [("pingpong", "packed", 2), ("pingpong", "packed", 3), ("serial", "scalar", 2),
+                                     ("pingpong", "packed", 2, "lane")],
                          ids=lambda v: "-".join(map(str, v)))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fp8qk_spread_scales(shape, variant):
@@ -299,9 +323,7 @@ def test_fp8qk_spread_scales(shape, variant):
     k = k * block_scale.repeat_interleave(32, 2)[:, :, :skv]
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     scale = 1 / math.sqrt(d)
-    schedule, p_path, num_wg = variant
-    out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, d, scale),
-                                            schedule=schedule, p_path=p_path, num_wg=num_wg)
+    out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, d, scale), **variant_kwargs(variant))
     assert bool(torch.isfinite(out).all())
     assert rel_l2(out, reference(q, k, v, pol)) <= TOL
 

@@ -27,7 +27,7 @@ prepare_operands = importlib.import_module("fp4vis.kernels.hopper_prepass").prep
 VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
             "fast_bf16round", "fast_3wg", "fast_scalar", "fast_none", "fast_timing_scales", "fast_timing_codes",
-            "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk"}
+            "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk", "fast_lane", "fast_fp8qk_lane"}
 SMEM_LIMIT = 227 * 1024     # dynamic shared memory per block on sm_90
 
 
@@ -114,6 +114,28 @@ def test_fp8_config_plumbing():
     assert DirectPConfig.from_policy(POLICIES["fast_bf16round"], 128, "bf16").code_rounding == "bf16"
     with pytest.raises(ValueError, match="qk_fp8 with anchors"):
         DirectPConfig.make(128, "bf16", 1.5, 1.2, 16, False, 32, qk_fp8=True)
+
+
+def test_block_scales_config_plumbing():
+    """block_scales: "quad" by default with 128-key tiles, "lane" selectable (in the key, from the
+    benchmark's variant syntax and the custom op's argument), "lane" wherever 64-key tiles are used."""
+    from fp4vis.evals.kernel_bench import split_variant
+    from fp4vis.kernels.hopper_backend import kernel_config
+    from fp4vis.kernels.hopper_fwd import DirectPConfig
+    fast = POLICIES["fast"]
+    quad = DirectPConfig.from_policy(fast, 128, "bf16")
+    lane = DirectPConfig.from_policy(fast, 128, "bf16", block_scales="lane")
+    assert quad.block_scales == "quad" and lane.block_scales == "lane" and quad.key() != lane.key()
+    assert DirectPConfig.from_policy(fast, 128, "bf16", schedule="overlap").block_scales == "lane"
+    assert DirectPConfig.from_policy(fast, 128, "bf16", num_wg=3).block_scales == "lane"
+    with pytest.raises(ValueError, match="block_scales"):
+        DirectPConfig.from_policy(fast, 128, "bf16", block_scales="warp")
+    base, kw = split_variant("hopper_kernel@///lane")
+    assert base == "hopper_kernel" and kw == {"block_scales": "lane"}
+    assert DirectPConfig.from_policy(fast, 128, "bf16", **kw).key() == lane.key()
+    args = (128, "bf16", fast.affine_a, fast.affine_b, fast.shift, fast.native_exp2, fast.anchor, "", "", 0,
+            fast.code_rounding, False)
+    assert kernel_config(*args).key() == quad.key() and kernel_config(*args, "lane").key() == lane.key()
 
 
 def test_backend_registers_and_explains_cpu():
