@@ -171,7 +171,7 @@ VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales")
 def split_variant(backend: str) -> tuple[str, dict]:
     """``"hopper_kernel@serial/scalar/3"`` -> ("hopper_kernel", {schedule: "serial", p_path: "scalar",
     num_wg: 3}): the kernel variant's fields in VARIANT_FIELDS order, empty or missing fields left at
-    the defaults (hopper_fwd.DirectPConfig)."""
+    the defaults (hopper_fwd.DirectPConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"}."""
     base, _, variant = backend.partition("@")
     parts = variant.split("/") if variant else []
     kw = {f: v for f, v in zip(VARIANT_FIELDS, parts) if v}

@@ -105,9 +105,14 @@ def available_backends() -> dict[str, str | None]:
     return result
 
 
+def device_capability(index: int | None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of CUDA device ``index`` (None: the current device),
+    cached (it is asked on every call)."""
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
 @functools.cache
-def device_capability(index: int) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability`` of CUDA device ``index``, cached (asked on every call)."""
+def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
@@ -115,8 +120,7 @@ def kernel_backend_name(device: torch.device) -> str | None:
     """The kernel backend ``auto`` tries on this device (None: the reference is the only choice)."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _AUTO_BY_CAPABILITY.get(device_capability(index))
+    return _AUTO_BY_CAPABILITY.get(device_capability(device.index))
 
 
 def _warn_once(key: str, message: str) -> None:

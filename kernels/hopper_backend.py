@@ -65,7 +65,9 @@ def _cutlass_import_error() -> str | None:
 def kernel_config(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int,
                   native_exp2: bool, anchor: int, schedule: str, p_path: str, num_wg: int,
                   code_rounding: str, qk_fp8: bool, block_scales: str = ""):
-    """``DirectPConfig.make`` for the custom op's arguments (""/0: the defaults), cached."""
+    """``DirectPConfig.make`` for the custom op's arguments (""/0: the defaults), cached: the module
+    defaults ``make`` reads (hopper_fwd.SCHEDULE, P_PATH, BLOCK_SCALES, ...; set from the environment
+    at import) are taken at first use, so code that changes them must call ``kernel_config.cache_clear()``."""
     from .hopper_fwd import DirectPConfig
     return DirectPConfig.make(head_dim, out_dtype, affine_a, affine_b, shift, native_exp2, anchor,
                               schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None,

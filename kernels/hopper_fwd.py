@@ -266,7 +266,8 @@ def select_f32(flag: Int32, a: Float32, b: Float32, *, loc=None, ip=None) -> Flo
 @dsl_user_op
 def quad_broadcast(x, src: int, *, loc=None, ip=None):
     """``x`` (Float32 or Int32) of thread ``src`` (0..3) of this thread's quad (lanes 4i..4i+3):
-    shfl.sync.idx with 4-lane segments (c = segment mask 0x1C << 8 | clamp 3)."""
+    shfl.sync.idx with 4-lane segments (c = segment mask 0x1C << 8 | clamp 3, which selects the same
+    lanes as CUDA's width-4 value 0x1C1F)."""
     body = f"shfl.sync.idx.b32 $0, $1, {src}, 0x1C03, 0xFFFFFFFF;"
     if isinstance(x, Int32):
         return Int32(_asm(T.i32(), [x], body, "=r,r", loc, ip))
@@ -456,6 +457,9 @@ class DirectPAttentionSm90:
         if cfg.anchor > cfg.tile_n:
             raise ValueError(f"anchor: at most tile_n = {cfg.tile_n} anchor samples (one key tile), "
                              f"got {cfg.anchor}")
+        if cfg.block_scales == "quad" and (cfg.tile_n != 128 or cfg.p_path in ("none", "timing_codes")):
+            raise ValueError(f"block_scales: 'quad' needs 128-key tiles and block scales (tile_n {cfg.tile_n}, "
+                             f"p_path {cfg.p_path!r}); DirectPConfig.make picks 'lane' there")
         self.cfg = cfg
         self.head_dim = cfg.head_dim
         self.o_dtype = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
@@ -950,20 +954,18 @@ class DirectPAttentionSm90:
         nan_flag = [Float32(0.0), Float32(0.0)]
         consts = {}
         splats = {}   # (alpha', alpha') BF16 pairs, where quad_block_constants made them
+        # NaN scores (non-finite inputs: the pre-pass turns them into NaN operands) must not become
+        # codes 0 silently: a per-row flag, max.NaN over the block maxima (0 or a finite score
+        # otherwise), is added times 0 to the denominator, which is then NaN and so is the row.
         if const_expr(cfg.p_path != "timing_codes"):
             if const_expr(cfg.block_scales == "quad"):
                 mx_own = [self.quad_block_max(mx, r, lane_q) for r in range(2)]
+                self.quad_block_constants(mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
+                                          packed, eighths)
             else:
                 for off in (1, 2):
                     for rb in rbs:
                         mx[rb] = fmax_nan(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
-            # NaN scores (non-finite inputs: the pre-pass turns them into NaN operands) must not
-            # become codes 0 silently: a per-row flag, max.NaN over the block maxima (0 or a finite
-            # score otherwise), is added times 0 to the denominator, which is then NaN and so is the row.
-            if const_expr(cfg.block_scales == "quad"):
-                self.quad_block_constants(mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
-                                          packed, eighths)
-            else:
                 for r, b in rbs:
                     nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
                 for r, b in rbs:
@@ -1051,7 +1053,7 @@ class DirectPAttentionSm90:
     @staticmethod
     def quad_block_max(mx, r, lane_q):
         """``block_scales="quad"``: the maximum of key block q of row r over the quad, in thread q
-        (a reduce-scatter: 6 shuffles per tile instead of the butterfly's 16, which gives every
+        (a reduce-scatter: 3 shuffles per row instead of the butterfly's 8, which gives every
         thread every block maximum). ``mx[r, b]``: this thread's partial maxima of the 4 blocks."""
         hi = lane_q & 2
         lo = lane_q & 1
@@ -1092,7 +1094,7 @@ class DirectPAttentionSm90:
                     alpha_b = pow2_of_splat(splats[r, b])
                 else:
                     alpha_b = quad_broadcast(alpha, b)
-                knat_b = quad_broadcast(knat, b) if cfg.native_exp2 else knat
+                knat_b = quad_broadcast(knat, b) if cfg.native_exp2 else None   # read only at native positions
                 consts[r, b] = (alpha_b, quad_broadcast(kaff, b), knat_b)
 
     @cute.jit

@@ -175,17 +175,39 @@ def test_kernel_variants_match_reference(policy, shape, variant):
     assert rel_l2(out, ref) <= TOL
 
 
-@pytest.mark.parametrize("kind", ["wide", "gauss"])
+def spread_inputs(shape, policy, seed):
+    """Gaussian q, k, v (BF16) with every query row and every 32-key block scaled by its own power of
+    two (2^-4 .. 2^2): Gaussian inputs alone give nearly one exponent per block and row everywhere, so
+    a scale or block constant applied to the wrong row, block, tile or thread shows up."""
+    b, h, sq, skv, d = shape
+    q, k, v = make_inputs(shape, torch.float32, "gauss", policy, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    q = q * 2.0 ** torch.randint(-4, 3, (b, h, sq, 1), device="cuda", generator=g)
+    block_scale = 2.0 ** torch.randint(-4, 3, (b, h, -(-skv // 32), 1), device="cuda", generator=g)
+    k = k * block_scale.repeat_interleave(32, 2)[:, :, :skv]
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+QUAD_POLICIES = ["fast", "wan_fast", "accurate", "guard", "fast_bf16round", "fast_fp8qk"]
+QUAD_CASES = ([(p, "pingpong", "packed") for p in QUAD_POLICIES]
+              + [(p, "serial", "scalar") for p in ("fast", "accurate")])
+
+
+@pytest.mark.parametrize("kind", ["wide", "gauss", "spread"])
 @pytest.mark.parametrize("shape", SHAPES + [(1, 1, 64, 64 * 7 + 5, 128)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("policy", ["fast", "accurate", "guard", "fast_bf16round", "fast_fp8qk"])
-def test_quad_block_constants_bit_identical(policy, shape, kind):
+@pytest.mark.parametrize("case", QUAD_CASES, ids=lambda c: "-".join(c))
+def test_quad_block_constants_bit_identical(case, shape, kind):
     """Block constants made once per quad and shuffled (block_scales "quad", the default) give the same
-    bits as every thread making all of them ("lane"): the same operations, only where they run."""
+    bits as every thread making all of them ("lane"): the same operations, only where they run. Both
+    P paths (packed: alpha' read back off the BF16 pair; scalar: alpha' shuffled itself), both
+    128-key schedules, native exp2 positions and anchors, per-row and per-block spread scales."""
+    policy, schedule, p_path = case
     policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
     pol = fp4vis.get_policy(policy)
-    q, k, v = make_inputs(shape, torch.bfloat16, kind, policy, seed=17)
+    q, k, v = (spread_inputs(shape, policy, 17) if kind == "spread"
+               else make_inputs(shape, torch.bfloat16, kind, policy, seed=17))
     scale = 1 / math.sqrt(shape[-1])
-    kw = policy_args(pol, shape[-1], scale)
+    kw = dict(policy_args(pol, shape[-1], scale), schedule=schedule, p_path=p_path)
     quad = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, block_scales="quad")
     lane = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, block_scales="lane")
     assert torch.equal(quad, lane), f"max |diff| {(quad.float() - lane.float()).abs().max().item()}"
@@ -314,14 +336,8 @@ def test_fp8qk_spread_scales(shape, variant):
     scale applied to the wrong row, block, tile or warpgroup shows up. 64- and 128-key tiles."""
     policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
     pol = fp4vis.get_policy("fast_fp8qk")
-    b, h, sq, skv, d = shape
-    q, k, v = make_inputs(shape, torch.float32, "gauss", "fast_fp8qk", seed=13)
-    g = torch.Generator(device="cuda").manual_seed(14)
-    q = q * 2.0 ** torch.randint(-4, 3, (b, h, sq, 1), device="cuda", generator=g)
-    nblk = -(-skv // 32)
-    block_scale = 2.0 ** torch.randint(-4, 3, (b, h, nblk, 1), device="cuda", generator=g)
-    k = k * block_scale.repeat_interleave(32, 2)[:, :, :skv]
-    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    d = shape[-1]
+    q, k, v = spread_inputs(shape, "fast_fp8qk", 13)
     scale = 1 / math.sqrt(d)
     out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, d, scale), **variant_kwargs(variant))
     assert bool(torch.isfinite(out).all())

@@ -7,6 +7,7 @@
 * the backend module imports and registers on a machine without a GPU, and says why it cannot run.
 """
 
+import dataclasses
 import importlib
 import math
 import os
@@ -121,13 +122,17 @@ def test_block_scales_config_plumbing():
     benchmark's variant syntax and the custom op's argument), "lane" wherever 64-key tiles are used."""
     from fp4vis.evals.kernel_bench import split_variant
     from fp4vis.kernels.hopper_backend import kernel_config
-    from fp4vis.kernels.hopper_fwd import DirectPConfig
+    from fp4vis.kernels.hopper_fwd import DirectPAttentionSm90, DirectPConfig
     fast = POLICIES["fast"]
     quad = DirectPConfig.from_policy(fast, 128, "bf16")
     lane = DirectPConfig.from_policy(fast, 128, "bf16", block_scales="lane")
     assert quad.block_scales == "quad" and lane.block_scales == "lane" and quad.key() != lane.key()
     assert DirectPConfig.from_policy(fast, 128, "bf16", schedule="overlap").block_scales == "lane"
     assert DirectPConfig.from_policy(fast, 128, "bf16", num_wg=3).block_scales == "lane"
+    for p_path in ("none", "timing_codes"):   # no block scales to share
+        assert DirectPConfig.from_policy(fast, 128, "bf16", p_path=p_path).block_scales == "lane"
+    with pytest.raises(ValueError, match="block_scales"):   # built directly, past make's choice
+        DirectPAttentionSm90(dataclasses.replace(quad, tile_n=64))
     with pytest.raises(ValueError, match="block_scales"):
         DirectPConfig.from_policy(fast, 128, "bf16", block_scales="warp")
     base, kw = split_variant("hopper_kernel@///lane")
