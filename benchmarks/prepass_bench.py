@@ -20,12 +20,14 @@ Sections (each one a key of the JSON, written after every section; ``--skip`` le
    that input signature is dropped before it) and the second (the direct launcher when
    ``FAST_LAUNCH`` is on), each with the launch path taken and ``LAUNCH_STATE``. Also NaN/Inf inputs:
    NaN operands exactly where the (permuted) input is not finite, other rows and key blocks
-   unchanged.
+   unchanged. The NVFP4 check runs both E2M1 code forms of the search (FP16 pairs, the default
+   on the GPU, and float32: ``differing_qkv_f32_codes``).
 3. ``prepass``: pre-pass time per shape, CUDA events around each call, median, inputs rotated over
    enough copies to exceed the 50 MB L2; host time of the Python call (perf_counter, no
    synchronisation). NVFP4: old (three launches, ``--old``: the previous module) against new, per
    tile variant; FP8 (``fp8_*`` keys): the fused pre-pass (default warps and 8 warps) and the PyTorch
-   formulation, on the same shapes and inputs.
+   formulation, on the same shapes and inputs. ``new_f16codes_ms`` / ``new_f32codes_ms``: the NVFP4
+   pre-pass with its E2M1 codes on FP16 pairs / in float32, side by side.
 4. ``calls``: the whole ``torch.ops.fp4vis.hopper_attention`` call for policy ``fast`` (the row's
    top-level keys) and ``fast_fp8qk`` (the same keys nested under ``row["fast_fp8qk"]``), and SDPA
    cuDNN: GPU time (CUDA events) and host time per call, without and with a synchronisation, a
@@ -33,7 +35,8 @@ Sections (each one a key of the JSON, written after every section; ``--skip`` le
    dispatch) and the call's relative L2 distance to SDPA (a sanity check of what was timed). For
    S <= 1024 (host-bound: the issue's small-shape target) also the public ``fp4vis.attention`` call
    (``api_ms`` with ``range_check="off"``, ``api_raise_ms`` with the default check, ``api_host_us``)
-   and the GPU time per call replayed from a CUDA graph (``graph_ms``, ``sdpa_cudnn_graph_ms``).
+   and the GPU time per call replayed from a CUDA graph (``graph_ms``, ``sdpa_cudnn_graph_ms``), and
+   of its two parts alone (``prepass_graph_ms``, ``kernel_graph_ms``).
 
 Host timings take at most 200 calls and about ``HOST_BUDGET_S`` of wall time each (at least 32
 calls), so that the 32k-token shape does not dominate the run. Also recorded: the final
@@ -56,7 +59,8 @@ import traceback
 
 import torch
 
-SHAPES = [(1, 4096, 24, 128), (1, 32768, 24, 128), (1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64)]
+SHAPES = [(1, 4096, 24, 128), (1, 32768, 24, 128), (1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64),
+          (8, 577, 16, 64)]
 SMALL_S = 1024       # the issue's small-shape target (whole call within 1.25x of SDPA cuDNN) is S <= 1024
 GRAPH_CALLS = 8      # calls per captured CUDA graph (time_graph)
 L2_BYTES = 50 * 2**20
@@ -147,6 +151,7 @@ def bit_check(tp, log) -> dict:
         perm = cached_anchor_permutation(sk, anchor, q.device, torch.int32) if anchor else None
         for _ in range(2):   # the second call goes through the cached direct launcher
             yq, yk, yv = tp.prepass(q, k, v, layout, perm)
+        f32_form = tp.prepass(q, k, v, layout, perm, f16_codes=False) if hasattr(tp, "F16_CODES") else None
         kk, vv = (k[:, :, perm.long()], v[:, :, perm.long()]) if anchor else (k, v)
         ref = (nvfp4_qdq(q, layout).to(torch.bfloat16), nvfp4_qdq(kk, layout).to(torch.bfloat16),
                mxfp4_qdq(vv, times_six=True).to(torch.bfloat16))
@@ -156,6 +161,12 @@ def bit_check(tp, log) -> dict:
         total_vals += n
         cases.append(dict(dtype=str(dtype), d=d, layout=layout, kind=kind, anchor=anchor, shape=[b, h, sq, sk],
                           values=n, differing_qkv=diffs))
+        if f32_form is not None:   # the other E2M1 code form (float32 when the default is FP16 pairs)
+            diffs32 = [int((a.view(torch.int16) != r.view(torch.int16)).sum()) for a, r in zip(f32_form, ref)]
+            cases[-1]["f16_codes_default"] = tp.F16_CODES
+            cases[-1]["differing_qkv_f32_codes"] = diffs32
+            total_diff += sum(diffs32)
+            total_vals += n
         if sum(diffs):
             if layout == "folded64_mse":
                 cases[-1]["exact_check"] = _exact_check((q, kk), (yq, yk), ref[:2])
@@ -416,7 +427,7 @@ def bench_shapes(tp, old, log, fp8: bool = True) -> list:
 
 def _prepass_one(tp, old, shape, log, fp8: bool = True) -> dict:
     b, s, h, d = shape
-    variants = [(16, 4), (32, 8)]
+    variants = [(16, 4), (32, 8)] + ([(16, 2), (32, 4)] if d == 64 else [])
     nbytes = 3 * b * h * s * d * 2
     n = _copies(nbytes)
     ins = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)) for _ in range(n)]
@@ -426,9 +437,15 @@ def _prepass_one(tp, old, shape, log, fp8: bool = True) -> dict:
         if old is not None:
             row["old_ms" + tag] = time_events(lambda i, lay=layout: old_prepass(old, *ins[i], lay, None), n)
             row["old_host_us" + tag] = time_host(lambda i, lay=layout: old_prepass(old, *ins[i], lay, None), n)
-        for br, nw in variants if layout == "folded64_mse" else [(tp.BLOCK_R, tp.NUM_WARPS)]:
+        for br, nw in variants if layout == "folded64_mse" else [(tp.BLOCK_R, tp.default_warps(d))]:
             row[f"new_r{br}_w{nw}_ms" + tag] = time_events(
                 lambda i, lay=layout, br=br, nw=nw: tp.prepass(*ins[i], lay, None, br, nw), n)
+        if hasattr(tp, "F16_CODES"):   # the E2M1 codes in float32 instead of on FP16 pairs, same launch
+            row["f16_codes_default"] = tp.F16_CODES
+            row["new_f32codes_ms" + tag] = time_events(
+                lambda i, lay=layout: tp.prepass(*ins[i], lay, None, None, None, False), n)
+            row["new_f16codes_ms" + tag] = time_events(
+                lambda i, lay=layout: tp.prepass(*ins[i], lay, None, None, None, True), n)
         row["new_host_us" + tag] = time_host(lambda i, lay=layout: tp.prepass(*ins[i], lay, None), n)
     if fp8:
         try:
@@ -442,14 +459,15 @@ def _prepass_one(tp, old, shape, log, fp8: bool = True) -> dict:
 
 def _fp8_prepass_times(tp, ins, n, row) -> None:
     """FP8 pre-pass keys of a prepass row: the fused pre-pass with the default warps (fp8_ms,
-    fp8_host_us) and 8 warps (fp8_w8_ms), the PyTorch formulation (fp8_torch_ms), bytes read + written."""
+    fp8_host_us) and with 2, 4 and 8 warps (fp8_w{2,4,8}_ms), the PyTorch formulation (fp8_torch_ms),
+    bytes read + written."""
     from fp4vis.kernels.hopper_prepass import prepare_fp8_operands
     outs = tp.fp8_prepass(*ins[0])
     row["fp8_bytes_moved"] = sum(t.numel() * t.element_size() for t in ins[0] + tuple(outs))
     del outs
     row["fp8_ms"] = time_events(lambda i: tp.fp8_prepass(*ins[i]), n)
-    if tp.NUM_WARPS != 8:
-        row["fp8_w8_ms"] = time_events(lambda i: tp.fp8_prepass(*ins[i], None, 8), n)
+    for warps in (2, 4, 8):
+        row[f"fp8_w{warps}_ms"] = time_events(lambda i, w=warps: tp.fp8_prepass(*ins[i], None, w), n)
     row["fp8_host_us"] = time_host(lambda i: tp.fp8_prepass(*ins[i]), n)
     row["fp8_torch_ms"] = time_events(lambda i: prepare_fp8_operands(*ins[i], 0, fused=False), n)
 
@@ -553,6 +571,9 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
 
     row["kernel_ms"] = time_events(kern, m)
     row["kernel_host_us"] = time_host(kern, m)
+    if ins[0][0].shape[-2] <= SMALL_S:   # the graph-replayed call split: pre-pass alone, kernel alone
+        row["prepass_graph_ms"] = time_graph(lambda i: prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]))
+        row["kernel_graph_ms"] = time_graph(kern)
 
 
 def _public_api_times(name, ins, n, scale, kw, row) -> None:
@@ -625,6 +646,7 @@ def main():
     meta = dict(date=dt.datetime.now(dt.UTC).isoformat(), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                 defaults=dict(block_r=tp.BLOCK_R, num_warps=tp.NUM_WARPS,
+                              num_warps_d64=getattr(tp, "NUM_WARPS_D64", None),
                               fp8_block_q=getattr(tp, "FP8_BLOCK_Q", None)),
                 host_budget_s=HOST_BUDGET_S, skip=sorted(skip), launch_hooks_at_start=_launch_hooks(tp))
     res = dict(meta=meta)

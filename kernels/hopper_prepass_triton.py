@@ -122,12 +122,48 @@ def _e2m1(x):
 
 
 @triton.jit
-def _code(ax, r):
+def _code(ax, r, F16: tl.constexpr):
     """E2M1 magnitude of ax / sc given r = rcp(sc) (r = 0 for sc = 0): exact, see the module doc.
-    (t + 2048) - 2048 rounds t < 2048 to a multiple of 2^-12; larger t saturate anyway."""
+    F16: ``_e2m1_mag_f16`` on pairs (the snap is the conversion to FP16). Otherwise (t + 2048) - 2048
+    rounds t < 2048 to a multiple of 2^-12 (larger t saturate anyway), then ``_e2m1_mag``."""
     t = ax * r
+    if F16:
+        return _e2m1_mag_f16(t)
     t = (t + 2048.0) - 2048.0
     return _e2m1_mag(t)
+
+
+@triton.jit
+def _e2m1_mag_f16(t):
+    """``_e2m1_mag`` of the snapped t >= 0 (float32 t = ax * rcp(sc)), two values at a time on FP16x2:
+    convert to FP16 (round to nearest), min 6, and the grid trick with C = max(2^(e + 9), 2^9) (FP16
+    has 10 mantissa bits), back to float32: 9 instructions per pair where the float32 form takes 16.
+    Exact: t is within 2^-22 relative of ax / sc, which is either an E2M1 midpoint b (3 significant
+    bits: an FP16 value, and t lies well inside its half-ulp, so the conversion lands on b exactly)
+    or at least b 2^-9 away from every midpoint (the module doc), more than an FP16 ulp at b (b
+    2^-10 at most), so the conversion cannot reach b. Below 2^-14 (FP16 subnormals) everything
+    rounds to 0 either way; t >= 65520 converts to +inf and the min gives 6; NaN gives 6, as
+    ``_e2m1_mag`` does (min returns the non-NaN operand). ``fp4vis.formats`` states the same
+    rounding; ``tests/test_prepass.py`` checks this arithmetic exhaustively on the CPU (every BF16
+    magnitude against every E4M3 scale) and the GPU bit check the PTX."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 p, c, f;
+        .reg .b16 l, h;
+        cvt.rn.f16x2.f32 p, $3, $2;
+        mov.b32 f, 0x46004600;
+        min.f16x2 p, p, f;
+        and.b32 c, p, 0x7C007C00;
+        add.u32 c, c, 0x24002400;
+        mov.b32 f, 0x60006000;
+        max.f16x2 c, c, f;
+        add.rn.f16x2 p, p, c;
+        sub.rn.f16x2 p, p, c;
+        mov.b32 {l, h}, p;
+        cvt.f32.f16 $0, l;
+        cvt.f32.f16 $1, h;
+        }""",
+        constraints="=f,=f,f,f", args=[t], dtype=tl.float32, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -161,7 +197,7 @@ def _mult_rt(i):
 
 
 @triton.jit
-def _cand_err(alo, ahi, alo2, ahi2, sc):
+def _cand_err(alo, ahi, alo2, ahi2, sc, F16: tl.constexpr):
     """sum over the 32 values of P (P - 2|x|), P = c * sc, exactly, as float64 (see module doc;
     valid when sc is the unsaturated E4M3 rounding of base * m)."""
     r = _rcp(sc)
@@ -172,8 +208,8 @@ def _cand_err(alo, ahi, alo2, ahi2, sc):
     sc3 = sc[:, :, None]
     scu3 = scu[:, :, None]
     r3 = r[:, :, None]
-    c_lo = _code(alo, r3)
-    c_hi = _code(ahi, r3)
+    c_lo = _code(alo, r3, F16)
+    c_hi = _code(ahi, r3, F16)
     f_lo = tl.fma(c_lo * scu3, tl.fma(c_lo, sc3, -alo2), _MAGIC)    # MAGIC + P (P - 2|x|) / U
     f_hi = tl.fma(c_hi * scu3, tl.fma(c_hi, sc3, -ahi2), _MAGIC)
     n = (f_lo.to(tl.int32, bitcast=True) - _MAGIC_BITS) + (f_hi.to(tl.int32, bitcast=True) - _MAGIC_BITS)
@@ -182,34 +218,34 @@ def _cand_err(alo, ahi, alo2, ahi2, sc):
 
 
 @triton.jit
-def _cand_err64(alo, ahi, alo2, ahi2, sc):
+def _cand_err64(alo, ahi, alo2, ahi2, sc, F16: tl.constexpr):
     """sum over the 32 values of P (P - 2|x|), P = c * sc, in float64 as fp4vis.formats computes it
     (alo2, ahi2: 2|x| in float64): exact, in any summation order, unless the group is huge."""
     sc3 = sc[:, :, None]
     r3 = _rcp(sc)[:, :, None]
-    p_lo = (_code(alo, r3) * sc3).to(tl.float64)       # exact: at most 6 significant bits
-    p_hi = (_code(ahi, r3) * sc3).to(tl.float64)
+    p_lo = (_code(alo, r3, F16) * sc3).to(tl.float64)       # exact: at most 6 significant bits
+    p_hi = (_code(ahi, r3, F16) * sc3).to(tl.float64)
     return tl.sum(p_lo * (p_lo - alo2), axis=2) + tl.sum(p_hi * (p_hi - ahi2), axis=2)
 
 
 @triton.jit
-def _best_scale(alo, ahi, alo2, ahi2, base, WIDE: tl.constexpr):
+def _best_scale(alo, ahi, alo2, ahi2, base, WIDE: tl.constexpr, F16: tl.constexpr):
     """The first folded-K64 candidate scale with the least error (a later one wins only when
     strictly better), errors from ``_cand_err`` (exact integer units) or, WIDE, ``_cand_err64``
     (float64). A loop, not unrolled (keeps the code small); candidate 9, the second m = 1.0, gives
     the first's scale and can never be strictly better: skipped."""
     best_sc = _e4m3(base * 1.0)
     if WIDE:
-        best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc)
+        best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc, F16)
     else:
-        best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc)
+        best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc, F16)
     for i in range(1, 12):
         if i != 9:
             sc = _e4m3(base * _mult_rt(i))
             if WIDE:
-                err = _cand_err64(alo, ahi, alo2, ahi2, sc)
+                err = _cand_err64(alo, ahi, alo2, ahi2, sc, F16)
             else:
-                err = _cand_err(alo, ahi, alo2, ahi2, sc)
+                err = _cand_err(alo, ahi, alo2, ahi2, sc, F16)
             better = err < best_err
             best_err = tl.where(better, err, best_err)
             best_sc = tl.where(better, sc, best_sc)
@@ -225,7 +261,7 @@ def _nan_if_not_finite(out, mag):
 
 @triton.jit
 def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.constexpr,
-                HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr):
+                HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, F16: tl.constexpr):
     """BLOCK_R rows of one NVFP4 operand: X (N = G*S rows of D) -> decoded BF16 rows in Y; rows
     gathered by PERM where HAS_PERM and the runtime flag use_perm (the K part) are set."""
     rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)          # global row = g * S + s (physical)
@@ -253,21 +289,21 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.co
         base = tl.math.div_rn(amax, 6.0)
         # exact integer path unless a candidate scale saturates E4M3 somewhere in the tile
         if tl.max((base * 1.25 > 448.0).to(tl.int32)) == 0:
-            best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, False)
+            best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, False, F16)
         else:
             # a candidate saturates E4M3: the float64 sums of fp4vis.formats (exact unless the group
             # is huge), then the huge groups' rule
             ax64 = alo.to(tl.float64)
             ahx64 = ahi.to(tl.float64)
-            best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, True)
+            best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, True, F16)
             # huge group (amax >= 48 * the largest candidate, E4M3(base * 1.25): the rounding is
             # monotonic): the error decreases strictly with the scale, the largest scale wins
             sc_max = _e4m3(base * 1.25)
             best_sc = tl.where(amax >= 48.0 * sc_max, sc_max, best_sc)
         sc3 = best_sc[:, :, None]
         r3 = _rcp(best_sc)[:, :, None]
-        out_lo = _nan_if_not_finite(_signed(_code(alo, r3) * sc3, lo, sc3), alo)
-        out_hi = _nan_if_not_finite(_signed(_code(ahi, r3) * sc3, hi, sc3), ahi)
+        out_lo = _nan_if_not_finite(_signed(_code(alo, r3, F16) * sc3, lo, sc3), alo)
+        out_hi = _nan_if_not_finite(_signed(_code(ahi, r3, F16) * sc3, hi, sc3), ahi)
         tl.store(Y + dst[:, None, None] + col, out_lo.to(tl.bfloat16), mask=m3)
         tl.store(Y + dst[:, None, None] + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
@@ -279,7 +315,7 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.co
         ax = tl.abs(x)
         sc = _e4m3(tl.math.div_rn(tl.max(ax, axis=2), 6.0))
         sc3 = sc[:, :, None]
-        out = _nan_if_not_finite(_signed(_code(ax, _rcp(sc)[:, :, None]) * sc3, x, sc3), ax)
+        out = _nan_if_not_finite(_signed(_code(ax, _rcp(sc)[:, :, None], F16) * sc3, x, sc3), ax)
         tl.store(Y + dst[:, None, None] + col, out.to(tl.bfloat16), mask=m3)
 
 
@@ -329,7 +365,7 @@ def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr,
 @triton.jit(do_not_specialize=["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB"])
 def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, NQ, SQ, NK, SK, TQ, TK, NVB,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, F16: tl.constexpr):
     """Programs [0, TQ): Q row tiles; [TQ, TQ + TK): K row tiles (rows gathered by PERM);
     the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM)."""
     pid = tl.program_id(0)
@@ -339,7 +375,7 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, NQ, SQ, NK, SK, TQ, TK, NVB,
             X, Y, tile, N, S, use_perm = Q, YQ, pid, NQ, SQ, False
         else:
             X, Y, tile, N, S, use_perm = K, YK, pid - TQ, NK, SK, True
-        _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D, FOLDED, HAS_PERM, BLOCK_R)
+        _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D, FOLDED, HAS_PERM, BLOCK_R, F16)
     else:
         vid = pid - TQ - TK
         g = vid // NVB
@@ -411,7 +447,24 @@ def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, NQ, TQ, SK, NKB, NVB,
 
 
 BLOCK_R = 16
+# Warps per program: 4 at D = 128; 2 at D = 64, where 4 would spread each 16-value group over 4
+# threads (two shuffle levels per candidate sum) and each 32-key FP8/MXFP4 block over twice the
+# threads it fills: measured on the H200 (benchmarks/results/prepass_h200_20261129f_d64tune.json)
+# 15-19 % faster NVFP4 and 7-10 % faster FP8 pre-passes at ViT shapes (B64 S197 H12, B8 S577 H16).
 NUM_WARPS = 4
+NUM_WARPS_D64 = 2
+
+
+def default_warps(d: int) -> int:
+    """Warps per program of both pre-passes for head dimension d."""
+    return NUM_WARPS if d >= 128 else NUM_WARPS_D64
+
+
+# E2M1 codes of the NVFP4 search on FP16 pairs (``_e2m1_mag_f16``, inline PTX); Triton's interpreter
+# (the CPU tests) cannot run inline assembly and takes the float32 form, which gives the same bits.
+# FP4VIS_PREPASS_F16_CODES=0 selects the float32 form on the GPU too (for side-by-side timing).
+F16_CODES = (os.environ.get("FP4VIS_PREPASS_F16_CODES", "1") == "1"
+             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 # Host path. ``prepass`` and ``fp8_prepass`` keep, per input signature, the launch geometry (one
 # allocation and a few views per call); ``_run`` launches. Triton's ``kernel[grid](...)`` binds and
@@ -447,7 +500,8 @@ def _geometry(nq: int, sq: int, nk: int, sk: int, g_v: int, d: int, block_r: int
     return tq + tk + nvb * g_v, (nq, sq, nk, sk, tq, tk, nvb)
 
 
-def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, num_warps: int | None = None):
+def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, num_warps: int | None = None,
+            f16_codes: bool | None = None):
     """One ordinary Triton launch over the parts whose tensors are given (None: skipped); returns
     the compiled kernel (or None)."""
     ref = q if q is not None else (k if k is not None else v)
@@ -460,8 +514,9 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     if grid == 0:
         return None
     ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm))
+    f16 = F16_CODES if f16_codes is None else f16_codes
     return _prepass_kernel[(grid,)](*ptrs, *ints, d, layout == "folded64_mse", perm is not None, block_r,
-                                    min(d, 64), num_warps=num_warps or NUM_WARPS, enable_fp_fusion=False)
+                                    min(d, 64), f16, num_warps=num_warps or default_warps(d), enable_fp_fusion=False)
 
 
 def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple, num_warps: int):
@@ -498,11 +553,13 @@ def _aligned(inputs: tuple) -> bool:
 
 
 def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
-            block_r: int | None = None, num_warps: int | None = None):
+            block_r: int | None = None, num_warps: int | None = None, f16_codes: bool | None = None):
     """(q_hat, k_hat, v6) of contiguous (B, H, S, D) q, k, v in one launch; BF16, contiguous, views of
-    one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor permutation)."""
+    one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor permutation).
+    ``f16_codes``: the E2M1 code form (None: ``F16_CODES``; the same bits either way)."""
+    f16 = F16_CODES if f16_codes is None else f16_codes
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, layout, perm is not None, block_r, num_warps,
-           q.device)
+           f16, q.device)
     meta = _META.get(key)
     if meta is None:
         d = q.shape[-1]
@@ -510,7 +567,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         same = q.shape == k.shape == v.shape
         br = block_r or BLOCK_R
         grid, ints = _geometry(nq // d, q.shape[-2], nk // d, k.shape[-2], v.numel() // (d * k.shape[-2]), d, br)
-        tail = ints + (d, layout == "folded64_mse", perm is not None, br, min(d, 64))
+        tail = ints + (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16)
         meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, None]
         _META[key] = meta
     alloc, same, grid, tail, _ = meta
@@ -521,7 +578,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
     ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm)
-    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v), num_warps or NUM_WARPS)
+    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v), num_warps or default_warps(q.shape[-1]))
     return yq, yk, yv
 
 
@@ -575,7 +632,7 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     outs = tuple(typed[dtype].as_strided(shape, strides, off) for dtype, shape, strides, off in parts)
     if grid:
         ptrs = (q, k, v) + outs + (q if perm is None else perm,)
-        _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v), num_warps or NUM_WARPS)
+        _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v), num_warps or default_warps(q.shape[-1]))
     return outs
 
 

@@ -131,9 +131,11 @@ def test_triton_prepass_saturating_tiles_bit_identical_interpreted():
     _run_interpreted(_CHECK_SATURATING)
 
 
-def _compile_sm90(fn, signature: dict, constexprs: dict) -> dict:
+def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int | None = None) -> dict:
     """Compile the Triton kernel ``fn`` for sm_90 down to a cubin with Triton's bundled ptxas (no GPU
-    needed), as the pre-pass is built on the GPU (``enable_fp_fusion=False``); returns its asm."""
+    needed), as the pre-pass is built on the GPU (``enable_fp_fusion=False``; pointers 16-byte
+    aligned, as the launcher's tensors are and as Triton specialises them: without that hint it
+    lays the tiles out one element per thread, not the GPU build); returns its asm."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -141,22 +143,81 @@ def _compile_sm90(fn, signature: dict, constexprs: dict) -> dict:
     from fp4vis.kernels import hopper_prepass_triton as tpt
 
     sig = dict(signature, **{name: "constexpr" for name in constexprs})
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, kind in signature.items() if kind.startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tpt.NUM_WARPS, "enable_fp_fusion": False}).asm
+                          options={"num_warps": num_warps or tpt.NUM_WARPS, "enable_fp_fusion": False}).asm
 
 
-@pytest.mark.parametrize("folded,has_perm", [(True, True), (False, False)], ids=["folded-perm", "block16"])
-def test_triton_prepass_compiles_for_sm90(folded, has_perm):
+def _sass(cubin: bytes) -> str:
+    """nvdisasm of a cubin (Triton's bundled copy)."""
+    import tempfile
+
+    import triton
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("folded,has_perm,f16,d", [(True, True, True, 128), (True, False, False, 128),
+                                                   (False, False, True, 128), (True, False, True, 64)],
+                         ids=["folded-perm-f16", "folded-f32", "block16-f16", "folded-d64-f16"])
+def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     """The pre-pass kernel compiles for sm_90 down to a cubin on a machine without a GPU (Triton's
-    bundled ptxas): the interpreted tests check its arithmetic, this its GPU build."""
+    bundled ptxas): the interpreted tests check its arithmetic, this its GPU build. With F16 the codes
+    are made on FP16 pairs (HMNMX2/HADD2 in the SASS), without it in float32 (none)."""
     pytest.importorskip("triton")
     from fp4vis.kernels import hopper_prepass_triton as tpt
 
     sig = {name: "*bf16" for name in ("Q", "K", "V", "YQ", "YK", "YV")}
     sig.update(PERM="*i32", **{name: "i32" for name in ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")})
-    consts = dict(D=128, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64)
-    assert _compile_sm90(tpt._prepass_kernel, sig, consts).get("cubin")
+    consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, F16=f16)
+    cubin = _compile_sm90(tpt._prepass_kernel, sig, consts, tpt.default_warps(d)).get("cubin")
+    assert cubin
+    sass = _sass(cubin)
+    assert ("HMNMX2" in sass) == f16 and ("F2FP.F16.F32.PACK_AB" in sass) == f16
+
+
+def _e2m1_codes_f16_emulated(t):
+    """``hopper_prepass_triton._e2m1_mag_f16`` step by step in PyTorch (float32 t >= 0): the FP16
+    conversion (round to nearest even), min 6 (NaN-ignoring, as PTX min), the exponent-field constant
+    C = max(2^(e + 9), 2^9) and (t + C) - C in FP16 (exact sums in float32 rounded once to FP16, as
+    the FP16 adder does)."""
+    import torch
+
+    t16 = torch.fmin(t.to(torch.float16), torch.tensor(6.0, dtype=torch.float16))
+    c = ((t16.view(torch.int16) & 0x7C00) + 0x2400).clamp(min=0x6000).view(torch.float16)
+    return ((t16 + c) - c).float()
+
+
+def test_e2m1_code_on_fp16_pairs_exhaustive():
+    """The FP16-pair E2M1 code of the NVFP4 pre-pass (``_e2m1_mag_f16``, GPU only: Triton's interpreter
+    cannot run inline PTX) is the exact E2M1 rounding of x / sc for every positive BF16 magnitude x
+    against every E4M3 scale sc (and sc = 0 gives 0): t = x * rcp(sc) in float32 as the kernel forms
+    it, its FP16 steps emulated, the reference rounding the float64 quotient (exact: BF16 / E4M3 is
+    either an E2M1 midpoint or far from one). So is the float32 form (snap to 2^-12, then the grid).
+    The GPU bit check (benchmarks/prepass_bench.py) checks the PTX itself against fp4vis.formats."""
+    import torch
+
+    from fp4vis.formats import e2m1_round
+
+    x = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()   # +0 .. max
+    sc = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    xs, scs = torch.meshgrid(x, sc, indexing="ij")
+    r = torch.where(scs == 0, 0.0, 1.0 / torch.where(scs == 0, 1.0, scs))       # correctly rounded in float32
+    t = xs * r
+    exact = torch.where(scs == 0, 0.0, e2m1_round(xs.double() / torch.where(scs == 0, 1.0, scs).double()).float())
+    f16 = _e2m1_codes_f16_emulated(t)
+    snapped = (t + 2048.0) - 2048.0
+    f32 = e2m1_round(snapped)
+    assert torch.equal(f16, exact), int((f16 != exact).sum())
+    assert torch.equal(f32, exact), int((f32 != exact).sum())
+    # the ties are there: x / sc exactly on an E2M1 midpoint (about one per scale and midpoint)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    assert int(torch.isin(xs.double() / torch.where(scs == 0, 1.0, scs).double(), mids).sum()) > 800
 
 
 _FP8_COMMON = r"""
