@@ -23,7 +23,9 @@ differing values against ``fp4vis.formats``):
   2^-12, then rounded to the E2M1 grid (ties to even). ``x`` is BF16 (8 significant bits) and
   ``b * sc`` (b an E2M1 midpoint, sc an E4M3 value) has at most 7, so ``x / sc`` is either exactly
   a midpoint b or at least ``b * 2^-9`` away from it; ``t`` is within 2^-22 relative of ``x / sc``,
-  so the snap puts exact ties exactly on b and leaves everything else on its side.
+  so the snap puts exact ties exactly on b and leaves everything else on its side. On the GPU the
+  conversion of t to FP16 is the snap (an FP16 ulp at b is at most b * 2^-10) and the E2M1 grid
+  rounding runs on FP16 pairs (``_e2m1_mag_f16``; ``F16_CODES``).
 * Folded-K64 MSE search: ``err = sum (c*sc - x)^2 = sum x^2 + sum_{c != 0} P (P - 2|x|)`` with
   ``P = c * sc``. The first sum is common to all candidates and dropped. Each term of the second
   is an integer multiple of ``U = 2^(2E - 12)`` (E = floor(log2 sc)) below 2^22 U in magnitude
