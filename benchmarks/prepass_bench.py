@@ -558,13 +558,16 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
     ops = [prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]) for i in range(m)]
     outs = [torch.empty_like(ins[i][0]) for i in range(m)]
 
-    def config():   # as hopper_attention_eager builds it (cached)
+    def config():   # as hopper_attention_eager builds it (cached; the short-sequence variant by key length)
         return hb.kernel_config(d, "bf16", kw["affine_a"], kw["affine_b"], kw["shift"], kw["native_exp2"],
-                                kw["anchor"], "", "", 0, kw["code_rounding"], kw["qk_fmt"] == QK_FP8)
+                                kw["anchor"], "", "", 0, kw["code_rounding"], kw["qk_fmt"] == QK_FP8, "", 0,
+                                ins[0][1].shape[-2] <= hb.SHORT_SKV)
 
     row["config_host_us"] = time_host(lambda i: config(), n)
     cfg = config()
-    row["config_matches_policy"] = cfg.key() == DirectPConfig.from_policy(policy, d, "bf16").key()
+    row["ctas_per_sm"] = cfg.ctas_per_sm
+    row["config_matches_policy"] = cfg.key() == DirectPConfig.from_policy(
+        policy, d, "bf16", ctas_per_sm=cfg.ctas_per_sm).key()
 
     def kern(i):
         hb.run_kernel(*ops[i], outs[i], cfg, scale * hb.LOG2E, kw["margin_raw"])

@@ -165,18 +165,22 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales")
+VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales", "ctas_per_sm")
 
 
 def split_variant(backend: str) -> tuple[str, dict]:
     """``"hopper_kernel@serial/scalar/3"`` -> ("hopper_kernel", {schedule: "serial", p_path: "scalar",
     num_wg: 3}): the kernel variant's fields in VARIANT_FIELDS order, empty or missing fields left at
-    the defaults (hopper_fwd.DirectPConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"}."""
+    the defaults (hopper_fwd.DirectPConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"};
+    ``"hopper_kernel@////2"`` the short-sequence variant, ``"hopper_kernel@////1"`` the default kernel
+    whatever the key length (without ctas_per_sm the kernel is picked by key length as the backend
+    picks it: hopper_backend.SHORT_SKV)."""
     base, _, variant = backend.partition("@")
     parts = variant.split("/") if variant else []
     kw = {f: v for f, v in zip(VARIANT_FIELDS, parts) if v}
-    if "num_wg" in kw:
-        kw["num_wg"] = int(kw["num_wg"])
+    for f in ("num_wg", "ctas_per_sm"):
+        if f in kw:
+            kw[f] = int(kw[f])
     return base, kw
 
 
@@ -217,8 +221,12 @@ def _hopper_parts(policy: str, **variant):
     def ker(ops, q, scale):
         a = policy_args(pol, q.shape[-1], scale)
         out = torch.empty_like(q)
-        # from the policy: every numerics field (code rounding, FP8 Q/K) reaches the kernel
-        cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", **variant)
+        # from the policy: every numerics field (code rounding, FP8 Q/K) reaches the kernel; the
+        # short-sequence variant where the backend would pick it (ops[1]: K, (B, H, Skv, D))
+        kw = dict(variant, ctas_per_sm=hb.auto_ctas_per_sm(variant.get("schedule", ""), variant.get("num_wg", 0),
+                                                           variant.get("ctas_per_sm", 0),
+                                                           ops[1].shape[-2] <= hb.SHORT_SKV))
+        cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", **kw)
         run_kernel(*ops, out, cfg, scale * LOG2E, a["margin_raw"])
         return out
     return pre, ker

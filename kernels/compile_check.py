@@ -42,6 +42,7 @@ class CompileReport:
     shared_bytes: int | None = None
     counts: dict = field(default_factory=dict)   # mnemonic (e.g. "HGMMA", "MUFU.EX2") -> count
     wgmma_serialized: bool = False                # ptxas C751x: WGMMAs forced to run one by one
+    setmaxnreg: list = field(default_factory=list)  # [(DEALLOC | TRY_ALLOC | ..., registers)] in SASS order
     total_instructions: int = 0
     cubin: str | None = None
     ptxas_log: str = ""
@@ -188,6 +189,8 @@ def _inspect_cubin(rep: CompileReport, cubin: str) -> None:
         counts[base] += 1
         if base in ("MUFU", "HGMMA", "QGMMA"):
             counts[".".join(op.split(".")[:2])] += 1
+        if base == "USETMAXREG" and (m2 := re.search(r"(0x[0-9a-f]+)\s*;", line)):
+            rep.setmaxnreg.append((op.split(".")[1], int(m2.group(1), 16)))
     rep.counts = dict(sorted(counts.items()))
     rep.total_instructions = total
 
@@ -271,9 +274,9 @@ def _parse_ptxas(rep: CompileReport, text: str) -> None:
 def variants(head_dims=(128, 64)):
     """The kernel variants CI compiles: every supported policy x head dim with the default schedule
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
-    policies with at most 64 anchors, three consumer warpgroups, and (first head dim) the scalar,
-    integer-constant and timing-only P paths with the default schedule, one serial warpgroup and
-    the per-thread block constants (BF16 out)."""
+    policies with at most 64 anchors, three consumer warpgroups, the short-sequence variant (two CTAs
+    per SM: ``*_short``), and (first head dim) the scalar, integer-constant and timing-only P paths with
+    the default schedule, one serial warpgroup and the per-thread block constants (BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
@@ -290,6 +293,8 @@ def variants(head_dims=(128, 64)):
             out.append((f"{name}_serial_scalar", DirectPConfig.from_policy(p, d, "bf16", schedule="serial",
                                                                            p_path="scalar")))
         out.append(("fast_3wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", num_wg=3)))
+        for name, p in (pols[0], pols[2], pols[3], pols[6]):   # two CTAs per SM (short sequences)
+            out.append((f"{name}_short", DirectPConfig.from_policy(p, d, "bf16", ctas_per_sm=2)))
         if d == head_dims[0]:  # the timing-only P paths (wrong results) must stay buildable
             for pp in ("scalar", "packed_alu", "none", "timing_scales", "timing_codes"):
                 out.append((f"fast_{pp}", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_path=pp)))

@@ -57,6 +57,12 @@ TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 6
 KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
 REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
+# Short sequences (DirectPConfig.ctas_per_sm = 2: one serial consumer warpgroup per CTA, two CTAs per SM),
+# so that one CTA's prologue (barrier init, Q/K/V TMA latency) and epilogue run under the other's tiles.
+# 64K registers per SM / (2 CTAs x 256 threads) = 128 per thread at launch; setmaxnreg moves 104 from the
+# producer to the consumer (24 + 232 = 2 x 128, multiples of 8).
+REGS_2CTA = (24, 232)                 # (producer, consumer) registers per thread
+SMEM_2CTA = 113 * 1024                # per CTA: 228 KB per SM, less the 1 KB reserved per CTA, halved
 DP_BLOCK = 32           # Direct-P block: 32 consecutive keys
 # Schedules of the consumer warpgroups (DirectPConfig.schedule):
 #   "pingpong": each warpgroup issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T back to back, then hands
@@ -107,6 +113,7 @@ class DirectPConfig:
     code_rounding: str = "exact"     # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
     qk_fp8: bool = False             # Policy.qk_format "fp8_e4m3": FP8 Q/K with power-of-two row/block scales
     block_scales: str = BLOCK_SCALES  # see BLOCK_SCALES_MODES ("quad" needs 128-key tiles)
+    ctas_per_sm: int = 1             # 2: the short-sequence variant (num_wg 1, serial; REGS_2CTA, SMEM_2CTA)
 
     @property
     def overlap(self) -> bool:
@@ -115,17 +122,27 @@ class DirectPConfig:
     def key(self) -> tuple:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
                 self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
-                self.code_rounding, self.qk_fp8, self.block_scales)
+                self.code_rounding, self.qk_fp8, self.block_scales, self.ctas_per_sm)
 
     @staticmethod
     def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
              anchor: int, schedule: str | None = None, tile_n: int | None = None,
              p_path: str | None = None, num_wg: int | None = None,
              code_rounding: str = "exact", qk_fp8: bool = False,
-             block_scales: str | None = None) -> DirectPConfig:
+             block_scales: str | None = None, ctas_per_sm: int | None = None) -> DirectPConfig:
         """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
         tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
-        tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule."""
+        tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule.
+        ``ctas_per_sm=2`` (short sequences) fills in its schedule ("serial") and num_wg (1) where they
+        are not given, and refuses others."""
+        ctas_per_sm = ctas_per_sm or 1
+        if ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm: 1 or 2, got {ctas_per_sm!r}")
+        if ctas_per_sm == 2:
+            schedule, num_wg = schedule or "serial", num_wg or 1
+            if schedule != "serial" or num_wg != 1:
+                raise ValueError(f"ctas_per_sm = 2 needs num_wg = 1 and schedule 'serial' (two CTAs share the "
+                                 f"SM's registers), got num_wg {num_wg} and schedule {schedule!r}")
         schedule = schedule or SCHEDULE
         p_path = p_path or P_PATH
         if schedule not in SCHEDULES:
@@ -164,15 +181,17 @@ class DirectPConfig:
         return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
                              affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
                              anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path, num_wg=num_wg,
-                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8), block_scales=block_scales)
+                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8), block_scales=block_scales,
+                             ctas_per_sm=ctas_per_sm)
 
     @staticmethod
     def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,
                     tile_n: int | None = None, p_path: str | None = None,
-                    num_wg: int | None = None, block_scales: str | None = None) -> DirectPConfig:
+                    num_wg: int | None = None, block_scales: str | None = None,
+                    ctas_per_sm: int | None = None) -> DirectPConfig:
         return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
                                   policy.native_exp2, policy.anchor, schedule, tile_n, p_path, num_wg,
-                                  policy.code_rounding, policy.qk_fp8, block_scales)
+                                  policy.code_rounding, policy.qk_fp8, block_scales, ctas_per_sm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -460,6 +479,9 @@ class DirectPAttentionSm90:
         if cfg.block_scales == "quad" and (cfg.tile_n != 128 or cfg.p_path in ("none", "timing_codes")):
             raise ValueError(f"block_scales: 'quad' needs 128-key tiles and block scales (tile_n {cfg.tile_n}, "
                              f"p_path {cfg.p_path!r}); DirectPConfig.make picks 'lane' there")
+        if cfg.ctas_per_sm not in (1, 2) or (cfg.ctas_per_sm == 2 and (cfg.num_wg != 1 or cfg.schedule != "serial")):
+            raise ValueError(f"ctas_per_sm: 1, or 2 with num_wg = 1 and schedule 'serial', got {cfg.ctas_per_sm} "
+                             f"(num_wg {cfg.num_wg}, schedule {cfg.schedule!r})")
         self.cfg = cfg
         self.head_dim = cfg.head_dim
         self.o_dtype = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
@@ -477,6 +499,14 @@ class DirectPAttentionSm90:
         self.threads = 128 * (cfg.num_wg + 1)
         self.kv_stages = 2 * KV_KEYS_IN_FLIGHT // cfg.tile_n
         self.buffer_align_bytes = 1024
+        self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER[cfg.num_wg]
+        if cfg.ctas_per_sm == 2:
+            self.regs_producer, self.regs_consumer = REGS_2CTA
+            # as many K/V stages as fit in SMEM_2CTA beside the barriers (the first aligned 1 KB) and Q:
+            # all 4 at D = 64, 3 at D = 128
+            q_bytes = TILE_M_PER_WG * cfg.head_dim * (1 if cfg.qk_fp8 else 2)
+            stage_bytes = cfg.tile_n * cfg.head_dim * 2
+            self.kv_stages = min(self.kv_stages, (SMEM_2CTA - self.buffer_align_bytes - q_bytes) // stage_bytes)
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -534,11 +564,17 @@ class DirectPAttentionSm90:
                                    self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
+        if const_expr(self.cfg.ctas_per_sm == 2 and SharedStorage.size_in_bytes() > SMEM_2CTA):
+            raise ValueError(f"ctas_per_sm = 2: {SharedStorage.size_in_bytes()} bytes of shared memory per CTA, "
+                             f"more than the {SMEM_2CTA} two CTAs per SM leave each")
         grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
+        # two CTAs per SM: ptxas caps the launch at 128 registers per thread (setmaxnreg rebalances them);
+        # the carveout is given (all shared memory), else the DSL asks the device for it while compiling
         self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, s_log2, m_offset,
                     q_sl, k_sl, v_sl).launch(
             grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
-            stream=stream, min_blocks_per_mp=1)
+            stream=stream, min_blocks_per_mp=self.cfg.ctas_per_sm,
+            preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -576,12 +612,12 @@ class DirectPAttentionSm90:
         n_tiles = cute.ceil_div(seqlen_k, self.tile_n)
 
         if wg_idx == 0:
-            cute.arch.warpgroup_reg_dealloc(REGS_PRODUCER)
+            cute.arch.warpgroup_reg_dealloc(self.regs_producer)
             if warp_idx == 0:
                 self.producer(tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
                               m_blk, h_idx, b_idx, n_tiles)
         else:
-            cute.arch.warpgroup_reg_alloc(REGS_CONSUMER[self.num_wg])
+            cute.arch.warpgroup_reg_alloc(self.regs_consumer)
             self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
                           tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles)
 

@@ -143,16 +143,19 @@ def test_torch_compile_no_graph_break():
     assert rel_l2(out, ref) <= TOL
 
 
-# (schedule, p_path, num_wg[, block_scales]); the default block_scales is "quad" (128-key tiles)
+# (schedule, p_path, num_wg[, block_scales[, ctas_per_sm]]); the default block_scales is "quad" (128-key
+# tiles); ctas_per_sm 2: the short-sequence variant (two CTAs per SM)
 KERNEL_VARIANTS = [("pingpong", "packed", 2), ("pingpong", "scalar", 2), ("serial", "packed", 2),
                    ("serial", "scalar", 2), ("overlap", "packed", 2), ("pingpong", "packed", 3),
                    ("serial", "packed", 3), ("pingpong", "packed_alu", 2), ("serial", "packed", 1),
-                   ("pingpong", "packed", 2, "lane"), ("serial", "scalar", 2, "lane")]
+                   ("pingpong", "packed", 2, "lane"), ("serial", "scalar", 2, "lane"),
+                   ("serial", "packed", 1, "", 2), ("serial", "scalar", 1, "lane", 2)]
 
 
 def variant_kwargs(variant) -> dict:
     schedule, p_path, num_wg, *rest = variant
-    return dict(schedule=schedule, p_path=p_path, num_wg=num_wg, block_scales=rest[0] if rest else "")
+    return dict(schedule=schedule, p_path=p_path, num_wg=num_wg, block_scales=rest[0] if rest else "",
+                ctas_per_sm=rest[1] if len(rest) > 1 else 0)
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: "-".join(map(str, v)))
@@ -163,7 +166,7 @@ def test_kernel_variants_match_reference(policy, shape, variant):
     128-anchor guard runs the default schedule in place of the overlapped one), the P paths (packed
     with the FFMA or the integer rounding constant, scalar), one (serial), two and three consumer
     warpgroups (three: 64-key tiles; the guard keeps two), odd and even tile counts, block constants
-    per quad (the default) and per thread."""
+    per quad (the default) and per thread, one and two CTAs per SM."""
     policy_args = importlib.import_module("fp4vis.kernels.hopper_backend").policy_args
     pol = fp4vis.get_policy(policy)
     q, k, v = make_inputs(shape, torch.bfloat16, "wide", policy, seed=7)
@@ -211,6 +214,28 @@ def test_quad_block_constants_bit_identical(case, shape, kind):
     quad = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, block_scales="quad")
     lane = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, block_scales="lane")
     assert torch.equal(quad, lane), f"max |diff| {(quad.float() - lane.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("kind", ["wide", "spread"])
+@pytest.mark.parametrize("shape", SHAPES + [(1, 1, 64, 64 * 7 + 5, 128), (2, 3, 1100, 1100, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("policy", QUAD_POLICIES)
+def test_short_variant_bit_identical_to_default(policy, shape, kind):
+    """The short-sequence variant (one serial warpgroup, two CTAs per SM) gives the default kernel's bits
+    (ping-pong, one CTA per SM): the same matrix products and Direct-P per 64-row slab, in the same tile
+    order. Every policy, D = 64 and 128, partial query and key tiles, odd tile counts, key lengths
+    on both sides of hopper_backend.SHORT_SKV."""
+    hb = importlib.import_module("fp4vis.kernels.hopper_backend")
+    pol = fp4vis.get_policy(policy)
+    q, k, v = (spread_inputs(shape, policy, 19) if kind == "spread"
+               else make_inputs(shape, torch.bfloat16, kind, policy, seed=19))
+    scale = 1 / math.sqrt(shape[-1])
+    kw = hb.policy_args(pol, shape[-1], scale)
+    default = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, ctas_per_sm=1)
+    short = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, ctas_per_sm=2)
+    assert bool(torch.isfinite(short).all())
+    assert torch.equal(short, default), f"max |diff| {(short.float() - default.float()).abs().max().item()}"
+    assert torch.equal(run(q, k, v, pol, "hopper"), default)   # the public call (short up to SHORT_SKV keys)
 
 
 E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -327,7 +352,7 @@ def test_fp8qk_kernel_error_is_fp8_accumulation(shape, kind):
 
 
 @pytest.mark.parametrize("variant", [("pingpong", "packed", 2), ("pingpong", "packed", 3), ("serial", "scalar", 2),
-                                     ("pingpong", "packed", 2, "lane")],
+                                     ("pingpong", "packed", 2, "lane"), ("serial", "packed", 1, "", 2)],
                          ids=lambda v: "-".join(map(str, v)))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fp8qk_spread_scales(shape, variant):

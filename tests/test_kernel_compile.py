@@ -28,7 +28,8 @@ prepare_operands = importlib.import_module("fp4vis.kernels.hopper_prepass").prep
 VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
             "fast_bf16round", "fast_3wg", "fast_scalar", "fast_none", "fast_timing_scales", "fast_timing_codes",
-            "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk", "fast_lane", "fast_fp8qk_lane"}
+            "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk", "fast_lane", "fast_fp8qk_lane", "fast_short",
+            "fast_fp8qk_short"}
 SMEM_LIMIT = 227 * 1024     # dynamic shared memory per block on sm_90
 
 
@@ -57,6 +58,14 @@ def test_variant_compiles_clean(name, cfg, nvdisasm):
         assert c.get("MUFU.EX2", 0) == 0, c
     else:
         assert c.get("MUFU.EX2", 0) > 0, c
+    hf = importlib.import_module("fp4vis.kernels.hopper_fwd")
+    if cfg.ctas_per_sm == 2:   # two CTAs fit an SM: 128 registers at launch, half the shared memory
+        assert rep.registers == 65536 // (2 * 256) and rep.shared_bytes <= hf.SMEM_2CTA, (rep.registers,
+                                                                                            rep.shared_bytes)
+        assert rep.setmaxnreg == [("DEALLOC", hf.REGS_2CTA[0]), ("TRY_ALLOC", hf.REGS_2CTA[1])], rep.setmaxnreg
+    else:
+        assert rep.setmaxnreg == [("DEALLOC", hf.REGS_PRODUCER), ("TRY_ALLOC", hf.REGS_CONSUMER[cfg.num_wg])], \
+            rep.setmaxnreg
 
 
 def _inputs(b, h, sq, skv, d, dtype, seed=0):
@@ -141,6 +150,68 @@ def test_block_scales_config_plumbing():
     args = (128, "bf16", fast.affine_a, fast.affine_b, fast.shift, fast.native_exp2, fast.anchor, "", "", 0,
             fast.code_rounding, False)
     assert kernel_config(*args).key() == quad.key() and kernel_config(*args, "lane").key() == lane.key()
+
+
+def test_short_variant_config_plumbing():
+    """ctas_per_sm = 2 (two CTAs per SM): make fills in its schedule and warpgroups and refuses others by
+    name; it is in the key; the kernel fits its register and shared-memory budget by construction (fewer
+    K/V stages at D = 128); the benchmark's variant syntax selects it."""
+    from fp4vis.evals.kernel_bench import split_variant
+    from fp4vis.kernels import hopper_fwd as hf
+    fast = POLICIES["fast"]
+    default = hf.DirectPConfig.from_policy(fast, 128, "bf16")
+    short = hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=2)
+    assert default.ctas_per_sm == 1 and default.key() != short.key()
+    assert (short.ctas_per_sm, short.schedule, short.num_wg) == (2, "serial", 1)
+    assert hf.DirectPConfig.from_policy(fast, 128, "bf16", schedule="serial", num_wg=1, ctas_per_sm=2) == short
+    for bad in (dict(schedule="pingpong"), dict(num_wg=2), dict(schedule="overlap", num_wg=1)):
+        with pytest.raises(ValueError, match="ctas_per_sm"):
+            hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=2, **bad)
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=3)
+    with pytest.raises(ValueError, match="ctas_per_sm"):   # built directly, past make's checks
+        hf.DirectPAttentionSm90(dataclasses.replace(default, ctas_per_sm=2))
+    # 128 registers per thread at launch (64K per SM, 2 CTAs of 256 threads): the two warpgroups share 2 x 128
+    assert sum(hf.REGS_2CTA) == 2 * (65536 // (2 * 256)) and all(r % 8 == 0 for r in hf.REGS_2CTA)
+    for d, fp8, stages in ((128, False, 3), (128, True, 3), (64, False, 4), (64, True, 4)):
+        cfg = hf.DirectPConfig.from_policy(POLICIES["fast_fp8qk" if fp8 else "fast"], d, "bf16", ctas_per_sm=2)
+        kern = hf.DirectPAttentionSm90(cfg)
+        assert (kern.kv_stages, kern.regs_producer, kern.regs_consumer) == (stages, *hf.REGS_2CTA)
+    assert hf.DirectPAttentionSm90(default).kv_stages == 4
+    assert split_variant("hopper_kernel@////2") == ("hopper_kernel", {"ctas_per_sm": 2})
+    assert split_variant("hopper_kernel@serial//1//1")[1] == {"schedule": "serial", "num_wg": 1, "ctas_per_sm": 1}
+
+
+def test_short_variant_dispatch(monkeypatch):
+    """The backend's call picks the short-sequence variant for Skv <= SHORT_SKV when the call leaves the
+    variant to the defaults, never swaps a variant asked for by name, and SHORT_SKV = 0 (what
+    FP4VIS_HOPPER_SHORT=0 sets) turns it off. The pre-pass runs on the CPU; the launch is replaced."""
+    import subprocess
+    import sys
+
+    from fp4vis.kernels import hopper_backend as hb
+    seen = []
+    monkeypatch.setattr(hb, "run_kernel", lambda *a: seen.append(a[6]))
+    pol = POLICIES["fast"]
+
+    def ctas(skv, **variant):
+        q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+        kv = torch.randn(1, 1, skv, 64, dtype=torch.bfloat16)
+        hb.hopper_attention_eager(q, kv, kv, 0.125, **hb.policy_args(pol, 64, 0.125), **variant)
+        return seen[-1].ctas_per_sm
+
+    assert hb.SHORT_SKV == 1024
+    assert ctas(1024) == 2 and ctas(1025) == 1 and ctas(40, p_path="scalar") == 2
+    assert ctas(40, ctas_per_sm=1) == 1 and ctas(2000, ctas_per_sm=2) == 2
+    assert ctas(40, schedule="pingpong") == 1 and ctas(40, schedule="serial", num_wg=1) == 1
+    assert seen[0].key() == hb.kernel_config(64, "bf16", pol.affine_a, pol.affine_b, pol.shift, pol.native_exp2,
+                                             pol.anchor, "", "", 0, pol.code_rounding, False, "", 0, True).key()
+    monkeypatch.setattr(hb, "SHORT_SKV", 0)
+    assert ctas(40) == 1
+    env = dict(os.environ, FP4VIS_HOPPER_SHORT="0")
+    res = subprocess.run([sys.executable, "-c", "from fp4vis.kernels import hopper_backend as hb; print(hb.SHORT_SKV)"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.stdout.strip() == "0", res.stdout + res.stderr
 
 
 def test_backend_registers_and_explains_cpu():
