@@ -49,8 +49,10 @@ USE_TVM_FFI = os.environ.get("FP4VIS_HOPPER_TVM_FFI", "1") == "1"
 COMPILE_TIMES: dict[tuple, float] = {}
 # Key sequences up to SHORT_SKV run the short-sequence variant (DirectPConfig.ctas_per_sm = 2: two CTAs of
 # 64 query rows per SM) where the call leaves schedule and num_wg at their defaults; FP4VIS_HOPPER_SHORT=0
-# turns that off (0: no key sequence is that short).
-SHORT_SKV = 1024 if os.environ.get("FP4VIS_HOPPER_SHORT", "1") != "0" else 0
+# turns that off (0: no key sequence is that short). Measured on the H200, kernel alone, side by side
+# (benchmarks/short_seq_bench.py, benchmarks/results/short_seq_h200_20261129f.json): 30 % faster at
+# 256 keys, 9-16 % at 197, 1-6 % at 577, -3 % to +1 % at 1024, 10-14 % slower at 4096.
+SHORT_SKV = 768 if os.environ.get("FP4VIS_HOPPER_SHORT", "1") != "0" else 0
 
 
 # The per-call checks and set-up below are cached: at small S the call is host-bound (SDPA cuDNN

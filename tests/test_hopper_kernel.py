@@ -233,9 +233,12 @@ def test_short_variant_bit_identical_to_default(policy, shape, kind):
     kw = hb.policy_args(pol, shape[-1], scale)
     default = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, ctas_per_sm=1)
     short = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, ctas_per_sm=2)
-    assert bool(torch.isfinite(short).all())
-    assert torch.equal(short, default), f"max |diff| {(short.float() - default.float()).abs().max().item()}"
-    assert torch.equal(run(q, k, v, pol, "hopper"), default)   # the public call (short up to SHORT_SKV keys)
+    # bit patterns, non-finite values included: on the 1100-key wide inputs `accurate`'s reference itself
+    # has a non-finite output (both kernels reproduce it)
+    assert torch.equal(short.view(torch.int16), default.view(torch.int16)), \
+        f"max |diff| {(short.float() - default.float()).nan_to_num().abs().max().item()}"
+    # the public call (short up to SHORT_SKV keys)
+    assert torch.equal(run(q, k, v, pol, "hopper").view(torch.int16), default.view(torch.int16))
 
 
 E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)

@@ -200,8 +200,8 @@ def test_short_variant_dispatch(monkeypatch):
         hb.hopper_attention_eager(q, kv, kv, 0.125, **hb.policy_args(pol, 64, 0.125), **variant)
         return seen[-1].ctas_per_sm
 
-    assert hb.SHORT_SKV == 1024
-    assert ctas(1024) == 2 and ctas(1025) == 1 and ctas(40, p_path="scalar") == 2
+    assert hb.SHORT_SKV == 768
+    assert ctas(768) == 2 and ctas(769) == 1 and ctas(40, p_path="scalar") == 2
     assert ctas(40, ctas_per_sm=1) == 1 and ctas(2000, ctas_per_sm=2) == 2
     assert ctas(40, schedule="pingpong") == 1 and ctas(40, schedule="serial", num_wg=1) == 1
     assert seen[0].key() == hb.kernel_config(64, "bf16", pol.affine_a, pol.affine_b, pol.shift, pol.native_exp2,
