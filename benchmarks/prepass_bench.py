@@ -561,7 +561,7 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
     def config():   # as hopper_attention_eager builds it (cached; the short-sequence variant by key length)
         return hb.kernel_config(d, "bf16", kw["affine_a"], kw["affine_b"], kw["shift"], kw["native_exp2"],
                                 kw["anchor"], "", "", 0, kw["code_rounding"], kw["qk_fmt"] == QK_FP8, "", 0,
-                                ins[0][1].shape[-2] <= hb.SHORT_SKV)
+                                hb.short_sequences(ins[0][0].shape[-2], ins[0][1].shape[-2]))
 
     row["config_host_us"] = time_host(lambda i: config(), n)
     cfg = config()

@@ -9,15 +9,16 @@ Per shape (B, S, H, D; self-attention, BF16) and policy (``fast``, ``fast_fp8qk`
 once by the pre-pass (``hopper_prepass.prepare_kernel_operands``), the kernel alone
 (``hopper_backend.run_kernel``) with each configuration:
 
-* ``{default,short}_events_ms``: CUDA events per launch, median, inputs rotated over enough copies to
-  exceed the 50 MB L2 (short shapes are launch-bound here: this includes the host's launch path);
+* ``{default,short}_events_ms``: CUDA events per launch, median, inputs rotated over up to
+  ``KERNEL_COPIES`` operand sets (not always past the 50 MB L2; short shapes are launch-bound here:
+  this includes the host's launch path);
 * ``{default,short}_graph_ms``: GPU time per launch replayed from a CUDA graph (``prepass_bench.time_graph``:
   the same operands every launch, so L2-warm where they fit);
 * ``{default,short}_call_graph_ms``: the whole call (pre-pass + kernel, ``hopper_attention_eager``) from a
   CUDA graph, for the end-to-end picture;
 * ``bit_equal`` (torch.equal of the two outputs on the same operands) and ``rel_l2_short_vs_default``
   (must be <= 1e-6 where not bit-equal: ``match``); ``rel_l2_vs_sdpa`` a sanity check of what ran;
-* ``auto_ctas_per_sm``: what the backend's dispatch picks for this key length (``SHORT_SKV``).
+* ``auto_ctas_per_sm``: what the backend's dispatch picks for this sequence length (``SHORT_SEQ``).
 
 Per shape also SDPA cuDNN (``sdpa_cudnn_events_ms``, ``sdpa_cudnn_graph_ms``) and the ratios
 ``short_vs_default_graph`` (< 1: the short variant is faster) and ``{default,short}_vs_sdpa_graph``.
@@ -71,7 +72,7 @@ def configs(policy_name: str, d: int, skv: int) -> dict:
     args = (d, "bf16", kw["affine_a"], kw["affine_b"], kw["shift"], kw["native_exp2"], kw["anchor"], "", "", 0,
             kw["code_rounding"], kw["qk_fmt"] == QK_FP8, "")
     return dict(default=hb.kernel_config(*args, 1), short=hb.kernel_config(*args, 2),
-                auto=hb.kernel_config(*args, 0, skv <= hb.SHORT_SKV))
+                auto=hb.kernel_config(*args, 0, hb.short_sequences(skv, skv)))
 
 
 def smem_bytes(cfg) -> int:
@@ -227,7 +228,7 @@ def meta() -> dict:
     from fp4vis.kernels import hopper_backend as hb
     from fp4vis.kernels import hopper_fwd as hf
     out = dict(date=dt.datetime.now(dt.UTC).isoformat(), torch=torch.__version__,
-               python=platform.python_version(), short_skv=hb.SHORT_SKV, regs_2cta=list(hf.REGS_2CTA),
+               python=platform.python_version(), short_seq=hb.SHORT_SEQ, regs_2cta=list(hf.REGS_2CTA),
                smem_2cta=hf.SMEM_2CTA, tvm_ffi=hb.USE_TVM_FFI)
     try:
         from importlib.metadata import version

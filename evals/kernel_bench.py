@@ -10,7 +10,7 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
   ``hopper_plain`` / ``hopper_overlap``  the whole call with the serial or the overlapped schedule
-  ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES``, ``hopper_kernel@...``  a kernel variant (a part
+  ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES/CTAS_PER_SM``, ``hopper_kernel@...``  a kernel variant (a part
                     may be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
                     ``hopper@pingpong/packed/3`` or ``hopper_kernel@///lane``; see
                     ``fp4vis.kernels.hopper_fwd.DirectPConfig``
@@ -173,8 +173,8 @@ def split_variant(backend: str) -> tuple[str, dict]:
     num_wg: 3}): the kernel variant's fields in VARIANT_FIELDS order, empty or missing fields left at
     the defaults (hopper_fwd.DirectPConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"};
     ``"hopper_kernel@////2"`` the short-sequence variant, ``"hopper_kernel@////1"`` the default kernel
-    whatever the key length (without ctas_per_sm the kernel is picked by key length as the backend
-    picks it: hopper_backend.SHORT_SKV)."""
+    whatever the sequence lengths (without any field the kernel is picked by sequence length as the
+    backend picks it: hopper_backend.SHORT_SEQ)."""
     base, _, variant = backend.partition("@")
     parts = variant.split("/") if variant else []
     kw = {f: v for f, v in zip(VARIANT_FIELDS, parts) if v}
@@ -222,10 +222,9 @@ def _hopper_parts(policy: str, **variant):
         a = policy_args(pol, q.shape[-1], scale)
         out = torch.empty_like(q)
         # from the policy: every numerics field (code rounding, FP8 Q/K) reaches the kernel; the
-        # short-sequence variant where the backend would pick it (ops[1]: K, (B, H, Skv, D))
-        kw = dict(variant, ctas_per_sm=hb.auto_ctas_per_sm(variant.get("schedule", ""), variant.get("num_wg", 0),
-                                                           variant.get("ctas_per_sm", 0),
-                                                           ops[1].shape[-2] <= hb.SHORT_SKV))
+        # short-sequence variant where the backend would pick it (ops[0], ops[1]: Q, K as (B, H, S, D))
+        kw = dict(variant, ctas_per_sm=hb.auto_ctas_per_sm(
+            hb.short_sequences(ops[0].shape[-2], ops[1].shape[-2]), **variant))
         cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", **kw)
         run_kernel(*ops, out, cfg, scale * LOG2E, a["margin_raw"])
         return out

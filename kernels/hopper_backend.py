@@ -47,12 +47,14 @@ _LOCK = threading.Lock()
 _KERNELS: dict[tuple, tuple[object, bool]] = {}
 USE_TVM_FFI = os.environ.get("FP4VIS_HOPPER_TVM_FFI", "1") == "1"
 COMPILE_TIMES: dict[tuple, float] = {}
-# Key sequences up to SHORT_SKV run the short-sequence variant (DirectPConfig.ctas_per_sm = 2: two CTAs of
-# 64 query rows per SM) where the call leaves schedule and num_wg at their defaults; FP4VIS_HOPPER_SHORT=0
-# turns that off (0: no key sequence is that short). Measured on the H200, kernel alone, side by side
-# (benchmarks/short_seq_bench.py, benchmarks/results/short_seq_h200_20261129f.json): 30 % faster at
-# 256 keys, 9-16 % at 197, 1-6 % at 577, -3 % to +1 % at 1024, 10-14 % slower at 4096.
-SHORT_SKV = 768 if os.environ.get("FP4VIS_HOPPER_SHORT", "1") != "0" else 0
+# Calls whose query and key sequences are both at most SHORT_SEQ run the short-sequence variant
+# (DirectPConfig.ctas_per_sm = 2: CTAs of 64 query rows, two per SM) where the call names no kernel
+# variant; FP4VIS_HOPPER_SHORT=0 turns that off (0: no sequence is that short). Measured on the H200,
+# self-attention, kernel alone, side by side (benchmarks/short_seq_bench.py,
+# benchmarks/results/short_seq_h200_20261129f.json): 30 % faster at 256 tokens, 9-16 % at 197, 1-6 % at
+# 577, -3 % to +1 % at 1024, 10-14 % slower at 4096. Long queries over short keys (cross-attention) are
+# not measured and keep the default kernel.
+SHORT_SEQ = 768 if os.environ.get("FP4VIS_HOPPER_SHORT", "1") != "0" else 0
 
 
 # The per-call checks and set-up below are cached: at small S the call is host-bound (SDPA cuDNN
@@ -71,24 +73,31 @@ def _cutlass_import_error() -> str | None:
 def kernel_config(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int,
                   native_exp2: bool, anchor: int, schedule: str, p_path: str, num_wg: int,
                   code_rounding: str, qk_fp8: bool, block_scales: str = "", ctas_per_sm: int = 0,
-                  short_keys: bool = False):
+                  short: bool = False):
     """``DirectPConfig.make`` for the custom op's arguments (""/0: the defaults), cached: the module
     defaults ``make`` reads (hopper_fwd.SCHEDULE, P_PATH, BLOCK_SCALES, ...; set from the environment
     at import) are taken at first use, so code that changes them must call ``kernel_config.cache_clear()``.
-    ``short_keys`` (Skv <= SHORT_SKV, the caller's one comparison) picks ``ctas_per_sm = 2`` where
-    ctas_per_sm, schedule and num_wg are left to the defaults (``auto_ctas_per_sm``)."""
+    ``short`` (``short_sequences``, the caller's comparison) picks ``ctas_per_sm = 2`` where the call
+    names no variant (``auto_ctas_per_sm``)."""
     from .hopper_fwd import DirectPConfig
     return DirectPConfig.make(head_dim, out_dtype, affine_a, affine_b, shift, native_exp2, anchor,
                               schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None,
                               code_rounding=code_rounding, qk_fp8=qk_fp8, block_scales=block_scales or None,
-                              ctas_per_sm=auto_ctas_per_sm(schedule, num_wg, ctas_per_sm, short_keys) or None)
+                              ctas_per_sm=auto_ctas_per_sm(short, schedule, p_path, num_wg, block_scales,
+                                                           ctas_per_sm) or None)
 
 
-def auto_ctas_per_sm(schedule: str, num_wg: int, ctas_per_sm: int, short_keys: bool) -> int:
-    """The dispatch rule: 2 (the short-sequence variant) for short keys where the call leaves
-    ctas_per_sm, schedule and num_wg to the defaults (""/0), else ``ctas_per_sm``: a variant asked
-    for by name (the tests', the benchmark's) is never swapped."""
-    if short_keys and not ctas_per_sm and not schedule and not num_wg:
+def short_sequences(seqlen_q: int, seqlen_k: int) -> bool:
+    """Both sequences within SHORT_SEQ: where the short-sequence variant was measured to pay."""
+    return seqlen_q <= SHORT_SEQ and seqlen_k <= SHORT_SEQ
+
+
+def auto_ctas_per_sm(short: bool, schedule: str = "", p_path: str = "", num_wg: int = 0, block_scales: str = "",
+                     ctas_per_sm: int = 0) -> int:
+    """The dispatch rule: 2 (the short-sequence variant) for short sequences where the call leaves every
+    variant field to the defaults (""/0), else ``ctas_per_sm`` (0: the default): a variant asked for by
+    name (the tests', the benchmark's) is never swapped."""
+    if short and not (schedule or p_path or num_wg or block_scales or ctas_per_sm):
         return 2
     return ctas_per_sm
 
@@ -193,7 +202,7 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Hopper kernel.
     ``schedule`` / ``p_path`` / ``num_wg`` / ``block_scales`` / ``ctas_per_sm``: ""/0 the defaults, else a
     kernel variant (see ``hopper_fwd.DirectPConfig``; for the tests and the benchmark). With the defaults,
-    key sequences up to ``SHORT_SKV`` run the short-sequence variant (``kernel_config``).
+    sequences up to ``SHORT_SEQ`` run the short-sequence variant (``kernel_config``).
 
     This plain function is the body of the custom op ``torch.ops.fp4vis.hopper_attention``;
     ``HopperBackend`` calls it directly outside torch.compile, which saves the dispatcher's
@@ -202,7 +211,7 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = kernel_config(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
                         shift, native_exp2, anchor, schedule, p_path, num_wg, code_rounding, qk_fmt == QK_FP8,
-                        block_scales, ctas_per_sm, k.shape[-2] <= SHORT_SKV)
+                        block_scales, ctas_per_sm, short_sequences(q.shape[-2], k.shape[-2]))
     run_kernel(*ops, out, cfg, scale * LOG2E, margin_raw)
     return out
 

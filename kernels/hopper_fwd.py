@@ -57,8 +57,9 @@ TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 6
 KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
 REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
-# Short sequences (DirectPConfig.ctas_per_sm = 2: one serial consumer warpgroup per CTA, two CTAs per SM),
-# so that one CTA's prologue (barrier init, Q/K/V TMA latency) and epilogue run under the other's tiles.
+# Short sequences (DirectPConfig.ctas_per_sm = 2: one serial consumer warpgroup per CTA, two CTAs per SM):
+# one CTA's prologue (barrier init, Q/K/V TMA latency) and epilogue run under the other's tiles, and a
+# grid too small to fill the GPU with 128-row CTAs fills twice as many SMs.
 # 64K registers per SM / (2 CTAs x 256 threads) = 128 per thread at launch; setmaxnreg moves 104 from the
 # producer to the consumer (24 + 232 = 2 x 128, multiples of 8).
 REGS_2CTA = (24, 232)                 # (producer, consumer) registers per thread

@@ -124,12 +124,12 @@ def _e2m1(x):
 
 
 @triton.jit
-def _code(ax, r, F16: tl.constexpr):
+def _code(ax, r, CODES_F16: tl.constexpr):
     """E2M1 magnitude of ax / sc given r = rcp(sc) (r = 0 for sc = 0): exact, see the module doc.
-    F16: ``_e2m1_mag_f16`` on pairs (the snap is the conversion to FP16). Otherwise (t + 2048) - 2048
+    CODES_F16: ``_e2m1_mag_f16`` on pairs (the snap is the conversion to FP16). Otherwise (t + 2048) - 2048
     rounds t < 2048 to a multiple of 2^-12 (larger t saturate anyway), then ``_e2m1_mag``."""
     t = ax * r
-    if F16:
+    if CODES_F16:
         return _e2m1_mag_f16(t)
     t = (t + 2048.0) - 2048.0
     return _e2m1_mag(t)
@@ -137,7 +137,8 @@ def _code(ax, r, F16: tl.constexpr):
 
 @triton.jit
 def _e2m1_mag_f16(t):
-    """``_e2m1_mag`` of the snapped t >= 0 (float32 t = ax * rcp(sc)), two values at a time on FP16x2:
+    """``_e2m1_mag`` of the snapped t for float32 t = ax * rcp(sc) >= 0 (unsnapped: the conversion to
+    FP16 snaps it), two values at a time on FP16x2:
     convert to FP16 (round to nearest), min 6, and the grid trick with C = max(2^(e + 9), 2^9) (FP16
     has 10 mantissa bits), back to float32: 9 instructions per pair where the float32 form takes 16.
     Exact: t is within 2^-22 relative of ax / sc, which is either an E2M1 midpoint b (3 significant
@@ -199,7 +200,7 @@ def _mult_rt(i):
 
 
 @triton.jit
-def _cand_err(alo, ahi, alo2, ahi2, sc, F16: tl.constexpr):
+def _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16: tl.constexpr):
     """sum over the 32 values of P (P - 2|x|), P = c * sc, exactly, as float64 (see module doc;
     valid when sc is the unsaturated E4M3 rounding of base * m)."""
     r = _rcp(sc)
@@ -210,8 +211,8 @@ def _cand_err(alo, ahi, alo2, ahi2, sc, F16: tl.constexpr):
     sc3 = sc[:, :, None]
     scu3 = scu[:, :, None]
     r3 = r[:, :, None]
-    c_lo = _code(alo, r3, F16)
-    c_hi = _code(ahi, r3, F16)
+    c_lo = _code(alo, r3, CODES_F16)
+    c_hi = _code(ahi, r3, CODES_F16)
     f_lo = tl.fma(c_lo * scu3, tl.fma(c_lo, sc3, -alo2), _MAGIC)    # MAGIC + P (P - 2|x|) / U
     f_hi = tl.fma(c_hi * scu3, tl.fma(c_hi, sc3, -ahi2), _MAGIC)
     n = (f_lo.to(tl.int32, bitcast=True) - _MAGIC_BITS) + (f_hi.to(tl.int32, bitcast=True) - _MAGIC_BITS)
@@ -220,34 +221,34 @@ def _cand_err(alo, ahi, alo2, ahi2, sc, F16: tl.constexpr):
 
 
 @triton.jit
-def _cand_err64(alo, ahi, alo2, ahi2, sc, F16: tl.constexpr):
+def _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16: tl.constexpr):
     """sum over the 32 values of P (P - 2|x|), P = c * sc, in float64 as fp4vis.formats computes it
     (alo2, ahi2: 2|x| in float64): exact, in any summation order, unless the group is huge."""
     sc3 = sc[:, :, None]
     r3 = _rcp(sc)[:, :, None]
-    p_lo = (_code(alo, r3, F16) * sc3).to(tl.float64)       # exact: at most 6 significant bits
-    p_hi = (_code(ahi, r3, F16) * sc3).to(tl.float64)
+    p_lo = (_code(alo, r3, CODES_F16) * sc3).to(tl.float64)       # exact: at most 6 significant bits
+    p_hi = (_code(ahi, r3, CODES_F16) * sc3).to(tl.float64)
     return tl.sum(p_lo * (p_lo - alo2), axis=2) + tl.sum(p_hi * (p_hi - ahi2), axis=2)
 
 
 @triton.jit
-def _best_scale(alo, ahi, alo2, ahi2, base, WIDE: tl.constexpr, F16: tl.constexpr):
+def _best_scale(alo, ahi, alo2, ahi2, base, WIDE: tl.constexpr, CODES_F16: tl.constexpr):
     """The first folded-K64 candidate scale with the least error (a later one wins only when
     strictly better), errors from ``_cand_err`` (exact integer units) or, WIDE, ``_cand_err64``
     (float64). A loop, not unrolled (keeps the code small); candidate 9, the second m = 1.0, gives
     the first's scale and can never be strictly better: skipped."""
     best_sc = _e4m3(base * 1.0)
     if WIDE:
-        best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc, F16)
+        best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc, CODES_F16)
     else:
-        best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc, F16)
+        best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc, CODES_F16)
     for i in range(1, 12):
         if i != 9:
             sc = _e4m3(base * _mult_rt(i))
             if WIDE:
-                err = _cand_err64(alo, ahi, alo2, ahi2, sc, F16)
+                err = _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16)
             else:
-                err = _cand_err(alo, ahi, alo2, ahi2, sc, F16)
+                err = _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16)
             better = err < best_err
             best_err = tl.where(better, err, best_err)
             best_sc = tl.where(better, sc, best_sc)
@@ -263,7 +264,7 @@ def _nan_if_not_finite(out, mag):
 
 @triton.jit
 def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.constexpr,
-                HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, F16: tl.constexpr):
+                HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, CODES_F16: tl.constexpr):
     """BLOCK_R rows of one NVFP4 operand: X (N = G*S rows of D) -> decoded BF16 rows in Y; rows
     gathered by PERM where HAS_PERM and the runtime flag use_perm (the K part) are set."""
     rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)          # global row = g * S + s (physical)
@@ -291,21 +292,21 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.co
         base = tl.math.div_rn(amax, 6.0)
         # exact integer path unless a candidate scale saturates E4M3 somewhere in the tile
         if tl.max((base * 1.25 > 448.0).to(tl.int32)) == 0:
-            best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, False, F16)
+            best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, False, CODES_F16)
         else:
             # a candidate saturates E4M3: the float64 sums of fp4vis.formats (exact unless the group
             # is huge), then the huge groups' rule
             ax64 = alo.to(tl.float64)
             ahx64 = ahi.to(tl.float64)
-            best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, True, F16)
+            best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, True, CODES_F16)
             # huge group (amax >= 48 * the largest candidate, E4M3(base * 1.25): the rounding is
             # monotonic): the error decreases strictly with the scale, the largest scale wins
             sc_max = _e4m3(base * 1.25)
             best_sc = tl.where(amax >= 48.0 * sc_max, sc_max, best_sc)
         sc3 = best_sc[:, :, None]
         r3 = _rcp(best_sc)[:, :, None]
-        out_lo = _nan_if_not_finite(_signed(_code(alo, r3, F16) * sc3, lo, sc3), alo)
-        out_hi = _nan_if_not_finite(_signed(_code(ahi, r3, F16) * sc3, hi, sc3), ahi)
+        out_lo = _nan_if_not_finite(_signed(_code(alo, r3, CODES_F16) * sc3, lo, sc3), alo)
+        out_hi = _nan_if_not_finite(_signed(_code(ahi, r3, CODES_F16) * sc3, hi, sc3), ahi)
         tl.store(Y + dst[:, None, None] + col, out_lo.to(tl.bfloat16), mask=m3)
         tl.store(Y + dst[:, None, None] + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
@@ -317,7 +318,7 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.co
         ax = tl.abs(x)
         sc = _e4m3(tl.math.div_rn(tl.max(ax, axis=2), 6.0))
         sc3 = sc[:, :, None]
-        out = _nan_if_not_finite(_signed(_code(ax, _rcp(sc)[:, :, None], F16) * sc3, x, sc3), ax)
+        out = _nan_if_not_finite(_signed(_code(ax, _rcp(sc)[:, :, None], CODES_F16) * sc3, x, sc3), ax)
         tl.store(Y + dst[:, None, None] + col, out.to(tl.bfloat16), mask=m3)
 
 
@@ -367,7 +368,7 @@ def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr,
 @triton.jit(do_not_specialize=["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB"])
 def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, NQ, SQ, NK, SK, TQ, TK, NVB,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_D: tl.constexpr, F16: tl.constexpr):
+                    BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr):
     """Programs [0, TQ): Q row tiles; [TQ, TQ + TK): K row tiles (rows gathered by PERM);
     the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM)."""
     pid = tl.program_id(0)
@@ -377,7 +378,7 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, NQ, SQ, NK, SK, TQ, TK, NVB,
             X, Y, tile, N, S, use_perm = Q, YQ, pid, NQ, SQ, False
         else:
             X, Y, tile, N, S, use_perm = K, YK, pid - TQ, NK, SK, True
-        _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D, FOLDED, HAS_PERM, BLOCK_R, F16)
+        _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D, FOLDED, HAS_PERM, BLOCK_R, CODES_F16)
     else:
         vid = pid - TQ - TK
         g = vid // NVB

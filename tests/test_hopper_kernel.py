@@ -224,7 +224,7 @@ def test_short_variant_bit_identical_to_default(policy, shape, kind):
     """The short-sequence variant (one serial warpgroup, two CTAs per SM) gives the default kernel's bits
     (ping-pong, one CTA per SM): the same matrix products and Direct-P per 64-row slab, in the same tile
     order. Every policy, D = 64 and 128, partial query and key tiles, odd tile counts, key lengths
-    on both sides of hopper_backend.SHORT_SKV."""
+    on both sides of hopper_backend.SHORT_SEQ."""
     hb = importlib.import_module("fp4vis.kernels.hopper_backend")
     pol = fp4vis.get_policy(policy)
     q, k, v = (spread_inputs(shape, policy, 19) if kind == "spread"
@@ -237,7 +237,7 @@ def test_short_variant_bit_identical_to_default(policy, shape, kind):
     # has a non-finite output (both kernels reproduce it)
     assert torch.equal(short.view(torch.int16), default.view(torch.int16)), \
         f"max |diff| {(short.float() - default.float()).nan_to_num().abs().max().item()}"
-    # the public call (short up to SHORT_SKV keys)
+    # the public call (short where both sequences are at most SHORT_SEQ)
     assert torch.equal(run(q, k, v, pol, "hopper").view(torch.int16), default.view(torch.int16))
 
 

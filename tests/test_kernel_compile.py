@@ -183,9 +183,10 @@ def test_short_variant_config_plumbing():
 
 
 def test_short_variant_dispatch(monkeypatch):
-    """The backend's call picks the short-sequence variant for Skv <= SHORT_SKV when the call leaves the
-    variant to the defaults, never swaps a variant asked for by name, and SHORT_SKV = 0 (what
-    FP4VIS_HOPPER_SHORT=0 sets) turns it off. The pre-pass runs on the CPU; the launch is replaced."""
+    """The backend's call picks the short-sequence variant when both sequences are at most SHORT_SEQ and
+    the call names no variant field, never swaps a variant asked for by name (any field), keeps the
+    default kernel for long queries over short keys, and SHORT_SEQ = 0 (what FP4VIS_HOPPER_SHORT=0
+    sets) turns it off. The pre-pass runs on the CPU; the launch is replaced."""
     import subprocess
     import sys
 
@@ -194,22 +195,23 @@ def test_short_variant_dispatch(monkeypatch):
     monkeypatch.setattr(hb, "run_kernel", lambda *a: seen.append(a[6]))
     pol = POLICIES["fast"]
 
-    def ctas(skv, **variant):
-        q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+    def ctas(skv, sq=8, **variant):
+        q = torch.randn(1, 1, sq, 64, dtype=torch.bfloat16)
         kv = torch.randn(1, 1, skv, 64, dtype=torch.bfloat16)
         hb.hopper_attention_eager(q, kv, kv, 0.125, **hb.policy_args(pol, 64, 0.125), **variant)
         return seen[-1].ctas_per_sm
 
-    assert hb.SHORT_SKV == 768
-    assert ctas(768) == 2 and ctas(769) == 1 and ctas(40, p_path="scalar") == 2
+    assert hb.SHORT_SEQ == 768
+    assert ctas(768, sq=768) == 2 and ctas(769) == 1 and ctas(40, sq=769) == 1
+    assert ctas(40, p_path="scalar") == 1 and ctas(40, block_scales="lane") == 1
     assert ctas(40, ctas_per_sm=1) == 1 and ctas(2000, ctas_per_sm=2) == 2
     assert ctas(40, schedule="pingpong") == 1 and ctas(40, schedule="serial", num_wg=1) == 1
     assert seen[0].key() == hb.kernel_config(64, "bf16", pol.affine_a, pol.affine_b, pol.shift, pol.native_exp2,
                                              pol.anchor, "", "", 0, pol.code_rounding, False, "", 0, True).key()
-    monkeypatch.setattr(hb, "SHORT_SKV", 0)
+    monkeypatch.setattr(hb, "SHORT_SEQ", 0)
     assert ctas(40) == 1
     env = dict(os.environ, FP4VIS_HOPPER_SHORT="0")
-    res = subprocess.run([sys.executable, "-c", "from fp4vis.kernels import hopper_backend as hb; print(hb.SHORT_SKV)"],
+    res = subprocess.run([sys.executable, "-c", "from fp4vis.kernels import hopper_backend as hb; print(hb.SHORT_SEQ)"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.stdout.strip() == "0", res.stdout + res.stderr
 

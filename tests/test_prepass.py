@@ -174,7 +174,7 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
 
     sig = {name: "*bf16" for name in ("Q", "K", "V", "YQ", "YK", "YV")}
     sig.update(PERM="*i32", **{name: "i32" for name in ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")})
-    consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, F16=f16)
+    consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=f16)
     cubin = _compile_sm90(tpt._prepass_kernel, sig, consts, tpt.default_warps(d)).get("cubin")
     assert cubin
     sass = _sass(cubin)
@@ -184,8 +184,8 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
 def _e2m1_codes_f16_emulated(t):
     """``hopper_prepass_triton._e2m1_mag_f16`` step by step in PyTorch (float32 t >= 0): the FP16
     conversion (round to nearest even), min 6 (NaN-ignoring, as PTX min), the exponent-field constant
-    C = max(2^(e + 9), 2^9) and (t + C) - C in FP16 (exact sums in float32 rounded once to FP16, as
-    the FP16 adder does)."""
+    C = max(2^(e + 9), 2^9) and (t + C) - C in FP16 (PyTorch adds in float32 and rounds to FP16: the
+    double rounding is harmless, 24 >= 2 * 11 + 2 bits, so this is the FP16 adder's result)."""
     import torch
 
     t16 = torch.fmin(t.to(torch.float16), torch.tensor(6.0, dtype=torch.float16))
@@ -366,14 +366,56 @@ def test_fp8_prepass_non_finite_inputs_give_nan_interpreted():
     _run_interpreted(_CHECK_FP8_NON_FINITE)
 
 
-@pytest.mark.parametrize("dtype,has_perm", [("bf16", True), ("fp16", False)], ids=["bf16-perm", "fp16"])
-def test_fp8_prepass_compiles_for_sm90(dtype, has_perm):
+@pytest.mark.parametrize("dtype,has_perm,d", [("bf16", True, 128), ("fp16", False, 128), ("bf16", False, 64)],
+                         ids=["bf16-perm", "fp16", "bf16-d64"])
+def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
     """The FP8 pre-pass kernel (E4M3 bytes through float8e4nv, scales, MXFP4 V) compiles for sm_90
-    to a cubin without a GPU, from BF16 and FP16 inputs."""
+    to a cubin without a GPU, from BF16 and FP16 inputs, with the launch's warps for D."""
     pytest.importorskip("triton")
     from fp4vis.kernels import hopper_prepass_triton as tpt
 
     sig = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Q8="*fp8e4nv", K8="*fp8e4nv", V6="*bf16", QS="*fp32",
                KS="*fp32", PERM="*i32", **dict.fromkeys(("NQ", "TQ", "SK", "NKB", "NVB"), "i32"))
-    consts = dict(D=128, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64)
-    assert _compile_sm90(tpt._fp8_prepass_kernel, sig, consts).get("cubin")
+    consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64)
+    assert _compile_sm90(tpt._fp8_prepass_kernel, sig, consts, tpt.default_warps(d)).get("cubin")
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [128, 64])
+def test_fp16_pair_codes_bit_identical_on_gpu(d):
+    """On the GPU the NVFP4 pre-pass's E2M1 codes on FP16 pairs (the inline PTX, the default) give the
+    bits of the float32 form and of fp4vis.formats: both layouts, tie-heavy, Gaussian and wide-range
+    inputs (E4M3-saturating tiles too), BF16 and FP16, the anchor permutation, partial V blocks."""
+    import torch
+
+    from fp4vis.formats import mxfp4_qdq, nvfp4_qdq
+    from fp4vis.kernels import hopper_prepass_triton as tp
+    from fp4vis.kernels.hopper_prepass import cached_anchor_permutation
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def mk(kind, shape, dtype):
+        x = torch.randn(*shape, generator=g, device="cuda")
+        if kind == "ties":
+            x = torch.randint(-48, 49, shape, generator=g, device="cuda").float() * torch.exp2(
+                torch.randint(-8, 4, shape[:-1] + (1,), generator=g, device="cuda").float())
+        elif kind == "wide":
+            x = x * torch.exp2(torch.randint(-30, 14, shape, generator=g, device="cuda").float())
+        return x.clamp(-60000, 60000).to(dtype)
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for layout in ("folded64_mse", "block16"):
+            for kind, anchor in (("ties", 0), ("gauss", 32), ("wide", 32)):
+                b, h, sq, sk = 2, 3, 77, 301
+                q, k, v = (mk(kind, (b, h, s, d), dtype) for s in (sq, sk, sk))
+                perm = cached_anchor_permutation(sk, anchor, q.device, torch.int32) if anchor else None
+                f16 = tp.prepass(q, k, v, layout, perm, f16_codes=True)
+                f32 = tp.prepass(q, k, v, layout, perm, f16_codes=False)
+                kk = k[:, :, perm.long()] if anchor else k
+                ref = (nvfp4_qdq(q, layout).to(torch.bfloat16), nvfp4_qdq(kk, layout).to(torch.bfloat16))
+                for a, c, r in zip(f16[:2], f32[:2], ref):
+                    assert torch.equal(a.view(torch.int16), c.view(torch.int16)), (str(dtype), layout, kind)
+                    assert torch.equal(a.view(torch.int16), r.view(torch.int16)), (str(dtype), layout, kind)
+                vv = v[:, :, perm.long()] if anchor else v
+                v6 = mxfp4_qdq(vv, times_six=True).to(torch.bfloat16)
+                assert torch.equal(f16[2].view(torch.int16), v6.view(torch.int16))
