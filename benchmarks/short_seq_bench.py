@@ -76,12 +76,9 @@ def configs(policy_name: str, d: int, skv: int) -> dict:
 
 
 def smem_bytes(cfg) -> int:
-    """Dynamic shared memory of a configuration: the barriers (the first aligned 1 KB), Q, the K/V ring
-    (as ``DirectPAttentionSm90.__call__`` lays them out)."""
-    from fp4vis.kernels.hopper_fwd import TILE_M_PER_WG, DirectPAttentionSm90
-    k = DirectPAttentionSm90(cfg)
-    q = TILE_M_PER_WG * cfg.num_wg * cfg.head_dim * (1 if cfg.qk_fp8 else 2)
-    return k.buffer_align_bytes + q + k.kv_stages * cfg.tile_n * cfg.head_dim * 2
+    """Dynamic shared memory of a configuration (``DirectPAttentionSm90.dynamic_smem_bytes``)."""
+    from fp4vis.kernels.hopper_fwd import DirectPAttentionSm90
+    return DirectPAttentionSm90(cfg).dynamic_smem_bytes()
 
 
 def occupancy(cfg) -> dict:

@@ -9,6 +9,10 @@ does not spill, uses the tensor cores (HGMMA), and that the exp-free policies co
 
 CLI: ``python -m fp4vis.kernels.compile_check [--policy fast] [--head-dim 128] [--json] [--schedule]``
 (``--schedule``: ptxas's static schedule of the ping-pong loop's Direct-P, ``direct_p_schedule``).
+
+The Triton pre-pass compiles the same way (``compile_triton_sm90``: Triton's own compiler and ptxas,
+no GPU); ``--triton-prepass`` prints the instruction count of the NVFP4 scale search's candidate loop
+per head dim, warps and E2M1 code form (``prepass_candidate_loop``).
 """
 
 from __future__ import annotations
@@ -195,6 +199,64 @@ def _inspect_cubin(rep: CompileReport, cubin: str) -> None:
     rep.total_instructions = total
 
 
+def compile_triton_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
+    """Compile the Triton kernel ``fn`` for sm_90 down to a cubin with Triton's bundled ptxas (no GPU
+    needed), as it is built on the GPU (``enable_fp_fusion=False``; pointers 16-byte aligned, as the
+    launcher's tensors are and as Triton specialises them: without that hint it lays the tiles out one
+    element per thread, not the GPU build); returns its asm (``"cubin"``, ``"ptx"``, ``"ttgir"``, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, kind in signature.items() if kind.startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False}).asm
+
+
+def sass_text(cubin: bytes) -> str:
+    """nvdisasm of a cubin given as bytes (``find_nvdisasm``, else Triton's bundled copy)."""
+    nvd = find_nvdisasm()
+    if nvd is None:
+        import triton
+        nvd = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvd, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def innermost_loops(sass: str) -> list[list[str]]:
+    """The instructions of each loop of a SASS listing that contains no other loop (a backward branch
+    to a label, with no backward branch between them)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA.*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    inner = [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [[line for line in lines[a:b + 1] if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)] for a, b in inner]
+
+
+def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int | None = None) -> int:
+    """Instructions of the NVFP4 pre-pass's scale-search loop (one candidate scale; folded-K64, no
+    permutation; the exact-integer branch, not the saturating tiles' float64 one) in the sm_90 build
+    for head dim ``d``."""
+    from . import hopper_prepass_triton as tp
+    sig = {name: "*bf16" for name in ("Q", "K", "V", "YQ", "YK", "YV")}
+    sig.update(PERM="*i32", **{name: "i32" for name in ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")})
+    consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.BLOCK_R, BLOCK_D=min(d, 64), CODES_F16=codes_f16)
+    asm = compile_triton_sm90(tp._prepass_kernel, sig, consts, num_warps or tp.default_warps(d))
+    # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to
+    # itself) that ends the listing
+    loops = [body for body in innermost_loops(sass_text(asm["cubin"]))
+             if len(body) > 1 and not any(re.search(r"\bDADD\b", line) for line in body)]
+    if len(loops) != 1:
+        raise RuntimeError(f"expected one float32 candidate loop, found {len(loops)}")
+    return len(loops[0])
+
+
 def direct_p_schedule(cubin: str) -> dict:
     """ptxas's static schedule of the ping-pong loop's Direct-P: the instructions from the loop's
     ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready) to the predicated store that pins the PV wait
@@ -280,28 +342,29 @@ def variants(head_dims=(128, 64)):
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .hopper_fwd import DirectPConfig
-    pols = [("fast", POLICIES["fast"]), ("wan_fast", POLICIES["wan_fast"]), ("accurate", POLICIES["accurate"]),
-            ("guard", POLICIES["guard"]), ("guard_h40", guard_policy_for_heads(40)),
-            ("fast_bf16round", POLICIES["fast_bf16round"]), ("fast_fp8qk", POLICIES["fast_fp8qk"])]
+    pols = {name: POLICIES[name] for name in ("fast", "wan_fast", "accurate", "guard")}
+    pols["guard_h40"] = guard_policy_for_heads(40)
+    pols.update((name, POLICIES[name]) for name in ("fast_bf16round", "fast_fp8qk"))
+    fast = pols["fast"]
     out = []
     for d in head_dims:
-        for name, p in pols:
+        for name, p in pols.items():
             out.append((name, DirectPConfig.from_policy(p, d, "bf16", schedule="pingpong", p_path="packed")))
-        for name, p in pols[:3]:  # the overlapped schedule (64-key tiles): policies with <= 64 anchors
-            out.append((f"{name}_overlap", DirectPConfig.from_policy(p, d, "bf16", schedule="overlap")))
-        for name, p in (pols[0], pols[2]):
-            out.append((f"{name}_serial_scalar", DirectPConfig.from_policy(p, d, "bf16", schedule="serial",
+        for name in ("fast", "wan_fast", "accurate"):  # the overlapped schedule (64-key tiles): <= 64 anchors
+            out.append((f"{name}_overlap", DirectPConfig.from_policy(pols[name], d, "bf16", schedule="overlap")))
+        for name in ("fast", "accurate"):
+            out.append((f"{name}_serial_scalar", DirectPConfig.from_policy(pols[name], d, "bf16", schedule="serial",
                                                                            p_path="scalar")))
-        out.append(("fast_3wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", num_wg=3)))
-        for name, p in (pols[0], pols[2], pols[3], pols[6]):   # two CTAs per SM (short sequences)
-            out.append((f"{name}_short", DirectPConfig.from_policy(p, d, "bf16", ctas_per_sm=2)))
+        out.append(("fast_3wg", DirectPConfig.from_policy(fast, d, "bf16", num_wg=3)))
+        for name in ("fast", "accurate", "guard", "fast_fp8qk"):   # two CTAs per SM (short sequences)
+            out.append((f"{name}_short", DirectPConfig.from_policy(pols[name], d, "bf16", ctas_per_sm=2)))
         if d == head_dims[0]:  # the timing-only P paths (wrong results) must stay buildable
             for pp in ("scalar", "packed_alu", "none", "timing_scales", "timing_codes"):
-                out.append((f"fast_{pp}", DirectPConfig.from_policy(pols[0][1], d, "bf16", p_path=pp)))
-            out.append(("fast_serial_1wg", DirectPConfig.from_policy(pols[0][1], d, "bf16", schedule="serial",
+                out.append((f"fast_{pp}", DirectPConfig.from_policy(fast, d, "bf16", p_path=pp)))
+            out.append(("fast_serial_1wg", DirectPConfig.from_policy(fast, d, "bf16", schedule="serial",
                                                                      num_wg=1)))
-            for name, p in (pols[0], pols[3], pols[6]):   # block constants per thread, the earlier form
-                out.append((f"{name}_lane", DirectPConfig.from_policy(p, d, "bf16", block_scales="lane")))
+            for name in ("fast", "guard", "fast_fp8qk"):   # block constants per thread, the earlier form
+                out.append((f"{name}_lane", DirectPConfig.from_policy(pols[name], d, "bf16", block_scales="lane")))
     return out
 
 
@@ -313,7 +376,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--schedule", action="store_true",
                     help="also report ptxas's static schedule of the loop's Direct-P (ping-pong variants)")
+    ap.add_argument("--triton-prepass", action="store_true",
+                    help="only the NVFP4 pre-pass's candidate-loop instruction counts (Triton build)")
     a = ap.parse_args(argv)
+    if a.triton_prepass:
+        for d in (a.head_dim,) if a.head_dim else (128, 64):
+            for warps in sorted({4, 2 if d == 64 else 4}):
+                for f16 in (True, False):
+                    n = prepass_candidate_loop(d, f16, warps)
+                    print(f"D={d} warps={warps} codes={'fp16 pairs' if f16 else 'float32'}: candidate loop "
+                          f"{n} instructions", flush=True)
+        return 0
     rows = []
     for name, cfg in variants((a.head_dim,) if a.head_dim else (128, 64)):
         if a.policy and name != a.policy:

@@ -503,11 +503,16 @@ class DirectPAttentionSm90:
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER[cfg.num_wg]
         if cfg.ctas_per_sm == 2:
             self.regs_producer, self.regs_consumer = REGS_2CTA
-            # as many K/V stages as fit in SMEM_2CTA beside the barriers (the first aligned 1 KB) and Q:
-            # all 4 at D = 64, 3 at D = 128
-            q_bytes = TILE_M_PER_WG * cfg.head_dim * (1 if cfg.qk_fp8 else 2)
+            # as many K/V stages as fit in SMEM_2CTA beside the barriers and Q: all 4 at D = 64, 3 at D = 128
             stage_bytes = cfg.tile_n * cfg.head_dim * 2
-            self.kv_stages = min(self.kv_stages, (SMEM_2CTA - self.buffer_align_bytes - q_bytes) // stage_bytes)
+            self.kv_stages = min(self.kv_stages, (SMEM_2CTA - self.dynamic_smem_bytes(0)) // stage_bytes)
+
+    def dynamic_smem_bytes(self, kv_stages: int | None = None) -> int:
+        """Shared memory of the layout ``__call__`` builds: the barriers (the first aligned 1 KB), the Q
+        tile and ``kv_stages`` (default: the kernel's) V-sized stages of the K/V ring."""
+        stages = self.kv_stages if kv_stages is None else kv_stages
+        q_bytes = self.tile_m * self.head_dim * (1 if self.cfg.qk_fp8 else 2)
+        return self.buffer_align_bytes + q_bytes + stages * self.tile_n * self.head_dim * 2
 
     # ---------------------------------------------------------------- host side
     @cute.jit

@@ -54,6 +54,9 @@ def test_variant_compiles_clean(name, cfg, nvdisasm):
     assert (c.get("QGMMA", 0) > 0) == cfg.qk_fp8, c
     assert c.get("LDL", 0) == 0 and c.get("STL", 0) == 0, c
     assert rep.shared_bytes is not None and rep.shared_bytes <= SMEM_LIMIT, rep.shared_bytes
+    # the host-side size (stage count of the short variant, benchmarks) is the layout's
+    kernel_cls = importlib.import_module("fp4vis.kernels.hopper_fwd").DirectPAttentionSm90
+    assert rep.shared_bytes == kernel_cls(cfg).dynamic_smem_bytes(), rep.shared_bytes
     if name in EXP_FREE:
         assert c.get("MUFU.EX2", 0) == 0, c
     else:

@@ -7,6 +7,7 @@ the kernel's GPU build (sm_90 cubin, compiled without a GPU). The FP8 Q/K pre-pa
 (``prepare_fp8_operands``: fused Triton and PyTorch paths) likewise: bit-equal to
 fp4vis.formats.fp8_pow2_quantize, decoding to fp8_pow2_qdq, NaN for non-finite inputs."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -132,34 +133,12 @@ def test_triton_prepass_saturating_tiles_bit_identical_interpreted():
 
 
 def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int | None = None) -> dict:
-    """Compile the Triton kernel ``fn`` for sm_90 down to a cubin with Triton's bundled ptxas (no GPU
-    needed), as the pre-pass is built on the GPU (``enable_fp_fusion=False``; pointers 16-byte
-    aligned, as the launcher's tensors are and as Triton specialises them: without that hint it
-    lays the tiles out one element per thread, not the GPU build); returns its asm."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """``compile_check.compile_triton_sm90`` (the GPU build, without a GPU); its asm."""
+    pytest.importorskip("triton")
+    from fp4vis.kernels import compile_check
     from fp4vis.kernels import hopper_prepass_triton as tpt
 
-    sig = dict(signature, **{name: "constexpr" for name in constexprs})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name, kind in signature.items() if kind.startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps or tpt.NUM_WARPS, "enable_fp_fusion": False}).asm
-
-
-def _sass(cubin: bytes) -> str:
-    """nvdisasm of a cubin (Triton's bundled copy)."""
-    import tempfile
-
-    import triton
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return compile_check.compile_triton_sm90(fn, signature, constexprs, num_warps or tpt.NUM_WARPS)
 
 
 @pytest.mark.parametrize("folded,has_perm,f16,d", [(True, True, True, 128), (True, False, False, 128),
@@ -177,8 +156,18 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=f16)
     cubin = _compile_sm90(tpt._prepass_kernel, sig, consts, tpt.default_warps(d)).get("cubin")
     assert cubin
-    sass = _sass(cubin)
+    sass = importlib.import_module("fp4vis.kernels.compile_check").sass_text(cubin)
     assert ("HMNMX2" in sass) == f16 and ("F2FP.F16.F32.PACK_AB" in sass) == f16
+
+
+def test_fp16_pair_codes_shorten_the_candidate_loop():
+    """The FP16-pair codes exist to shorten the scale search's loop (one candidate scale): the sm_90
+    build of the float32 form has more instructions there (240 against 199 at D = 128 with
+    Triton 3.8; ``python -m fp4vis.kernels.compile_check --triton-prepass``)."""
+    pytest.importorskip("triton")
+    from fp4vis.kernels.compile_check import prepass_candidate_loop
+
+    assert prepass_candidate_loop(128, True) < prepass_candidate_loop(128, False)
 
 
 def _e2m1_codes_f16_emulated(t):
