@@ -1,4 +1,4 @@
-"""Launch-shape sweep of the fused FP8 pre-pass (``hopper_prepass_triton.fp8_prepass``) on the GPU.
+"""Launch-shape sweep of the fused FP8 pre-pass (``prepass_triton.fp8_prepass``) on the GPU.
 
     python3 benchmarks/fp8_prepass_tune.py --out $OUT/fp8_prepass_tune.json
 
@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    from fp4vis.evals.kernel_bench import environment, time_cuda
-    from fp4vis.kernels import hopper_prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.services import environment, time_cuda
     default_block = tp.FP8_BLOCK_Q
     rows = []
     for b, s, h, d in SHAPES:

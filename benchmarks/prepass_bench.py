@@ -4,12 +4,12 @@
 
 Sections (each one a key of the JSON, written after every section; ``--skip`` leaves any out):
 
-1. ``bits``: bit identity on CUDA tensors: ``hopper_prepass_triton.prepass`` (the one-launch NVFP4
+1. ``bits``: bit identity on CUDA tensors: ``prepass_triton.prepass`` (the one-launch NVFP4
    pre-pass, through its cached direct launcher) against ``fp4vis.formats`` (``nvfp4_qdq`` /
    ``mxfp4_qdq``), counting differing BF16 bit patterns: Gaussian, tie-heavy (small integers times
    powers of two) and wide-range inputs (E4M3-saturating groups too), BF16 and FP16, D = 64 and
    128, both layouts, with and without the anchor permutation, partial 32-token V blocks.
-2. ``fp8bits``: the same for the fused FP8 pre-pass (``hopper_prepass_triton.fp8_prepass``, policy
+2. ``fp8bits``: the same for the fused FP8 pre-pass (``prepass_triton.fp8_prepass``, policy
    ``fast_fp8qk``): against the PyTorch formulation (``prepare_fp8_operands(..., fused=False)``) and
    against ``fp4vis.formats.fp8_pow2_quantize`` (+ ``mxfp4_qdq`` for V), counting differing values of
    each of (q8, k8, v6, q_scale, k_scale): E4M3 as uint8 bit patterns, V as BF16 bits, scales as
@@ -18,7 +18,7 @@ Sections (each one a key of the JSON, written after every section; ``--skip`` le
    D = 64 and 128, anchor 0 and 32, Skv = 301 (not a multiple of 32 or 128), Sq != Skv, and three
    large shapes; for each case the first call (ordinary Triton launch: the cached launch state of
    that input signature is dropped before it) and the second (the direct launcher when
-   ``FAST_LAUNCH`` is on), each with the launch path taken and ``LAUNCH_STATE``. Also NaN/Inf inputs:
+   ``direct_launch_on()``), each with the launch path taken and ``LAUNCH_STATE``. Also NaN/Inf inputs:
    NaN operands exactly where the (permuted) input is not finite, other rows and key blocks
    unchanged. The NVFP4 check runs both E2M1 code forms of the search (FP16 pairs, the default
    on the GPU, and float32: ``differing_qkv_f32_codes``).
@@ -40,31 +40,27 @@ Sections (each one a key of the JSON, written after every section; ``--skip`` le
 
 Host timings take at most 200 calls and about ``HOST_BUDGET_S`` of wall time each (at least 32
 calls), so that the 32k-token shape does not dominate the run. Also recorded: the final
-``FAST_LAUNCH`` / ``LAUNCH_STATE`` of the Triton module and the Triton launch hooks (a set hook turns
+``direct_launch_on()`` / ``LAUNCH_STATE`` of the Triton module and the Triton launch hooks (a set hook turns
 the direct launcher off), the CuTe DSL compile times, and each section's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib.util
 import json
-import math
-import platform
-import statistics
 import sys
 import time
 import traceback
 
 import torch
 
+from fp4vis.layout import LOG2E
+from fp4vis.services import HOST_BUDGET_S, environment, input_copies, time_events, time_graph, time_host
+
 SHAPES = [(1, 4096, 24, 128), (1, 32768, 24, 128), (1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64),
           (8, 577, 16, 64)]
 SMALL_S = 1024       # the issue's small-shape target (whole call within 1.25x of SDPA cuDNN) is S <= 1024
-GRAPH_CALLS = 8      # calls per captured CUDA graph (time_graph)
-L2_BYTES = 50 * 2**20
-HOST_BUDGET_S = 1.0   # wall time per host timing (fewer than 200 calls where a call's GPU work is long)
 CALL_POLICIES = ("fast", "fast_fp8qk")   # whole-call section: "fast" keys top-level, others nested
 SECTIONS = ("bits", "fp8bits", "prepass", "calls")
 SKIP_PARTS = ("fp8prepass", "fp8calls")   # the FP8 parts of the prepass / calls sections
@@ -72,52 +68,6 @@ SKIP_HELP = ("comma list of what to leave out: bits (NVFP4 bit check), fp8bits (
              "prepass (all pre-pass timings), fp8prepass (only the FP8 pre-pass timings), calls (the "
              "whole-call section), fp8calls (only its fast_fp8qk part), fp8 (= fp8bits,fp8prepass,fp8calls: "
              "the run as before the FP8 path)")
-
-
-def _copies(nbytes: int) -> int:
-    return max(2, min(64, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
-
-
-def time_events(fn, n_inputs: int, budget: float = 0.25) -> float:
-    """Median ms of fn(i) by CUDA events, i rotating over the inputs (fp4vis.evals.kernel_bench's timer)."""
-    from fp4vis.evals.kernel_bench import time_cuda
-    return statistics.median(time_cuda(fn, n_inputs, reps=2000, budget_s=budget))
-
-
-def time_host(fn, n_inputs: int, reps: int = 200, sync: bool = False, budget: float | None = None) -> float:
-    """Median microseconds of the Python call fn(i) (sync: including the wait for the GPU); at most
-    ``reps`` calls, fewer (at least 32) where they would take more than ``budget`` seconds of wall
-    time (default HOST_BUDGET_S; the synchronisations below make each call cost its GPU time)."""
-    from fp4vis.evals.kernel_bench import reps_within_budget
-    reps = reps_within_budget(fn, n_inputs, 5, reps, 32, HOST_BUDGET_S if budget is None else budget)
-    ts = []
-    for i in range(reps):
-        if not sync and i % 16 == 0:
-            torch.cuda.synchronize()   # keep the launch queue short: measure the host path alone
-        t0 = time.perf_counter()
-        fn(i % n_inputs)
-        if sync:
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
-
-
-def time_graph(fn, calls: int = GRAPH_CALLS, budget: float = 0.25) -> float:
-    """Median ms per call of ``fn(0)`` replayed from one CUDA graph of ``calls`` calls: the GPU time
-    of the call without its host work (warmed up, so compiled and cached, on a side stream first, as
-    torch.cuda.graphs asks). The same inputs every call, so L2-warm where they fit in it: compare
-    with another ``time_graph`` figure (SDPA's), not with ``time_events`` over rotated inputs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(0)
-    return time_events(lambda i: graph.replay(), 1, budget) / calls
 
 
 def _mk(kind, shape, g, dtype, dev):
@@ -134,7 +84,7 @@ def _mk(kind, shape, g, dtype, dev):
 
 def bit_check(tp, log) -> dict:
     from fp4vis.formats import mxfp4_qdq, nvfp4_qdq
-    from fp4vis.kernels.hopper_prepass import cached_anchor_permutation
+    from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     cases, total_diff, total_vals = [], 0, 0
@@ -151,7 +101,7 @@ def bit_check(tp, log) -> dict:
         perm = cached_anchor_permutation(sk, anchor, q.device, torch.int32) if anchor else None
         for _ in range(2):   # the second call goes through the cached direct launcher
             yq, yk, yv = tp.prepass(q, k, v, layout, perm)
-        f32_form = tp.prepass(q, k, v, layout, perm, f16_codes=False) if hasattr(tp, "F16_CODES") else None
+        f32_form = tp.prepass(q, k, v, layout, perm, f16_codes=False) if hasattr(tp, "f16_codes_default") else None
         kk, vv = (k[:, :, perm.long()], v[:, :, perm.long()]) if anchor else (k, v)
         ref = (nvfp4_qdq(q, layout).to(torch.bfloat16), nvfp4_qdq(kk, layout).to(torch.bfloat16),
                mxfp4_qdq(vv, times_six=True).to(torch.bfloat16))
@@ -163,7 +113,7 @@ def bit_check(tp, log) -> dict:
                           values=n, differing_qkv=diffs))
         if f32_form is not None:   # the other E2M1 code form (float32 when the default is FP16 pairs)
             diffs32 = [int((a.view(torch.int16) != r.view(torch.int16)).sum()) for a, r in zip(f32_form, ref)]
-            cases[-1]["f16_codes_default"] = tp.F16_CODES
+            cases[-1]["f16_codes_default"] = tp.f16_codes_default()
             cases[-1]["differing_qkv_f32_codes"] = diffs32
             total_diff += sum(diffs32)
             total_vals += n
@@ -172,7 +122,7 @@ def bit_check(tp, log) -> dict:
                 cases[-1]["exact_check"] = _exact_check((q, kk), (yq, yk), ref[:2])
             log(f"  DIFF {cases[-1]}")
     log(f"bit check: {total_diff} differing of {total_vals} values over {len(cases)} cases")
-    return dict(differing=total_diff, values=total_vals, cases=cases, fast_launch=tp.FAST_LAUNCH,
+    return dict(differing=total_diff, values=total_vals, cases=cases, fast_launch=tp.direct_launch_on(),
                 launch_state=tp.LAUNCH_STATE)
 
 
@@ -245,7 +195,7 @@ def _diff_examples(a: torch.Tensor, r: torch.Tensor, x: torch.Tensor | None, lim
 
 
 def _mk_groups(shape, group_rows, dtype, g, dev):
-    """Rows grouped as the FP8 pre-pass groups them (tests/test_prepass.py): each group scaled by its
+    """Rows grouped as the FP8 pre-pass groups them (tests/kernels/hopper/test_hopper_prepass.py): each group scaled by its
     own power of two (BF16 2^-20..2^20, FP16 within its range) around 8-significant-bit integers (RNE
     ties, carries into the next binade) with per-element exponents over 14 binades (E4M3 subnormals,
     underflow to +-0); the first group all zero, the second tiny (float32 subnormals for BF16)."""
@@ -281,7 +231,7 @@ def _fp8_inputs(kind, b, h, sq, sk, d, dtype, perm, g, dev):
 def _fp8_formats_ref(q, kk, vv):
     """(q8, k8, v6, q_scale, k_scale) from fp4vis.formats for q and physical-order kk, vv."""
     from fp4vis.formats import fp8_pow2_quantize, mxfp4_qdq
-    from fp4vis.kernels.hopper_prepass import fp8_key_scale_blocks
+    from fp4vis.kernels.hopper.layout import fp8_key_scale_blocks
     qv, qs = fp8_pow2_quantize(q, 1)
     kv, ks = fp8_pow2_quantize(kk, 32)
     ks = ks.squeeze(-1)
@@ -306,11 +256,11 @@ def _fp8_calls(tp, q, k, v, perm, n_calls=2):
     out = []
     for _ in range(n_calls):
         meta = metas.get(key)
-        cached, fast = meta is not None and meta[-1] is not None, tp.FAST_LAUNCH
+        cached, fast = meta is not None and meta[-1] is not None, tp.direct_launch_on()
         ops = tp.fp8_prepass(q, k, v, perm)
         if q.is_cuda:
             torch.cuda.synchronize()   # a launch fault shows here, at its call
-        direct = cached and fast and tp.FAST_LAUNCH   # FAST_LAUNCH is turned off where the direct call raised
+        direct = cached and fast and tp.direct_launch_on()   # turned off where the direct call raised
         path = "direct" if direct else ("triton" if key in metas else "unknown")
         out.append((ops, path, tp.LAUNCH_STATE))
     return out
@@ -329,9 +279,9 @@ def _fp8_configs():
 def fp8_bit_check(tp, log, dev: str = "cuda", configs: list | None = None) -> dict:
     """The fused FP8 pre-pass (first and second call) against prepare_fp8_operands(fused=False) and
     against fp4vis.formats, per operand (q8, k8, v6, q_scale, k_scale) the number of differing values."""
-    from fp4vis.kernels.hopper_prepass import cached_anchor_permutation, prepare_fp8_operands
+    from fp4vis.kernels.hopper.prepass import cached_anchor_permutation, prepare_fp8_operands
     g = torch.Generator(device=dev).manual_seed(1)
-    res = dict(operands=list(FP8_OPERANDS), fast_launch_at_start=tp.FAST_LAUNCH,
+    res = dict(operands=list(FP8_OPERANDS), fast_launch_at_start=tp.direct_launch_on(),
                launch_state_at_start=tp.LAUNCH_STATE)
     cases, total_diff, total_vals, mismatched, torch_formats = [], 0, 0, 0, 0
     paths = {}
@@ -370,7 +320,7 @@ def fp8_bit_check(tp, log, dev: str = "cuda", configs: list | None = None) -> di
     except Exception as exc:
         res["nonfinite_error"] = f"{type(exc).__name__}: {exc}"
         log(traceback.format_exc())
-    res.update(fast_launch=tp.FAST_LAUNCH, launch_state=tp.LAUNCH_STATE)
+    res.update(fast_launch=tp.direct_launch_on(), launch_state=tp.LAUNCH_STATE)
     log(f"FP8 bit check: {total_diff} differing of {total_vals} compared values (fused vs torch and vs formats, "
         f"two calls) over {len(cases)} cases, {mismatched} shape/dtype mismatches, torch vs formats "
         f"{torch_formats}; paths {paths}; non-finite {res.get('nonfinite', {}).get('bad')}; "
@@ -381,8 +331,8 @@ def fp8_bit_check(tp, log, dev: str = "cuda", configs: list | None = None) -> di
 def _fp8_nonfinite(tp, dev: str) -> dict:
     """NaN/Inf in q, k, v: both calls of the fused FP8 pre-pass give NaN exactly where the (physical)
     input is not finite, and rows / key blocks without a non-finite value equal fp4vis.formats
-    (tests/test_prepass.py's statement, on the GPU's conversions)."""
-    from fp4vis.kernels.hopper_prepass import cached_anchor_permutation
+    (tests/kernels/hopper/test_hopper_prepass.py statement, on the GPU's conversions)."""
+    from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
     g = torch.Generator(device=dev).manual_seed(2)
     b, h, sq, sk, d = 1, 2, 21, 77, 128
     out, bad = [], 0
@@ -429,7 +379,7 @@ def _prepass_one(tp, old, shape, log, fp8: bool = True) -> dict:
     b, s, h, d = shape
     variants = [(16, 4), (32, 8)] + ([(16, 2), (32, 4)] if d == 64 else [])
     nbytes = 3 * b * h * s * d * 2
-    n = _copies(nbytes)
+    n = input_copies(nbytes)
     ins = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)) for _ in range(n)]
     row = dict(shape=[b, s, h, d], copies=n, bytes_moved=2 * nbytes)
     for layout in ("folded64_mse", "block16"):
@@ -440,8 +390,8 @@ def _prepass_one(tp, old, shape, log, fp8: bool = True) -> dict:
         for br, nw in variants if layout == "folded64_mse" else [(tp.BLOCK_R, tp.default_warps(d))]:
             row[f"new_r{br}_w{nw}_ms" + tag] = time_events(
                 lambda i, lay=layout, br=br, nw=nw: tp.prepass(*ins[i], lay, None, br, nw), n)
-        if hasattr(tp, "F16_CODES"):   # the E2M1 codes in float32 instead of on FP16 pairs, same launch
-            row["f16_codes_default"] = tp.F16_CODES
+        if hasattr(tp, "f16_codes_default"):   # the E2M1 codes in float32 instead of on FP16 pairs, same launch
+            row["f16_codes_default"] = tp.f16_codes_default()
             row["new_f32codes_ms" + tag] = time_events(
                 lambda i, lay=layout: tp.prepass(*ins[i], lay, None, None, None, False), n)
             row["new_f16codes_ms" + tag] = time_events(
@@ -461,7 +411,7 @@ def _fp8_prepass_times(tp, ins, n, row) -> None:
     """FP8 pre-pass keys of a prepass row: the fused pre-pass with the default warps (fp8_ms,
     fp8_host_us) and with 2, 4 and 8 warps (fp8_w{2,4,8}_ms), the PyTorch formulation (fp8_torch_ms),
     bytes read + written."""
-    from fp4vis.kernels.hopper_prepass import prepare_fp8_operands
+    from fp4vis.kernels.hopper.prepass import prepare_fp8_operands
     outs = tp.fp8_prepass(*ins[0])
     row["fp8_bytes_moved"] = sum(t.numel() * t.element_size() for t in ins[0] + tuple(outs))
     del outs
@@ -486,7 +436,7 @@ def _call_one(shape, log, policies=CALL_POLICIES) -> dict:
     import torch.nn.functional as F
     b, s, h, d = shape
     row = dict(shape=[b, s, h, d])
-    n = _copies(3 * b * h * s * d * 2)
+    n = input_copies(3 * b * h * s * d * 2)
     ins = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)) for _ in range(n)]
     ref = None
     try:
@@ -523,9 +473,9 @@ def _call_one(shape, log, policies=CALL_POLICIES) -> dict:
 def _call_policy(name, ins, n, d, ref, row) -> None:
     """Whole-call keys of policy ``name`` into ``row``: GPU and host time of the custom op, of its
     undispatched body, and of each part of the host path as ``hopper_attention_eager`` runs it."""
-    from fp4vis.kernels import hopper_backend as hb
-    from fp4vis.kernels.hopper_fwd import DirectPConfig
-    from fp4vis.kernels.hopper_prepass import prepare_kernel_operands
+    from fp4vis.kernels.hopper import backend as hb
+    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
     from fp4vis.policy import POLICIES, QK_FP8
     scale = d ** -0.5
     policy = POLICIES[name]
@@ -570,7 +520,7 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
         policy, d, "bf16", ctas_per_sm=cfg.ctas_per_sm).key()
 
     def kern(i):
-        hb.run_kernel(*ops[i], outs[i], cfg, scale * hb.LOG2E, kw["margin_raw"])
+        hb.run_kernel(*ops[i], outs[i], cfg, scale * LOG2E, kw["margin_raw"])
 
     row["kernel_ms"] = time_events(kern, m)
     row["kernel_host_us"] = time_host(kern, m)
@@ -585,7 +535,7 @@ def _public_api_times(name, ins, n, scale, kw, row) -> None:
     "raise" (one output check and host synchronisation per call); its host time alone; and the GPU
     time of the undispatched call replayed from a CUDA graph (no host work at all)."""
     import fp4vis
-    from fp4vis.kernels import hopper_backend as hb
+    from fp4vis.kernels.hopper import backend as hb
 
     def api(check):
         return lambda i: fp4vis.attention(*ins[i], policy=name, scale=scale, backend="hopper", range_check=check)
@@ -627,7 +577,7 @@ def _parse_skip(text: str, ap) -> set:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--old", default=None, help="path of the previous hopper_prepass_triton.py (three launches)")
+    ap.add_argument("--old", default=None, help="path of the previous kernels/hopper/prepass_triton.py (three launches)")
     ap.add_argument("--skip", default="", help=SKIP_HELP)
     a = ap.parse_args()
     skip = _parse_skip(a.skip, ap)
@@ -637,18 +587,15 @@ def main():
         print(msg, flush=True)
         lines.append(msg)
 
-    import triton
 
-    from fp4vis.kernels import hopper_prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_triton as tp
     tp.FAST_LAUNCH = True   # check the direct launcher too (bit checks: second call; host timings)
     old = None
     if a.old:
         spec = importlib.util.spec_from_file_location("old_prepass_triton", a.old)
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
-    meta = dict(date=dt.datetime.now(dt.UTC).isoformat(), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                defaults=dict(block_r=tp.BLOCK_R, num_warps=tp.NUM_WARPS,
+    meta = dict(environment(), defaults=dict(block_r=tp.BLOCK_R, num_warps=tp.NUM_WARPS,
                               num_warps_d64=getattr(tp, "NUM_WARPS_D64", None),
                               fp8_block_q=getattr(tp, "FP8_BLOCK_Q", None)),
                 host_budget_s=HOST_BUDGET_S, skip=sorted(skip), launch_hooks_at_start=_launch_hooks(tp))
@@ -672,10 +619,10 @@ def main():
         log(f"[{name} done at {time.perf_counter() - t0:.1f} s]")
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
-    res["fast_launch"] = tp.FAST_LAUNCH
+    res["fast_launch"] = tp.direct_launch_on()
     res["launch_state"] = tp.LAUNCH_STATE
     res["launch_hooks"] = _launch_hooks(tp)
-    hb = sys.modules.get("fp4vis.kernels.hopper_backend")
+    hb = sys.modules.get("fp4vis.kernels.hopper.backend")
     if hb is not None:
         res["compile_s"] = {str(k): round(v, 2) for k, v in getattr(hb, "COMPILE_TIMES", {}).items()}
     res["total_s"] = round(time.perf_counter() - t0, 2)

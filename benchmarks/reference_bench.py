@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 
 SHAPES = {"B1_S4096_H24_D128": (1, 4096, 24, 128), "B1_S32760_H12_D128": (1, 32760, 12, 128),
           "B1_S32768_H24_D128": (1, 32768, 24, 128)}  # the last: the "fits a 24 GB CPU machine" check
@@ -52,18 +50,6 @@ def run_one(device: str, shape: tuple[int, int, int, int], policy: str) -> dict:
             "finite": bool(torch.isfinite(out).all())}
 
 
-def environment(device: str) -> dict:
-    import torch
-
-    env = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
-           "torch": torch.__version__, "machine": platform.machine(), "device": device,
-           "cpu_threads": torch.get_num_threads()}
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    return env
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -88,10 +74,10 @@ def main() -> None:
             rows.append(row)
             print(f"{args.device:5s} {shape:20s} {policy:9s} {row['seconds']:9.2f} s "
                   f"{row['ns_per_score']:8.2f} ns/score  peak {row['peak_bytes'] / 2**30:6.2f} GiB", flush=True)
-    result = {"environment": environment(args.device), "results": rows}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        from fp4vis.services import environment, write_json
+
+        write_json(args.out, {"environment": dict(environment(), device=args.device), "results": rows})
         print("wrote", args.out)
 
 

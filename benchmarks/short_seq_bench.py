@@ -6,13 +6,13 @@ about 2 minutes.
     python3 benchmarks/short_seq_bench.py --out $OUT/short_seq.json [--shapes 64,197,12,64;...] [--policies fast]
 
 Per shape (B, S, H, D; self-attention, BF16) and policy (``fast``, ``fast_fp8qk``), on operands prepared
-once by the pre-pass (``hopper_prepass.prepare_kernel_operands``), the kernel alone
-(``hopper_backend.run_kernel``) with each configuration:
+once by the pre-pass (``prepass.prepare_kernel_operands``), the kernel alone
+(``backend.run_kernel``) with each configuration:
 
 * ``{default,short}_events_ms``: CUDA events per launch, median, inputs rotated over up to
   ``KERNEL_COPIES`` operand sets (not always past the 50 MB L2; short shapes are launch-bound here:
   this includes the host's launch path);
-* ``{default,short}_graph_ms``: GPU time per launch replayed from a CUDA graph (``prepass_bench.time_graph``:
+* ``{default,short}_graph_ms``: GPU time per launch replayed from a CUDA graph (``fp4vis.services.time_graph``:
   the same operands every launch, so L2-warm where they fit);
 * ``{default,short}_call_graph_ms``: the whole call (pre-pass + kernel, ``hopper_attention_eager``) from a
   CUDA graph, for the end-to-end picture;
@@ -30,18 +30,15 @@ after every shape.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prepass_bench import _copies, time_events, time_graph  # noqa: E402
+from fp4vis.config import overridden, setting
+from fp4vis.layout import LOG2E
+from fp4vis.services import environment, input_copies, time_events, time_graph
 
 SHAPES = [(1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64), (32, 197, 16, 64), (8, 577, 16, 64),
           (1, 4096, 24, 128)]
@@ -65,7 +62,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
 def configs(policy_name: str, d: int, skv: int) -> dict:
     """The default (one CTA per SM), short (two) and automatically dispatched configurations, built as
     ``hopper_attention_eager`` builds them (``kernel_config``)."""
-    from fp4vis.kernels import hopper_backend as hb
+    from fp4vis.kernels.hopper import backend as hb
     from fp4vis.policy import POLICIES as ALL
     from fp4vis.policy import QK_FP8
     kw = hb.policy_args(ALL[policy_name], d, d ** -0.5)
@@ -77,7 +74,7 @@ def configs(policy_name: str, d: int, skv: int) -> dict:
 
 def smem_bytes(cfg) -> int:
     """Dynamic shared memory of a configuration (``DirectPAttentionSm90.dynamic_smem_bytes``)."""
-    from fp4vis.kernels.hopper_fwd import DirectPAttentionSm90
+    from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
     return DirectPAttentionSm90(cfg).dynamic_smem_bytes()
 
 
@@ -87,8 +84,8 @@ def occupancy(cfg) -> dict:
     does not expose its library."""
     import cuda.bindings.driver as drv
 
-    from fp4vis.kernels import hopper_backend as hb
-    from fp4vis.kernels.hopper_fwd import DirectPAttentionSm90
+    from fp4vis.kernels.hopper import backend as hb
+    from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
 
     def check(res):
         err, *val = res
@@ -100,16 +97,12 @@ def occupancy(cfg) -> dict:
     try:
         lib = fn.library
     except Exception:   # the TVM-FFI function: compile the same kernel on the DLPack path
-        saved = hb.USE_TVM_FFI
-        hb.USE_TVM_FFI = False
-        try:
+        with overridden(FP4VIS_HOPPER_TVM_FFI="0"):
             dummy = [torch.zeros(1, 1, 128, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
             if cfg.qk_fp8:
                 dummy[0], dummy[1] = dummy[0].to(torch.uint8), dummy[1].to(torch.uint8)
             scales = torch.ones(1, 1, 128, device="cuda")
             lib = hb._compile(cfg, (*dummy, scales, scales))[0].library
-        finally:
-            hb.USE_TVM_FFI = saved
     clib = drv.CUlibrary(int(lib))
     n = check(drv.cuLibraryGetKernelCount(clib))
     kernels = check(drv.cuLibraryEnumerateKernels(n, clib))
@@ -129,7 +122,7 @@ def bench_shape(shape, policies, budget: float, occ: dict, log) -> dict:
     b, s, h, d = shape
     scale = d ** -0.5
     row = dict(shape=[b, s, h, d])
-    n = _copies(3 * b * h * s * d * 2)
+    n = input_copies(3 * b * h * s * d * 2)
     g = torch.Generator(device="cuda").manual_seed(0)
     ins = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
            for _ in range(n)]
@@ -163,8 +156,8 @@ def bench_shape(shape, policies, budget: float, occ: dict, log) -> dict:
 
 def bench_policy(name, ins, scale, ref, budget: float, occ: dict, sub: dict) -> None:
     """One policy's keys (module doc) into ``sub``: both configurations on the same prepared operands."""
-    from fp4vis.kernels import hopper_backend as hb
-    from fp4vis.kernels.hopper_prepass import prepare_kernel_operands
+    from fp4vis.kernels.hopper import backend as hb
+    from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
     from fp4vis.metrics import rel_l2
     from fp4vis.policy import POLICIES as ALL
     d, s = ins[0][0].shape[-1], ins[0][1].shape[-2]
@@ -180,7 +173,7 @@ def bench_policy(name, ins, scale, ref, budget: float, occ: dict, sub: dict) -> 
         sub[f"{which}_key"] = list(cfg.key())
 
         def kern(i, cfg=cfg):
-            hb.run_kernel(*ops[i], outs[i], cfg, scale * hb.LOG2E, kw["margin_raw"])
+            hb.run_kernel(*ops[i], outs[i], cfg, scale * LOG2E, kw["margin_raw"])
 
         def call(i, ctas=cfg.ctas_per_sm):
             return hb.hopper_attention_eager(*ins[i], scale, **kw, ctas_per_sm=ctas)
@@ -222,23 +215,10 @@ def summary_line(row: dict, policies) -> str:
 
 
 def meta() -> dict:
-    from fp4vis.kernels import hopper_backend as hb
-    from fp4vis.kernels import hopper_fwd as hf
-    out = dict(date=dt.datetime.now(dt.UTC).isoformat(), torch=torch.__version__,
-               python=platform.python_version(), short_seq=hb.SHORT_SEQ, regs_2cta=list(hf.REGS_2CTA),
-               smem_2cta=hf.SMEM_2CTA, tvm_ffi=hb.USE_TVM_FFI)
-    try:
-        from importlib.metadata import version
-        out["cutlass_dsl"] = version("nvidia-cutlass-dsl")
-        import triton
-        out["triton"] = triton.__version__
-    except Exception as exc:
-        out["version_error"] = f"{type(exc).__name__}: {exc}"
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        out.update(gpu=torch.cuda.get_device_name(), sms=p.multi_processor_count, cuda=torch.version.cuda,
-                   cudnn=torch.backends.cudnn.version())
-    return out
+    from fp4vis.kernels.hopper import backend as hb
+    from fp4vis.kernels.hopper import config as hf
+    return dict(environment(), short_seq=hb.SHORT_SEQ, regs_2cta=list(hf.REGS_2CTA), smem_2cta=hf.SMEM_2CTA,
+                tvm_ffi=setting("FP4VIS_HOPPER_TVM_FFI"))
 
 
 def main(argv=None) -> int:
@@ -297,7 +277,7 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         torch.cuda.empty_cache()
-    from fp4vis.kernels import hopper_backend as hb
+    from fp4vis.kernels.hopper import backend as hb
     res["compile_s"] = {str(k): round(v, 2) for k, v in hb.COMPILE_TIMES.items()}
     res["log"] = lines
     with open(a.out, "w") as f:

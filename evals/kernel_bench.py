@@ -13,7 +13,7 @@ Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES/CTAS_PER_SM``, ``hopper_kernel@...``  a kernel variant (a part
                     may be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
                     ``hopper@pingpong/packed/3`` or ``hopper_kernel@///lane``; see
-                    ``fp4vis.kernels.hopper_fwd.DirectPConfig``
+                    ``fp4vis.kernels.hopper.config.DirectPConfig``
   ``hopper_fused``  the whole call with the fused (Triton) folded-K64 Q/K pre-pass, whose exact MSE
                     can choose other scales than the reference's float32 one at ties
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
@@ -27,7 +27,7 @@ Backends (each skipped with a reason in its row when it cannot run here):
 Timing: CUDA events around each call after warm-up, median over repetitions, inputs rotated over
 enough copies to exceed the L2 cache. Errors: relative L2 against the reference emulation
 (``backend="reference"``, on a sample of heads and query rows against all keys, since the
-reference is slow) and against BF16 SDPA; for a policy that is not SPEC-exact (``code_rounding``
+reference is slow) and against BF16 SDPA; for a policy that is not exact to docs/numerics.md (``code_rounding``
 other than "exact", e.g. ``fast_bf16round``) also against the reference of its exact twin
 (``rel_l2_vs_exact_reference``). ``quick=True`` runs on the CPU: the reference backend on
 tiny shapes (a smoke test of the harness).
@@ -35,20 +35,19 @@ tiny shapes (a smoke test of the harness).
 
 from __future__ import annotations
 
-import datetime as _dt
 import importlib
-import json
 import math
-import platform
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from fp4vis.config import overridden
+from fp4vis.layout import LOG2E
 from fp4vis.policy import get_policy
+from fp4vis.services import atomic_write, environment, time_cpu, time_cuda, write_json
 
 # (B, S, H) at D = 128: the issue's nine-shape grid plus the large video shapes
 GRID_D128 = [(1, 256, 16), (1, 1024, 16), (4, 4096, 16), (1, 32768, 16), (4, 4096, 32), (1, 4096, 12),
@@ -91,45 +90,6 @@ def as_shapes(shapes: Iterable, d: int = 128) -> list[Shape]:
 
 # ------------------------------------------------------------------------------------------ timing
 
-def reps_within_budget(fn: Callable[[int], object], n_inputs: int, warmup: int, reps: int, min_reps: int,
-                       budget_s: float) -> int:
-    """Warm ``fn`` up, time one synchronised call and return how many calls (between ``min_reps`` and
-    ``reps``) fit ``budget_s`` seconds: the shared front half of the benchmarks' timers."""
-    for i in range(warmup):
-        fn(i % n_inputs)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(0)
-    torch.cuda.synchronize()
-    est = max(time.perf_counter() - t0, 1e-6)
-    return max(min(reps, min_reps), min(reps, int(budget_s / est)))
-
-
-def time_cuda(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, reps: int = 30,
-              budget_s: float = 2.0) -> list[float]:
-    """Per-call milliseconds of ``fn(i)`` (i selects the input copy), CUDA events, after warm-up."""
-    reps = reps_within_budget(fn, n_inputs, warmup, reps, 3, budget_s)
-    times = []
-    for r in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(r % n_inputs)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def time_cpu(fn: Callable[[int], object], n_inputs: int, reps: int = 3) -> list[float]:
-    fn(0)
-    times = []
-    for r in range(reps):
-        t0 = time.perf_counter()
-        fn(r % n_inputs)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 # ---------------------------------------------------------------------------------------- backends
 
 def _fa4():
@@ -171,10 +131,10 @@ VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales", "ctas_per_sm")
 def split_variant(backend: str) -> tuple[str, dict]:
     """``"hopper_kernel@serial/scalar/3"`` -> ("hopper_kernel", {schedule: "serial", p_path: "scalar",
     num_wg: 3}): the kernel variant's fields in VARIANT_FIELDS order, empty or missing fields left at
-    the defaults (hopper_fwd.DirectPConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"};
+    the defaults (hopper.config.DirectPConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"};
     ``"hopper_kernel@////2"`` the short-sequence variant, ``"hopper_kernel@////1"`` the default kernel
     whatever the sequence lengths (without any field the kernel is picked by sequence length as the
-    backend picks it: hopper_backend.SHORT_SEQ)."""
+    backend picks it: hopper.backend.SHORT_SEQ)."""
     base, _, variant = backend.partition("@")
     parts = variant.split("/") if variant else []
     kw = {f: v for f, v in zip(VARIANT_FIELDS, parts) if v}
@@ -188,30 +148,25 @@ def _hopper(policy: str, fused_folded: bool | None = None, **variant):
     """The whole call. The default variant goes through the public API (``fp4vis.attention``,
     ``backend="hopper"``: what users and the patchers run); variants call the backend's function."""
     import fp4vis
-    hb = _kmod("hopper_backend")
-    prepass = _kmod("hopper_prepass")
+    hb = _kmod("hopper.backend")
     pol = get_policy(policy)
     default = not variant
+    settings = {} if fused_folded is None else {"FP4VIS_PREPASS_FUSED_FOLDED": "1" if fused_folded else "0"}
 
     def call(q, k, v, scale):
-        saved = prepass.FUSED_FOLDED
-        if fused_folded is not None:
-            prepass.FUSED_FOLDED = fused_folded
-        try:
+        with overridden(**settings):
             if default:
                 return fp4vis.attention(q, k, v, policy=pol, scale=scale, backend="hopper", range_check="off")
             return hb.hopper_attention_eager(q, k, v, scale, **hb.policy_args(pol, q.shape[-1], scale), **variant)
-        finally:
-            prepass.FUSED_FOLDED = saved
     return call
 
 
 def _hopper_parts(policy: str, **variant):
     """(prepass(q,k,v) -> operands, kernel(operands) -> out) for the split timings."""
-    hb = _kmod("hopper_backend")
-    LOG2E, policy_args, run_kernel = hb.LOG2E, hb.policy_args, hb.run_kernel
-    DirectPConfig = _kmod("hopper_fwd").DirectPConfig
-    prepare_kernel_operands = _kmod("hopper_prepass").prepare_kernel_operands
+    hb = _kmod("hopper.backend")
+    policy_args, run_kernel = hb.policy_args, hb.run_kernel
+    DirectPConfig = _kmod("hopper.config").DirectPConfig
+    prepare_kernel_operands = _kmod("hopper.prepass").prepare_kernel_operands
     pol = get_policy(policy)
 
     def pre(q, k, v, scale, fused=None):
@@ -245,7 +200,7 @@ def fp8_tensor_core_scores(q_hat: torch.Tensor, k_hat: torch.Tensor, matmul=None
     smallest subnormals). A power-of-two factor on one operand of every product does not change the
     FP8 MMA's accumulation, so the scores are the kernel's."""
     from fp4vis.formats import FP8_MIN_GROUP_EXP, fp8_group_exponent, pow2
-    from fp4vis.reference import KEY_BLOCK
+    from fp4vis.layout import KEY_BLOCK
 
     def exponent(amax):
         pow2_max = (amax.view(torch.int32) & 0x7FFFFF) == 0
@@ -455,27 +410,6 @@ def _row_line(r: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ output
 
-def environment() -> dict:
-    """Date, GPU and versions for the raw JSON."""
-    meta = dict(date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), python=platform.python_version(),
-                torch=torch.__version__, cuda=torch.version.cuda)
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        meta.update(gpu=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
-        try:
-            meta["cudnn"] = torch.backends.cudnn.version()
-        except Exception:
-            pass
-    for mod in ("cutlass", "flash_attn", "sageattention", "triton", "fp4vis"):
-        try:
-            from importlib.metadata import version
-            name = {"cutlass": "nvidia-cutlass-dsl", "flash_attn": "flash-attn-4"}.get(mod, mod)
-            meta[mod] = version(name)
-        except Exception:
-            pass
-    return meta
-
-
 def geo_mean_speedup(rows: list[dict], backend: str = "hopper", policy: str = "fast", baseline: str = "fa4",
                      min_s: int = 4096, d: int = 128) -> float | None:
     vals = [r[f"speedup_vs_{baseline}"] for r in rows
@@ -518,8 +452,6 @@ def summary_table(rows: list[dict]) -> str:
 def write_results(rows: list[dict], path: str | Path, extra: dict | None = None) -> Path:
     """Write ``{"meta": environment(), "rows": rows}`` as JSON and the Markdown summary beside it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"meta": {**environment(), **(extra or {})}, "rows": rows}
-    path.write_text(json.dumps(payload, indent=1))
-    path.with_suffix(".md").write_text(summary_table(rows) + "\n")
+    write_json(path, {"meta": {**environment(), **(extra or {})}, "rows": rows})
+    atomic_write(path.with_suffix(".md"), summary_table(rows) + "\n")
     return path

@@ -26,27 +26,24 @@ from typing import Any
 
 import torch
 
-from fp4vis.evals.common import (
+from fp4vis.evals.common import check_image_folder, error_metrics, image_list, images_markdown, per_sample
+from fp4vis.evals.report import markdown_table, mean_ci95, write_report
+from fp4vis.services import (
     UsageError,
     WarningLog,
     check_backend,
-    check_image_folder,
     check_model_source,
-    error_metrics,
+    environment,
     guard_plan_summary,
     hub_error,
-    image_list,
-    images_markdown,
     is_network_error,
     load_guard_plan,
-    per_sample,
     policy_applied,
     require,
     resolve_device,
     resolve_dtype,
     resolve_policies,
 )
-from fp4vis.evals.report import environment, markdown_table, mean_ci95, write_report
 
 DEFAULT_CONFIG = "config:default"
 PSNR_STATEMENT = ("PSNR per image in [0, 1] RGB pixel space (normalisation undone, reconstruction clamped "
@@ -128,6 +125,28 @@ def reconstruct(model, pixels01: torch.Tensor, mean: torch.Tensor, std: torch.Te
 
 def _patches(model, img: torch.Tensor) -> torch.Tensor:
     return model.patchify(img, interpolate_pos_encoding=True)
+
+
+def calibration_inputs(model, mean, std, data: str | os.PathLike, *, limit: int, resolution: int | None,
+                       seed: int) -> list[dict[str, Any]]:
+    """Model inputs for ``fp4vis.calibrate``: the first ``limit`` images of an ImageFolder with the
+    eval's seeded masks (image i gets the mask of index i)."""
+    from torchvision import transforms as T
+    from torchvision.datasets import ImageFolder
+
+    size = model.config.image_size
+    native = int(size if isinstance(size, int) else size[0])
+    res = resolution or native
+    n_patches = (res // int(model.config.patch_size)) ** 2
+    ds = ImageFolder(str(check_image_folder(data)), transform=T.Compose([T.Resize(res), T.CenterCrop(res),
+                                                                          T.ToTensor(), T.Normalize(mean, std)]))
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    inputs = []
+    for i in range(min(limit, len(ds))):
+        noise = masking_noise(torch.tensor([i]), n_patches, seed).to(device)
+        inputs.append({"pixel_values": ds[i][0].unsqueeze(0).to(device, dtype), "noise": noise,
+                       "interpolate_pos_encoding": res != native})
+    return inputs
 
 
 def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[str] = "fast,accurate",

@@ -1,5 +1,5 @@
-"""Shared result writing for every fp4vis eval and pipeline: environment capture (versions, GPU,
-git commit), JSON + short Markdown reports, timers and a few formatting helpers.
+"""Reports of the evals: JSON + short Markdown (the environment record from ``fp4vis.services``),
+table formatting and the 95 % interval of a mean.
 
 Every eval writes ``<out_dir>/<name>.json`` (the raw numbers, machine readable, including the
 environment) and ``<out_dir>/<name>.md`` (a short human report that states how each number was
@@ -8,105 +8,13 @@ computed). Nothing here imports a model library; it is safe to import anywhere.
 
 from __future__ import annotations
 
-import datetime as _dt
-import importlib.metadata
-import json
 import math
 import os
-import platform
-import subprocess
-import sys
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-_PACKAGES = ("fp4vis", "torch", "diffusers", "transformers", "timm", "torchmetrics", "accelerate",
-             "torchvision", "imageio", "imageio-ffmpeg", "nvidia-cutlass-dsl", "numpy")
-
-
-def package_versions(packages: Iterable[str] = _PACKAGES) -> dict[str, str | None]:
-    """Installed version of each package (None when it is not installed)."""
-    out: dict[str, str | None] = {}
-    for name in packages:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def git_commit() -> str | None:
-    """The commit of the fp4vis checkout (None outside a git work tree), with '+dirty' if modified."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def gpu_info() -> dict[str, Any]:
-    """CUDA devices seen by torch (empty list without CUDA)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a core dependency
-        return {"cuda_available": False, "devices": []}
-    info: dict[str, Any] = {"cuda_available": bool(torch.cuda.is_available()),
-                            "cuda_version": torch.version.cuda, "devices": []}
-    if info["cuda_available"]:
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            info["devices"].append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
-                                    "memory_gib": round(p.total_memory / 2**30, 1)})
-    return info
-
-
-def environment() -> dict[str, Any]:
-    """Everything a result needs to be reproduced: versions, GPU, platform, commit, time (UTC)."""
-    return {
-        "timestamp_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "git_commit": git_commit(),
-        "versions": package_versions(),
-        "gpu": gpu_info(),
-        "command": " ".join(sys.argv),
-    }
-
-
-def _jsonable(obj: Any) -> Any:
-    """Convert tensors, numpy values, paths, dataclasses and non-finite floats to plain JSON."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _jsonable(dataclasses.asdict(obj))
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)  # "nan", "inf" stay readable
-    if hasattr(obj, "tolist"):  # torch / numpy scalars and arrays
-        return _jsonable(obj.tolist())
-    if isinstance(obj, (str, int, bool)) or obj is None:
-        return obj
-    return str(obj)
-
-
-def write_json(path: str | os.PathLike, data: dict[str, Any]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(data), indent=2, sort_keys=False) + "\n")
-    return path
+from fp4vis.services import atomic_write, environment, write_json
 
 
 def write_report(out_dir: str | os.PathLike, name: str, result: dict[str, Any], markdown: str) -> dict[str, Path]:
@@ -120,8 +28,8 @@ def write_report(out_dir: str | os.PathLike, name: str, result: dict[str, Any], 
     warn = result.get("warnings") or []
     if warn:
         markdown = markdown.rstrip() + "\n\nWarnings during the run:\n" + "\n".join(f"- {w}" for w in warn)
-    md_path.write_text(markdown.rstrip() + "\n\n" + environment_markdown(result["environment"]) + "\n"
-                       + f"\nRaw output: [{json_path.name}]({json_path.name})\n")
+    atomic_write(md_path, markdown.rstrip() + "\n\n" + environment_markdown(result["environment"]) + "\n"
+                 + f"\nRaw output: [{json_path.name}]({json_path.name})\n")
     return {"json": json_path, "markdown": md_path}
 
 
@@ -157,37 +65,6 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], digits
     for row in rows:
         lines.append("| " + " | ".join(fmt(c, digits) for c in row) + " |")
     return "\n".join(lines)
-
-
-class Timer:
-    """Wall-clock timer that synchronizes CUDA around the measured block (when CUDA is in use).
-
-    >>> with Timer() as t: ...
-    >>> t.seconds
-    """
-
-    def __init__(self, sync_cuda: bool = True):
-        self.sync_cuda = sync_cuda
-        self.seconds = float("nan")
-
-    def _sync(self) -> None:
-        if not self.sync_cuda:
-            return
-        try:
-            import torch
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-        except ImportError:  # pragma: no cover
-            pass
-
-    def __enter__(self) -> Timer:
-        self._sync()
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._sync()
-        self.seconds = time.perf_counter() - self._t0
 
 
 _T975 = {3: 3.182446, 4: 2.776445, 5: 2.570582, 6: 2.446912, 7: 2.364624, 8: 2.306004, 9: 2.262157}

@@ -30,26 +30,30 @@ from torch import nn
 
 from fp4vis.evals.common import (
     AttentionRecorder,
+    check_image_folder,
+    error_metrics,
+    image_list,
+    images_markdown,
+    per_sample,
+)
+from fp4vis.evals.report import markdown_table, write_report
+from fp4vis.services import (
+    Timer,
     UsageError,
     WarningLog,
     check_backend,
-    check_image_folder,
     check_model_source,
-    error_metrics,
+    environment,
     guard_plan_summary,
     hub_error,
-    image_list,
-    images_markdown,
     is_network_error,
     load_guard_plan,
-    per_sample,
     policy_applied,
     require,
     resolve_device,
     resolve_dtype,
     resolve_policies,
 )
-from fp4vis.evals.report import Timer, environment, markdown_table, write_report
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -191,6 +195,21 @@ def build_transform(clf: Classifier):
     resize = int(math.floor(clf.resolution / clf.crop_pct))
     return T.Compose([T.Resize(resize, interpolation=interp), T.CenterCrop(clf.resolution), T.ToTensor(),
                       T.Normalize(clf.mean, clf.std)])
+
+
+def calibration_inputs(clf: Classifier, data: str | os.PathLike, *, limit: int) -> list[Any]:
+    """Model inputs for ``fp4vis.calibrate``: the first ``limit`` images of an ImageFolder, one per call,
+    transformed as the eval transforms them."""
+    from torchvision.datasets import ImageFolder
+
+    ds = ImageFolder(str(check_image_folder(data)), transform=build_transform(clf))
+    interp = clf.resolution != clf.native_resolution
+    device, dtype = next(clf.model.parameters()).device, next(clf.model.parameters()).dtype
+    inputs = []
+    for i in range(min(limit, len(ds))):
+        x = ds[i][0].unsqueeze(0).to(device, dtype)
+        inputs.append((x,) if clf.kind == "timm" else {"pixel_values": x, "interpolate_pos_encoding": interp})
+    return inputs
 
 
 def _norm(s: str) -> str:

@@ -20,17 +20,8 @@ from typing import Any
 
 import torch
 
-from fp4vis.evals.common import (
-    UsageError,
-    WarningLog,
-    check_backend,
-    error_metrics,
-    guard_plan_summary,
-    load_guard_plan,
-    resolve_device,
-    resolve_policies,
-)
-from fp4vis.evals.report import environment, markdown_table, write_report
+from fp4vis.evals.common import error_metrics
+from fp4vis.evals.report import markdown_table, write_report
 from fp4vis.pipelines.wan_video import (
     build_random_wan_pipeline,
     encode_prompt,
@@ -40,6 +31,16 @@ from fp4vis.pipelines.wan_video import (
     random_prompt_embeds,
     save_mp4,
     tokens_per_frame_sequence,
+)
+from fp4vis.services import (
+    UsageError,
+    WarningLog,
+    check_backend,
+    environment,
+    guard_plan_summary,
+    load_guard_plan,
+    resolve_device,
+    resolve_policies,
 )
 
 DEFAULT_PROMPT = "A red fox trotting through fresh snow in a birch forest, morning light, cinematic"

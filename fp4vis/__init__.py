@@ -1,15 +1,23 @@
 """fp4vis: Direct-P FP4 attention for video and vision diffusion models.
 
-Follow a call: ``fp4vis.attention`` (attention.py: validation, layout) -> ``fp4vis.dispatch``
-(which backend) -> ``fp4vis.reference`` (the exact emulation of SPEC.md) or a kernel in
-``fp4vis.kernels``. Formats live in ``fp4vis.formats``, policies in ``fp4vis.policy``.
+Layers, imports running one way (docs/design.md):
+
+* core: ``attention`` (validation, layout, range check), ``policy``, ``formats``, ``layout`` (key
+  blocks, anchors, operand layouts), ``reference`` (the exact emulation of docs/numerics.md),
+  ``metrics``, ``config`` (the ``FP4VIS_*`` settings);
+* backends: ``fp4vis.backends`` (the registry, the reference backend) and the kernels in
+  ``fp4vis.kernels.<name>``;
+* patching: ``fp4vis.patching`` (``patch``, guard plans, one module per model library);
+* apps: ``fp4vis.cli``, ``fp4vis.pipelines``, ``fp4vis.evals`` on ``fp4vis.services``.
+
+Follow a call: ``fp4vis.attention`` -> ``fp4vis.backends.registry.select_backend`` -> a backend's
+``forward`` (``fp4vis.backends.reference`` or ``fp4vis.kernels.hopper.backend``) -> its kernel.
 """
 
 from fp4vis.attention import RangeExceededError, attention
-from fp4vis.dispatch import available_backends
-from fp4vis.guard import GuardPlan, GuardRule, calibrate
+from fp4vis.backends import available_backends
 from fp4vis.metrics import cosine, rel_l2, rmse
-from fp4vis.patch import FallbackError, FallbackWarning, PatchHandle, patch, unpatch
+from fp4vis.patching import FallbackError, FallbackWarning, GuardPlan, GuardRule, PatchHandle, calibrate, patch, unpatch
 from fp4vis.policy import POLICIES, Policy, get_policy, guard_policy, guard_policy_for_heads
 from fp4vis.reference import RangeReport
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from fp4vis.dispatch import select_backend
+from fp4vis.backends.registry import select_backend
 from fp4vis.policy import Policy, get_policy
 
 Layout = Literal["bhsd", "bshd"]
@@ -18,7 +18,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class RangeExceededError(FloatingPointError):
-    """A Direct-P policy was driven past its representable range (SPEC section 2)."""
+    """A Direct-P policy was driven past its representable range (docs/numerics.md section 2)."""
 
 
 def _is_tracing() -> bool:
@@ -30,7 +30,7 @@ def _is_tracing() -> bool:
 
 
 def _check_kernel_output(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> None:
-    """SPEC section 6 for the kernel paths, with one host synchronisation: the kernels propagate
+    """docs/numerics.md section 6 for the kernel paths, with one host synchronisation: the kernels propagate
     NaN/Inf inputs to the output (they never quantize them to finite codes), so a finite output
     means finite inputs; otherwise name the bad input (or report a kernel bug)."""
     if bool(torch.isfinite(out).all()):
@@ -100,7 +100,7 @@ def attention(
     Returns:
         The attention output, q's dtype, in ``layout``.
 
-    Non-finite inputs raise ValueError naming the tensor (SPEC section 6). The reference checks
+    Non-finite inputs raise ValueError naming the tensor (docs/numerics.md section 6). The reference checks
     them first; the Hopper kernel propagates them to the output (NaN or Inf in q row i gives a NaN
     output row i; in k or v, NaN in that head) and ``attention`` checks the output once (one host
     synchronisation). With ``range_check="off"``, under torch.compile and in CUDA-graph capture

@@ -1,4 +1,4 @@
-"""FP4 formats as plain encode/decode functions (SPEC.md section 1). No kernel code lives here.
+"""FP4 formats as plain encode/decode functions (docs/numerics.md section 1). No kernel code lives here.
 
 Element formats
     E2M1   the FP4 payload: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} and a sign. A *code* is a uint8
@@ -12,11 +12,11 @@ Block formats (all quantizers return a small dataclass with the storage tensors 
     NVFP4 (Q and K): blocks along the last (head) dimension D.
         ``block16``:      codes (..., D/2) packed uint8, scales (..., D/16) E4M3 bytes.
         ``folded64_mse``: codes (..., D/2), scales (..., D/32) E4M3 bytes; scale j serves
-                          16-element blocks j and j + D/32 (SPEC: block i shares with i + nb/2).
+                          16-element blocks j and j + D/32 (docs/numerics.md: block i shares with i + nb/2).
     MXFP4 (V): blocks of 32 consecutive tokens (dim -2) for each feature column.
         codes (..., S, D/2) packed along D, scales (..., ceil(S/32), D) E8M0 bytes; decode is
-        ``alpha * c / 6`` (the scale stores the block amplitude, SPEC section 1).
-    FP8 with power-of-two group scales (Q and K of the Hopper FP8 policy, not in SPEC): groups of
+        ``alpha * c / 6`` (the scale stores the block amplitude, docs/numerics.md section 1).
+    FP8 with power-of-two group scales (Q and K of the Hopper FP8 policy, docs/numerics.md section 7): groups of
         rows (one query row, or 32 consecutive keys) share ``2**E``; the values ``x / 2**E`` are
         E4M3. ``fp8_pow2_quantize`` returns both (float32), ``fp8_pow2_qdq`` their product.
 
@@ -37,7 +37,7 @@ E4M3_MAX = 448.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude index -> value
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
-# SPEC section 1: MSE candidates for the folded-K64 scale, m = 1.0 first, then the list in order.
+# docs/numerics.md section 1: MSE candidates for the folded-K64 scale, m = 1.0 first, then the list in order.
 FOLDED_MSE_MULTIPLIERS = (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
 MXFP4_ZERO_AMAX = 1e-38  # blocks at or below this amax get u = 0
 
@@ -167,7 +167,7 @@ def e8m0_decode(u: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_nearest_pow2(amax: torch.Tensor) -> torch.Tensor:
-    """E8M0 byte of the power of two nearest to ``amax`` in the linear sense (MXFP4, SPEC section 1):
+    """E8M0 byte of the power of two nearest to ``amax`` in the linear sense (MXFP4, docs/numerics.md section 1):
     with e = floor(log2 amax), take e + 1 when amax > 1.5 * 2**e, or amax == 1.5 * 2**e and e is
     odd. amax <= 1e-38 gives u = 0. Returns uint8."""
     amax = amax.float()
@@ -224,7 +224,7 @@ _QUANT_ROWS_PER_CHUNK = 1 << 16
 
 def nvfp4_quantize(x: torch.Tensor, layout: str = "block16", global_scale: bool = False,
                    name: str = "x") -> NVFP4Tensor:
-    """NVFP4-quantize ``x`` along its last dim (SPEC section 1).
+    """NVFP4-quantize ``x`` along its last dim (docs/numerics.md section 1).
 
     Inputs are first cast to BF16 (both layouts). ``block16``: per 16-block ``sc = E4M3(amax/6)``.
     ``folded64_mse`` (D a multiple of 32): blocks i and i + D/32 share one scale chosen among
@@ -304,7 +304,7 @@ _HUGE_RATIO = 48.0  # a group with amax >= 48 * (largest candidate scale) takes 
 
 def _folded_mse_choice(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(index (..., 1) of the chosen candidate, candidate scales (..., 12)) for float32 groups
-    (..., 32): the first candidate with the least squared error (SPEC section 1), found exactly.
+    (..., 32): the first candidate with the least squared error (docs/numerics.md section 1), found exactly.
 
     err(sc) = sum (P - |x|)^2 = sum x^2 + sum P (P - 2|x|) with P = |c| * sc, c = E2M1(x / sc). The
     first sum is the same for every candidate and is dropped; the second is computed in float64, where
@@ -367,7 +367,7 @@ class MXFP4Tensor:
 
 
 def mxfp4_quantize(v: torch.Tensor, name: str = "v") -> MXFP4Tensor:
-    """MXFP4-quantize ``v`` (..., S, D) in blocks of 32 tokens per column (SPEC section 1):
+    """MXFP4-quantize ``v`` (..., S, D) in blocks of 32 tokens per column (docs/numerics.md section 1):
     ``alpha`` = power of two nearest to the block amax, codes ``E2M1(6 v / alpha)``. A partial last
     block is padded with zeros. D must be even (codes pack along D)."""
     check_no_nan(v, name)
@@ -388,7 +388,7 @@ def mxfp4_qdq(v: torch.Tensor, *, times_six: bool = False) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8 E4M3 with power-of-two group scales (Q and K of the FP8 policy; not part of SPEC)
+# FP8 E4M3 with power-of-two group scales (Q and K of the FP8 policy; docs/numerics.md section 7)
 # ---------------------------------------------------------------------------------------------
 
 # The group maximum is scaled into [2**7, 2**8): E4M3 never saturates (max 448) and keeps all 3 mantissa

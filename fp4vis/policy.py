@@ -1,4 +1,4 @@
-"""Attention policies: plain, validated data (SPEC.md section 3).
+"""Attention policies: plain, validated data (docs/numerics.md section 3).
 
 A policy says *how* attention is computed; it carries no code. Backends read its fields. The named
 policies are the ones the paper published; users may build their own within the same rules
@@ -14,11 +14,11 @@ from typing import Literal
 
 Method = Literal["direct_p", "nv_fp8", "exact"]
 QKFormat = Literal["block16", "folded64_mse", "fp8_e4m3"]
-QK_FP8 = "fp8_e4m3"   # the one non-NVFP4 Q/K format (FP8 with power-of-two scales; not SPEC)
+QK_FP8 = "fp8_e4m3"   # the one non-NVFP4 Q/K format (FP8 with power-of-two scales; docs/numerics.md section 7)
 MarginUnits = Literal["code", "paper"]
 CodeRounding = Literal["exact", "bf16"]
 
-# SPEC section 2: representable block exponents relative to the row reference are [L-126, 127];
+# docs/numerics.md section 2: representable block exponents relative to the row reference are [L-126, 127];
 # an anchored policy needs its margin plus its stored shift to stay inside that window.
 MAX_MARGIN_PLUS_SHIFT = 126
 
@@ -32,21 +32,21 @@ class Policy:
         method: ``"direct_p"`` (the FP4 method), ``"nv_fp8"`` (control: NVFP4 Q/K, max-subtracted
             softmax, FP8 P and V) or ``"exact"`` (control: softmax attention, what SDPA computes).
         affine_a, affine_b: the affine stand-in ``A*x + B`` for ``2**x`` at affine key positions.
-        native_exp2: compute ``2**x`` at the native key positions (25 % of keys, SPEC section 2).
+        native_exp2: compute ``2**x`` at the native key positions (25 % of keys, docs/numerics.md section 2).
         anchor: number of anchor samples (0: row reference ``m = 0``).
         margin: M, added to the anchor maximum (only with ``anchor > 0``).
         margin_units: ``"code"`` adds ``M*ln 2`` in raw-score units (the published code, default);
             ``"paper"`` adds ``M*ln 2 / scale`` (M in binary exponents of P, the paper's text).
         shift: L, the stored shift of the P block scales.
         qk_format: how Q and K are quantized: NVFP4 with its scale layout (``"block16"``,
-            ``"folded64_mse"``, SPEC section 1), or ``"fp8_e4m3"``: E4M3 with a power-of-two
+            ``"folded64_mse"``, docs/numerics.md section 1), or ``"fp8_e4m3"``: E4M3 with a power-of-two
             scale per query row and per 32-key block (``fp4vis.formats.fp8_pow2_quantize``; not
-            SPEC: the Hopper FP8 policy ``fast_fp8qk``, whose QK^T runs on FP8 tensor cores).
+            docs/numerics.md section 7: the Hopper FP8 policy ``fast_fp8qk``, whose QK^T runs on FP8 tensor cores).
         qk_global_scale: also apply the optional per-tensor FP32 encode ``G = 6*448/amax``.
-        code_rounding: ``"exact"`` (SPEC): the P code is E2M1 of y, the affine or exp2 value;
+        code_rounding: ``"exact"`` (docs/numerics.md): the P code is E2M1 of y, the affine or exp2 value;
             ``"bf16"``: y is first rounded to BF16 (8 significant bits), then to E2M1 — a double
             rounding that moves a code one step where y lies within half a BF16 ulp of an E2M1
-            midpoint (about 0.5 % of the codes on Gaussian inputs). Not SPEC-exact: it lets the
+            midpoint (about 0.5 % of the codes on Gaussian inputs). Not exact to docs/numerics.md: it lets the
             Hopper kernel round pairs of codes with BF16x2 instructions (``fast_bf16round``;
             docs/hopper_kernel.md).
     """
@@ -103,7 +103,7 @@ class Policy:
             if self.margin + self.shift > MAX_MARGIN_PLUS_SHIFT:
                 raise ValueError(
                     f"Policy {self.name!r}: margin + shift = {self.margin} + {self.shift} exceeds "
-                    f"{MAX_MARGIN_PLUS_SHIFT} (SPEC section 3: M + L <= 126)")
+                    f"{MAX_MARGIN_PLUS_SHIFT} (docs/numerics.md section 3: M + L <= 126)")
 
     @property
     def is_direct_p(self) -> bool:
@@ -120,7 +120,7 @@ class Policy:
         return self.code_rounding == "exact" and not self.qk_fp8
 
     def spec_twin(self) -> Policy:
-        """The SPEC-exact policy this one approximates: itself if exact, else the same policy with
+        """The exact policy this one approximates: itself if exact, else the same policy with
         exact code rounding and NVFP4 folded-K64 Q/K in place of FP8 (``fast`` for both inexact
         named policies)."""
         if self.is_spec_exact:
@@ -134,7 +134,7 @@ class Policy:
 
 
 def guard_policy(margin: float = 110, shift: int = 16, name: str | None = None) -> Policy:
-    """The guard policy with margin M and stored shift L (SPEC sections 3 and 4)."""
+    """The guard policy with margin M and stored shift L (docs/numerics.md sections 3 and 4)."""
     return Policy(
         name=name or f"guard_m{margin:g}_l{shift}",
         affine_a=1.65, affine_b=0.80, native_exp2=True,
@@ -159,7 +159,7 @@ POLICIES: dict[str, Policy] = {
                              code_rounding="bf16"),
     # not from the paper: `fast` with Q and K in FP8 (E4M3, power-of-two scales per query row and per
     # 32-key block) instead of NVFP4, so that QK^T runs on Hopper's FP8 tensor cores; P and V as in
-    # `fast`. Finer than NVFP4 (3 mantissa bits), so closer to BF16 attention, but not SPEC-exact and
+    # `fast`. Finer than NVFP4 (3 mantissa bits), so closer to BF16 attention, but not exact to docs/numerics.md and
     # not bit-reproducible on the GPU (FP8 WGMMA accumulation): docs/hopper_kernel.md.
     "fast_fp8qk": Policy("fast_fp8qk", affine_a=1.50, affine_b=1.20, shift=16, qk_format="fp8_e4m3"),
     "accurate": Policy("accurate", affine_a=1.65, affine_b=0.80, native_exp2=True, anchor=32,

@@ -1,10 +1,10 @@
-"""The reference emulation: SPEC.md sections 2-4 as executable PyTorch, on any device.
+"""The reference emulation: docs/numerics.md sections 2-4 as executable PyTorch, on any device.
 
 Every kernel is tested against this module. It favours being exactly the specification over speed:
 - Q and K are NVFP4-quantized and decoded (``fp4vis.formats``), so ``raw = Q̂ K̂ᵀ`` is a float32
   matrix product of values that are exact in BF16 (exact up to FP32 summation order);
 - the Direct-P element math (block maxima, exponent selection, the affine or exp2 code, E2M1
-  rounding) runs in float64 from the float32 ``raw``: it is the SPEC's formula evaluated without
+  rounding) runs in float64 from the float32 ``raw``: it is the formula of docs/numerics.md evaluated without
   intermediate float32 rounding, so a kernel's codes may differ only where its float32 arithmetic
   lands on the other side of an E2M1 rounding boundary;
 - the numerator ``Σ (α'q)(αc)`` of P̃V̂ accumulates in float32 over operands that are exact in
@@ -25,13 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from fp4vis.formats import check_no_nan, e2m1_round, e4m3_round, fp8_pow2_qdq, mxfp4_quantize, nvfp4_quantize
-from fp4vis.policy import QK_FP8, Policy
+from fp4vis.layout import KEY_BLOCK, LN2, LOG2E, anchor_permutation, native_positions, qk_layout
+from fp4vis.policy import Policy
 
-LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
 LOG2_6 = math.log2(6.0)
 LOG2_1P5 = math.log2(1.5)
-KEY_BLOCK = 32  # keys per P block (SPEC section 2) = tokens per MXFP4 V block
 MAX_EXP_BYTE = 254
 CHUNK_ELEMENTS = 1 << 22  # scores per chunk: float64 temporaries of 32 MiB each
 KEY_CHUNK = 4096  # keys per chunk (a multiple of 32)
@@ -70,36 +68,6 @@ class RangeReport:
 
 
 # ---------------------------------------------------------------------------------------------
-# Key positions: anchors and native exp2 positions
-# ---------------------------------------------------------------------------------------------
-
-def anchor_indices(seq_len: int, n: int, device=None) -> torch.Tensor:
-    """SPEC section 4 sample positions ``round(linspace(0, S-1, n))`` (round half to even).
-    With S <= n every key is a sample: ``arange(S)``."""
-    if seq_len <= n:
-        return torch.arange(seq_len, device=device)
-    return torch.round(torch.linspace(0, seq_len - 1, n, dtype=torch.float64, device=device)).long()
-
-
-def anchor_permutation(seq_len: int, n: int, device=None) -> torch.Tensor:
-    """Physical order of keys for an anchored policy: the n samples first, the rest in order.
-    ``perm[p]`` is the logical key at physical position p."""
-    idx = anchor_indices(seq_len, n, device)
-    rest = torch.ones(seq_len, dtype=torch.bool, device=device)
-    rest[idx] = False
-    return torch.cat((idx, torch.arange(seq_len, device=device)[rest]))
-
-
-def native_positions(num_keys: int, device=None) -> torch.Tensor:
-    """Bool mask of the native exp2 positions (SPEC section 2): with b = j//32, quarter = b%4,
-    pair = (j%32)//2, key j is native when pair is quarter, quarter+8, 4 or 12."""
-    j = torch.arange(num_keys, device=device)
-    quarter = (j // KEY_BLOCK) % 4
-    pair = (j % KEY_BLOCK) // 2
-    return (pair == quarter) | (pair == quarter + 8) | (pair == 4) | (pair == 12)
-
-
-# ---------------------------------------------------------------------------------------------
 # Operands
 # ---------------------------------------------------------------------------------------------
 
@@ -118,13 +86,6 @@ class QuantizedOperands:
     num_keys: int
     s: float
     perm: torch.Tensor | None
-
-
-def qk_layout(policy: Policy, head_dim: int) -> str:
-    """The Q/K format actually used: folded64_mse needs D % 32 == 0 (SPEC), else block16."""
-    if policy.qk_fp8:
-        return QK_FP8
-    return "folded64_mse" if policy.qk_format == "folded64_mse" and head_dim % 32 == 0 else "block16"
 
 
 def pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -195,7 +156,7 @@ class DirectPBlock:
 
 
 def _code(y: torch.Tensor, policy: Policy) -> torch.Tensor:
-    """SPEC section 2, step 5: E2M1_rne_sat(max(0, y)); with ``code_rounding="bf16"``, y is first
+    """docs/numerics.md section 2, step 5: E2M1_rne_sat(max(0, y)); with ``code_rounding="bf16"``, y is first
     rounded to BF16 (through float32, as the kernel computes it)."""
     if policy.code_rounding == "bf16":
         y = y.float().bfloat16().double()
@@ -204,7 +165,7 @@ def _code(y: torch.Tensor, policy: Policy) -> torch.Tensor:
 
 def direct_p_block(raw: torch.Tensor, m: torch.Tensor, s: float, policy: Policy,
                    valid: torch.Tensor, native: torch.Tensor | None) -> DirectPBlock:
-    """SPEC section 2, steps 1-7, for raw scores (..., Sq, nk) with nk a multiple of 32 whose
+    """docs/numerics.md section 2, steps 1-7, for raw scores (..., Sq, nk) with nk a multiple of 32 whose
     first key is at a physical position that is a multiple of 32. ``m`` (..., Sq, 1) is the row
     reference; ``valid`` (nk,) marks real keys, ``native`` (nk,) the native exp2 positions (None:
     all affine). Per element this is one multiply-add in float64 and one E2M1 rounding."""
@@ -286,7 +247,7 @@ def direct_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy
 
 
 # ---------------------------------------------------------------------------------------------
-# Controls (SPEC section 3)
+# Controls (docs/numerics.md section 3)
 # ---------------------------------------------------------------------------------------------
 
 def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,

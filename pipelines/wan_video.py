@@ -28,10 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from fp4vis.evals.common import (
+from fp4vis.policy import get_policy
+from fp4vis.services import (
+    Timer,
     UsageError,
     check_backend,
     check_model_source,
+    environment,
     guard_plan_summary,
     hub_error,
     is_network_error,
@@ -39,9 +42,8 @@ from fp4vis.evals.common import (
     policy_applied,
     resolve_device,
     resolve_dtype,
+    write_json,
 )
-from fp4vis.evals.report import Timer, environment, write_json
-from fp4vis.policy import get_policy
 
 GENERATE_POLICIES = ("fast", "accurate", "wan_fast", "bf16", "guard", "nv_fp8")
 
@@ -217,6 +219,22 @@ def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> 
 
 
 @torch.no_grad()
+def calibration_inputs(pipe, prompts: list[str], *, height: int, width: int, frames: int, steps: int,
+                       guidance_scale: float, seed: int) -> list[dict[str, Any]]:
+    """Pipeline keyword arguments for ``fp4vis.calibrate``: one short latent-output run per prompt, with
+    the prompt encoded once and seeded initial latents (seed + i for prompt i)."""
+    device = pipe._execution_device
+    inputs = []
+    for i, prompt in enumerate(prompts):
+        pe, npe, _ = encode_prompt(pipe, prompt, guidance_scale=guidance_scale)
+        lat = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed + i)
+        inputs.append(dict(prompt_embeds=pe, negative_prompt_embeds=npe, latents=lat.to(device), height=height,
+                           width=width, num_frames=frames, num_inference_steps=steps, guidance_scale=guidance_scale,
+                           output_type="latent"))
+    return inputs
+
+
+@torch.no_grad()
 def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
     """Final latents -> video frames (F, H, W, 3) float32 in [0, 1] (the pipeline's own decode)."""
     vae = pipe.vae
@@ -256,7 +274,7 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
         kwargs["image"] = image
     with policy_applied(pipe, pol, guard=guard, backend=backend, layers=layers) as handle:
         if exact_steps and handle is not None:
-            from fp4vis.patchers.wan import exact_steps as step_callback
+            from fp4vis.patching.wan import exact_steps as step_callback
 
             kwargs["callback_on_step_end"] = step_callback(handle, steps=tuple(exact_steps),
                                                            num_inference_steps=steps)

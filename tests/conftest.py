@@ -1,9 +1,60 @@
-"""Test configuration: hypothesis examples are derandomised in CI so that a run is reproducible."""
+"""Test configuration shared by every test module.
+
+* ``@pytest.mark.gpu`` marks a test that needs a CUDA GPU; ``@pytest.mark.gpu(capability=(9, 0))`` one
+  that needs that compute capability. Such tests are skipped, with the reason, where the GPU is absent.
+* Tiny models and data, built once per session through the real saving code (``fp4vis.evals.tiny``):
+  ``tiny_wan``, ``tiny_mae``, ``image_folder``.
+* Hypothesis examples are derandomised in CI so that a run is reproducible.
+"""
+
+from __future__ import annotations
 
 import os
 
+import pytest
+import torch
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+def _gpu_skip_reason(marker) -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    cap = marker.kwargs.get("capability")
+    if cap is not None and torch.cuda.get_device_capability(0) != tuple(cap):
+        return f"needs a GPU of compute capability {cap[0]}.{cap[1]}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is not None and (reason := _gpu_skip_reason(marker)):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory):
+    """A tiny Wan2.1 T2V checkpoint folder (diffusers layout, random weights, a tiny text encoder)."""
+    from fp4vis.evals.tiny import make_tiny_wan
+
+    return make_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_mae(tmp_path_factory):
+    """A tiny ViTMAE checkpoint folder (transformers layout, random weights)."""
+    from fp4vis.evals.tiny import make_tiny_mae
+
+    return make_tiny_mae(tmp_path_factory.mktemp("tiny") / "mae")
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory):
+    """An ImageFolder with two classes ("a", "b") of two 36 px images each."""
+    from fp4vis.evals.tiny import make_image_folder
+
+    return make_image_folder(tmp_path_factory.mktemp("tiny") / "images", classes=("a", "b"), per_class=2, size=36)

@@ -1,0 +1,101 @@
+"""What every attention backend is: the ``Backend`` interface, the backend names (one place), the
+device-capability lookup, and the small named checks that backends compose their
+``unsupported_reason`` from. Imports only core modules: kernel backends import this, never the
+registry that loads them."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fp4vis.policy import Policy
+from fp4vis.reference import RangeReport
+
+# backend names: "auto" picks one, the others name one
+AUTO = "auto"
+REFERENCE = "reference"
+HOPPER = "hopper"
+# compute capabilities of the GPUs each kernel backend is built for
+HOPPER_CAPABILITIES = ((9, 0),)
+
+
+class Backend:
+    """Interface of an attention backend. ``forward`` gets validated (B, H, S, D) tensors."""
+
+    name: str = "?"
+
+    def unavailable_reason(self) -> str | None:
+        """None when the backend can run on this machine at all, else why not."""
+        return None
+
+    def unsupported_reason(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                           scale: float) -> str | None:
+        """None when this backend can run the call, else a short reason."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                scale: float) -> tuple[torch.Tensor, RangeReport | None]:
+        """Attention of (B, H, S, D) tensors; returns the output (q's dtype) and a RangeReport
+        (None when the backend does not check its range)."""
+        raise NotImplementedError
+
+
+def device_capability(index: int | None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of CUDA device ``index`` (None: the current device),
+    cached (it is asked on every call)."""
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+# ------------------------------------------------------------------------------------------------
+# Named checks: each returns None when the call passes, else the reason (a backend's
+# unsupported_reason is the first reason of its list of checks).
+
+
+def first_reason(*reasons: str | None) -> str | None:
+    """The first reason that is not None (checks given as already-evaluated values)."""
+    for reason in reasons:
+        if reason is not None:
+            return reason
+    return None
+
+
+def need_direct_p(policy: Policy) -> str | None:
+    return None if policy.is_direct_p else f"policy {policy.name!r} is not a Direct-P policy"
+
+
+def need_cuda_capability(q: torch.Tensor, capabilities: tuple[tuple[int, int], ...], what: str) -> str | None:
+    if not q.is_cuda:
+        return "tensors are not on a CUDA device"
+    if device_capability(q.device.index) not in capabilities:
+        return f"device {torch.cuda.get_device_name(q.device)} is not {what}"
+    return None
+
+
+def need_dtype(q: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> str | None:
+    if q.dtype in dtypes:
+        return None
+    return f"dtype {q.dtype} (the kernel takes {' or '.join(str(d).removeprefix('torch.') for d in dtypes)})"
+
+
+def need_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tuple[int, ...]) -> str | None:
+    d = q.shape[-1]
+    if d in head_dims and k.shape[-1] == d and v.shape[-1] == d:
+        return None
+    return (f"head dims q/k/v = {d}/{k.shape[-1]}/{v.shape[-1]} (the kernel supports "
+            f"{' and '.join(map(str, head_dims))})")
+
+
+def need_nonempty(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    return "empty sequence" if q.shape[-2] == 0 or k.shape[-2] == 0 else None
+
+
+def has_capability(capabilities: tuple[tuple[int, int], ...]) -> bool:
+    """Whether any visible CUDA device has one of ``capabilities``."""
+    return torch.cuda.is_available() and any(device_capability(i) in capabilities
+                                             for i in range(torch.cuda.device_count()))

@@ -1,0 +1,82 @@
+"""The ``fp4vis`` command line: generate videos, run the evals and the kernel benchmark, calibrate
+guard plans, and say which attention backends work on this machine.
+
+    fp4vis info
+    fp4vis bench --quick
+    fp4vis generate --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "a red fox in the snow" --policy fast
+    fp4vis eval vit --model timm/vit_base_patch16_224.augreg2_in21k_ft_in1k --data ~/imagenet/val --resolution 1008
+    fp4vis eval mae --model facebook/vit-mae-base --data ~/photos
+    fp4vis eval wan --speed-only 1.3B --steps 2
+    fp4vis calibrate wan --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "a red fox" --out plan.json
+
+Every command takes a Hub id or a local directory for its weights, never downloads implicitly for a
+path, prints a one-line error (exit status 2) for bad options, missing paths or GPU-only options on
+a machine without a GPU, and shows progress bars on long work (``--no-progress`` hides them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+from fp4vis.attention import RangeExceededError
+from fp4vis.services import UsageError, fp4vis_version
+
+from . import bench, calibrate, evaluate, generate, info
+from .options import EPILOG, Formatter, fill_help
+
+# command name -> module with add_parser(sub) and run(args)
+COMMANDS = {"info": info, "bench": bench, "generate": generate, "eval": evaluate, "calibrate": calibrate}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fp4vis", formatter_class=Formatter, epilog=EPILOG,
+        description="Direct-P FP4 attention for vision and video diffusion models: generate, evaluate, "
+                    "benchmark, calibrate.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {fp4vis_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for command in COMMANDS.values():
+        command.add_parser(sub)
+    fill_help(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    saved_tqdm = os.environ.get("TQDM_DISABLE")
+    if getattr(args, "no_progress", False):
+        os.environ["TQDM_DISABLE"] = "1"
+    try:
+        return _run(args)
+    finally:
+        if saved_tqdm is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved_tqdm
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*is deprecated.*")
+            return COMMANDS[args.command].run(args)
+    except UsageError as e:
+        print(f"fp4vis {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, NotImplementedError) as e:  # missing files; a model fp4vis cannot patch
+        print(f"fp4vis {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RangeExceededError as e:
+        print(f"fp4vis {args.command}: error: {e}\nhint: calibrate a guard plan (`fp4vis calibrate ...`) and pass "
+              "it with --guard-plan, or use --policy accurate", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+

@@ -1,0 +1,71 @@
+"""``fp4vis bench``: the kernel benchmark (speed and error per backend) on the shape grid."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp4vis.services import UsageError, resolve_policies
+
+from .options import Formatter, policy_list
+
+# the backends a full run times (``fp4vis.evals.kernel_bench`` lists what each is)
+BENCH_BACKENDS = ("hopper", "hopper_kernel", "prepass", "fa4", "sdpa_cudnn", "sdpa_flash", "sage")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", formatter_class=Formatter, help="kernel benchmark: speed and error per backend",
+                       description="Time every attention backend and baseline available here on the kernel "
+                                   "shape grid; write JSON, a Markdown table and a speed-error plot (PNG).")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes, reference backend on the CPU: runs anywhere in seconds (a smoke test)")
+    p.add_argument("--policies", type=policy_list, default="fast", help="FP4 policies of the fp4vis backends")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated subset of " + ", ".join(BENCH_BACKENDS) + ", reference "
+                        "(default: all but the slow reference; each one that cannot run here is listed "
+                        "with its reason)")
+    p.add_argument("--grid", default="d128", choices=["d128", "d64", "all"],
+                   help="shape grid: the D=128 video grid, the D=64 ViT shapes, or both")
+    p.add_argument("--out-dir", default="out", help="where to write NAME.json, NAME.md and NAME.png")
+    p.add_argument("--name", default=None, help="base file name (default: kernel_bench or kernel_bench_quick)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fp4vis.evals import kernel_bench as kb
+
+    resolve_policies(args.policies)  # clear error for unknown names
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    if not args.quick and not torch.cuda.is_available():
+        raise UsageError("the full kernel benchmark needs a CUDA GPU (none is visible here); "
+                         "run `fp4vis bench --quick` for the CPU smoke test")
+    name = args.name or ("kernel_bench_quick" if args.quick else "kernel_bench")
+    out_dir = Path(args.out_dir)
+    kwargs: dict[str, Any] = {"policies": policies, "quick": args.quick,
+                              "log": None if args.no_progress else print}
+    if not args.quick:
+        shapes = {"d128": kb.GRID_D128, "d64": kb.GRID_D64, "all": None}[args.grid]
+        if shapes is None:
+            shapes = kb.as_shapes(kb.GRID_D128) + kb.as_shapes(kb.GRID_D64, d=64)
+        kwargs["shapes"] = shapes
+        kwargs["backends"] = tuple(b.strip() for b in args.backends.split(",")) if args.backends else BENCH_BACKENDS
+    rows = kb.run_grid(**kwargs)
+    json_path = kb.write_results(rows, out_dir / f"{name}.json",
+                                 extra={"command": " ".join(sys.argv), "quick": args.quick})
+    print(kb.summary_table(rows))
+    print(f"json: {json_path}\nmarkdown: {json_path.with_suffix('.md')}")
+    if not args.no_plot:
+        from fp4vis.evals.plots import speed_error_plot
+
+        try:
+            where = "quick: reference on the CPU" if args.quick else "GPU"
+            png = speed_error_plot({"rows": rows}, out_dir / f"{name}.png", title=f"fp4vis kernel benchmark ({where})")
+            print(f"plot: {png}")
+        except ImportError as e:
+            print(f"fp4vis bench: plot skipped ({e}); pip install matplotlib", file=sys.stderr)
+    return 0

@@ -1,0 +1,84 @@
+"""``fp4vis calibrate wan|vit|mae``: record per-layer logit statistics on calibration inputs and
+write a guard plan."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from .options import Formatter, policy, positive_int
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    pc = sub.add_parser("calibrate", formatter_class=Formatter, help="calibrate a guard plan (which layers to guard)",
+                        description="Run the model's exact attention on calibration inputs, record per-layer "
+                                    "logit statistics and write a guard plan (JSON) for --guard-plan.")
+    csub = pc.add_subparsers(dest="calib_kind", metavar="KIND")
+    csub.required = True
+    for kind, helptext in (("wan", "a Wan2.1 pipeline on prompts"), ("vit", "a ViT classifier on images"),
+                           ("mae", "a ViTMAE on images")):
+        p = csub.add_parser(kind, formatter_class=Formatter, help=helptext)
+        p.add_argument("--model", required=True, help="Hub id or local folder" + (
+            " (vit: also timm:<name>; mae: also config:default)" if kind != "wan" else ""))
+        p.add_argument("--policy", type=policy, default="wan_fast" if kind == "wan" else "fast",
+                       help="the Direct-P policy the plan protects")
+        p.add_argument("--out", "-o", default="guard_plan.json", help="where to write the plan")
+        p.add_argument("--threshold", type=float, default=None, help="guard when the statistic (log2 units) "
+                                                                     "reaches this (default: 0.75 x the limit)")
+        p.add_argument("--fraction", type=float, default=None, help="threshold as a fraction of the limit")
+        p.add_argument("--seed", type=int, default=0)
+        if kind == "wan":
+            p.add_argument("--prompt", action="append", required=True, help="calibration prompt (repeatable)")
+            p.add_argument("--frames", type=positive_int, default=17)
+            p.add_argument("--steps", type=positive_int, default=4)
+            p.add_argument("--height", type=positive_int, default=480)
+            p.add_argument("--width", type=positive_int, default=832)
+            p.add_argument("--guidance", type=float, default=5.0)
+        else:
+            p.add_argument("--data", required=True, help="ImageFolder root: ROOT/<class>/<image>")
+            p.add_argument("--limit", type=positive_int, default=16, help="calibration images")
+            p.add_argument("--resolution", type=positive_int, default=None)
+            p.add_argument("--random-weights", action="store_true")
+            if kind == "mae":
+                p.add_argument("--decoder", action="store_true", help="also calibrate the decoder layers")
+        p.add_argument("--device", default="auto")
+        p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+        p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fp4vis.patching.guard import calibrate
+    from fp4vis.services import resolve_device, resolve_dtype
+
+    dev, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    kw: dict[str, Any] = {"threshold": args.threshold, "fraction": args.fraction, "model_id": args.model}
+    if args.calib_kind == "wan":
+        from fp4vis.pipelines.wan_video import calibration_inputs, load_wan_pipeline
+
+        target = load_wan_pipeline(args.model, device=dev, dtype=dtype)
+        target.set_progress_bar_config(disable=args.no_progress)
+        inputs = calibration_inputs(target, args.prompt, height=args.height, width=args.width, frames=args.frames,
+                                    steps=args.steps, guidance_scale=args.guidance, seed=args.seed)
+    elif args.calib_kind == "vit":
+        from fp4vis.evals.vit_top1 import calibration_inputs, load_classifier
+
+        clf = load_classifier(args.model, resolution=args.resolution, random_weights=args.random_weights,
+                              device=dev, dtype=dtype, seed=args.seed)
+        target, inputs = clf.model, calibration_inputs(clf, args.data, limit=args.limit)
+    else:
+        from fp4vis.evals.mae_psnr import calibration_inputs, load_mae
+
+        target, mean, std, _ = load_mae(args.model, random_weights=args.random_weights, device=dev, dtype=dtype,
+                                        seed=args.seed)
+        kw["decoder"] = args.decoder
+        inputs = calibration_inputs(target, mean, std, args.data, limit=args.limit, resolution=args.resolution,
+                                    seed=args.seed)
+    plan = calibrate(target, inputs, policy=args.policy, **kw)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plan.save(out)
+    print(plan.summary())
+    print(f"guarded layers: {', '.join(plan.guarded) if plan.guarded else 'none'}")
+    print(f"guard plan: {out}")
+    return 0

@@ -1,0 +1,144 @@
+"""``fp4vis eval vit|mae|wan``: what FP4 attention costs in quality (and gains in speed) against the
+model's own BF16 attention."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .options import Formatter, add_runtime, policy_list, positive_int
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    pe = sub.add_parser("eval", formatter_class=Formatter, help="quality/speed evals: vit, mae, wan",
+                        description="Measure what FP4 attention costs in quality (and gains in speed) against "
+                                    "the model's own BF16 attention. Each eval writes NAME.json and NAME.md.")
+    esub = pe.add_subparsers(dest="eval_command", metavar="EVAL")
+    esub.required = True
+
+    p = esub.add_parser("vit", formatter_class=Formatter, help="ViT classifier: top-1, agreement, logit and "
+                                                                "per-layer attention error",
+                        description="A timm or transformers classifier on an ImageFolder dataset "
+                                    "(ROOT/<class>/<image>). Sharded over GPUs with `accelerate launch -m "
+                                    "fp4vis.cli eval vit ...`.")
+    p.add_argument("--model", required=True, help="Hub id (timm/... or a transformers id), local folder, or "
+                                                  "timm:<registry name> (with --random-weights: no download)")
+    p.add_argument("--data", required=True, help="ImageFolder root: ROOT/<class>/<image>")
+    p.add_argument("--resolution", type=positive_int, default=None,
+                   help="input size in px (e.g. 1008: ~4k tokens for a /16 ViT); position embeddings are "
+                        "interpolated. Default: the model's own")
+    p.add_argument("--labels", default="auto", choices=["auto", "index", "names", "order", "none"],
+                   help="how class folders map to model classes: folder = class index, = label name/synset, "
+                        "sorted order, or none (agreement and logit error only)")
+    p.add_argument("--policies", type=policy_list, default="fast,accurate", help="comma-separated FP4 policies")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N images")
+    p.add_argument("--random-weights", action="store_true", help="build the architecture with seeded random "
+                                                                 "weights (numerics only; labelled in the report)")
+    p.add_argument("--no-per-layer", action="store_true", help="skip the per-layer attention errors")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
+    p.add_argument("--out-dir", default="out", help="directory for NAME.json and NAME.md")
+    p.add_argument("--name", default="vit_top1")
+    add_runtime(p)
+
+    p = esub.add_parser("mae", formatter_class=Formatter, help="ViTMAE reconstruction PSNR with identical masks",
+                        description="Masked-patch and full-image PSNR of ViTMAE reconstructions (same seeded "
+                                    "masks for BF16 and FP4), the mean FP4-BF16 difference with its 95 %% "
+                                    "t-interval, and FP4-vs-BF16 reconstruction PSNR.")
+    p.add_argument("--model", required=True, help="Hub id (e.g. facebook/vit-mae-base), local folder, or "
+                                                  "config:default (ViTMAEConfig defaults, random weights)")
+    p.add_argument("--data", required=True, help="ImageFolder root: ROOT/<class>/<image>")
+    p.add_argument("--resolution", type=positive_int, default=None, help="input size (default: the model's)")
+    p.add_argument("--mask-ratio", type=float, default=None, help="default: the model's (0.75)")
+    p.add_argument("--decoder", action="store_true", help="also run the MAE decoder in FP4 (default: encoder only)")
+    p.add_argument("--policies", type=policy_list, default="fast,accurate")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--limit", type=positive_int, default=None)
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the masks (and of random weights)")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--out-dir", default="out")
+    p.add_argument("--name", default="mae_psnr")
+    add_runtime(p)
+
+    p = esub.add_parser("wan", formatter_class=Formatter, help="Wan2.1 fidelity vs BF16 and end-to-end speed",
+                        description="BF16 and each policy with identical seed, latents and prompt embeddings: "
+                                    "wall times (denoise, VAE decode, text encoding), speedups, final-latent "
+                                    "cosine/relL2, per-frame PSNR/SSIM vs BF16.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="Hub id or local diffusers folder")
+    src.add_argument("--speed-only", choices=["1.3B", "14B"],
+                     help="the real Wan2.1 architecture with random weights (timings only; labelled so)")
+    p.add_argument("--policies", type=policy_list, default="wan_fast,fast,accurate")
+    p.add_argument("--prompt", default=None, help="default: a fixed test prompt")
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--frames", type=positive_int, default=81)
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--height", type=positive_int, default=480)
+    p.add_argument("--width", type=positive_int, default=832)
+    p.add_argument("--guidance", type=float, default=5.0)
+    dec = p.add_mutually_exclusive_group()
+    dec.add_argument("--decode", dest="decode", action="store_true", default=None,
+                     help="decode the videos (default: yes with --model, no with --speed-only)")
+    dec.add_argument("--no-decode", dest="decode", action="store_false", help="time the denoising only")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up before each run")
+    p.add_argument("--save-videos", action="store_true", help="also write each run's MP4 to --out-dir")
+    p.add_argument("--out-dir", default="out")
+    p.add_argument("--name", default=None, help="default: wan_fidelity, or wan_speed with --speed-only")
+    add_runtime(p)
+
+
+def _main_process() -> bool:
+    """False in the non-zero ranks of a sharded run (accelerate launch / torchrun)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def run(args: argparse.Namespace) -> int:
+    common = dict(device=args.device, dtype=args.dtype, backend=args.backend, guard_plan=args.guard_plan,
+                  out_dir=args.out_dir, progress=not args.no_progress)
+    if args.eval_command == "vit":
+        from fp4vis.evals.vit_top1 import run_vit_eval
+
+        r = run_vit_eval(args.model, args.data, policies=args.policies, resolution=args.resolution,
+                         batch_size=args.batch_size, limit=args.limit, labels=args.labels,
+                         random_weights=args.random_weights, per_layer=not args.no_per_layer, seed=args.seed,
+                         num_workers=args.workers, name=args.name, **common)
+        if not _main_process():
+            return 0
+        for pol, p in r["policies"].items():
+            top1 = f"top-1 {p['top1']:.4f}, " if p["top1"] is not None else ""
+            print(f"{pol}: {top1}agreement {p['agreement_with_bf16']:.4f}, logit cosine {p['logit_cosine_mean']:.5f}, "
+                  f"relL2 {p['logit_rel_l2_mean']:.4f}")
+    elif args.eval_command == "mae":
+        from fp4vis.evals.mae_psnr import run_mae_eval
+
+        r = run_mae_eval(args.model, args.data, policies=args.policies, resolution=args.resolution,
+                         batch_size=args.batch_size, limit=args.limit, random_weights=args.random_weights,
+                         mask_ratio=args.mask_ratio, seed=args.seed, decoder=args.decoder,
+                         num_workers=args.workers, name=args.name, **common)
+        if not _main_process():
+            return 0
+        for pol, p in r["policies"].items():
+            d = p["masked_psnr_diff_vs_bf16"]
+            print(f"{pol}: masked-patch PSNR {p['masked_psnr']['mean']:.3f} dB, FP4-BF16 {d['mean']:+.4f} dB, "
+                  f"recon PSNR vs BF16 {p['recon_psnr_vs_bf16']['mean']:.2f} dB")
+    else:
+        from fp4vis.evals.wan_fidelity import DEFAULT_PROMPT, run_wan_eval
+
+        r = run_wan_eval(args.model, speed_only=args.speed_only, policies=args.policies,
+                         prompt=args.prompt or DEFAULT_PROMPT, negative_prompt=args.negative_prompt,
+                         height=args.height, width=args.width, frames=args.frames, steps=args.steps,
+                         guidance_scale=args.guidance, seed=args.seed, decode=args.decode,
+                         warmup=not args.no_warmup, save_videos=args.save_videos, name=args.name, **common)
+        for pol, run in r["runs"].items():
+            if "error" in run:
+                print(f"{pol}: FAILED {run['error']}")
+                continue
+            extra = (f", speedup {run['speedup_denoise']:.2f}x, latent cosine {run['latent_cosine']:.5f}"
+                     if "speedup_denoise" in run else "")
+            print(f"{pol}: denoise {run['timings']['denoise_s']:.3f} s{extra}")
+    for kind, path in (r.get("files") or {}).items():
+        print(f"{kind}: {path}")
+    return 0

@@ -1,0 +1,46 @@
+"""``fp4vis generate``: a video from a Wan2.1 pipeline (T2V or I2V) under an attention policy."""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import POLICY_HELP, Formatter, add_runtime, int_list, policy, positive_int
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", formatter_class=Formatter, help="generate a video with Wan2.1 (T2V or I2V)",
+                       description="Generate a video with a Wan2.1 pipeline under an attention policy; write an "
+                                   "MP4 and a JSON sidecar (model, prompt, seed, frames, steps, policy, guard "
+                                   "plan, timings, versions, GPU).")
+    p.add_argument("--model", required=True, help="Hub id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) or local "
+                                                  "diffusers folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--image", default=None, help="conditioning image for image-to-video (I2V) models")
+    p.add_argument("--policy", type=policy, default="fast", help=f"one of {POLICY_HELP}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--frames", type=positive_int, default=81, help="number of frames (4k+1)")
+    p.add_argument("--steps", type=positive_int, default=50, help="denoising steps")
+    p.add_argument("--height", type=positive_int, default=480)
+    p.add_argument("--width", type=positive_int, default=832)
+    p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
+    p.add_argument("--fps", type=positive_int, default=16)
+    p.add_argument("--exact-steps", type=int_list, default=None, metavar="I,J",
+                   help="denoising steps that run exact attention, e.g. 0,-1 (first and last)")
+    p.add_argument("--output", "-o", default="video.mp4", help="MP4 path (the sidecar gets the same name, .json)")
+    add_runtime(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fp4vis.pipelines.wan_video import run_generate
+
+    out = run_generate(args.model, args.prompt, output=args.output, negative_prompt=args.negative_prompt,
+                       image=args.image, policy=args.policy, guard_plan=args.guard_plan, seed=args.seed,
+                       height=args.height, width=args.width, frames=args.frames, steps=args.steps,
+                       guidance_scale=args.guidance, fps=args.fps, device=args.device, dtype=args.dtype,
+                       backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress)
+    t = out["timings"]
+    print(f"video: {out['video']}\nsidecar: {out['sidecar']}\n"
+          f"timings: load {t['load_s']:.2f} s, text {t['text_encode_s']:.2f} s, denoise {t['denoise_s']:.2f} s, "
+          f"decode {t['decode_s']:.2f} s")
+    return 0

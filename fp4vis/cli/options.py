@@ -1,0 +1,78 @@
+"""What the command modules share: the help formatter and the option types and groups."""
+
+from __future__ import annotations
+
+import argparse
+
+from fp4vis.backends import backend_names
+from fp4vis.policy import POLICIES
+
+POLICY_HELP = ", ".join(sorted(POLICIES))
+EPILOG = ("Weights: a Hugging Face Hub id (org/name, downloaded by the Hub client as usual) or a local "
+          "directory. Policies: " + POLICY_HELP + " (bf16 = the model's own attention). Docs: README.md.")
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default (also for options without help text), but not 'None' / False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").strip()
+        d = action.default
+        if (d is not None and d is not False and d is not argparse.SUPPRESS and "%(default)" not in text
+                and action.option_strings and not isinstance(
+                    action, (argparse._HelpAction, argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            text = f"{text} (default: %(default)s)".strip()
+        return text
+
+
+def fill_help(parser: argparse.ArgumentParser) -> None:
+    """Give options without help text one, so that the formatter can show their default."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                fill_help(sub)
+        elif (action.option_strings and not action.help and action.default is not None
+              and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            action.help = "(default: %(default)s)"
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def int_list(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def policy(s: str) -> str:
+    if s not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown policy {s!r}; known policies are {POLICY_HELP}")
+    return s
+
+
+def policy_list(s: str) -> str:
+    for p in (x.strip() for x in s.split(",")):
+        if p and p not in POLICIES:
+            raise argparse.ArgumentTypeError(f"unknown policy {p!r}; known policies are {POLICY_HELP}")
+    return s
+
+
+def add_runtime(p: argparse.ArgumentParser, *, default_dtype: str = "bfloat16") -> None:
+    g = p.add_argument_group("runtime")
+    g.add_argument("--device", default="auto", help="auto (CUDA when visible, else CPU), cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default=default_dtype, choices=["bfloat16", "float16", "float32"],
+                   help="model dtype (the BF16 baseline runs in this dtype too)")
+    g.add_argument("--backend", default="auto", choices=backend_names(),
+                   help="FP4 attention backend; auto picks the kernel for this GPU and falls back to the "
+                        "reference emulation (hopper needs an sm_90 GPU)")
+    g.add_argument("--guard-plan", metavar="JSON", help="guard plan written by `fp4vis calibrate`")
+    g.add_argument("--no-progress", action="store_true", help="hide progress bars")

@@ -1,0 +1,88 @@
+"""Settings from the environment: every ``FP4VIS_*`` variable is declared here, and read when it is
+used (``setting(name)``), never at import. docs/configuration.md lists them (a test keeps the two in
+step). They select kernel variants for measurement and debugging; the defaults are the product.
+
+Where a setting feeds a cached object (a compiled kernel configuration, the pre-pass launcher), it
+is read when that object is first made in the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its default and, for a choice, the values it accepts."""
+
+    name: str
+    default: str
+    doc: str
+    choices: tuple[str, ...] = ()   # empty: a boolean flag
+
+    def parse(self, raw: str) -> str | bool:
+        value = raw.strip().lower()
+        if not self.choices:
+            if value in _TRUE:
+                return True
+            if value in _FALSE:
+                return False
+            raise ValueError(f"{self.name}: expected 1 or 0, got {raw!r}")
+        if value not in self.choices:
+            raise ValueError(f"{self.name}: expected one of {', '.join(self.choices)}, got {raw!r}")
+        return value
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("FP4VIS_HOPPER_SCHEDULE", "pingpong", "Hopper kernel: schedule of the consumer warpgroups "
+            "(`DirectPConfig.schedule`)", ("pingpong", "serial", "overlap")),
+    Setting("FP4VIS_HOPPER_P_PATH", "packed", "Hopper kernel: how P codes are made; `none`, `timing_scales` "
+            "and `timing_codes` leave stages out and give wrong results (timing only)",
+            ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")),
+    Setting("FP4VIS_HOPPER_BLOCK_SCALES", "quad", "Hopper kernel: block constants once per quad or per "
+            "thread (same bits)", ("quad", "lane")),
+    Setting("FP4VIS_HOPPER_EIGHTHS", "1", "Hopper kernel: affine codes computed as q/8 with a saturating "
+            "FMA (same bits); 0 rounds max(y, 0)"),
+    Setting("FP4VIS_HOPPER_TVM_FFI", "1", "Hopper kernel: launch through TVM-FFI where apache-tvm-ffi "
+            "imports (a few microseconds per call); 0 uses the DLPack path"),
+    Setting("FP4VIS_HOPPER_SHORT", "1", "Hopper backend: the short-sequence variant (two 64-row CTAs per "
+            "SM) where both sequences are at most 768 keys; 0 never uses it"),
+    Setting("FP4VIS_PREPASS_FUSED_FOLDED", "1", "Hopper pre-pass: the folded-K64 Q/K quantizer in the "
+            "fused Triton launch; 0 runs it through `fp4vis.formats` (same bits, slow)"),
+    Setting("FP4VIS_PREPASS_F16_CODES", "1", "Hopper pre-pass: E2M1 codes on FP16 pairs on the GPU "
+            "(same bits); 0 selects the float32 form"),
+    Setting("FP4VIS_PREPASS_DIRECT_LAUNCH", "1", "Hopper pre-pass: launch the compiled Triton kernel "
+            "directly (skips Triton's per-call argument binding); 0 uses the ordinary launch"),
+    Setting("FP4VIS_EXHAUSTIVE", "0", "Tests: run the exhaustive E2M1 rounding check over every float32 "
+            "in [0, 1] (about a minute) instead of a sample"),
+)}
+
+
+def setting(name: str) -> str | bool:
+    """The value of ``name`` now: a bool for a flag, the lower-case choice otherwise. An unknown
+    name is a programming error (KeyError); a bad value raises ValueError naming the variable."""
+    s = SETTINGS[name]
+    return s.parse(os.environ.get(name, s.default))
+
+
+@contextlib.contextmanager
+def overridden(**values: str) -> Iterator[None]:
+    """Run a block with some settings set (``overridden(FP4VIS_HOPPER_SHORT="0")``), restoring the
+    environment afterwards. For benchmarks and tests that compare variants in one process."""
+    for name, raw in values.items():
+        SETTINGS[name].parse(raw)   # an unknown name or a bad value fails before anything changes
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old

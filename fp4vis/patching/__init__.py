@@ -1,0 +1,16 @@
+"""Per-layer FP4 attention for existing models (the patching layer, above the backends):
+
+* ``api``: ``patch`` (find the layers, resolve a policy per layer, install) and ``unpatch``;
+* ``handle``: ``PatchHandle`` and the installer; ``discovery``: which layers a model has;
+* ``layer``: ``LayerSpec`` / ``LayerState`` and the fallback rules;
+* ``guard``: calibration statistics, ``GuardPlan``, ``calibrate``;
+* one module per library: ``wan`` (diffusers), ``timm_vit`` (timm), ``hf_vit`` (transformers).
+"""
+
+from .api import patch
+from .guard import GuardPlan, GuardRule, calibrate
+from .handle import PatchHandle, unpatch
+from .layer import FallbackError, FallbackWarning, LayerSpec, LayerState
+
+__all__ = ["FallbackError", "FallbackWarning", "GuardPlan", "GuardRule", "LayerSpec", "LayerState", "PatchHandle",
+           "calibrate", "patch", "unpatch"]

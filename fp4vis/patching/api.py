@@ -1,0 +1,163 @@
+"""Per-layer FP4 attention for existing models: ``fp4vis.patch`` / ``fp4vis.unpatch``.
+
+``patch(model_or_pipeline, policy="fast", *, layers=None, guard=None, backend="auto", strict=False)``
+finds the attention layers fp4vis knows how to reach, resolves one policy per layer, installs a
+per-layer hook through the library's own extension point, and returns a :class:`PatchHandle`
+(``handle.remove()``, or use it as a context manager). Nothing global is monkeypatched:
+
+* diffusers Wan2.1/2.2 (``WanAttention``): an attention processor set with ``attn.set_processor``
+  (``fp4vis.patching.wan``); self-attention (``attn1``) by default, cross-attention (``attn2``) when
+  asked (``cross_attention=True`` or a name pattern in ``layers``).
+* timm (``timm.layers.Attention``, the vision_transformer attention): a per-instance ``forward``
+  (``fp4vis.patching.timm_vit``); the class is untouched.
+* transformers ViT / ViTMAE: an ``AttentionInterface`` function selected through the layers'
+  ``config._attn_implementation`` (``fp4vis.patching.hf_vit``); unpatched layers that share the
+  config go through the original implementation, bit for bit. MAE: encoder only by default (as in
+  the paper), decoder with ``decoder=True`` or a name pattern.
+
+Per-layer policy resolution (first to last, later steps win):
+
+1. every default layer gets ``policy``;
+2. ``layers`` entries, in their order: an ``int`` key selects the default layers with that index
+   (the block index within its stack), a ``str`` key is an ``fnmatch`` pattern over the layer
+   names (``handle.layers`` lists them; a pattern may also select non-default layers such as
+   ``"*attn2"``). A key that selects no layer is an error. Values: a policy name, a
+   :class:`~fp4vis.policy.Policy`, or ``None`` / ``"exact"`` / ``"bf16"`` for the model's own
+   exact attention;
+3. the guard plan: each guarded layer whose policy is a Direct-P policy gets the plan's guard policy
+   (exact and ``nv_fp8`` layers stay as they are).
+
+A layer whose resolved policy is exact is not touched at all. At call time a patched layer keeps
+the model's exact attention, with one :class:`FallbackWarning` naming the layer and the reason,
+when fp4vis cannot compute it (attention mask, causal attention, dropout in training mode,
+grouped-query attention, a head dim / dtype / device the backend lacks, gradients requested);
+``strict=True`` raises :class:`FallbackError` instead.
+
+Patching a layer that is already patched raises ``RuntimeError`` (no double wrap); remove the old
+handle (or call ``fp4vis.unpatch``) first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from fp4vis.backends import registry
+from fp4vis.policy import Policy
+
+from .discovery import find_layers, model_id, select_layers
+from .guard import AutoGuard, GuardPlan
+from .handle import PatchHandle, install
+from .layer import FallbackError, FallbackWarning, LayerSpec, resolve_policy
+
+_SUPPORTED_TEXT = (
+    "diffusers WanAttention (WanTransformer3DModel, WanPipeline, WanImageToVideoPipeline), "
+    "timm.layers.Attention (timm vision_transformer Block / ResPostBlock / ParallelThingsBlock: ViT, "
+    "DeiT, ...), transformers ViTAttention / ViTMAEAttention"
+)
+
+
+def resolve_layer_policies(specs: list[LayerSpec], policy: Any, layers: Mapping | None,
+                           plan: Any = None) -> dict[str, Policy | None]:
+    """name -> Policy | None for every spec (see the module docstring for the order)."""
+    base = resolve_policy(policy)
+    out: dict[str, Policy | None] = {s.name: (base if s.default else None) for s in specs}
+    if layers is not None:
+        if not isinstance(layers, Mapping):
+            raise TypeError("layers: expected a mapping {layer index or name pattern: policy}, got "
+                            f"{type(layers).__name__}")
+        for key, value in layers.items():
+            chosen = select_layers(specs, key)
+            if not chosen:
+                raise ValueError(f"layers: key {key!r} matches no attention layer; layers are "
+                                 f"{_names_summary(specs)}")
+            pol = resolve_policy(value)
+            for s in chosen:
+                out[s.name] = pol
+    if plan is not None:
+        if base is not None and base.name != plan.policy.name:
+            warnings.warn(f"guard plan was calibrated for policy {plan.policy.name!r} but the model is patched "
+                          f"with {base.name!r}: its decisions may not fit this policy's range "
+                          f"(calibrate again with policy={base.name!r})", RuntimeWarning, stacklevel=3)
+        for s in plan.match(specs):
+            if out[s.name] is not None and out[s.name].is_direct_p:
+                out[s.name] = plan.guard_policy
+    return out
+
+
+def _names_summary(specs: list[LayerSpec], limit: int = 12) -> str:
+    names = [f"{s.name} (index {s.index}{'' if s.default else ', not default'})" for s in specs]
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more if names else "(none)"
+
+
+def _check_backend(backend: str, strict: bool) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name, got {type(backend).__name__}")
+    if backend == "auto":
+        return
+    be = registry.get_backend(backend)  # unknown names raise ValueError listing the known ones
+    if be is None:
+        msg = (f"fp4vis.patch: backend {backend!r} is not available here "
+               f"({registry.available_backends().get(backend)}); patched layers keep exact attention")
+        if strict:
+            raise FallbackError(msg + " (strict=True)")
+        warnings.warn(msg, FallbackWarning, stacklevel=3)
+
+
+def _check_range_check(range_check: str) -> None:
+    if range_check not in ("raise", "warn", "off"):
+        raise ValueError(f"range_check: expected 'raise', 'warn' or 'off', got {range_check!r}")
+
+
+def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | None = None, guard: Any = None,
+          backend: str = "auto", strict: bool = False, cross_attention: bool = False, decoder: bool = False,
+          range_check: str = "raise", guard_rule: Any = None) -> PatchHandle:
+    """Route the attention layers of a model or pipeline through fp4vis, per layer.
+
+    Args:
+        model_or_pipeline: a diffusers Wan transformer or pipeline, a timm model, or a transformers
+            ViT / ViTMAE model (any ``nn.Module`` holding supported attention layers).
+        policy: base policy of the default layers (a name, a Policy, or None/"exact").
+        layers: ``{index or name pattern: policy}`` overrides, applied in order (module docstring).
+        guard: a :class:`~fp4vis.guard.GuardPlan`, a path to its JSON, or ``"auto"`` (each layer
+            calibrates on its first call with ``guard_rule`` and switches to the guard policy when
+            the rule says so; ``handle.guard_plan`` collects the result).
+        backend: ``"auto"`` | ``"reference"`` | ``"hopper"`` (passed to
+            ``fp4vis.attention``).
+        strict: raise :class:`FallbackError` where a layer would fall back to exact attention,
+            and on unsupported attention modules next to supported ones.
+        cross_attention: Wan: patch ``attn2`` with the base policy too (default: exact).
+        decoder: ViTMAE: patch the decoder with the base policy too (default: encoder only).
+        range_check: passed to ``fp4vis.attention`` ("raise", "warn", "off").
+        guard_rule: the :class:`~fp4vis.guard.GuardRule` for ``guard="auto"``.
+    """
+    _check_backend(backend, strict)
+    _check_range_check(range_check)
+    specs, unsupported = find_layers(model_or_pipeline, cross_attention=cross_attention, decoder=decoder)
+    if not specs:
+        found = (f"; found unsupported attention modules: "
+                 f"{', '.join(f'{n} ({c})' for n, c in unsupported[:8])}") if unsupported else ""
+        raise NotImplementedError(
+            f"fp4vis.patch: no supported attention layer in {type(model_or_pipeline).__name__}{found}. "
+            f"Supported are: {_SUPPORTED_TEXT}.")
+    if unsupported:
+        msg = (f"fp4vis.patch: these attention modules are unsupported and keep their own attention: "
+               f"{', '.join(f'{n} ({c})' for n, c in unsupported[:8])}"
+               f"{' ...' if len(unsupported) > 8 else ''}. Supported are: {_SUPPORTED_TEXT}.")
+        if strict:
+            raise NotImplementedError(msg)
+        warnings.warn(msg, FallbackWarning, stacklevel=2)
+
+    plan = None
+    auto = None
+    if isinstance(guard, str) and guard == "auto":
+        auto = AutoGuard(rule=guard_rule, model_id=model_id(model_or_pipeline),
+                         base_policy=resolve_policy(policy) or "fast")
+    elif guard is not None:
+        plan = guard if isinstance(guard, GuardPlan) else GuardPlan.load(guard)
+
+    policies = resolve_layer_policies(specs, policy, layers, plan)
+    return install(model_or_pipeline, specs, policies, backend=backend, strict=strict,
+                    range_check=range_check, plan=plan, auto=auto)

@@ -1,0 +1,104 @@
+"""Finding the attention layers of a model or pipeline that fp4vis can reach, and naming them: the
+patcher modules of the libraries already imported each report their layers (``LayerSpec``)."""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .layer import LayerSpec
+
+
+def patcher_modules() -> list[Any]:
+    """The patcher modules whose library is already imported (a model of a library that was never
+    imported cannot exist, so this never imports diffusers/timm/transformers itself)."""
+    mods = []
+    if "diffusers" in sys.modules:
+        from fp4vis.patching import wan
+        mods.append(wan)
+    if "timm" in sys.modules:
+        from fp4vis.patching import timm_vit
+        mods.append(timm_vit)
+    if "transformers" in sys.modules:
+        from fp4vis.patching import hf_vit
+        mods.append(hf_vit)
+    return mods
+
+
+_DENOISER_COMPONENTS = ("transformer", "transformer_2", "unet")
+
+
+def roots(obj: Any) -> list[tuple[str, torch.nn.Module]]:
+    """(component name, module) pairs to search: a module itself, or a pipeline's denoisers."""
+    if isinstance(obj, torch.nn.Module):
+        return [("", obj)]
+    comps = getattr(obj, "components", None)
+    if isinstance(comps, Mapping):
+        roots = [(n, m) for n, m in comps.items() if n in _DENOISER_COMPONENTS and isinstance(m, torch.nn.Module)]
+        if roots:
+            return roots
+        raise TypeError(f"fp4vis.patch: pipeline {type(obj).__name__} has no denoiser component "
+                        f"({', '.join(_DENOISER_COMPONENTS)}) holding a torch module")
+    raise TypeError(f"fp4vis.patch: expected a torch.nn.Module or a diffusers pipeline, got {type(obj).__name__}")
+
+
+def _looks_like_attention(module: torch.nn.Module) -> bool:
+    n = type(module).__name__
+    return (n.endswith(("Attention", "Attn", "SelfAttention")) or "Attention" in n) and not n.endswith(
+        ("Processor", "Output", "Pooling"))
+
+
+def find_layers(obj: Any, *, cross_attention: bool = False, decoder: bool = False) -> tuple[
+        list[LayerSpec], list[tuple[str, str]]]:
+    """All reachable attention layers of a model or pipeline, and the unsupported attention-like
+    modules found next to them as (name, class) pairs."""
+    specs: list[LayerSpec] = []
+    unsupported: list[tuple[str, str]] = []
+    mods = patcher_modules()
+    for comp, root in roots(obj):
+        found: list[LayerSpec] = []
+        for pm in mods:
+            found.extend(pm.find_layers(root, cross_attention=cross_attention, decoder=decoder))
+        reached = {id(s.module) for s in found}
+        for s in found:
+            s.component = comp
+            s.local_name = s.name
+            s.name = f"{comp}.{s.name}" if comp else s.name
+        specs.extend(found)
+        for name, m in root.named_modules():
+            if id(m) in reached or not _looks_like_attention(m):
+                continue
+            if any(id(c) in reached for c in m.modules()):
+                continue  # a container of supported layers (e.g. a transformers ViTAttention parent)
+            if any(pm.is_known_non_attention(m) for pm in mods):
+                continue
+            unsupported.append((f"{comp}.{name}" if comp else name, type(m).__qualname__))
+    return specs, unsupported
+
+
+def select_layers(specs: list[LayerSpec], key: Any) -> list[LayerSpec]:
+    if isinstance(key, bool):
+        raise TypeError(f"layers: key {key!r} must be a layer index (int) or a name pattern (str)")
+    if isinstance(key, int):
+        return [s for s in specs if s.default and s.index == key]
+    if isinstance(key, str):
+        return [s for s in specs if fnmatch.fnmatchcase(s.name, key) or (
+            s.local_name != s.name and fnmatch.fnmatchcase(s.local_name, key))]
+    raise TypeError(f"layers: key {key!r} must be a layer index (int) or a name pattern (str)")
+
+
+def model_id(obj: Any) -> str:
+    cfg = getattr(obj, "config", None)
+    v = cfg.get("_name_or_path") if isinstance(cfg, Mapping) else getattr(cfg, "_name_or_path", None)
+    if isinstance(v, str) and v:
+        return v
+    cfg = getattr(obj, "pretrained_cfg", None)
+    if isinstance(cfg, Mapping):
+        for key in ("hf_hub_id", "architecture", "file"):
+            if cfg.get(key):
+                return str(cfg[key])
+    return type(obj).__name__

@@ -1,0 +1,494 @@
+"""Guard calibration (docs/numerics.md sections 2 and 4): which layers need the anchored guard policy.
+
+**The statistic.** For every attention layer, on real forwards, fp4vis records the logits in the
+log2 domain, ``z·log2(e)`` with ``z = q·k·scale`` (computed in FP32 from the layer's q and k, before
+FP4 quantization):
+
+* ``sampled_max_log2``: the largest logit against the *sampled* keys, the docs/numerics.md section 4 anchor
+  positions ``round(linspace(0, S-1, n))`` (n = 128, the guard's anchor count; n = the policy's
+  own anchor count for anchored base policies), maximised over rows, heads, batch and inputs;
+* ``full_max_log2``: the same over all keys (optional, ``full=True``);
+* ``anchor_gap_log2``: the largest per-row gap ``max_all_keys − max_sampled_keys`` (recorded with
+  ``full=True``; the statistic for anchored base policies).
+
+**The range limit.** With the row reference ``m = 0`` (``fast``, ``wan_fast``) a P block's exponent
+``e = floor(g + 1 − log2 1.5)`` is representable up to 127, i.e. a block whose largest logit
+``g = z·log2(e)`` reaches about 127 saturates (fp4vis.attention then raises RangeExceededError).
+So ``limit = 127``. For an anchored base policy the row reference is the anchor maximum plus the
+margin, ``M·scale`` binary exponents in the code's units (``M`` in the paper's), so the limit is
+``127 + margin_log2`` and what approaches it is the anchor gap.
+
+**The decision rule** (:class:`GuardRule`, recorded in every plan): guard a layer when its value
+(``sampled_max_log2`` by default, ``full_max_log2`` with ``statistic="full"``, ``anchor_gap_log2``
+for anchored base policies) reaches ``threshold``, by default ``fraction · limit`` with
+``fraction = 0.75`` (95.25 for ``fast``: logits ``z ≥ 66``). Rationale: the sampled maximum is a
+lower bound of the true maximum, so the rule keeps a quarter of the range as headroom; the
+published reference points are far on either side (Wan2.1-14B's guarded layers reached z ≈ 560–1080
+— about 800–1560 in log2 units — while ordinary layers stay below about 60, and ViT / MAE layers
+need no guard). Change it with ``threshold=`` (absolute, log2 units), ``fraction=`` or
+``statistic=``; ``GuardPlan.redecide(...)`` re-applies another rule to recorded statistics.
+
+**The plan** (:class:`GuardPlan`) is versioned JSON: format, version, model id, base policy, guard
+policy (its fields), the rule, per-layer statistics (value, limit, headroom, fraction of the limit)
+and the guarded layers. ``fp4vis.patch(model, guard=plan_or_path)`` applies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp4vis.layout import LOG2E, anchor_indices
+from fp4vis.policy import Policy, get_policy, guard_policy_for_heads
+
+from .discovery import find_layers, select_layers
+from .discovery import model_id as discovered_model_id
+from .handle import install
+from .layer import resolve_policy
+
+FORMAT = "fp4vis.guard_plan"
+VERSION = 1
+#: largest representable P block exponent relative to the row reference (docs/numerics.md section 2)
+EXP_LIMIT = 127.0
+GUARD_ANCHORS = 128
+_FULL_CHUNK = 1 << 22
+
+__all__ = ["GuardPlan", "GuardRule", "LayerStats", "AutoGuard", "calibrate", "logit_stats", "policy_limit"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the statistic
+
+
+def _bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "bhsd" else t.transpose(1, 2)
+
+
+@torch.no_grad()
+def logit_stats(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *, layout: str = "bhsd",
+                n_samples: int = GUARD_ANCHORS, full: bool = False) -> dict[str, float]:
+    """Logit statistics of one attention call in log2 units (module docstring).
+
+    Returns ``sampled_max_log2`` and, with ``full=True``, ``full_max_log2`` and ``anchor_gap_log2``.
+    """
+
+    qb, kb = _bhsd(q, layout).float(), _bhsd(k, layout).float()
+    if scale is None:
+        scale = qb.shape[-1] ** -0.5
+    s = float(scale) * LOG2E
+    skv = kb.shape[-2]
+    idx = anchor_indices(skv, n_samples, device=kb.device)
+    ks = kb.index_select(-2, idx)
+    sampled_rows = (qb @ ks.mT).amax(-1) * s                      # (B, H, Sq)
+    out = {"sampled_max_log2": float(sampled_rows.max())}
+    if full:
+        b, h, sq, _ = qb.shape
+        step = max(1, _FULL_CHUNK // max(1, b * h * skv))
+        full_rows = torch.cat([(qb[:, :, i:i + step] @ kb.mT).amax(-1) for i in range(0, sq, step)], dim=-1) * s
+        out["full_max_log2"] = float(full_rows.max())
+        out["anchor_gap_log2"] = float((full_rows - sampled_rows).max())
+    return out
+
+
+def margin_log2(policy: Policy, scale: float) -> float:
+    """The anchored row reference's margin above the anchor maximum, in binary exponents of P."""
+    if policy.anchor == 0:
+        return 0.0
+    return policy.margin * scale if policy.margin_units == "code" else float(policy.margin)
+
+
+def policy_limit(policy: Policy, scale: float) -> float:
+    """Largest tolerable value of the rule's statistic before P blocks saturate."""
+    return EXP_LIMIT + margin_log2(policy, scale)
+
+
+@dataclass
+class LayerStats:
+    """Recorded statistics of one attention layer (log2 units; None: not recorded)."""
+
+    name: str
+    index: int = -1
+    group: str = ""
+    num_heads: int = 0
+    head_dim: int = 0
+    scale: float = 0.0
+    calls: int = 0
+    sampled_max_log2: float = -math.inf
+    full_max_log2: float | None = None
+    anchor_gap_log2: float | None = None
+    # filled by the rule
+    value: float | None = None
+    limit: float | None = None
+    headroom: float | None = None
+    fraction_of_limit: float | None = None
+    guarded: bool = False
+
+    def update(self, stats: Mapping[str, float]) -> None:
+        self.calls += 1
+        self.sampled_max_log2 = max(self.sampled_max_log2, stats["sampled_max_log2"])
+        for key in ("full_max_log2", "anchor_gap_log2"):
+            if key in stats:
+                old = getattr(self, key)
+                setattr(self, key, stats[key] if old is None else max(old, stats[key]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_float(v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayerStats:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: _from_json_float(v) for k, v in d.items() if k in names})
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "inf" if v > 0 else "-inf" if v < 0 else "nan"
+    return v
+
+
+def _from_json_float(v: Any) -> Any:
+    if v in ("inf", "-inf", "nan"):
+        return float(v)
+    return v
+
+
+# ------------------------------------------------------------------------------------------------
+# the rule
+
+
+@dataclass(frozen=True)
+class GuardRule:
+    """Guard a layer when ``value >= threshold`` (module docstring).
+
+    Attributes:
+        statistic: ``"sampled"`` (the largest sampled logit, the published statistic) or ``"full"``
+            (the largest logit over all keys; calibration then computes every logit). Anchored base
+            policies always use the anchor gap (which needs the full logits).
+        fraction: threshold as a fraction of the policy's limit (used when ``threshold`` is None).
+        threshold: absolute threshold in log2 units (``z·log2(e)``), overriding ``fraction``.
+    """
+
+    statistic: str = "sampled"
+    fraction: float = 0.75
+    threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.statistic not in ("sampled", "full"):
+            raise ValueError(f"statistic: expected 'sampled' or 'full', got {self.statistic!r}")
+        if not (0 < self.fraction <= 1.5):
+            raise ValueError(f"fraction: expected a number in (0, 1.5], got {self.fraction!r}")
+        if self.threshold is not None and not math.isfinite(self.threshold):
+            raise ValueError(f"threshold: expected a finite number, got {self.threshold!r}")
+
+    def needs_full(self, policy: Policy) -> bool:
+        return self.statistic == "full" or policy.anchor > 0
+
+    def evaluate(self, st: LayerStats, policy: Policy) -> bool:
+        """Fill value/limit/headroom/fraction_of_limit/guarded of ``st``; return guarded."""
+        limit = policy_limit(policy, st.scale)
+        if policy.anchor > 0:
+            value = st.anchor_gap_log2
+        elif self.statistic == "full":
+            value = st.full_max_log2
+        else:
+            value = st.sampled_max_log2
+        if value is None:
+            raise ValueError(f"layer {st.name!r}: the rule needs {self.describe(policy)!r} statistics that "
+                             "were not recorded (calibrate with full=True)")
+        threshold = self.threshold if self.threshold is not None else self.fraction * limit
+        st.value, st.limit = value, limit
+        st.headroom = limit - value
+        st.fraction_of_limit = value / limit
+        st.guarded = bool(value >= threshold)
+        return st.guarded
+
+    def threshold_for(self, policy: Policy, scale: float) -> float:
+        return self.threshold if self.threshold is not None else self.fraction * policy_limit(policy, scale)
+
+    def describe(self, policy: Policy) -> str:
+        stat = ("anchor_gap_log2" if policy.anchor > 0 else
+                "full_max_log2" if self.statistic == "full" else "sampled_max_log2")
+        thr = (f"{self.threshold:g}" if self.threshold is not None
+               else f"{self.fraction:g} * limit")
+        lim = "127" if policy.anchor == 0 else "127 + margin_log2 (M*scale in code units, M in paper units)"
+        return f"guard when {stat} >= {thr}, limit = {lim}"
+
+    def to_dict(self, policy: Policy) -> dict[str, Any]:
+        return {"statistic": self.statistic, "fraction": self.fraction, "threshold": self.threshold,
+                "limit_log2": EXP_LIMIT if policy.anchor == 0 else None,
+                "description": self.describe(policy)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GuardRule:
+        return cls(statistic=d.get("statistic", "sampled"), fraction=d.get("fraction", 0.75),
+                   threshold=d.get("threshold"))
+
+
+def _make_rule(rule: GuardRule | None, threshold: float | None, fraction: float | None,
+               statistic: str | None) -> GuardRule:
+    rule = rule or GuardRule()
+    changes = {k: v for k, v in (("threshold", threshold), ("fraction", fraction), ("statistic", statistic))
+               if v is not None}
+    return dataclasses.replace(rule, **changes) if changes else rule
+
+
+# ------------------------------------------------------------------------------------------------
+# the plan
+
+
+def _policy_to_dict(p: Policy) -> dict[str, Any]:
+    return dataclasses.asdict(p)
+
+
+def _policy_from_dict(d: Mapping[str, Any] | str) -> Policy:
+    if isinstance(d, str):
+        return get_policy(d)
+    return Policy(**d)
+
+
+@dataclass
+class GuardPlan:
+    """A static per-layer guard plan (versioned JSON; module docstring)."""
+
+    model_id: str
+    policy: Policy
+    guard_policy: Policy
+    rule: GuardRule = field(default_factory=GuardRule)
+    stats: dict[str, LayerStats] = field(default_factory=dict)
+    guarded: list[str] = field(default_factory=list)
+    n_samples: int = GUARD_ANCHORS
+    num_inputs: int = 0
+    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(
+        timespec="seconds"))
+    version: int = VERSION
+
+    # -- decisions -------------------------------------------------------------------------------
+    def decide(self) -> list[str]:
+        """(Re)apply the rule to every layer's statistics; returns the guarded layer names."""
+        self.guarded = [name for name, st in self.stats.items() if self.rule.evaluate(st, self.policy)]
+        return list(self.guarded)
+
+    def redecide(self, rule: GuardRule | None = None, *, threshold: float | None = None,
+                 fraction: float | None = None, statistic: str | None = None) -> GuardPlan:
+        """A copy with another rule applied to the same statistics."""
+        new = GuardPlan.from_dict(self.to_dict())
+        new.rule = _make_rule(rule or self.rule, threshold, fraction, statistic)
+        new.decide()
+        return new
+
+    def match(self, specs: Iterable[Any]) -> list[Any]:
+        """The layer specs (fp4vis.patching.layer.LayerSpec) this plan guards; unknown names raise."""
+        specs = list(specs)
+        chosen, missing = [], []
+        for name in self.guarded:
+            hits = [s for s in specs if name in (s.name, s.local_name) or (
+                s.component == "" and name.split(".", 1)[-1] == s.name and "." in name)]
+            if not hits:
+                missing.append(name)
+            chosen.extend(h for h in hits if h not in chosen)
+        if missing:
+            raise ValueError(f"guard plan for {self.model_id!r} names layers this model does not have: "
+                             f"{', '.join(missing[:6])}; its layers are "
+                             f"{', '.join(s.name for s in specs[:8])}{' ...' if len(specs) > 8 else ''}")
+        return chosen
+
+    # -- JSON --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": self.version,
+            "model_id": self.model_id,
+            "created": self.created,
+            "policy": _policy_to_dict(self.policy),
+            "guard_policy": _policy_to_dict(self.guard_policy),
+            "rule": self.rule.to_dict(self.policy),
+            "n_samples": self.n_samples,
+            "num_inputs": self.num_inputs,
+            "statistic_units": "log2: z*log2(e), z = q.k*scale, FP32 from the layer's q and k",
+            "layers": {name: st.to_dict() for name, st in self.stats.items()},
+            "guarded": list(self.guarded),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GuardPlan:
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not an fp4vis guard plan (format {d.get('format')!r}, expected {FORMAT!r})")
+        version = d.get("version")
+        if not isinstance(version, int) or version > VERSION or version < 1:
+            raise ValueError(f"guard plan version {version!r} is not supported (this fp4vis reads "
+                             f"versions 1..{VERSION})")
+        return cls(model_id=d["model_id"], policy=_policy_from_dict(d["policy"]),
+                   guard_policy=_policy_from_dict(d["guard_policy"]), rule=GuardRule.from_dict(d["rule"]),
+                   stats={k: LayerStats.from_dict(v) for k, v in d.get("layers", {}).items()},
+                   guarded=list(d.get("guarded", [])), n_samples=int(d.get("n_samples", GUARD_ANCHORS)),
+                   num_inputs=int(d.get("num_inputs", 0)), created=d.get("created", ""), version=version)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> GuardPlan:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def summary(self) -> str:
+        lines = [f"guard plan for {self.model_id} (policy {self.policy.name}, guard {self.guard_policy.name}; "
+                 f"{self.rule.describe(self.policy)})"]
+        for name, st in self.stats.items():
+            lines.append(f"  {name}: value {st.value:.1f} / limit {st.limit:.1f}"
+                         f"{'  GUARDED' if st.guarded else ''}" if st.value is not None else f"  {name}: -")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration
+
+
+class _Recorder:
+    def __init__(self, policy: Policy, n_samples: int, full: bool):
+        self.policy, self.n_samples, self.full = policy, n_samples, full
+        self.stats: dict[str, LayerStats] = {}
+
+    def __call__(self, state, q, k, scale, layout) -> None:
+        qb = _bhsd(q, layout)
+        sc = float(scale) if scale is not None else qb.shape[-1] ** -0.5
+        st = self.stats.get(state.name)
+        if st is None:
+            st = self.stats[state.name] = LayerStats(state.name, index=state.index, group=state.group,
+                                                     num_heads=qb.shape[1], head_dim=qb.shape[-1], scale=sc)
+        st.update(logit_stats(q, k, sc, layout=layout, n_samples=self.n_samples, full=self.full))
+
+
+def _n_samples(policy: Policy) -> int:
+    return policy.anchor if policy.anchor > 0 else GUARD_ANCHORS
+
+
+def _as_inputs(inputs: Any) -> Iterable[Any]:
+    if isinstance(inputs, (torch.Tensor, Mapping)):
+        return [inputs]
+    return inputs  # iterated once, lazily (a DataLoader is fine)
+
+
+def _run(target: Any, item: Any) -> Any:
+    if isinstance(item, Mapping):
+        return target(**item)
+    if isinstance(item, (tuple, list)):
+        return target(*item)
+    return target(item)
+
+
+def calibrate(model: Any, inputs: Any, policy: str | Policy = "fast", *, rule: GuardRule | None = None,
+              threshold: float | None = None, fraction: float | None = None, statistic: str | None = None,
+              full: bool | None = None, guard_policy: Policy | str | None = None,
+              layers: Mapping | Iterable | None = None, cross_attention: bool = False, decoder: bool = False,
+              model_id: str | None = None, path: str | os.PathLike | None = None) -> GuardPlan:
+    """Record per-layer logit statistics on real forwards and decide which layers to guard.
+
+    The model runs its own exact attention during calibration (nothing is quantized); every
+    attention layer that ``fp4vis.patch`` would reach with the same ``layers`` / ``cross_attention``
+    / ``decoder`` options is recorded.
+
+    Args:
+        model: a model or pipeline (as for ``fp4vis.patch``).
+        inputs: an iterable of calibration inputs; each item is called as ``model(**item)`` (a dict),
+            ``model(*item)`` (a tuple/list) or ``model(item)``. A single dict or tensor is one input.
+        policy: the base policy the plan protects (the limit depends on it).
+        rule / threshold / fraction / statistic: the decision rule (:class:`GuardRule`).
+        full: also record the maxima over all keys (default: when the rule needs them).
+        guard_policy: the policy of guarded layers (default ``guard_policy_for_heads(heads)``).
+        layers: which layers to record besides the default ones: a ``layers`` mapping as for
+            ``patch`` (its keys select), or an iterable of indices / name patterns.
+        model_id: stored in the plan (default: the model's name_or_path or class name).
+        path: also save the plan there.
+    """
+
+    base = get_policy(policy)
+    if base.method != "direct_p":
+        raise ValueError(f"policy: calibration protects a Direct-P policy, got {base.name!r} ({base.method})")
+    rule = _make_rule(rule, threshold, fraction, statistic)
+    full = rule.needs_full(base) if full is None else bool(full)
+    if rule.needs_full(base) and not full:
+        raise ValueError("full=False, but the rule needs the maxima over all keys "
+                         f"({rule.describe(base)})")
+    specs, _ = find_layers(model, cross_attention=cross_attention, decoder=decoder)
+    if not specs:
+        raise NotImplementedError(f"fp4vis.calibrate: no supported attention layer in {type(model).__name__}")
+    chosen = {s.name for s in specs if s.default}
+    if layers is not None:
+        keys = layers.keys() if isinstance(layers, Mapping) else layers
+        for key in keys:
+            sel = select_layers(specs, key)
+            if not sel:
+                raise ValueError(f"layers: key {key!r} matches no attention layer")
+            if isinstance(layers, Mapping) and resolve_policy(layers[key]) is None:
+                chosen.difference_update(s.name for s in sel)
+            else:
+                chosen.update(s.name for s in sel)
+    recorder = _Recorder(base, _n_samples(base), full)
+    handle = install(model, specs, {}, backend="reference", strict=False, range_check="raise",
+                      recorder=recorder, record_names=chosen)
+    num_inputs = 0
+    try:
+        with torch.no_grad():
+            for item in _as_inputs(inputs):
+                _run(model, item)
+                num_inputs += 1
+    finally:
+        handle.remove()
+    if num_inputs == 0:
+        raise ValueError("inputs: no calibration inputs were given")
+    never = sorted(chosen - set(recorder.stats))
+    if never:
+        raise RuntimeError(f"fp4vis.calibrate: these layers were never called by the inputs: {', '.join(never[:6])}")
+    heads = max((st.num_heads for st in recorder.stats.values()), default=0)
+    gp = get_policy(guard_policy) if guard_policy is not None else guard_policy_for_heads(heads)
+    ordered = {s.name: recorder.stats[s.name] for s in specs if s.name in recorder.stats}
+    plan = GuardPlan(model_id=model_id or discovered_model_id(model), policy=base, guard_policy=gp, rule=rule,
+                     stats=ordered, n_samples=_n_samples(base), num_inputs=num_inputs)
+    plan.decide()
+    if path is not None:
+        plan.save(path)
+    return plan
+
+
+class AutoGuard:
+    """``patch(..., guard="auto")``: each Direct-P layer records the statistic on its first call,
+    the rule decides, and a guarded layer switches to the guard policy for that call and every
+    later one. ``plan`` (also ``handle.guard_plan``) collects the statistics and decisions."""
+
+    def __init__(self, rule: GuardRule | None = None, model_id: str = "", base_policy: Any = "fast",
+                 guard_policy: Policy | None = None):
+        self.rule = rule or GuardRule()
+        self.guard_policy = guard_policy
+        base = get_policy(base_policy) if base_policy is not None else get_policy("fast")
+        self.plan = GuardPlan(model_id=model_id, policy=base, guard_policy=guard_policy or get_policy("guard"),
+                              rule=self.rule, n_samples=_n_samples(base))
+
+    def decide(self, state, q, k, scale, layout) -> None:
+        base = state.policy
+        state.auto = None  # decide once, on the first call
+        if base is None or not base.is_direct_p:
+            return
+        qb = _bhsd(q, layout)
+        sc = float(scale) if scale is not None else qb.shape[-1] ** -0.5
+        if self.guard_policy is None:
+            self.guard_policy = guard_policy_for_heads(qb.shape[1])
+            self.plan.guard_policy = self.guard_policy
+        st = LayerStats(state.name, index=state.index, group=state.group, num_heads=qb.shape[1],
+                        head_dim=qb.shape[-1], scale=sc)
+        st.update(logit_stats(q, k, sc, layout=layout, n_samples=_n_samples(base), full=self.rule.needs_full(base)))
+        self.plan.stats[state.name] = st
+        self.plan.num_inputs = 1
+        if self.rule.evaluate(st, base):
+            self.plan.guarded.append(state.name)
+            state.policy = self.guard_policy

@@ -1,0 +1,157 @@
+"""The handle of a patch (``PatchHandle``: which layers, their states, ``remove()``), the one place
+that installs layer states through the patchers (``install``), and ``unpatch``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp4vis.policy import Policy
+
+from .discovery import patcher_modules, roots
+from .layer import STATE_ATTR, UNSET, LayerSpec, LayerState, resolve_policy
+
+
+@dataclass(eq=False)
+class _Installed:
+    spec: LayerSpec
+    state: LayerState
+    patcher: Any
+    token: Any = None
+
+
+@dataclass(eq=False)
+class PatchHandle:
+    """Result of :func:`patch`. ``handle.remove()`` restores every layer (idempotent); usable as a
+    context manager. ``handle.layers`` maps every reachable layer name to its LayerState (patched
+    layers) or None (left exact)."""
+
+    target: Any
+    backend: str
+    strict: bool
+    range_check: str
+    _installed: list[_Installed] = field(default_factory=list)
+    specs: list[LayerSpec] = field(default_factory=list)
+    guard_plan: Any = None
+    removed: bool = False
+
+    @property
+    def layers(self) -> dict[str, LayerState | None]:
+        by_name = {i.spec.name: i.state for i in self._installed}
+        return {s.name: by_name.get(s.name) for s in self.specs}
+
+    @property
+    def policies(self) -> dict[str, str | None]:
+        """layer name -> policy name of the patched layers (None: exact, not patched)."""
+        out = {}
+        for name, st in self.layers.items():
+            pol = st.active_policy() if st is not None else None
+            out[name] = pol.name if pol is not None else None
+        return out
+
+    @property
+    def states(self) -> list[LayerState]:
+        return [i.state for i in self._installed]
+
+    def set_override(self, policy: Any = UNSET) -> None:
+        """Run every patched layer with ``policy`` (None/"exact": the model's exact attention) until
+        ``clear_override()``; used by the per-step schedule. Layers left exact stay exact."""
+        pol = UNSET if policy is UNSET else resolve_policy(policy)
+        for st in self.states:
+            st.override = pol
+
+    def clear_override(self) -> None:
+        self.set_override(UNSET)
+
+    def remove(self) -> None:
+        if self.removed:
+            return
+        errors = []
+        for inst in reversed(self._installed):
+            try:
+                inst.patcher.uninstall(inst.spec, inst.state, inst.token)
+            except Exception as exc:  # noqa: BLE001 - restore the rest, then report
+                errors.append(f"{inst.spec.name}: {exc}")
+            if getattr(inst.spec.module, STATE_ATTR, None) is inst.state:
+                delattr(inst.spec.module, STATE_ATTR)
+        self._installed.clear()
+        self.removed = True
+        if errors:
+            raise RuntimeError("fp4vis: could not restore " + "; ".join(errors))
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def summary(self) -> str:
+        lines = [f"fp4vis patch of {type(self.target).__name__} (backend={self.backend})"]
+        for name, pol in self.policies.items():
+            lines.append(f"  {name}: {pol or 'exact'}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        n = sum(p is not None for p in self.policies.values())
+        return f"PatchHandle({type(self.target).__name__}, {n}/{len(self.specs)} layers patched" + (
+            ", removed)" if self.removed else ")")
+
+
+def install(target: Any, specs: list[LayerSpec], policies: Mapping[str, Policy | None], *, backend: str,
+             strict: bool, range_check: str, plan: Any = None, auto: Any = None,
+             recorder: Callable | None = None, record_names: Iterable[str] = ()) -> PatchHandle:
+    record_names = set(record_names)
+    chosen = [s for s in specs if policies.get(s.name) is not None or s.name in record_names]
+    already = [s.name for s in chosen if getattr(s.module, STATE_ATTR, None) is not None]
+    if already:
+        raise RuntimeError(f"fp4vis.patch: layers already patched: {', '.join(already[:6])}"
+                           f"{' ...' if len(already) > 6 else ''}; call handle.remove() or "
+                           "fp4vis.unpatch(model) first")
+    handle = PatchHandle(target=target, backend=backend, strict=strict, range_check=range_check,
+                         specs=specs, guard_plan=plan)
+    mods = {m.__name__.rsplit(".", 1)[-1]: m for m in patcher_modules()}
+    try:
+        for s in chosen:
+            pol = policies.get(s.name)
+            recording = s.name in record_names
+            st = LayerState(s, pol, backend=backend, range_check=range_check, strict=strict, handle=handle)
+            if recording:
+                st.recorder = recorder
+            if auto is not None and pol is not None and pol.is_direct_p:
+                st.auto = auto
+            patcher = mods[s.patcher]
+            setattr(s.module, STATE_ATTR, st)
+            inst = _Installed(s, st, patcher)
+            handle._installed.append(inst)
+            inst.token = patcher.install(s, st)
+    except BaseException:
+        handle.remove()
+        raise
+    if auto is not None:
+        handle.guard_plan = auto.plan
+    return handle
+
+
+def patched_states(obj: Any) -> list[LayerState]:
+    """The LayerStates currently installed anywhere in a model or pipeline."""
+    out = []
+    for _, root in roots(obj):
+        for m in root.modules():
+            st = getattr(m, STATE_ATTR, None)
+            if isinstance(st, LayerState):
+                out.append(st)
+    return out
+
+
+def unpatch(model_or_pipeline: Any) -> int:
+    """Remove every fp4vis patch from a model or pipeline (whichever handle installed it).
+    Returns the number of handles removed."""
+    handles = []
+    for st in patched_states(model_or_pipeline):
+        h = st.handle
+        if h is not None and all(h is not x for x in handles):
+            handles.append(h)
+    for h in handles:
+        h.remove()
+    return len(handles)

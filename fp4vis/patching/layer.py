@@ -1,0 +1,181 @@
+"""One patched attention layer: what a patcher reaches (``LayerSpec``), what the layer consults on
+every call (``LayerState``), and the rules for when it keeps the model's exact attention
+(``fallback_reason``: one ``FallbackWarning`` per layer and reason, ``FallbackError`` with
+``strict=True``). The patchers (``wan``, ``timm_vit``, ``hf_vit``) build on this module alone."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp4vis.backends import registry
+from fp4vis.policy import Policy, get_policy
+
+#: policy values that mean "keep the model's own exact attention"
+EXACT_NAMES = ("exact", "bf16", "none")
+#: the attribute of a patched module that holds its LayerState
+STATE_ATTR = "_fp4vis_state"
+
+
+class FallbackWarning(UserWarning):
+    """A patched layer keeps exact attention for a reason named in the message."""
+
+
+class FallbackError(RuntimeError):
+    """Raised instead of :class:`FallbackWarning` when ``strict=True``."""
+
+
+@dataclass(eq=False)
+class LayerSpec:
+    """One attention layer a patcher can reach."""
+
+    name: str               # qualified name relative to the object given to patch()
+    module: torch.nn.Module
+    index: int              # position within its stack (the block index)
+    group: str              # "self" | "cross" (Wan), "encoder" | "decoder" (MAE), "attn" (timm, ViT)
+    default: bool           # patched by the base policy without being named
+    patcher: str            # "wan" | "timm_vit" | "hf_vit"
+    num_heads: int
+    head_dim: int
+    component: str = ""     # pipeline component ("transformer", "transformer_2") or ""
+    local_name: str = ""    # name inside its component
+
+
+def resolve_policy(value: Any) -> Policy | None:
+    """A ``layers`` value or base policy -> Policy, or None for the model's own exact attention."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lower() in EXACT_NAMES:
+        return None
+    pol = get_policy(value)
+    return None if pol.method == "exact" else pol
+
+
+UNSET = object()  # "no override" (None already means exact attention)
+
+
+class LayerState:
+    """What a patched layer consults on every call. Patchers call :meth:`select` with the layer's
+    q, k, v and then either :meth:`attention` (a Policy came back) or their exact path (None)."""
+
+    def __init__(self, spec: LayerSpec, policy: Policy | None, *, backend: str, range_check: str,
+                 strict: bool, handle: Any):
+        self.name = spec.name
+        self.index = spec.index
+        self.group = spec.group
+        self.policy = policy
+        self.backend = backend
+        self.range_check = range_check
+        self.strict = strict
+        self.override: Any = UNSET       # a per-step override: Policy, None (exact) or UNSET
+        self.recorder: Callable | None = None   # calibration: recorder(state, q, k, scale, layout)
+        self.auto: Any = None             # guard="auto": an object with .decide(state, q, k, scale, layout)
+        self.warned: set[str] = set()
+        self.calls = 0                    # FP4 calls (for tests and summaries)
+        self.fallbacks = 0
+        # a strong reference: the patched module keeps its handle alive, so that unpatch(model)
+        # finds it even when the caller dropped the handle
+        self.handle = handle
+
+    def active_policy(self) -> Policy | None:
+        return self.policy if self.override is UNSET else self.override
+
+    def needs_qkv(self) -> bool:
+        """False when the layer would run the model's exact attention untouched."""
+        return self.active_policy() is not None or self.recorder is not None or self.auto is not None
+
+    def select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bhsd",
+               scale: float | None = None, mask: Any = None, dropout_p: float = 0.0,
+               is_causal: bool = False, extra_reason: str | None = None) -> Policy | None:
+        """Record calibration statistics, then return the policy for this call or None (exact)."""
+        if self.recorder is not None:
+            self.recorder(self, q, k, scale, layout)
+        if self.auto is not None:
+            self.auto.decide(self, q, k, scale, layout)
+        pol = self.active_policy()
+        if pol is None:
+            return None
+        reason = extra_reason or fallback_reason(q, k, v, pol, layout=layout, scale=scale, mask=mask,
+                                                 dropout_p=dropout_p, is_causal=is_causal,
+                                                 backend=self.backend)
+        if reason is not None:
+            self.fallback(reason)
+            return None
+        return pol
+
+    def fallback(self, reason: str) -> None:
+        msg = f"fp4vis: layer {self.name!r} keeps exact attention: {reason}"
+        if self.strict:
+            raise FallbackError(msg + " (strict=True)")
+        self.fallbacks += 1
+        if reason not in self.warned:
+            self.warned.add(reason)
+            warnings.warn(msg, FallbackWarning, stacklevel=3)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *,
+                  layout: str = "bhsd", scale: float | None = None) -> torch.Tensor:
+        from fp4vis.attention import attention as fp4_attention
+        self.calls += 1
+        return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
+                             range_check=self.range_check)
+
+    def __repr__(self) -> str:
+        pol = self.active_policy()
+        return f"LayerState({self.name!r}, index={self.index}, policy={pol.name if pol else 'exact'})"
+
+
+def _to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "bhsd" else t.transpose(1, 2)
+
+
+def fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *, layout: str,
+                    scale: float | None, mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+                    backend: str = "auto") -> str | None:
+    """Why fp4vis cannot compute this call (None when it can)."""
+    if mask is not None:
+        return "attention mask given (fp4vis.attention takes no mask)"
+    if is_causal:
+        return "causal attention (fp4vis.attention is non-causal)"
+    if dropout_p and dropout_p > 0:
+        return f"attention dropout p={dropout_p:g} in training mode"
+    qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
+    if qb.shape[1] != kb.shape[1] or kb.shape[1] != vb.shape[1]:
+        return (f"grouped-query attention ({qb.shape[1]} query heads, {kb.shape[1]} key heads, "
+                f"{vb.shape[1]} value heads)")
+    if qb.shape[-1] != kb.shape[-1]:
+        return f"query and key head dims differ (q {qb.shape[-1]}, k {kb.shape[-1]})"
+    if any(t.dtype not in (torch.float16, torch.bfloat16, torch.float32) or t.dtype != q.dtype for t in (q, k, v)):
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (fp4vis takes one of float16, bfloat16, float32)"
+    if policy.is_direct_p or policy.method == "nv_fp8":
+        return backend_reason(qb, kb, vb, policy, scale, backend)
+    return None
+
+
+def backend_reason(q, k, v, policy, scale, backend: str) -> str | None:
+    """Ask the backend registry whether the backend can run these bhsd tensors.
+
+    An explicit backend must support the call. With ``"auto"`` the question goes to the kernel that
+    ``fp4vis.backends.registry`` would pick for this GPU: when that kernel lacks the call (a head dim, a
+    dtype), the layer keeps exact attention rather than dropping to the slow reference emulation.
+    Without a kernel for the device (CPU, other GPUs) auto means the reference, which runs anything.
+    """
+    if backend == "auto":
+        name = registry.kernel_backend_name(q.device)
+        if name is None or registry.get_backend(name) is None:
+            return None  # the dispatcher uses the reference and says so
+    else:
+        name = backend
+    try:
+        be = registry.get_backend(name)
+    except Exception as exc:  # noqa: BLE001 - report any lookup problem as the reason
+        return f"backend {name!r} unavailable ({exc})"
+    if be is None:
+        return f"backend {name!r} unavailable"
+    try:
+        return be.unsupported_reason(q, k, v, policy, scale if scale is not None else q.shape[-1] ** -0.5)
+    except Exception as exc:  # noqa: BLE001
+        return f"backend {name!r} cannot check these inputs ({exc})"

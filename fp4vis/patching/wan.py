@@ -1,0 +1,235 @@
+"""diffusers Wan2.1 / Wan2.2 (``WanAttention``): an attention processor, the diffusers way.
+
+``fp4vis.patch`` installs one :class:`FP4WanAttnProcessor` per patched layer with
+``attn.set_processor`` and restores the previous processor object on ``remove()``. The processor
+computes q, k, v exactly as diffusers' ``WanAttnProcessor`` does (projections, RMS norms, rotary
+embedding, the I2V image branch) and hands them to ``fp4vis.attention`` (layout ``bshd``); when the
+layer runs exact attention (its policy, a per-step override, or a fallback) it calls the original
+processor, or diffusers' ``dispatch_attention_fn`` with the original's backend settings.
+
+Layers: ``attn1`` (self-attention, group ``"self"``) of every block is a default layer; ``attn2``
+(cross-attention, group ``"cross"``) only with ``cross_attention=True`` or a name pattern such as
+``"*attn2"``. The layer index is the block index.
+
+Per-step policies: :class:`StepPolicyCallback` (``callback_on_step_end``), e.g. exact attention on
+the first and last denoising steps::
+
+    handle = fp4vis.patch(pipe, "wan_fast")
+    cb = exact_steps(handle, steps=(0, -1))
+    video = pipe(prompt_embeds=..., num_inference_steps=30, callback_on_step_end=cb).frames
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from diffusers.callbacks import PipelineCallback
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import (
+    WanAttention,
+    WanAttnProcessor,
+    _get_added_kv_projections,
+    _get_qkv_projections,
+)
+
+from .layer import LayerSpec, LayerState, resolve_policy
+
+__all__ = ["FP4WanAttnProcessor", "StepPolicyCallback", "exact_steps", "find_layers", "install", "uninstall"]
+
+TEXT_CONTEXT = 512  # diffusers' WanAttnProcessor: "the context length of the text encoder, hardcoded"
+
+
+def _index(name: str, counters: dict[str, int], group: str) -> int:
+    nums = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", name)
+    if nums:
+        return int(nums[-1])
+    i = counters.get(group, 0)
+    counters[group] = i + 1
+    return i
+
+
+def find_layers(root: torch.nn.Module, *, cross_attention: bool = False, decoder: bool = False) -> list[LayerSpec]:
+    specs, counters = [], {}
+    for name, m in root.named_modules():
+        if not isinstance(m, WanAttention):
+            continue
+        proc = m.processor
+        if isinstance(proc, FP4WanAttnProcessor):
+            proc = proc.original
+        if type(proc) is not WanAttnProcessor:
+            continue  # a processor fp4vis does not reproduce; reported as unsupported
+        group = "cross" if m.is_cross_attention else "self"
+        specs.append(LayerSpec(name=name, module=m, index=_index(name, counters, group), group=group,
+                               default=group == "self" or cross_attention, patcher="wan",
+                               num_heads=m.heads, head_dim=m.inner_dim // m.heads))
+    return specs
+
+
+def is_known_non_attention(module: torch.nn.Module) -> bool:
+    # The Wan VAE's attention blocks and the text encoder are not denoiser attention layers.
+    return type(module).__module__.startswith("diffusers.models.autoencoders")
+
+
+def install(spec: LayerSpec, state: LayerState) -> Any:
+    attn = spec.module
+    original = attn.processor
+    if isinstance(original, FP4WanAttnProcessor):
+        raise RuntimeError(f"layer {spec.name!r} already has an fp4vis processor")
+    attn.set_processor(FP4WanAttnProcessor(state, original))
+    return original
+
+
+def uninstall(spec: LayerSpec, state: LayerState, original: Any) -> None:
+    attn = spec.module
+    current = attn.processor
+    if isinstance(current, FP4WanAttnProcessor) and current.state is state:
+        attn.set_processor(original)
+
+
+def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor):
+    # as in diffusers 0.42 WanAttnProcessor
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+class FP4WanAttnProcessor:
+    """Attention processor of one patched ``WanAttention``: fp4vis attention with the layer's
+    policy, everything else as diffusers' ``WanAttnProcessor``. ``original`` is the processor it
+    replaced (restored by ``remove()``, used for exact attention)."""
+
+    def __init__(self, state: LayerState, original: Any):
+        self.state = state
+        self.original = original
+
+    # set_attention_backend / context-parallel settings land on the original processor
+    @property
+    def _attention_backend(self):
+        return getattr(self.original, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, value):
+        self.original._attention_backend = value
+
+    @property
+    def _parallel_config(self):
+        return getattr(self.original, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, value):
+        self.original._parallel_config = value
+
+    def _attend(self, query, key, value, *, parallel_config) -> torch.Tensor:
+        st = self.state
+        reason = "context parallelism (diffusers parallel_config)" if parallel_config is not None else None
+        pol = st.select(query, key, value, layout="bshd", scale=None, extra_reason=reason)
+        if pol is None:
+            return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         backend=self._attention_backend, parallel_config=parallel_config)
+        return st.attention(query, key, value, pol, layout="bshd")
+
+    def __call__(self, attn: WanAttention, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+        st = self.state
+        if not st.needs_qkv() or attention_mask is not None or kwargs:
+            if st.active_policy() is not None:
+                st.fallback("attention mask given" if attention_mask is not None
+                            else f"unexpected processor arguments {sorted(kwargs)}")
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+
+        encoder_hidden_states_img = None
+        if attn.add_k_proj is not None:
+            image_context_length = encoder_hidden_states.shape[1] - TEXT_CONTEXT
+            encoder_hidden_states_img = encoder_hidden_states[:, :image_context_length]
+            encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _apply_rotary_emb(query, *rotary_emb)
+            key = _apply_rotary_emb(key, *rotary_emb)
+
+        hidden_states_img = None
+        if encoder_hidden_states_img is not None:
+            key_img, value_img = _get_added_kv_projections(attn, encoder_hidden_states_img)
+            key_img = attn.norm_added_k(key_img)
+            key_img = key_img.unflatten(2, (attn.heads, -1))
+            value_img = value_img.unflatten(2, (attn.heads, -1))
+            hidden_states_img = self._attend(query, key_img, value_img, parallel_config=None)
+            hidden_states_img = hidden_states_img.flatten(2, 3).type_as(query)
+
+        parallel_config = self._parallel_config if encoder_hidden_states is None else None
+        hidden_states = self._attend(query, key, value, parallel_config=parallel_config)
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        if hidden_states_img is not None:
+            hidden_states = hidden_states + hidden_states_img
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        return hidden_states
+
+    def __repr__(self) -> str:
+        return f"FP4WanAttnProcessor({self.state!r})"
+
+
+class StepPolicyCallback(PipelineCallback):
+    """A ``callback_on_step_end`` that switches every layer of a patch handle per denoising step.
+
+    ``schedule`` maps step indices (negative: from the end, e.g. -1 the last step) to a policy
+    (None / "exact" / "bf16": the model's exact attention; a name or Policy: that policy on every
+    patched layer). Steps not in the schedule run the handle's per-layer policies. The pipeline
+    calls the callback at the end of step i, so it arms step i+1; step 0 is armed when the callback
+    is built and again after the last step (ready for the next run; ``reset()`` re-arms it by
+    hand, e.g. after an interrupted run). Negative indices for step 0 need ``num_inference_steps``.
+    Combine with other callbacks through ``diffusers.callbacks.MultiPipelineCallbacks``.
+    """
+
+    tensor_inputs: list[str] = []
+
+    def __init__(self, handle: Any, schedule: Mapping[int, Any], num_inference_steps: int | None = None):
+        super().__init__(cutoff_step_ratio=1.0)
+        self.handle = handle
+        self.schedule = {int(k): resolve_policy(v) for k, v in schedule.items()}
+        self.num_inference_steps = num_inference_steps
+        self.history: list[tuple[int, str]] = []   # (step armed, policy name or "exact"/"layers")
+        self.reset()
+
+    def _arm(self, step: int, n: int | None) -> None:
+        hits = [pol for k, pol in self.schedule.items() if (k if k >= 0 else (n + k if n else None)) == step]
+        if not hits:
+            self.handle.clear_override()
+            self.history.append((step, "layers"))
+        else:
+            chosen = hits[-1]
+            self.handle.set_override(chosen)
+            self.history.append((step, chosen.name if chosen is not None else "exact"))
+
+    def reset(self) -> None:
+        self._arm(0, self.num_inference_steps)
+
+    def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+        n = getattr(pipeline, "num_timesteps", None) or self.num_inference_steps
+        nxt = step_index + 1
+        if n is not None and nxt >= n:
+            self.num_inference_steps = n
+            self._arm(0, n)
+        else:
+            self._arm(nxt, n)
+        return callback_kwargs
+
+
+def exact_steps(handle: Any, steps: Iterable[int] = (0, -1), num_inference_steps: int | None = None
+                ) -> StepPolicyCallback:
+    """A :class:`StepPolicyCallback` running exact attention on ``steps`` (default: first and last)."""
+    return StepPolicyCallback(handle, {int(s): None for s in steps}, num_inference_steps=num_inference_steps)

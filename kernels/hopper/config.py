@@ -1,0 +1,160 @@
+"""Static configuration of the Hopper Direct-P kernel: tuning constants in one place and
+``DirectPConfig``, the compile-time description of one kernel variant (its ``key()`` names the
+compiled kernel in the backend's cache). Importable without CuTe DSL.
+
+Defaults that ``DirectPConfig.make`` takes from the environment (``FP4VIS_HOPPER_*``,
+``fp4vis.config``) are read when a configuration is made; the backend caches configurations
+(``backend.kernel_config``), so they take effect at the first call of a process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp4vis.config import setting
+from fp4vis.layout import KEY_BLOCK
+
+# ------------------------------------------------------------------------------------------------
+# Tuning constants (one place)
+# ------------------------------------------------------------------------------------------------
+TILE_M_PER_WG = 64      # query rows per consumer warpgroup (one WGMMA M)
+NUM_MMA_WG = 2          # default consumer warpgroups per CTA (DirectPConfig.num_wg: 2, 3 with 64-key tiles, 1 serial)
+TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 64 also supported
+KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
+REGS_PRODUCER = 24
+REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
+# Short sequences (DirectPConfig.ctas_per_sm = 2: one serial consumer warpgroup per CTA, two CTAs per SM):
+# one CTA's prologue (barrier init, Q/K/V TMA latency) and epilogue run under the other's tiles, and a
+# grid too small to fill the GPU with 128-row CTAs fills twice as many SMs.
+# 64K registers per SM / (2 CTAs x 256 threads) = 128 per thread at launch; setmaxnreg moves 104 from the
+# producer to the consumer (24 + 232 = 2 x 128, multiples of 8).
+REGS_2CTA = (24, 232)                 # (producer, consumer) registers per thread
+SMEM_2CTA = 113 * 1024                # per CTA: 228 KB per SM, less the 1 KB reserved per CTA, halved
+DP_BLOCK = KEY_BLOCK    # Direct-P block: 32 consecutive keys (docs/numerics.md section 2)
+# Schedules of the consumer warpgroups (DirectPConfig.schedule):
+#   "pingpong": each warpgroup issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T back to back, then hands
+#               the tensor cores to the other warpgroup (named barriers) and runs Direct-P on S_j while
+#               the other one's matrix products run (FA3-style ping-pong; no extra registers);
+#   "serial":   S_j, Direct-P, PV_j in order per warpgroup; the two warpgroups interleave freely;
+#   "overlap":  64-key tiles, S_{j+1} issued before Direct-P of S_j (two score buffers).
+SCHEDULES = ("pingpong", "serial", "overlap")
+# P path: "packed" rounds in FP32, then saturates, scales by alpha' and sums the codes on BF16 pairs;
+# "packed_alu" the same with the rounding constant made on the integer ALU (the previous default);
+# (exact: see DirectPAttentionSm90.direct_p); "scalar" does every step in FP32.
+# Timing only (wrong results), to place time inside the kernel by leaving stages out (the device
+# notes' method where counters cannot): "none" P = 1, no Direct-P; "timing_scales" the block
+# scales (maxima, shuffles, exponents) but P = 1; "timing_codes" the codes with fixed block scales.
+P_PATHS = ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")
+# Block constants (DirectPConfig.block_scales): the four threads of a quad hold parts of the same
+# eight (row, 32-key block) pairs of a 128-key tile. "lane": each thread computes the exponent and
+# constants of all eight (the same values four times); "quad": thread q of the quad computes those of
+# block q (both rows) and shuffles them to the others (the same bits, fewer instructions per tile).
+BLOCK_SCALES_MODES = ("quad", "lane")
+BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
+# DirectPConfig.eighths: the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
+EIGHTHS_LOG2 = 3
+
+
+
+@dataclass(frozen=True)
+class DirectPConfig:
+    """Static (compile-time) configuration of one kernel variant."""
+
+    head_dim: int = 128
+    out_dtype: str = "bf16"          # "bf16" | "fp16"
+    affine_a: float = 1.5
+    affine_b: float = 1.2
+    shift: int = 16                  # L
+    native_exp2: bool = False
+    anchor: int = 0                  # 0: m_i = 0; else the first `anchor` keys are the anchors
+    schedule: str = "pingpong"       # see SCHEDULES
+    tile_n: int = TILE_N             # keys per tile: 128, or 64 (what the overlapped schedule fits)
+    p_path: str = "packed"           # see P_PATHS
+    num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3 needs 64-key tiles
+    code_rounding: str = "exact"     # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
+    qk_fp8: bool = False             # Policy.qk_format "fp8_e4m3": FP8 Q/K with power-of-two row/block scales
+    block_scales: str = "quad"       # see BLOCK_SCALES_MODES ("quad" needs 128-key tiles)
+    ctas_per_sm: int = 1             # 2: the short-sequence variant (num_wg 1, serial; REGS_2CTA, SMEM_2CTA)
+    eighths: bool = True             # affine codes as q/8 (EIGHTHS_LOG2; only where shift >= 3)
+
+    @property
+    def overlap(self) -> bool:
+        return self.schedule == "overlap"
+
+    def key(self) -> tuple:
+        return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
+                self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
+                self.code_rounding, self.qk_fp8, self.block_scales, self.ctas_per_sm, self.eighths)
+
+    @staticmethod
+    def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
+             anchor: int, schedule: str | None = None, tile_n: int | None = None,
+             p_path: str | None = None, num_wg: int | None = None,
+             code_rounding: str = "exact", qk_fp8: bool = False,
+             block_scales: str | None = None, ctas_per_sm: int | None = None) -> DirectPConfig:
+        """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
+        tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
+        tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule.
+        ``ctas_per_sm=2`` (short sequences) fills in its schedule ("serial") and num_wg (1) where they
+        are not given, and refuses others."""
+        ctas_per_sm = ctas_per_sm or 1
+        if ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm: 1 or 2, got {ctas_per_sm!r}")
+        if ctas_per_sm == 2:
+            schedule, num_wg = schedule or "serial", num_wg or 1
+            if schedule != "serial" or num_wg != 1:
+                raise ValueError(f"ctas_per_sm = 2 needs num_wg = 1 and schedule 'serial' (two CTAs share the "
+                                 f"SM's registers), got num_wg {num_wg} and schedule {schedule!r}")
+        default_schedule = setting("FP4VIS_HOPPER_SCHEDULE")
+        schedule = schedule or default_schedule
+        p_path = p_path or setting("FP4VIS_HOPPER_P_PATH")
+        eighths = setting("FP4VIS_HOPPER_EIGHTHS") and shift >= EIGHTHS_LOG2
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: one of {SCHEDULES}, got {schedule!r}")
+        if p_path not in P_PATHS:
+            raise ValueError(f"p_path: one of {P_PATHS}, got {p_path!r}")
+        if schedule == "overlap" and anchor > 64:
+            schedule = default_schedule if default_schedule != "overlap" else "pingpong"
+        if code_rounding not in ("exact", "bf16"):
+            raise ValueError(f"code_rounding: 'exact' or 'bf16', got {code_rounding!r}")
+        if code_rounding == "bf16" and not eighths:
+            raise ValueError(f"code_rounding='bf16' needs the shift L >= {EIGHTHS_LOG2} (codes computed as q/8)")
+        if qk_fp8 and anchor > 0:
+            raise ValueError("qk_fp8 with anchors is not implemented: the anchor maximum would have to "
+                             "be taken over rescaled scores")
+        num_wg = num_wg or NUM_MMA_WG
+        if num_wg not in REGS_CONSUMER:
+            raise ValueError(f"num_wg: one of {tuple(REGS_CONSUMER)}, got {num_wg!r}")
+        if num_wg == 1 and schedule == "pingpong":
+            raise ValueError("num_wg = 1 has no partner warpgroup to ping-pong with: use schedule 'serial' "
+                             "(a measurement variant: Direct-P of one warpgroup with no other to share the SM)")
+        if num_wg == 3 and anchor > 64:
+            num_wg = 2     # three warpgroups need 64-key tiles, which hold at most 64 anchors
+        if tile_n is None:
+            tile_n = 64 if schedule == "overlap" or num_wg == 3 else 128
+        if num_wg == 3 and (tile_n != 64 or schedule == "overlap"):
+            raise ValueError("num_wg = 3 needs tile_n = 64 and the pingpong or serial schedule "
+                             "(registers: 160 per consumer thread)")
+        if schedule == "overlap" and tile_n != 64:
+            raise ValueError("schedule 'overlap' needs tile_n = 64")
+        block_scales = block_scales or setting("FP4VIS_HOPPER_BLOCK_SCALES")
+        if block_scales not in BLOCK_SCALES_MODES:
+            raise ValueError(f"block_scales: one of {BLOCK_SCALES_MODES}, got {block_scales!r}")
+        if tile_n != 128 or p_path in ("none", "timing_codes"):
+            block_scales = "lane"   # a quad shares four blocks only in 128-key tiles; no scales to share
+        return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
+                             affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
+                             anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path, num_wg=num_wg,
+                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8), block_scales=block_scales,
+                             ctas_per_sm=ctas_per_sm, eighths=eighths)
+
+    @staticmethod
+    def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,
+                    tile_n: int | None = None, p_path: str | None = None,
+                    num_wg: int | None = None, block_scales: str | None = None,
+                    ctas_per_sm: int | None = None) -> DirectPConfig:
+        return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
+                                  policy.native_exp2, policy.anchor, schedule, tile_n, p_path, num_wg,
+                                  policy.code_rounding, policy.qk_fp8, block_scales, ctas_per_sm)
+
+

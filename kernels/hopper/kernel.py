@@ -1,0 +1,788 @@
+"""Direct-P FP4 attention forward for Hopper (sm_90a), written in CuTe DSL.
+
+What the kernel consumes (produced by ``prepass.py``):
+
+* ``q``, ``k``: the *decoded* NVFP4 operands Q-hat and K-hat, stored as BF16 (a decoded NVFP4 value
+  has at most 6 significant bits, so BF16 holds it exactly), SDPA layout (B, H, S, D) contiguous.
+  For the anchored policies K-hat (and V-hat) are already anchor-permuted: the anchor samples sit
+  at physical key positions 0..n-1.
+* ``v``: the MXFP4 value operand as ``alpha * c`` in BF16 (exact; the two factors 1/6 of P-tilde
+  and V-hat are applied once, at the end).
+* With ``qk_fp8`` (policy ``fast_fp8qk``, not exact to docs/numerics.md) ``q``, ``k`` are instead E4M3 values with
+  power-of-two scales per query row (``q_scale``) and per 32-key block (``k_scale``), and S = Q K^T
+  runs on FP8 WGMMA (twice BF16's rate; FP8 accumulation is not exact, KERNELS.md). The scales
+  factor out exactly: they multiply the per-(row, block) constants of Direct-P, never a score.
+
+What it computes (docs/numerics.md section 2), per query row i and key block B of 32 keys:
+``raw = Q-hat K-hat^T`` in FP32 (BF16 WGMMA, exact products, FP32 sums), the block maximum, the E8M0
+block exponent, the affine (or, at native positions, exp2) FMA, E2M1 round-to-nearest-even with
+saturation (emulated with integer/float tricks: Hopper has no E2M1 conversion), the stored scale
+``alpha'``, the exact code sums of the denominator, ``P-tilde * alpha'`` in BF16 (exact) for a BF16
+PV WGMMA with FP32 accumulation, and ``O = acc / (6 * sum_B alpha'_B c_B)``.
+
+Structure (flash-attn-4 sm90 / CUTLASS Hopper FMHA style, written from scratch for this method):
+one TMA producer warpgroup and two consumer warpgroups; each consumer warpgroup owns 64 query
+rows of the 128-row CTA tile, and both walk the same K/V pipeline (TMA -> SMEM, mbarriers).
+There is no online maximum and no rescaling of the output accumulator: the row reference m_i is
+fixed (0, or the anchor maximum plus the margin, computed from the first key tile, which holds the
+anchors). One class per kernel: ``__init__`` holds the static configuration, ``__call__`` (jitted)
+builds layouts/TMA atoms and launches, ``kernel`` is the device entry, warp roles are methods.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.utils import LayoutEnum
+
+from .config import (
+    BAR_SCHED,
+    DP_BLOCK,
+    EIGHTHS_LOG2,
+    KV_KEYS_IN_FLIGHT,
+    REGS_2CTA,
+    REGS_CONSUMER,
+    REGS_PRODUCER,
+    SMEM_2CTA,
+    TILE_M_PER_WG,
+    DirectPConfig,
+)
+from .layout import FP8_KEY_TILE
+from .ptx import (
+    add_bf16x2,
+    bf16x2_splat_pow2,
+    bf16x2_sum,
+    block_constants,
+    block_exponent,
+    e2m1_bf16x2_eighths,
+    e2m1_grid_eighths,
+    e2m1_relu_round,
+    e2m1_round_eighths,
+    ex2_approx,
+    fma_rn,
+    fma_rn_sat,
+    fmax_nan,
+    mask_key,
+    mul_bf16x2,
+    order_before_wait,
+    pack_sat_bf16x2,
+    pow2_of_splat,
+    quad_broadcast,
+    select_by_lane,
+    select_f32,
+)
+
+
+class DirectPAttentionSm90:
+    """Direct-P FP4 attention forward, non-causal, for sm_90a.
+
+    Host entry: ``__call__(q, k, v, o, q_scale, k_scale, s_log2, m_offset, stream)`` with q/k/v/o in
+    SDPA's layout (B, H, S, D), D contiguous, BF16 q/k/v (with ``qk_fp8``: q, k E4M3 bytes as uint8),
+    ``o`` in ``out_dtype``; ``q_scale`` (B, H, Sq) and ``k_scale`` (B, H, key blocks padded to whole
+    128-key tiles) float32 powers of two (read only with ``qk_fp8``); ``s_log2 = scale * log2(e)``;
+    ``m_offset`` the anchor margin in raw-score units (ignored without anchors). The kernel works on
+    (S, D, H, B) / (N, H, B) views, made here from the layouts (no per-call view on the host).
+    """
+
+    def __init__(self, cfg: DirectPConfig):
+        if cfg.head_dim not in (64, 128):
+            raise ValueError(f"head_dim: the Hopper kernel supports D = 64 and 128, got {cfg.head_dim}")
+        if cfg.tile_n not in (64, 128):
+            raise ValueError(f"tile_n: 64 or 128, got {cfg.tile_n}")
+        if cfg.qk_fp8 and FP8_KEY_TILE % cfg.tile_n:
+            raise ValueError(f"tile_n: k_scale is padded to {FP8_KEY_TILE}-key tiles, got tile_n {cfg.tile_n}")
+        if cfg.anchor > cfg.tile_n:
+            raise ValueError(f"anchor: at most tile_n = {cfg.tile_n} anchor samples (one key tile), "
+                             f"got {cfg.anchor}")
+        if cfg.block_scales == "quad" and (cfg.tile_n != 128 or cfg.p_path in ("none", "timing_codes")):
+            raise ValueError(f"block_scales: 'quad' needs 128-key tiles and block scales (tile_n {cfg.tile_n}, "
+                             f"p_path {cfg.p_path!r}); DirectPConfig.make picks 'lane' there")
+        if cfg.ctas_per_sm not in (1, 2) or (cfg.ctas_per_sm == 2 and (cfg.num_wg != 1 or cfg.schedule != "serial")):
+            raise ValueError(f"ctas_per_sm: 1, or 2 with num_wg = 1 and schedule 'serial', got {cfg.ctas_per_sm} "
+                             f"(num_wg {cfg.num_wg}, schedule {cfg.schedule!r})")
+        self.cfg = cfg
+        self.head_dim = cfg.head_dim
+        self.o_dtype = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
+        self.in_dtype = cutlass.BFloat16     # V and P
+        self.qk_dtype = cutlass.Float8E4M3FN if cfg.qk_fp8 else cutlass.BFloat16
+        # K and V tiles alternate through one ring of V-sized stages; an FP8 K tile fills half a
+        # stage, so the K view of the ring has twice the stages and K uses the even ones
+        self.k_slot_factor = 2 if cfg.qk_fp8 else 1
+        self.acc_dtype = Float32
+        self.num_wg = cfg.num_wg
+        self.tile_m = TILE_M_PER_WG * cfg.num_wg
+        self.tile_n = cfg.tile_n
+        self.qk_tiler = (TILE_M_PER_WG, cfg.tile_n, cfg.head_dim)
+        self.pv_tiler = (TILE_M_PER_WG, cfg.head_dim, cfg.tile_n)
+        self.threads = 128 * (cfg.num_wg + 1)
+        self.kv_stages = 2 * KV_KEYS_IN_FLIGHT // cfg.tile_n
+        self.buffer_align_bytes = 1024
+        self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER[cfg.num_wg]
+        if cfg.ctas_per_sm == 2:
+            self.regs_producer, self.regs_consumer = REGS_2CTA
+            # as many K/V stages as fit in SMEM_2CTA beside the barriers and Q: all 4 at D = 64, 3 at D = 128
+            stage_bytes = cfg.tile_n * cfg.head_dim * 2
+            self.kv_stages = min(self.kv_stages, (SMEM_2CTA - self.dynamic_smem_bytes(0)) // stage_bytes)
+
+    def dynamic_smem_bytes(self, kv_stages: int | None = None) -> int:
+        """Shared memory of the layout ``__call__`` builds: the barriers (the first aligned 1 KB), the Q
+        tile and ``kv_stages`` (default: the kernel's) V-sized stages of the K/V ring."""
+        stages = self.kv_stages if kv_stages is None else kv_stages
+        q_bytes = self.tile_m * self.head_dim * (1 if self.cfg.qk_fp8 else 2)
+        return self.buffer_align_bytes + q_bytes + stages * self.tile_n * self.head_dim * 2
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mQs: cute.Tensor, mKs: cute.Tensor, s_log2: Float32, m_offset: Float32, stream):
+        # (B, H, S, D) -> (S, D, H, B); (B, H, N) -> (N, H, B)
+        mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+                          for t in (mQ, mK, mV, mO)]
+        mQs, mKs = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mQs, mKs)]
+        if const_expr(self.cfg.qk_fp8):   # E4M3 bytes arrive as uint8
+            mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=self.qk_dtype), mQ.layout)
+            mK = cute.make_tensor(cute.recast_ptr(mK.iterator, dtype=self.qk_dtype), mK.layout)
+        # V as the B operand of P V: (N = D, K = S, H, B), N contiguous.
+        mVt = cute.make_tensor(mV.iterator, cute.make_layout(
+            (mV.shape[1], mV.shape[0], mV.shape[2], mV.shape[3]),
+            stride=(mV.stride[1], mV.stride[0], mV.stride[2], mV.stride[3])))
+
+        K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
+        MN_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.MN
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            self.qk_dtype, self.qk_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.qk_tiler[:2])
+        # a second copy whose ACCUMULATE flag stays on (the first k-block uses qk_mma with it off):
+        # flags are set once at kernel start, never inside staged control flow
+        qk_mma_acc = sm90_utils.make_trivial_tiled_mma(
+            self.qk_dtype, self.qk_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.qk_tiler[:2])
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            self.in_dtype, self.in_dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.pv_tiler[:2], cute.nvgpu.warpgroup.OperandSource.RMEM)
+
+        q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype, self.num_wg)
+        k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype,
+                                             self.kv_stages * self.k_slot_factor)
+        v_sl = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, self.pv_tiler, self.in_dtype, self.kv_stages)
+
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mQ, cute.slice_(q_sl, (None, None, 0)), (TILE_M_PER_WG, self.head_dim))
+        tma_k, tK = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.slice_(k_sl, (None, None, 0)), (self.tile_n, self.head_dim))
+        tma_v, tV = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mVt, cute.slice_(v_sl, (None, None, 0)), (self.head_dim, self.tile_n))
+        self.q_bytes = cute.size_in_bytes(self.qk_dtype, cute.slice_(q_sl, (None, None, 0)))
+        self.k_bytes = cute.size_in_bytes(self.qk_dtype, cute.slice_(k_sl, (None, None, 0)))
+        self.kv_bytes = cute.size_in_bytes(self.in_dtype, cute.slice_(v_sl, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[cutlass.Int64, self.num_wg * 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(q_sl)],
+                                  self.buffer_align_bytes]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(v_sl)],
+                                   self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        if const_expr(self.cfg.ctas_per_sm == 2 and SharedStorage.size_in_bytes() > SMEM_2CTA):
+            raise ValueError(f"ctas_per_sm = 2: {SharedStorage.size_in_bytes()} bytes of shared memory per CTA, "
+                             f"more than the {SMEM_2CTA} two CTAs per SM leave each")
+        grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
+        # two CTAs per SM: ptxas caps the launch at 128 registers per thread (setmaxnreg rebalances them);
+        # the carveout is given (all shared memory), else the DSL asks the device for it while compiling
+        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, s_log2, m_offset,
+                    q_sl, k_sl, v_sl).launch(
+            grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream, min_blocks_per_mp=self.cfg.ctas_per_sm,
+            preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, qk_mma: cute.TiledMma, qk_mma_acc: cute.TiledMma, pv_mma: cute.TiledMma,
+               tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
+               tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
+               s_log2: Float32, m_offset: Float32,
+               q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout, v_sl: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_blk, h_idx, b_idx = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(), num_stages=self.num_wg,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=self.q_bytes, defer_sync=True)
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_mbar.data_ptr(), num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_wg),
+            tx_count=self.kv_bytes, defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1, 1), is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1, 1))
+
+        sQ = storage.sQ.get_tensor(q_sl.outer, swizzle=q_sl.inner)
+        sV = storage.sKV.get_tensor(v_sl.outer, swizzle=v_sl.inner)
+        sK = cute.make_tensor(cute.recast_ptr(sV.iterator, k_sl.inner, dtype=self.qk_dtype), k_sl.outer)
+
+        seqlen_q = tQ.shape[0]
+        seqlen_k = tK.shape[0]
+        n_tiles = cute.ceil_div(seqlen_k, self.tile_n)
+
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(self.regs_producer)
+            if warp_idx == 0:
+                self.producer(tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
+                              m_blk, h_idx, b_idx, n_tiles)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.regs_consumer)
+            self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
+                          tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles)
+
+    @cute.jit
+    def producer(self, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
+                 m_blk, h_idx, b_idx, n_tiles):
+        """TMA producer warp: both Q tiles once, then K_j, V_j alternating through the pipeline."""
+        gQ = cute.local_tile(tQ[None, None, h_idx, b_idx], (TILE_M_PER_WG, self.head_dim), (None, 0))
+        gK = cute.local_tile(tK[None, None, h_idx, b_idx], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(tV[None, None, h_idx, b_idx], (self.head_dim, self.tile_n), (0, None))
+        tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cute.nvgpu.cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cute.nvgpu.cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_wg)
+        for w in cutlass.range_constexpr(self.num_wg):
+            q_pipe.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ[None, m_blk * self.num_wg + w], tQsQ[None, q_state.index],
+                      tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            q_state.advance()
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        for j in cutlass.range(n_tiles, unroll=1):
+            if const_expr(self.cfg.qk_fp8):
+                # an FP8 K tile moves fewer bytes than the pipeline's V-sized stage expects
+                kv_pipe.sync_object_empty.wait(kv_state.index, kv_state.phase)
+                kv_pipe.sync_object_full.arrive_and_expect_tx(kv_state.index, self.k_bytes)
+            else:
+                kv_pipe.producer_acquire(kv_state)
+            cute.copy(tma_k, tKgK[None, j], tKsK[None, kv_state.index * self.k_slot_factor],
+                      tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+            kv_state.advance()
+            kv_pipe.producer_acquire(kv_state)
+            cute.copy(tma_v, tVgV[None, j], tVsV[None, kv_state.index],
+                      tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+            kv_state.advance()
+
+    @cute.jit
+    def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
+                 tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
+        """One consumer warpgroup: 64 query rows against every key tile."""
+        tid_wg = tidx % 128
+        lane_q = tidx % 4   # column pair inside each 8-column chunk of the accumulator
+        thr_qk = qk_mma.get_slice(tid_wg)
+        thr_pv = pv_mma.get_slice(tid_wg)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+
+        acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_M_PER_WG, self.tile_n)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE_M_PER_WG, self.head_dim)))
+        acc_o.fill(0.0)
+        qk_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        qk_mma_acc.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        pv_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((TILE_M_PER_WG, self.tile_n)), self.in_dtype)
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        row_m.fill(0.0)
+        row_l.fill(0.0)
+        qk_scales = None
+        if const_expr(self.cfg.qk_fp8):
+            qk_scales = (self.query_scales(thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q), mKs, h_idx, b_idx)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_wg)
+        for w in cutlass.range_constexpr(1, self.num_wg):   # stage wg, phase 0
+            if wg >= w:
+                q_state.advance()
+        q_pipe.consumer_wait(q_state)
+        q_stage = q_state.index
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        partial_last = seqlen_k % self.tile_n != 0
+        if const_expr(self.cfg.overlap):
+            # S_0 first; then every step issues S_{j+1} = Q K_{j+1}^T before Direct-P of S_j, so the
+            # tensor cores compute the next scores while the ALUs make this tile's probabilities.
+            acc_s1 = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_M_PER_WG, self.tile_n)))
+            kv_pipe.consumer_wait(kv_state)
+            cute.nvgpu.warpgroup.fence()
+            self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, kv_state.index, acc_s)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            kv_pipe.consumer_release(kv_state)
+            kv_state.advance()
+            if const_expr(self.cfg.anchor > 0):
+                self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
+            for jj in cutlass.range(n_tiles // 2, unroll=1):
+                kv_state = self.overlap_step(
+                    2 * jj, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
+                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+                kv_state = self.overlap_step(
+                    2 * jj + 1, acc_s1, acc_s, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
+                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+            if n_tiles % 2 == 1:
+                kv_state = self.overlap_step(
+                    n_tiles - 1, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
+                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+        elif const_expr(self.cfg.schedule == "pingpong"):
+            self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
+                               acc_o, r_p, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles)
+        else:
+            for j in cutlass.range(n_tiles, unroll=1):
+                # S = Q K^T
+                tile_scales = self.tile_scales(qk_scales, j)
+                kv_pipe.consumer_wait(kv_state)
+                cute.nvgpu.warpgroup.fence()
+                self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, kv_state.index, acc_s)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                kv_pipe.consumer_release(kv_state)
+                kv_state.advance()
+
+                if const_expr(self.cfg.anchor > 0):
+                    if j == 0:
+                        self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
+                self.direct_p_tile(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
+                                   partial_last)
+
+                # O += P V
+                kv_pipe.consumer_wait(kv_state)
+                cute.nvgpu.warpgroup.fence()
+                cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, kv_state.index], acc_o)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                kv_pipe.consumer_release(kv_state)
+                kv_state.advance()
+
+        self.epilogue(thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q)
+
+    @cute.jit
+    def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
+                      acc_o, r_p, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles):
+        """The ping-pong schedule. Per key tile j one "tensor phase" issues S_j = Q K_j^T and
+        O += P_{j-1} V_{j-1} together, then Direct-P of S_j runs on the ALUs. Named barrier
+        BAR_SCHED + w means "warpgroup w may issue": each warpgroup waits for its own before a
+        tensor phase and signals the next one's (round robin) right after issuing, so Direct-P
+        runs under the other warpgroups' matrix products. Counts balance: each warpgroup syncs
+        n + 1 times; the last warpgroup signals warpgroup 0 once up front and after its first n
+        phases, every other warpgroup signals its successor after all n + 1."""
+        last = self.num_wg - 1
+        own_bar = BAR_SCHED + wg
+        other_bar = BAR_SCHED + (wg + 1) % self.num_wg
+        n_sched = 256      # the waiting warpgroup and the signalling one
+        if wg == last:
+            cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        # Tile 0 (S_0 alone) and the last tile are peeled, with the masked Direct-P (exact for a
+        # whole tile too), so that the loop body has no branch: across a branch ptxas loses track
+        # of which WGMMA group is complete and waits for all of them before Direct-P (SASS: the
+        # "WARPGROUP.DEPBAR.LE gsb0, 0x0" of PV_{j-1} hoisted to its first instruction).
+        k_state = kv_state.clone()          # K_j (stream position 2j)
+        tile_scales = self.tile_scales(qk_scales, 0)
+        kv_pipe.consumer_wait(k_state)
+        cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.fence()
+        self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.wait_group(0)
+        kv_pipe.consumer_release(k_state)
+        if const_expr(self.cfg.anchor > 0):
+            self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
+        self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, 0, True, False)
+        k_state, v_state = self.next_tile_states(k_state)
+        # tiles 1 .. n-2 are whole
+        for j in cutlass.range(1, n_tiles - 1, unroll=1):
+            self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
+                               acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar,
+                               other_bar, n_sched, False)
+            k_state, v_state = self.next_tile_states(k_state)
+        if n_tiles > 1:    # the last tile, masked (exact for a whole tile too)
+            self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
+                               acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles - 1,
+                               own_bar, other_bar, n_sched, True)
+            k_state, v_state = self.next_tile_states(k_state)
+        # the last tensor phase: O += P_{n-1} V_{n-1}
+        kv_pipe.consumer_wait(v_state)
+        cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.fence()
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.nvgpu.warpgroup.commit_group()
+        if wg != last:
+            cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.wait_group(0)
+        kv_pipe.consumer_release(v_state)
+
+    @staticmethod
+    def next_tile_states(k_state):
+        """From K_j's pipeline state (stream position 2j): the states of K_{j+1} and V_j."""
+        v_state = k_state.clone()
+        v_state.advance()
+        k_state.advance()
+        k_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def pingpong_step(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
+                      acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar, other_bar,
+                      n_sched, masked: cutlass.Constexpr):
+        """One tensor phase (S_j = Q K_j^T, then O += P_{j-1} V_{j-1} as a second group) and
+        Direct-P of S_j, which starts once S_j is done while PV_{j-1} still runs; P_j goes into r_p
+        (which PV_{j-1} reads) only after wait_group(0), inside direct_p."""
+        tile_scales = self.tile_scales(qk_scales, j)
+        kv_pipe.consumer_wait(k_state)
+        kv_pipe.consumer_wait(v_state)
+        cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.fence()
+        self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
+        cute.nvgpu.warpgroup.wait_group(1)
+        kv_pipe.consumer_release(k_state)
+        self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k - j * self.tile_n, j, masked,
+                      True)
+        kv_pipe.consumer_release(v_state)
+
+    @cute.jit
+    def qk_gemm(self, qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_stage, acc):
+        """acc = Q K^T over the head dim (k-blocks of 16, 32 in FP8): the first block overwrites acc
+        (qk_mma, ACCUMULATE off), the others add (qk_mma_acc)."""
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            mma = qk_mma if kb == 0 else qk_mma_acc
+            cute.gemm(mma, acc, tSrQ[None, None, kb, q_stage], tSrK[None, None, kb, k_stage * self.k_slot_factor],
+                      acc)
+
+    @cute.jit
+    def overlap_step(self, j, acc_cur, acc_next, v_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV,
+                     q_stage, kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
+                     partial_last):
+        """One key tile in the overlapped schedule: S_j is in acc_cur, V_j at v_state; issue
+        S_{j+1} into acc_next, Direct-P on S_j, O += P V_j; returns the state of V_{j+1}."""
+        tile_scales = self.tile_scales(qk_scales, j)
+        k_state = v_state.clone()
+        k_state.advance()
+        has_next = j + 1 < n_tiles
+        if has_next:
+            kv_pipe.consumer_wait(k_state)
+            cute.nvgpu.warpgroup.fence()
+            self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_next)
+            cute.nvgpu.warpgroup.commit_group()
+        self.direct_p_tile(acc_cur, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
+                           partial_last)
+        kv_pipe.consumer_wait(v_state)
+        cute.nvgpu.warpgroup.fence()
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+        kv_pipe.consumer_release(v_state)
+        if has_next:
+            kv_pipe.consumer_release(k_state)
+        k_state.advance()
+        return k_state
+
+    @cute.jit
+    def query_scales(self, thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q):
+        """qk_fp8: 2^Eq of this thread's two query rows (register i = c + 2 r + 4 chunk holds row
+        r0 + 8 r); 1 for rows past Sq."""
+        row_qs = cute.make_rmem_tensor((2,), Float32)
+        row_qs.fill(1.0)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M_PER_WG, self.tile_n)))
+        row0 = (m_blk * self.num_wg + wg) * TILE_M_PER_WG
+        for r in cutlass.range_constexpr(2):
+            row = row0 + tScS[2 * r][0]
+            if row < seqlen_q:
+                row_qs[r] = mQs[row, h_idx, b_idx]
+        return row_qs
+
+    def tile_scales(self, qk_scales, j):
+        """qk_fp8: (2^Eq of the two rows, [2^Ek of key tile j's 32-key blocks]), the loads issued at the
+        top of a step so that their latency hides under the matrix products (k_scale is padded to
+        whole 128-key tiles: no predicate); None without qk_fp8."""
+        if const_expr(qk_scales is None):
+            return None
+        row_qs, mKs, h_idx, b_idx = qk_scales
+        nb = self.tile_n // DP_BLOCK
+        return row_qs, [mKs[j * nb + b, h_idx, b_idx] for b in range(nb)]
+
+    @cute.jit
+    def anchor_reference(self, acc_s, row_m, m_offset, lane_q, kv_limit):
+        """m_i = max over the anchor keys (physical positions < anchor) + margin (docs/numerics.md section 4)."""
+        n_anchor = self.cfg.anchor
+        for r in cutlass.range_constexpr(2):
+            a = -Float32.inf
+            for ch in cutlass.range_constexpr(self.tile_n // 8):
+                for c in cutlass.range_constexpr(2):
+                    if const_expr(ch * 8 < n_anchor):
+                        col = ch * 8 + 2 * lane_q + c
+                        v = mask_key(acc_s[c + 2 * r + 4 * ch], col,
+                                     cutlass.min(kv_limit, Int32(n_anchor)))
+                        a = cute.arch.fmax(a, v)
+            a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1))
+            a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=2))
+            row_m[r] = a + m_offset
+
+    @cute.jit
+    def direct_p_tile(self, acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
+                      partial_last):
+        """Direct-P of key tile j (serial and overlapped schedules): the masked variant (keys >= Skv)
+        only for a partial last tile."""
+        kv_limit = seqlen_k - j * self.tile_n
+        if partial_last and j == n_tiles - 1:
+            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, True)
+        else:
+            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, False)
+
+    @cute.jit
+    def direct_p(self, acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, tile_idx,
+                 masked: cutlass.Constexpr, wait_pv: cutlass.Constexpr = False):
+        """Direct-P on one 64 x 128 score tile held in registers: reads the scores (never writes
+        them: a non-WGMMA write to accumulator registers would make ptxas serialise the WGMMAs
+        in flight), writes P-tilde * alpha' (exact in BF16) into the PV A-fragment r_p and adds
+        sum_B alpha'_B c_B to row_l. Register index i = c + 2 r + 4 chunk is (row r0 + 8 r,
+        column 8 chunk + 2 lane_q + c): the same order in the accumulator and in the A fragment,
+        so elements i, i+1 (c = 0, 1) form one BF16 pair of r_p.
+
+        ``tile_scales`` (qk_fp8): the scores are raw / (2^Eq 2^Ek); the powers of two go into each
+        (row, block) pair's two multipliers (s for the exponent, A s for the codes), exactly.
+
+        Packed P path: after the FP32 grid rounding, the pair is packed to BF16 (exact: codes/8),
+        saturated at 6/8, multiplied by (8 alpha', 8 alpha') (a power of two: exact) and its codes
+        summed on pairs (at most 4 codes/8 per half, multiples of 1/16 up to 3: exact in BF16)."""
+        cfg = self.cfg
+        eighths = cfg.eighths and cfg.shift >= EIGHTHS_LOG2
+        bf16codes = const_expr(cfg.code_rounding == "bf16")
+        packed = const_expr((cfg.p_path in ("packed", "packed_alu") and eighths) or bf16codes)
+        anchored = cfg.anchor > 0
+        a_s = s_log2 * cfg.affine_a
+        if const_expr(eighths):
+            a_s = s_log2 * (cfg.affine_a / 8.0)
+        r_p2 = cute.recast_tensor(r_p, Int32)
+        if const_expr(cfg.p_path == "none"):
+            if const_expr(wait_pv):
+                cute.nvgpu.warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(r_p2)):
+                r_p2[i] = Int32(0x3F803F80)
+            for r in cutlass.range_constexpr(2):
+                row_l[r] = row_l[r] + (1.0 + acc_s[r] * 0.0)   # keeps S (and its WGMMAs) alive
+            return
+        # Stage by stage over all (row, block) pairs of the tile, so that the 8 independent chains
+        # (block max -> two shuffles -> exponent -> constants -> codes) overlap: one warp per
+        # scheduler runs Direct-P at a time and is otherwise latency-bound.
+        nb = self.tile_n // DP_BLOCK
+        rbs = [(r, b) for r in range(2) for b in range(nb)]
+        s_pair = {rb: s_log2 for rb in rbs}     # score multipliers per (row, block) pair
+        a_pair = {rb: a_s for rb in rbs}
+        s_rows = [s_log2, s_log2]
+        if const_expr(tile_scales is not None):
+            row_qs, k_scales = tile_scales
+            for r in cutlass.range_constexpr(2):
+                s_rows[r], a_row = s_log2 * row_qs[r], a_s * row_qs[r]
+                for b in cutlass.range_constexpr(nb):
+                    s_pair[r, b], a_pair[r, b] = s_rows[r] * k_scales[b], a_row * k_scales[b]
+        idx = {}
+        vals = {}
+        mx = {}
+        for r, b in rbs:
+            idx[r, b] = [c + 2 * r + 4 * (4 * b + cb) for cb in range(4) for c in range(2)]
+            v = [acc_s[i] for i in idx[r, b]]
+            if const_expr(masked):
+                for t in cutlass.range_constexpr(8):
+                    v[t] = mask_key(v[t], 32 * b + 8 * (t // 2) + 2 * lane_q + (t % 2), kv_limit)
+            vals[r, b] = v
+            if const_expr(cfg.p_path != "timing_codes"):
+                m4 = [fmax_nan(v[2 * i], v[2 * i + 1]) for i in range(4)]
+                mx[r, b] = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]))
+        nan_flag = [Float32(0.0), Float32(0.0)]
+        consts = {}
+        splats = {}   # (alpha', alpha') BF16 pairs, where quad_block_constants made them
+        # NaN scores (non-finite inputs: the pre-pass turns them into NaN operands) must not become
+        # codes 0 silently: a per-row flag, max.NaN over the block maxima (0 or a finite score
+        # otherwise), is added times 0 to the denominator, which is then NaN and so is the row.
+        if const_expr(cfg.p_path != "timing_codes"):
+            if const_expr(cfg.block_scales == "quad"):
+                mx_own = [self.quad_block_max(mx, r, lane_q) for r in range(2)]
+                self.quad_block_constants(mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
+                                          packed, eighths)
+            else:
+                for off in (1, 2):
+                    for rb in rbs:
+                        mx[rb] = fmax_nan(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
+                for r, b in rbs:
+                    nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
+                for r, b in rbs:
+                    u = block_exponent(mx[r, b], row_m[r], s_pair[r, b], anchored)
+                    consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
+        else:
+            for r, b in rbs:   # fixed block scales: no maxima, shuffles or exponent chain
+                consts[r, b] = block_constants(Int32(127), cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
+        # The packed path computes every pair of the tile before waiting for the PV in flight (which
+        # reads r_p) and writes r_p after the wait; the other paths wait first.
+        late_wait = const_expr(wait_pv and packed)
+        if const_expr(wait_pv and not late_wait):
+            cute.nvgpu.warpgroup.wait_group(0)
+        l_acc = [Float32(0.0), Float32(0.0)]
+        scaled = {}
+        if const_expr(cfg.p_path == "timing_scales"):
+            for i in cutlass.range_constexpr(cute.size(r_p2)):
+                r_p2[i] = Int32(0x3F803F80)
+            for r, b in rbs:   # keeps the scales alive
+                l_acc[r] = l_acc[r] + consts[r, b][0] + fma_rn(consts[r, b][1], Float32(0.0), Float32(0.0))
+            for r in cutlass.range_constexpr(2):
+                row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
+            return
+        for r, b in rbs:
+            m = row_m[r]
+            alpha, kaff, knat = consts[r, b]
+            if const_expr(cfg.native_exp2):
+                # quarter = (global block index) % 4; a 64-key tile holds half the cycle
+                if const_expr(self.tile_n == 128):
+                    quarter = Int32(b)
+                else:
+                    quarter = (tile_idx % 2) * 2 + b
+                nat_even = Int32(lane_q == quarter)
+                nat_odd = Int32(lane_q == 0)
+            codes = [Float32(0.0)] * 8
+            for t in cutlass.range_constexpr(8):
+                cb = t // 2
+                d = vals[r, b][t]
+                if const_expr(anchored):
+                    d = d - m   # (raw - m) first, as the reference does
+                if const_expr(eighths):
+                    y = fma_rn_sat(d, a_pair[r, b], kaff)
+                else:
+                    y = fma_rn(d, a_pair[r, b], kaff)
+                if const_expr(cfg.native_exp2):
+                    # native iff pair % 8 == quarter or pair % 8 == 4, pair = 4*cb + lane_q
+                    yn = ex2_approx(fma_rn(d, s_pair[r, b], knat))
+                    if const_expr(cb % 2 == 0):
+                        y = select_f32(nat_even, yn, y)
+                    else:
+                        y = select_f32(nat_odd, yn, y)
+                if const_expr(bf16codes):
+                    codes[t] = y                      # rounded in pairs below
+                elif const_expr(packed):
+                    # FFMA constant: affine codes only (y8 <= 1 by fma.sat); exp2 values can be inf
+                    codes[t] = e2m1_grid_eighths(y, cfg.p_path != "packed_alu" and not cfg.native_exp2)
+                elif const_expr(eighths):
+                    codes[t] = e2m1_round_eighths(y)
+                else:
+                    codes[t] = e2m1_relu_round(y)
+            if const_expr(packed):
+                alpha2 = splats[r, b] if (r, b) in splats else bf16x2_splat_pow2(alpha)
+                if const_expr(bf16codes):
+                    pairs = [e2m1_bf16x2_eighths(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
+                else:
+                    pairs = [pack_sat_bf16x2(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
+                for cb in cutlass.range_constexpr(4):
+                    scaled[idx[r, b][2 * cb] // 2] = (pairs[cb], alpha2)
+                csum = bf16x2_sum(add_bf16x2(add_bf16x2(pairs[0], pairs[1]), add_bf16x2(pairs[2], pairs[3])))
+            else:
+                csum = codes[0]
+                for t in cutlass.range_constexpr(1, 8):
+                    csum = csum + codes[t]
+                for t in cutlass.range_constexpr(8):
+                    r_p[idx[r, b][t]] = (codes[t] * alpha).to(self.in_dtype)
+            l_acc[r] = l_acc[r] + alpha * csum
+        if const_expr(late_wait):
+            order_before_wait(l_acc[0] + l_acc[1], kv_limit)   # kv_limit >= 1: never stores
+            cute.nvgpu.warpgroup.wait_group(0)
+        for i, (pair, alpha2) in scaled.items():
+            r_p2[i] = mul_bf16x2(pair, alpha2)
+        for r in cutlass.range_constexpr(2):
+            row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
+
+    @staticmethod
+    def quad_block_max(mx, r, lane_q):
+        """``block_scales="quad"``: the maximum of key block q of row r over the quad, in thread q
+        (a reduce-scatter: 3 shuffles per row instead of the butterfly's 8, which gives every
+        thread every block maximum). ``mx[r, b]``: this thread's partial maxima of the 4 blocks."""
+        hi = lane_q & 2
+        lo = lane_q & 1
+        # with the thread two lanes away: keep blocks 2 hi, 2 hi + 1, send the other two
+        k0 = fmax_nan(select_f32(hi, mx[r, 2], mx[r, 0]),
+                      cute.arch.shuffle_sync_bfly(select_f32(hi, mx[r, 0], mx[r, 2]), offset=2))
+        k1 = fmax_nan(select_f32(hi, mx[r, 3], mx[r, 1]),
+                      cute.arch.shuffle_sync_bfly(select_f32(hi, mx[r, 1], mx[r, 3]), offset=2))
+        # with the neighbour (same two blocks): keep block 2 hi + lo
+        return fmax_nan(select_f32(lo, k1, k0), cute.arch.shuffle_sync_bfly(select_f32(lo, k0, k1), offset=1))
+
+    def quad_block_constants(self, mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
+                             packed: bool, eighths: bool):
+        """``block_scales="quad"``: thread q of each quad computes the exponent and constants of key
+        block q for both rows from ``mx_own`` (``quad_block_max``) and the quad's shuffles hand them
+        to the other three threads; the same operations as the per-thread form, so the same bits.
+        Fills ``consts[r, b]`` = (alpha', affine constant, native constant) and, on the packed path,
+        ``splats[r, b]`` = (alpha', alpha') in BF16 (alpha' is read back off the pair). The NaN flag
+        is taken over the owned blocks only: the quad's four threads together see every block, and
+        the denominator is summed over the quad at the end."""
+        cfg = self.cfg
+        nb = self.tile_n // DP_BLOCK
+        k_own = None
+        if tile_scales is not None:
+            k_own = select_by_lane(lane_q, tile_scales[1])
+        own = []
+        for r in range(2):
+            nan_flag[r] = fmax_nan(nan_flag[r], mx_own[r])
+            s_own = s_rows[r] if k_own is None else s_rows[r] * k_own
+            u = block_exponent(mx_own[r], row_m[r], s_own, cfg.anchor > 0)
+            alpha, kaff, knat = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
+            own.append((alpha, kaff, knat, bf16x2_splat_pow2(alpha) if packed else None))
+        for r in range(2):
+            alpha, kaff, knat, splat = own[r]
+            for b in range(nb):
+                if packed:
+                    splats[r, b] = quad_broadcast(splat, b)
+                    alpha_b = pow2_of_splat(splats[r, b])
+                else:
+                    alpha_b = quad_broadcast(alpha, b)
+                knat_b = quad_broadcast(knat, b) if cfg.native_exp2 else None   # read only at native positions
+                consts[r, b] = (alpha_b, quad_broadcast(kaff, b), knat_b)
+
+    @cute.jit
+    def epilogue(self, thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q):
+        """O = acc / (6 * l), stored straight from registers with a row predicate."""
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            lt = row_l[r]
+            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
+            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
+            den = lt * 6.0
+            inv[r] = 0.0
+            if den != 0.0:       # 0: every probability underflowed; NaN (non-finite input) stays NaN
+                inv[r] = 1.0 / den
+        row0 = (m_blk * self.num_wg + wg) * TILE_M_PER_WG
+        gO = cute.local_tile(mO[None, None, h_idx, b_idx], (TILE_M_PER_WG, self.head_dim),
+                             (m_blk * self.num_wg + wg, 0))
+        tOgO = thr_pv.partition_C(gO)
+        cO = cute.make_identity_tensor((TILE_M_PER_WG, self.head_dim))
+        tOcO = thr_pv.partition_C(cO)
+        r_o = cute.make_rmem_tensor_like(acc_o, self.o_dtype)
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * inv[(i // 2) % 2]
+        r_o.store(acc_o.load().to(self.o_dtype))
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            if tOcO[i][0] + row0 < seqlen_q:
+                tOgO[i] = r_o[i]
+

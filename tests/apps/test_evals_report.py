@@ -1,0 +1,59 @@
+"""evals/report.py (JSON + Markdown, environment, statistics) and evals/plots.py."""
+
+import json
+import math
+
+import pytest
+
+from fp4vis.evals.plots import skipped_backends, speed_error_plot, summarize
+from fp4vis.evals.report import fmt, markdown_table, mean_ci95, t_quantile, write_report
+from fp4vis.services import environment
+
+# scipy.stats.t.ppf(0.975, df), 6 decimals
+T975 = {1: 12.706205, 2: 4.302653, 3: 3.182446, 5: 2.570582, 9: 2.262157, 10: 2.228139, 30: 2.042272,
+        100: 1.983972}
+
+
+@pytest.mark.parametrize("df", sorted(T975))
+def test_t_quantile_matches_table(df):
+    assert t_quantile(0.975, df) == pytest.approx(T975[df], abs=1e-4)
+
+
+def test_mean_ci95_known_values():
+    r = mean_ci95([1.0, 2.0, 3.0, 4.0])
+    assert r["n"] == 4 and r["mean"] == pytest.approx(2.5)
+    half = 3.182446 * math.sqrt(5 / 3) / 2  # t(0.975, 3) * sd / sqrt(n)
+    assert r["ci95_low"] == pytest.approx(2.5 - half, abs=1e-5)
+    assert r["ci95_high"] == pytest.approx(2.5 + half, abs=1e-5)
+    one = mean_ci95([0.7])
+    assert one["mean"] == 0.7 and one["ci95_low"] is None
+
+
+def test_write_report_json_markdown_environment(tmp_path):
+    files = write_report(tmp_path / "r", "demo", {"x": 1.5, "nan": float("nan")}, "# Demo\n\ntext")
+    data = json.loads(files["json"].read_text())
+    assert data["x"] == 1.5 and data["nan"] == "nan"
+    env = data["environment"]
+    assert env["versions"]["torch"] and "gpu" in env and env["timestamp_utc"].endswith("Z")
+    md = files["markdown"].read_text()
+    assert md.startswith("# Demo") and "Environment:" in md and "(demo.json)" in md
+    assert environment()["python"]
+
+
+def test_markdown_table_and_fmt():
+    t = markdown_table(["a", "b"], [[1, 0.123456], [None, float("inf")]])
+    assert t.splitlines()[0] == "| a | b |" and "0.1235" in t and "n/a" in t and "inf" in t
+    assert fmt(1e-7) == "1.000e-07"
+
+
+def test_speed_error_plot_png(tmp_path):
+    rows = [{"backend": "reference", "policy": "fast", "time_ms": 4.0, "rel_l2": 0.3},
+            {"backend": "reference", "policy": "fast", "time_ms": 6.0, "rel_l2": 0.32},
+            {"backend": "sdpa", "policy": "bf16", "time_ms": 1.0, "rel_l2": 0.0},
+            {"backend": "hopper", "skipped": True}]
+    s = {p["label"]: p for p in summarize({"rows": rows})}
+    assert s["reference / fast"]["time_ms"] == pytest.approx(5.0) and s["reference / fast"]["n"] == 2
+    assert "hopper" not in s
+    assert skipped_backends({"rows": rows}) == {"hopper": "True"}
+    png = speed_error_plot({"rows": rows}, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

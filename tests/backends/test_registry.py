@@ -1,0 +1,82 @@
+"""The backend registry: names, lazy loading of kernel backends, the choice for a call, and the
+named checks backends compose their ``unsupported_reason`` from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp4vis
+from fp4vis.backends import base, registry
+from fp4vis.policy import POLICIES
+
+
+def gaussian(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_names_in_one_place():
+    assert registry.backend_names()[:3] == [base.AUTO, base.REFERENCE, base.HOPPER]
+    with pytest.raises(ValueError, match="unknown backend 'nope'; known backends are auto, reference, hopper"):
+        registry.get_backend("nope")
+    assert set(fp4vis.available_backends()) == set(registry.backend_names()[1:])
+    assert fp4vis.available_backends()["reference"] is None
+
+
+def test_auto_on_cpu_is_the_reference():
+    q = gaussian(1, 1, 8, 64)
+    chosen = registry.select_backend("auto", q, q, q, POLICIES["fast"], 0.125)
+    assert chosen.name == "reference"
+    assert registry.kernel_backend_name(q.device) is None
+
+
+def test_a_registered_backend_is_selectable_and_its_reason_raises(monkeypatch):
+    class Half(base.Backend):
+        name = "half"
+
+        def unsupported_reason(self, q, k, v, policy, scale):
+            return base.first_reason(base.need_direct_p(policy), base.need_head_dims(q, k, v, (64,)))
+
+        def forward(self, q, k, v, policy, scale):
+            return registry.get_backend("reference").forward(q, k, v, policy, scale)
+
+    monkeypatch.setitem(registry._REGISTRY, "half", Half())
+    q = gaussian(1, 2, 8, 64)
+    out = fp4vis.attention(q, q, q, policy="fast", backend="half")
+    assert torch.equal(out, fp4vis.attention(q, q, q, policy="fast", backend="reference"))
+    with pytest.raises(RuntimeError, match="backend='half' cannot run this call: policy 'bf16' is not a Direct-P"):
+        fp4vis.attention(q, q, q, policy="bf16", backend="half")
+    q32 = gaussian(1, 2, 8, 32)
+    with pytest.raises(RuntimeError, match="head dims q/k/v = 32/32/32 \\(the kernel supports 64\\)"):
+        fp4vis.attention(q32, q32, q32, policy="fast", backend="half")
+
+
+def test_named_checks():
+    q = gaussian(1, 1, 4, 64)
+    assert base.first_reason(None, None) is None
+    assert base.first_reason(None, "b", "c") == "b"
+    assert base.need_cuda_capability(q, base.HOPPER_CAPABILITIES, "sm_90") == "tensors are not on a CUDA device"
+    assert base.need_dtype(q, (torch.bfloat16, torch.float16)) == (
+        "dtype torch.float32 (the kernel takes bfloat16 or float16)")
+    assert base.need_nonempty(q, q[:, :, :0]) == "empty sequence"
+
+
+def test_hopper_backend_forced_on_cpu_raises():
+    q = gaussian(1, 1, 8, 64)
+    with pytest.raises(RuntimeError, match="backend='hopper'"):
+        fp4vis.attention(q, q, q, backend="hopper")
+
+
+def test_backend_registers_and_explains_cpu():
+    import fp4vis
+    hopper_backend = pytest.importorskip("fp4vis.kernels.hopper.backend")
+
+    backend = registry.get_backend("hopper")
+    assert isinstance(backend, hopper_backend.HopperBackend)
+    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+    assert backend.unsupported_reason(q, q, q, POLICIES["fast"], 0.125) is not None
+    assert backend.unsupported_reason(q, q, q, POLICIES["bf16"], 0.125) is not None
+    if not torch.cuda.is_available():
+        assert fp4vis.available_backends()["hopper"] is not None
+        with pytest.raises(RuntimeError):
+            fp4vis.attention(q, q, q, policy="fast", backend="hopper")

@@ -1,0 +1,120 @@
+"""The package's structure (docs/design.md): imports run one way, core <- backends <- patching <- apps,
+and no module imports one that imports it back (directly or through others). Read from the source
+with ``ast``, function-level imports included, so a lazy import cannot hide a loop."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# source folder -> package it installs as (pyproject.toml's package-dir)
+SOURCES = {"fp4vis": "fp4vis", "kernels": "fp4vis.kernels", "pipelines": "fp4vis.pipelines", "evals": "fp4vis.evals"}
+LAYERS = {  # module prefix -> layer (lower imports nothing higher)
+    "fp4vis.config": 0, "fp4vis.formats": 0, "fp4vis.policy": 0, "fp4vis.layout": 0, "fp4vis.reference": 0,
+    "fp4vis.metrics": 0, "fp4vis.attention": 0,
+    "fp4vis.backends": 1, "fp4vis.kernels": 1,
+    "fp4vis.patching": 2,
+    "fp4vis.services": 3, "fp4vis.cli": 3, "fp4vis.pipelines": 3, "fp4vis.evals": 3,
+}
+# the one call upwards the design has: the entry point hands the call to the registry
+ALLOWED_UP = {("fp4vis.attention", "fp4vis.backends.registry")}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in SOURCES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts]) if parts else package] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules ``name`` imports (the longest known module of each import)."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            subs = [f"{base}.{a.name}" for a in node.names]
+            # names that are modules of a package import those modules, not the package's __init__
+            targets = subs if all(t in known for t in subs) else [*subs, base]
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and t != "fp4vis":
+                found.add(t)
+    return found
+
+
+def _layer(module: str) -> int:
+    return max((lvl for prefix, lvl in LAYERS.items() if module == prefix or module.startswith(prefix + ".")),
+               default=-1)
+
+
+MODULES = _modules()
+GRAPH = {m: _imports(m, p, set(MODULES)) for m, p in MODULES.items()}
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in MODULES if m != "fp4vis" and _layer(m) < 0] == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "fp4vis"))
+def test_imports_run_downwards(module):
+    up = [t for t in GRAPH[module] if _layer(t) > _layer(module) and (module, t) not in ALLOWED_UP]
+    assert up == [], f"{module} (layer {_layer(module)}) imports higher layers: {up}"
+
+
+def test_no_import_cycle():
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_only_apps_import_the_package_root():
+    """``import fp4vis`` (the public facade, which imports the patching layer) from a lower layer
+    would make every lower module depend on everything."""
+    offenders = []
+    for m, p in MODULES.items():
+        if m == "fp4vis" or _layer(m) >= 3:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import) and any(a.name == "fp4vis" for a in node.names):
+                offenders.append(m)
+    assert offenders == []

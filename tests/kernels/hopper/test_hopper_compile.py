@@ -1,0 +1,318 @@
+"""CPU checks of the Hopper kernel (no GPU needed; CI runs these).
+
+* every kernel variant compiles for sm_90a with fake tensors; ptxas reports no spills and no stack
+  frame; the SASS has HGMMA (the tensor cores) and no local-memory traffic; the exp-free policies
+  have no MUFU.EX2 (nvdisasm from the nvidia-cuda-nvdisasm wheel);
+* the kernel's pre-pass computes bit-for-bit the operands the reference emulation uses;
+* the backend module imports and registers on a machine without a GPU, and says why it cannot run.
+"""
+
+import dataclasses
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
+
+cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
+
+from fp4vis.layout import qk_layout  # noqa: E402
+from fp4vis.policy import POLICIES  # noqa: E402
+from fp4vis.reference import quantize_operands  # noqa: E402
+
+compile_check = importlib.import_module("fp4vis.kernels.hopper.compile_check")
+prepare_operands = importlib.import_module("fp4vis.kernels.hopper.prepass").prepare_operands
+
+VARIANTS = compile_check.variants()
+EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
+            "fast_bf16round", "fast_3wg", "fast_scalar", "fast_none", "fast_timing_scales", "fast_timing_codes",
+            "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk", "fast_lane", "fast_fp8qk_lane", "fast_short",
+            "fast_fp8qk_short"}
+SMEM_LIMIT = 227 * 1024     # dynamic shared memory per block on sm_90
+
+
+@pytest.fixture(scope="module")
+def nvdisasm():
+    exe = compile_check.find_nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm, a dev dependency)")
+    return exe
+
+
+@pytest.mark.parametrize("name,cfg", VARIANTS, ids=[f"{n}-D{c.head_dim}-N{c.tile_n}" for n, c in VARIANTS])
+def test_variant_compiles_clean(name, cfg, nvdisasm):
+    rep = compile_check.compile_variant(cfg)
+    assert rep.registers is not None, f"no ptxas report captured:\n{rep.ptxas_log}"
+    assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0, rep.ptxas_log
+    assert rep.stack_frame_bytes == 0, rep.ptxas_log
+    assert not rep.wgmma_serialized, rep.ptxas_log
+    c = rep.counts
+    assert c.get("HGMMA", 0) > 0, c
+    # FP8 Q/K: QK^T on QGMMA (FP8), PV stays HGMMA (BF16)
+    assert (c.get("QGMMA", 0) > 0) == cfg.qk_fp8, c
+    assert c.get("LDL", 0) == 0 and c.get("STL", 0) == 0, c
+    assert rep.shared_bytes is not None and rep.shared_bytes <= SMEM_LIMIT, rep.shared_bytes
+    # the host-side size (stage count of the short variant, benchmarks) is the layout's
+    kernel_cls = importlib.import_module("fp4vis.kernels.hopper.kernel").DirectPAttentionSm90
+    assert rep.shared_bytes == kernel_cls(cfg).dynamic_smem_bytes(), rep.shared_bytes
+    if name in EXP_FREE:
+        assert c.get("MUFU.EX2", 0) == 0, c
+    else:
+        assert c.get("MUFU.EX2", 0) > 0, c
+    hf = importlib.import_module("fp4vis.kernels.hopper.config")
+    if cfg.ctas_per_sm == 2:   # two CTAs fit an SM: 128 registers at launch, half the shared memory
+        assert rep.registers == 65536 // (2 * 256) and rep.shared_bytes <= hf.SMEM_2CTA, (rep.registers,
+                                                                                            rep.shared_bytes)
+        assert rep.setmaxnreg == [("DEALLOC", hf.REGS_2CTA[0]), ("TRY_ALLOC", hf.REGS_2CTA[1])], rep.setmaxnreg
+    else:
+        assert rep.setmaxnreg == [("DEALLOC", hf.REGS_PRODUCER), ("TRY_ALLOC", hf.REGS_CONSUMER[cfg.num_wg])], \
+            rep.setmaxnreg
+
+
+def _inputs(b, h, sq, skv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, h, skv, d, generator=g).to(dtype)
+    v = torch.randn(b, h, skv, d, generator=g).to(dtype)
+    # a few outlier channels and a wide dynamic range
+    k[..., 3] *= 30
+    v[..., 5] *= 1e3
+    v[..., :7, 9] *= 1e-6
+    return q, k, v
+
+
+@pytest.mark.parametrize("policy", ["fast", "accurate", "guard"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prepass_matches_reference_operands(policy, dtype):
+    pol = POLICIES[policy]
+    b, h, sq, skv, d = 1, 2, 40, 161, 64
+    q, k, v = _inputs(b, h, sq, skv, d, dtype)
+    qh, kh, v6 = prepare_operands(q, k, v, qk_layout(pol, d), pol.anchor)
+    ops = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, 0.125)
+    assert qh.dtype == kh.dtype == v6.dtype == torch.bfloat16
+    assert torch.equal(qh.flatten(0, 1).float(), ops.q)
+    assert torch.equal(kh.flatten(0, 1).float(), ops.k[:, :skv])
+    assert torch.equal(v6.flatten(0, 1).float(), ops.v6[:, :skv])
+
+
+@pytest.mark.parametrize("anchor", [0, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_kernel_operands_decode_to_the_reference_operands(anchor, dtype):
+    """What the FP8 kernel reads (E4M3 bytes times their row / key-block scales, as the kernel folds
+    them) is exactly the reference's decoded Q-hat and K-hat, in the physical (anchor-permuted) order;
+    k_scale covers whole 128-key tiles."""
+    hp = importlib.import_module("fp4vis.kernels.hopper.prepass")
+    pol = POLICIES["fast_fp8qk"].replace(name="fp8_test", anchor=anchor, margin=4.0 if anchor else 0.0)
+    b, h, sq, skv, d = 1, 2, 40, 161, 64
+    q, k, v = _inputs(b, h, sq, skv, d, dtype)
+    q8, k8, v6, qs, ks = hp.prepare_kernel_operands(q, k, v, qk_layout(pol, d), pol.anchor)
+    ops = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, 0.125)
+    assert q8.dtype == k8.dtype == torch.float8_e4m3fn and qs.dtype == ks.dtype == torch.float32
+    assert ks.shape[-1] == hp.fp8_key_scale_blocks(skv) == 8
+    assert torch.equal((q8.float() * qs[..., None]).flatten(0, 1), ops.q)
+    k_dec = k8.float() * ks.repeat_interleave(32, -1)[..., :skv, None]
+    assert torch.equal(k_dec.flatten(0, 1), ops.k[:, :skv])
+    assert torch.equal(v6.flatten(0, 1).float(), ops.v6[:, :skv])
+    assert bool((ks[..., -(ks.shape[-1] - 6):] == 1.0).all())   # padding past the 6 blocks of 161 keys
+
+
+def test_fp8_config_plumbing():
+    """The policy's FP8 Q/K reaches the kernel configuration (the benchmark once built kernels without
+    a policy field), and the combination the kernel lacks is refused by name."""
+    from fp4vis.kernels.hopper.config import DirectPConfig
+    assert DirectPConfig.from_policy(POLICIES["fast_fp8qk"], 128, "bf16").qk_fp8
+    assert not DirectPConfig.from_policy(POLICIES["fast"], 128, "bf16").qk_fp8
+    assert DirectPConfig.from_policy(POLICIES["fast_bf16round"], 128, "bf16").code_rounding == "bf16"
+    with pytest.raises(ValueError, match="qk_fp8 with anchors"):
+        DirectPConfig.make(128, "bf16", 1.5, 1.2, 16, False, 32, qk_fp8=True)
+
+
+def test_block_scales_config_plumbing():
+    """block_scales: "quad" by default with 128-key tiles, "lane" selectable (in the key, from the
+    benchmark's variant syntax and the custom op's argument), "lane" wherever 64-key tiles are used."""
+    from fp4vis.evals.kernel_bench import split_variant
+    from fp4vis.kernels.hopper.backend import kernel_config
+    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
+    fast = POLICIES["fast"]
+    quad = DirectPConfig.from_policy(fast, 128, "bf16")
+    lane = DirectPConfig.from_policy(fast, 128, "bf16", block_scales="lane")
+    assert quad.block_scales == "quad" and lane.block_scales == "lane" and quad.key() != lane.key()
+    assert DirectPConfig.from_policy(fast, 128, "bf16", schedule="overlap").block_scales == "lane"
+    assert DirectPConfig.from_policy(fast, 128, "bf16", num_wg=3).block_scales == "lane"
+    for p_path in ("none", "timing_codes"):   # no block scales to share
+        assert DirectPConfig.from_policy(fast, 128, "bf16", p_path=p_path).block_scales == "lane"
+    with pytest.raises(ValueError, match="block_scales"):   # built directly, past make's choice
+        DirectPAttentionSm90(dataclasses.replace(quad, tile_n=64))
+    with pytest.raises(ValueError, match="block_scales"):
+        DirectPConfig.from_policy(fast, 128, "bf16", block_scales="warp")
+    base, kw = split_variant("hopper_kernel@///lane")
+    assert base == "hopper_kernel" and kw == {"block_scales": "lane"}
+    assert DirectPConfig.from_policy(fast, 128, "bf16", **kw).key() == lane.key()
+    args = (128, "bf16", fast.affine_a, fast.affine_b, fast.shift, fast.native_exp2, fast.anchor, "", "", 0,
+            fast.code_rounding, False)
+    assert kernel_config(*args).key() == quad.key() and kernel_config(*args, "lane").key() == lane.key()
+
+
+def test_short_variant_config_plumbing():
+    """ctas_per_sm = 2 (two CTAs per SM): make fills in its schedule and warpgroups and refuses others by
+    name; it is in the key; the kernel fits its register and shared-memory budget by construction (fewer
+    K/V stages at D = 128); the benchmark's variant syntax selects it."""
+    from fp4vis.evals.kernel_bench import split_variant
+    from fp4vis.kernels.hopper import config as hf
+    from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
+    fast = POLICIES["fast"]
+    default = hf.DirectPConfig.from_policy(fast, 128, "bf16")
+    short = hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=2)
+    assert default.ctas_per_sm == 1 and default.key() != short.key()
+    assert (short.ctas_per_sm, short.schedule, short.num_wg) == (2, "serial", 1)
+    assert hf.DirectPConfig.from_policy(fast, 128, "bf16", schedule="serial", num_wg=1, ctas_per_sm=2) == short
+    for bad in (dict(schedule="pingpong"), dict(num_wg=2), dict(schedule="overlap", num_wg=1)):
+        with pytest.raises(ValueError, match="ctas_per_sm"):
+            hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=2, **bad)
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=3)
+    with pytest.raises(ValueError, match="ctas_per_sm"):   # built directly, past make's checks
+        DirectPAttentionSm90(dataclasses.replace(default, ctas_per_sm=2))
+    # 128 registers per thread at launch (64K per SM, 2 CTAs of 256 threads): the two warpgroups share 2 x 128
+    assert sum(hf.REGS_2CTA) == 2 * (65536 // (2 * 256)) and all(r % 8 == 0 for r in hf.REGS_2CTA)
+    for d, fp8, stages in ((128, False, 3), (128, True, 3), (64, False, 4), (64, True, 4)):
+        cfg = hf.DirectPConfig.from_policy(POLICIES["fast_fp8qk" if fp8 else "fast"], d, "bf16", ctas_per_sm=2)
+        kern = DirectPAttentionSm90(cfg)
+        assert (kern.kv_stages, kern.regs_producer, kern.regs_consumer) == (stages, *hf.REGS_2CTA)
+    assert DirectPAttentionSm90(default).kv_stages == 4
+    assert split_variant("hopper_kernel@////2") == ("hopper_kernel", {"ctas_per_sm": 2})
+    assert split_variant("hopper_kernel@serial//1//1")[1] == {"schedule": "serial", "num_wg": 1, "ctas_per_sm": 1}
+
+
+def test_short_variant_dispatch(monkeypatch):
+    """The backend's call picks the short-sequence variant when both sequences are at most SHORT_SEQ and
+    the call names no variant field, never swaps a variant asked for by name (any field), keeps the
+    default kernel for long queries over short keys, and FP4VIS_HOPPER_SHORT=0 turns it off (read at
+    the call). The pre-pass runs on the CPU; the launch is replaced."""
+    from fp4vis.kernels.hopper import backend as hb
+    seen = []
+    monkeypatch.setattr(hb, "run_kernel", lambda *a: seen.append(a[6]))
+    pol = POLICIES["fast"]
+
+    def ctas(skv, sq=8, **variant):
+        q = torch.randn(1, 1, sq, 64, dtype=torch.bfloat16)
+        kv = torch.randn(1, 1, skv, 64, dtype=torch.bfloat16)
+        hb.hopper_attention_eager(q, kv, kv, 0.125, **hb.policy_args(pol, 64, 0.125), **variant)
+        return seen[-1].ctas_per_sm
+
+    assert hb.SHORT_SEQ == 768
+    assert ctas(768, sq=768) == 2 and ctas(769) == 1 and ctas(40, sq=769) == 1
+    assert ctas(40, p_path="scalar") == 1 and ctas(40, block_scales="lane") == 1
+    assert ctas(40, ctas_per_sm=1) == 1 and ctas(2000, ctas_per_sm=2) == 2
+    assert ctas(40, schedule="pingpong") == 1 and ctas(40, schedule="serial", num_wg=1) == 1
+    assert seen[0].key() == hb.kernel_config(64, "bf16", pol.affine_a, pol.affine_b, pol.shift, pol.native_exp2,
+                                             pol.anchor, "", "", 0, pol.code_rounding, False, "", 0, True).key()
+    monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "0")
+    assert ctas(40) == 1
+
+
+_TRITON_CHECK = r"""
+import torch
+from fp4vis.formats import nvfp4_qdq
+from fp4vis.kernels.hopper.prepass import prepare_operands, cached_anchor_permutation
+from fp4vis.kernels.hopper import prepass_triton as tp
+g = torch.Generator().manual_seed(0)
+for dtype, d, layout, anchor in ((torch.bfloat16, 128, "folded64_mse", 128), (torch.float16, 64, "block16", 32)):
+    b, h, s = 1, 2, 45
+    q = torch.randn(b, h, s, d, generator=g).to(dtype)
+    k = (torch.randn(b, h, s, d, generator=g) * 3).to(dtype)
+    v = torch.randn(b, h, s, d, generator=g).to(dtype)
+    k[..., 3] *= 30
+    v[..., 5] *= 1e3
+    v[..., :7, 9] *= 1e-6
+    qh, kh, v6 = prepare_operands(q, k, v, layout, anchor, fused=False)
+    perm = cached_anchor_permutation(s, anchor, q.device, torch.int32)
+    # the fused pre-pass sums the folded-K64 MSE exactly (float64)
+    qx = nvfp4_qdq(q, layout).to(torch.bfloat16)
+    kx = nvfp4_qdq(k[:, :, perm.long()], layout).to(torch.bfloat16)
+    assert torch.equal(tp.nvfp4_qdq(q, layout), qx)
+    assert torch.equal(tp.nvfp4_qdq(k, layout, perm), kx)
+    assert torch.equal(tp.mxfp4_v6(v, perm), v6)
+    if layout == "block16":
+        assert torch.equal(qx, qh) and torch.equal(kx, kh)
+print("OK")
+"""
+
+
+def test_triton_prepass_matches_torch_prepass_interpreted():
+    """The fused Triton pre-pass, run by Triton's CPU interpreter, is bit-equal to the PyTorch one."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("anchor", [0, 32])
+def test_prepass_turns_non_finite_inputs_into_nan(anchor):
+    """The quantizers saturate Inf to a finite code; the pre-pass must hand the kernel NaN instead
+    (the kernel propagates it, fp4vis.attention then names the input), exactly where the input was
+    non-finite (after the anchor permutation), and change nothing else."""
+    q, k, v = _inputs(1, 2, 64, 64, 128, torch.bfloat16, seed=4)
+    k[0, 1, 3, 5] = math.inf
+    v[0, 0, 7, 2] = -math.nan
+    q[0, 1, 9, 100] = -math.inf
+    qh, kh, vh = prepare_operands(q, k, v, "folded64_mse", anchor)
+    for hat in (qh, kh, vh):
+        assert int(torch.isnan(hat).sum()) == 1 and not torch.isinf(hat).any()
+    assert torch.isnan(qh[0, 1, 9, 100])
+    assert torch.equal(torch.isnan(kh).nonzero()[:, [0, 1, 3]], torch.tensor([[0, 1, 5]]))
+    assert torch.equal(torch.isnan(vh).nonzero()[:, [0, 1, 3]], torch.tensor([[0, 0, 2]]))
+
+
+def test_kernel_output_check_names_the_input():
+    from fp4vis.attention import _check_kernel_output
+    q, k, v = _inputs(1, 1, 8, 8, 64, torch.float32)
+    _check_kernel_output(torch.zeros(3), q, k, v, "hopper")   # finite output: nothing to say
+    bad = torch.tensor([0.0, math.nan])
+    k[0, 0, 1, 1] = math.inf
+    with pytest.raises(ValueError, match="k: contains Inf"):
+        _check_kernel_output(bad, q, k, v, "hopper")
+    with pytest.raises(RuntimeError, match="non-finite output from finite inputs"):
+        _check_kernel_output(bad, q, q, q, "hopper")
+
+
+def _grid_round(y: torch.Tensor, fma_constant: bool) -> torch.Tensor:
+    """The kernel's ``e2m1_grid_eighths`` in float32 arithmetic (torch's float32 add rounds to nearest
+    even, as add.rn.f32 does; the FFMA constant is exact in float64 and rounded once)."""
+    bits = y.view(torch.int32)
+    c = bits & 0x7F800000
+    if fma_constant:
+        big = (c.view(torch.float32).double() * 2.0 ** 22 + (2.0 ** 19 - 2.0 ** 16)).float()
+    else:
+        big = torch.clamp(c + 0x0B000000, min=0x49000000).view(torch.float32)
+    return (y + big) - big
+
+
+def test_e2m1_grid_rounding_constant_forms_agree():
+    """The FFMA rounding constant of the default packed P path gives the E2M1 grid (RNE) for every
+    y8 = y/8 in [0, 1], as the integer form does: exhaustive over the binades where the grid
+    steps differ (y8 >= 2^-8), sampled below; ``FP4VIS_EXHAUSTIVE=1`` checks every float32 in
+    [0, 1] (1.07e9 values)."""
+    from fp4vis.formats import e2m1_round
+
+    mant = torch.arange(1 << 23, dtype=torch.int32)
+    everything = os.environ.get("FP4VIS_EXHAUSTIVE") == "1"   # all of [0, 1]: about a minute
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.tensor([0, 1, 0x3F800000], dtype=torch.int32)]   # 0, a subnormal, 1.0
+    for e in range(-127, 0):   # -127: the subnormals
+        exhaustive = everything or e >= -8
+        m = mant if exhaustive else torch.randint(0, 1 << 23, (1 << 14,), generator=g, dtype=torch.int32)
+        chunks.append(((e + 127) << 23) | m)
+    for bits in chunks:
+        y = bits.view(torch.float32)
+        want = e2m1_round(8.0 * y) / 8.0
+        for fma_constant in (True, False):
+            got = torch.clamp(_grid_round(y, fma_constant), max=0.75)   # the kernel saturates on pairs
+            assert torch.equal(got, want), f"fma_constant={fma_constant}: {(got != want).sum()} mismatches"

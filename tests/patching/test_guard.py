@@ -1,0 +1,235 @@
+"""Guard calibration: the sampled-logit statistic, the rule, GuardPlan JSON, and guarded patching."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import fp4vis
+from fp4vis.layout import anchor_indices
+from fp4vis.patching.guard import EXP_LIMIT, GuardPlan, GuardRule, LayerStats, logit_stats, policy_limit
+
+timm = pytest.importorskip("timm")
+
+LOG2E = 1 / math.log(2)
+EXTREME = (1, 3)  # timm blocks whose logits the tests make extreme
+
+
+# ------------------------------------------------------------------------------------------------
+# the statistic and the rule
+
+
+@pytest.mark.parametrize("skv", [20, 300])
+def test_logit_stats_match_brute_force(skv):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 7, 32, generator=g) * 4
+    k = torch.randn(2, 3, skv, 32, generator=g) * 4
+    scale = 0.3
+    logits = (q @ k.mT) * scale * LOG2E
+    idx = anchor_indices(skv, 128)
+    st = logit_stats(q, k, scale, full=True)
+    assert st["sampled_max_log2"] == pytest.approx(float(logits[..., idx].max()), rel=1e-5)
+    assert st["full_max_log2"] == pytest.approx(float(logits.max()), rel=1e-5)
+    gap = (logits.amax(-1) - logits[..., idx].amax(-1)).max()
+    assert st["anchor_gap_log2"] == pytest.approx(float(gap), abs=1e-4)
+    if skv <= 128:
+        assert st["anchor_gap_log2"] == 0
+    # layout bshd gives the same numbers
+    st2 = logit_stats(q.transpose(1, 2), k.transpose(1, 2), scale, layout="bshd", full=True)
+    assert st2 == pytest.approx(st)
+
+
+def test_rule_limits_and_thresholds():
+    fast, acc = fp4vis.get_policy("fast"), fp4vis.get_policy("accurate")
+    assert policy_limit(fast, 0.125) == EXP_LIMIT == 127
+    assert policy_limit(acc, 0.125) == pytest.approx(127 + 64 * 0.125)  # M*scale in the code's units
+    assert policy_limit(acc.replace(margin_units="paper"), 0.125) == pytest.approx(127 + 64)
+    st = LayerStats("l", scale=0.125, sampled_max_log2=100.0, full_max_log2=140.0, anchor_gap_log2=3.0)
+    assert GuardRule().evaluate(st, fast) and st.value == 100 and st.headroom == 27
+    assert not GuardRule(fraction=0.9).evaluate(st, fast)
+    assert not GuardRule(threshold=120).evaluate(st, fast)
+    assert GuardRule(threshold=120, statistic="full").evaluate(st, fast)
+    assert not GuardRule().evaluate(st, acc) and st.value == 3.0  # anchored: the anchor gap
+    with pytest.raises(ValueError):
+        GuardRule(statistic="median")
+
+
+# ------------------------------------------------------------------------------------------------
+# a timm ViT whose blocks 1 and 3 have extreme logits
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=64,
+                          depth=4, num_heads=2, num_classes=10)
+    with torch.no_grad():
+        for i in EXTREME:
+            w = m.blocks[i].attn.qkv.weight
+            w[:128] *= 80        # q and k rows: logits z*log2(e) of several hundred
+            w[128:] *= 2 ** 14   # v rows: saturated P blocks then overflow FP32 without the guard
+    path = tmp_path_factory.mktemp("timm_guard") / "vit.pth"
+    torch.save(m.state_dict(), path)
+    return path
+
+
+@pytest.fixture()
+def vit(ckpt):
+    return timm.create_model("vit_tiny_patch16_224", pretrained=True, img_size=32, patch_size=8, embed_dim=64,
+                             depth=4, num_heads=2, num_classes=10,
+                             pretrained_cfg_overlay=dict(file=str(ckpt), num_classes=10)).eval()
+
+
+def _images(n=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, 32, 32, generator=g) for _ in range(n)]
+
+
+NAMES = [f"blocks.{i}.attn" for i in range(4)]
+GUARDED = [f"blocks.{i}.attn" for i in EXTREME]
+
+
+@torch.no_grad()
+def test_calibrate_picks_exactly_the_extreme_layers_and_guard_keeps_finite(vit, tmp_path):
+    xs = _images()
+    path = tmp_path / "plan.json"
+    plan = fp4vis.calibrate(vit, xs, policy="fast", model_id="tiny-vit", path=path)
+    assert plan.guarded == GUARDED
+    assert list(plan.stats) == NAMES
+    for name, st in plan.stats.items():
+        assert st.calls == len(xs)
+        if name in GUARDED:
+            assert st.sampled_max_log2 > 300
+        else:
+            assert st.sampled_max_log2 < 10
+    assert plan.guard_policy == fp4vis.guard_policy_for_heads(2)
+
+    # versioned JSON with the rule and the statistics
+    d = json.loads(path.read_text())
+    assert d["format"] == "fp4vis.guard_plan" and d["version"] == 1 and d["model_id"] == "tiny-vit"
+    assert d["policy"]["name"] == "fast" and d["guard_policy"]["anchor"] == 128
+    assert d["rule"]["statistic"] == "sampled" and d["rule"]["fraction"] == 0.75
+    assert "sampled_max_log2 >= 0.75 * limit" in d["rule"]["description"]
+    assert d["guarded"] == GUARDED and set(d["layers"]) == set(NAMES)
+    assert d["layers"]["blocks.1.attn"]["limit"] == 127 and d["layers"]["blocks.1.attn"]["guarded"] is True
+    loaded = GuardPlan.load(path)
+    assert loaded.to_dict() == plan.to_dict()
+
+    exact = vit(xs[0])
+    # unguarded: the default range check raises; with it off the output is not finite
+    with fp4vis.patch(vit, "fast"):
+        with pytest.raises(fp4vis.RangeExceededError):
+            vit(xs[0])
+    with fp4vis.patch(vit, None, layers={1: "fast"}, range_check="off"):
+        assert not torch.isfinite(vit(xs[0])).all()
+    # guarded (plan from its JSON path): exactly the calibrated layers get the guard policy
+    with fp4vis.patch(vit, "fast", guard=path, range_check="off") as h:
+        assert h.policies == {n: ("guard" if n in GUARDED else "fast") for n in NAMES}
+        out = vit(xs[0])
+    assert torch.isfinite(out).all()
+    assert fp4vis.cosine(out, exact) > 0.9
+    # explicit exact layers stay exact; the guard only upgrades Direct-P layers
+    with fp4vis.patch(vit, "fast", layers={1: None}, guard=plan) as h:
+        assert h.policies["blocks.1.attn"] is None and h.policies["blocks.3.attn"] == "guard"
+    # a plan calibrated for another base policy is applied, with a warning saying so
+    with pytest.warns(RuntimeWarning, match="calibrated for policy 'fast'"):
+        with fp4vis.patch(vit, "wan_fast", guard=plan):
+            pass
+
+
+@torch.no_grad()
+def test_rule_is_an_option(vit):
+    xs = _images(1)
+    plan = fp4vis.calibrate(vit, (x for x in xs), threshold=1e4)  # any iterable, consumed once
+    assert plan.num_inputs == 1
+    assert plan.guarded == [] and plan.rule.threshold == 1e4
+    assert plan.redecide(GuardRule(fraction=0.75)).guarded == GUARDED
+    assert plan.redecide(threshold=0.05).guarded == NAMES  # every layer above a tiny threshold
+    full = fp4vis.calibrate(vit, xs, statistic="full")
+    assert full.guarded == GUARDED
+    assert all(st.full_max_log2 >= st.sampled_max_log2 for st in full.stats.values())
+    # anchored base policy: the anchor covers all 17 keys, the gap is 0, nothing needs the guard
+    acc = fp4vis.calibrate(vit, xs, policy="accurate")
+    assert acc.guarded == [] and all(st.anchor_gap_log2 == 0 for st in acc.stats.values())
+    with fp4vis.patch(vit, "accurate"):
+        assert torch.isfinite(vit(xs[0])).all()
+
+
+@torch.no_grad()
+def test_guard_auto_calibrates_on_first_call(vit):
+    x = _images(1)[0]
+    with fp4vis.patch(vit, "fast", guard="auto", range_check="off") as h:
+        out = vit(x)
+        assert h.policies == {n: ("guard" if n in GUARDED else "fast") for n in NAMES}
+        assert h.guard_plan.guarded == GUARDED and list(h.guard_plan.stats) == NAMES
+        vit(x)
+        assert all(st.calls == 2 for st in h.states)
+    assert torch.isfinite(out).all()
+
+
+def test_plan_errors(vit, tmp_path):
+    plan = GuardPlan(model_id="m", policy=fp4vis.get_policy("fast"), guard_policy=fp4vis.get_policy("guard"),
+                     guarded=["blocks.9.attn"])
+    with pytest.raises(ValueError, match="blocks.9.attn"):
+        fp4vis.patch(vit, guard=plan)
+    d = plan.to_dict()
+    (tmp_path / "v99.json").write_text(json.dumps({**d, "version": 99}))
+    with pytest.raises(ValueError, match="version 99"):
+        GuardPlan.load(tmp_path / "v99.json")
+    (tmp_path / "other.json").write_text(json.dumps({**d, "format": "something"}))
+    with pytest.raises(ValueError, match="not an fp4vis guard plan"):
+        GuardPlan.load(tmp_path / "other.json")
+    with pytest.raises(ValueError, match="Direct-P"):
+        fp4vis.calibrate(vit, [], policy="bf16")
+    with pytest.raises(ValueError, match="no calibration inputs"):
+        fp4vis.calibrate(vit, iter([]))
+    assert not any(hasattr(m, "_fp4vis_state") for m in vit.modules())  # calibration cleaned up
+
+
+# ------------------------------------------------------------------------------------------------
+# Wan and MAE
+
+
+@torch.no_grad()
+def test_wan_calibration_guards_the_extreme_block(tmp_path):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    tiny = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+                text_dim=32, freq_dim=32, ffn_dim=32, num_layers=3, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    model = diffusers.WanTransformer3DModel(**tiny)
+    model.blocks[1].attn1.norm_q.weight.mul_(12)  # q and k pass RMS norms: scale their gains
+    model.blocks[1].attn1.norm_k.weight.mul_(12)
+    model.save_pretrained(tmp_path)
+    model = diffusers.WanTransformer3DModel.from_pretrained(tmp_path).eval()
+    g = torch.Generator().manual_seed(0)
+    inp = dict(hidden_states=torch.randn(1, 16, 2, 8, 8, generator=g), timestep=torch.tensor([500]),
+               encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
+    plan = fp4vis.calibrate(model, [inp], policy="wan_fast", cross_attention=True)
+    assert plan.guarded == ["blocks.1.attn1"]
+    assert set(plan.stats) == {f"blocks.{i}.attn{j}" for i in range(3) for j in (1, 2)}
+    exact = model(**inp)[0]
+    with fp4vis.patch(model, "wan_fast"), pytest.raises(fp4vis.RangeExceededError):
+        model(**inp)
+    with fp4vis.patch(model, "wan_fast", guard=plan) as h:
+        assert h.policies == {"blocks.0.attn1": "wan_fast", "blocks.1.attn1": "guard", "blocks.2.attn1": "wan_fast",
+                              "blocks.0.attn2": None, "blocks.1.attn2": None, "blocks.2.attn2": None}
+        out = model(**inp)[0]
+    assert torch.isfinite(out).all() and fp4vis.cosine(out, exact) > 0.9
+
+
+@torch.no_grad()
+def test_mae_needs_no_guard(tmp_path):
+    tr = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tr.ViTMAEConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                          image_size=32, patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=2,
+                          decoder_num_attention_heads=2, decoder_intermediate_size=64, mask_ratio=0.5)
+    tr.ViTMAEForPreTraining(cfg).save_pretrained(tmp_path)
+    mae = tr.ViTMAEForPreTraining.from_pretrained(tmp_path).eval()
+    plan = fp4vis.calibrate(mae, [dict(pixel_values=x) for x in _images(1)], decoder=True)
+    assert plan.guarded == [] and len(plan.stats) == 4
+    assert {st.group for st in plan.stats.values()} == {"encoder", "decoder"}
