@@ -1,6 +1,6 @@
 r"""Run the Hopper kernel (prepared operands) a few times at one shape, for Nsight Compute.
 
-The two runs behind benchmarks/results/hopper_h200_20261129b_ncu_sections.txt and _ncu_stalls.txt:
+The two runs behind benchmarks/results/20261129b_h200_ncu_sections.txt and _ncu_stalls.txt:
 
     ncu --clock-control none -k regex:DirectP --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
@@ -12,8 +12,8 @@ The two runs behind benchmarks/results/hopper_h200_20261129b_ncu_sections.txt an
     ncu --clock-control none -k regex:DirectP --launch-skip 1 --launch-count 1 --metrics "$M" \
         python benchmarks/ncu_kernel.py --variant pingpong/packed
 
-Per-pipe utilisation (hopper_h200_20261129c_ncu_pipes_before.txt; variants packed, none,
-timing_scales, timing_codes) and the stalls after the late PV wait (..._ncu_stalls.txt):
+Per-pipe utilisation (20261129c_h200_ncu_pipes-before.txt; variants packed, none,
+timing_scales, timing_codes) and the stalls after the late PV wait (20261129c_h200_ncu_stalls.txt):
 
     M='regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active'
     M="$M,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active"
@@ -26,9 +26,9 @@ timing_scales, timing_codes) and the stalls after the late PV wait (..._ncu_stal
 
 The timings beside them: ``benchmarks/kernel_grid.py --shapes "1,32768,12;1,8192,24;1,4096,24"
 --backends "hopper_kernel@/none,hopper_kernel,hopper_kernel@/packed_alu,hopper_kernel@serial/packed,
-hopper_kernel@serial/packed/1,hopper_kernel@serial/none/1,fa4"`` (..._variants.json) and, on the
+hopper_kernel@serial/packed/1,hopper_kernel@serial/none/1,fa4"`` (20261129c_h200_kernel_variants.json) and, on the
 afternoon's kernel, ``--backends "hopper_kernel@/none,hopper_kernel@/timing_scales,
-hopper_kernel@/timing_codes,hopper_kernel,hopper_kernel@serial/packed,fa4"`` (..._stages_before.json).
+hopper_kernel@/timing_codes,hopper_kernel,hopper_kernel@serial/packed,fa4"`` (20261129c_h200_kernel_stages-before.json).
 
 Only the attention kernel is launched after the operands are prepared (pre-pass excluded).
 """

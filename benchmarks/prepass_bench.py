@@ -195,8 +195,8 @@ def _diff_examples(a: torch.Tensor, r: torch.Tensor, x: torch.Tensor | None, lim
 
 
 def _mk_groups(shape, group_rows, dtype, g, dev):
-    """Rows grouped as the FP8 pre-pass groups them (tests/kernels/hopper/test_hopper_prepass.py): each group scaled by its
-    own power of two (BF16 2^-20..2^20, FP16 within its range) around 8-significant-bit integers (RNE
+    """Rows grouped as the FP8 pre-pass groups them (tests/kernels/hopper/test_hopper_prepass.py): each
+    group scaled by its own power of two (BF16 2^-20..2^20, FP16 within its range) around 8-significant-bit integers (RNE
     ties, carries into the next binade) with per-element exponents over 14 binades (E4M3 subnormals,
     underflow to +-0); the first group all zero, the second tiny (float32 subnormals for BF16)."""
     x = torch.randint(-255, 256, shape, generator=g, device=dev).float()
@@ -577,7 +577,7 @@ def _parse_skip(text: str, ap) -> set:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--old", default=None, help="path of the previous kernels/hopper/prepass_triton.py (three launches)")
+    ap.add_argument("--old", default=None, help="path of an earlier kernels/hopper/prepass_triton.py")
     ap.add_argument("--skip", default="", help=SKIP_HELP)
     a = ap.parse_args()
     skip = _parse_skip(a.skip, ap)

@@ -9,7 +9,7 @@
 # that comes back; copy them into benchmarks/results/ and commit them. PYTHON overrides the
 # interpreter; .device/setup.sh, when present, sets up the environment as benchmarks/run_on_h200.sh does.
 #
-# 1. fp4vis info                      -> benchmarks/results/info_gpu.json
+# 1. fp4vis info                      -> benchmarks/results/<RUN>_info.json
 # 2. MAE-base (ViTMAEConfig defaults) reconstruction PSNR, 224 px, fast + accurate
 # 3. ViT-B/16 (timm vit_base_patch16_224) at 1008 px (3970 tokens): agreement, logit and per-layer error
 # 4. Wan2.1-T2V-1.3B architecture, 480x832, 81 frames (32760 tokens), 2 steps + warm-up, speed only
@@ -21,6 +21,7 @@ cd "$(dirname "$0")/.."
 if [[ -f .device/setup.sh && -z "${PYTHON:-}" ]]; then eval "$(bash .device/setup.sh)"; fi
 PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results}
+RUN=${RUN:-$(date -u +%Y%m%d)a_h200}   # file-name prefix: benchmarks/results/README.md's scheme
 BUDGET=${BUDGET_S:-470}
 PHOTOS=${PHOTOS_DIR:-${TMPDIR:-/tmp}/fp4vis_photos}
 mkdir -p "$OUT"
@@ -35,8 +36,8 @@ if ! $PY -c "import fp4vis.evals.vit_top1, fp4vis.cli" 2>/dev/null; then
 fi
 
 step "fp4vis info"
-$PY -m fp4vis.cli info | tee "$OUT/info_gpu.txt"
-$PY -m fp4vis.cli info --json > "$OUT/info_gpu.json"
+$PY -m fp4vis.cli info | tee "$OUT/${RUN}_info.txt"
+$PY -m fp4vis.cli info --json > "$OUT/${RUN}_info.json"
 
 step "scikit-image photos -> $PHOTOS"
 $PY -c "from fp4vis.evals.common import export_skimage_photos as e; import sys; e(sys.argv[1])" "$PHOTOS" || exit 1
@@ -44,13 +45,13 @@ ls "$PHOTOS"/photos
 
 step "MAE-base, random weights, 224 px (limit 100 s)"
 timeout 100 $PY -m fp4vis.cli eval mae --model config:default --data "$PHOTOS" --policies fast,accurate \
-  --batch-size 8 --limit 8 --seed 0 --out-dir "$OUT" --name mae_base_random_224 --no-progress
+  --batch-size 8 --limit 8 --seed 0 --out-dir "$OUT" --name "${RUN}_eval-mae_base-random-224" --no-progress
 echo "exit $?"
 
 step "ViT-B/16, random weights, 1008 px (limit 170 s)"
 timeout 170 $PY -m fp4vis.cli eval vit --model timm:vit_base_patch16_224 --random-weights --resolution 1008 \
   --data "$PHOTOS" --labels none --policies fast,accurate --batch-size 4 --limit 8 --seed 0 --out-dir "$OUT" \
-  --name vit_b16_random_1008 --no-progress
+  --name "${RUN}_eval-vit_b16-random-1008" --no-progress
 echo "exit $?"
 
 wan_limit=$(left)
@@ -58,7 +59,7 @@ step "Wan2.1-1.3B architecture, random weights, 480x832x81, 2 steps (limit ${wan
 if (( wan_limit > 60 )); then
   timeout "$wan_limit" $PY -m fp4vis.cli eval wan --speed-only 1.3B --height 480 --width 832 --frames 81 \
     --steps 2 --guidance 5.0 --policies wan_fast,fast,accurate --backend hopper --seed 0 --out-dir "$OUT" \
-    --name wan_1.3B_random_480x832x81_speed
+    --name "${RUN}_eval-wan_1.3b-random-480x832x81-speed"
   echo "exit $?"
 else
   echo "skipped: not enough time left"

@@ -4,8 +4,8 @@ Each (device, shape, policy) runs in a fresh subprocess so that its peak residen
 ``ru_maxrss``) or peak allocated memory (CUDA, ``torch.cuda.max_memory_allocated``) is its own.
 Writes raw JSON (date, machine, versions) and prints a table.
 
-    python benchmarks/reference_bench.py --device cpu --out benchmarks/results/reference_cpu.json
-    python benchmarks/reference_bench.py --device cuda --out benchmarks/results/reference_h200.json
+    python benchmarks/reference_bench.py --device cpu --out benchmarks/results/$(date +%Y%m%d)a_cpu_reference.json
+    python benchmarks/reference_bench.py --device cuda --out benchmarks/results/$(date +%Y%m%d)a_h200_reference.json
 """
 
 from __future__ import annotations

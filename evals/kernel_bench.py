@@ -4,7 +4,7 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 
     rows = run_grid(shapes=GRID_D128, backends=("hopper", "fa4", "sdpa_cudnn"),
                     policies=("fast",), quick=False)
-    write_results(rows, "benchmarks/results/kernel_grid_<date>.json")   # raw JSON + meta
+    write_results(rows, "benchmarks/results/<date>a_h200_kernel_grid.json")   # raw JSON + meta
     print(summary_table(rows))                                           # Markdown
 
 Backends (each skipped with a reason in its row when it cannot run here):

@@ -60,7 +60,7 @@ COMPILE_TIMES: dict[tuple, float] = {}
 # (DirectPConfig.ctas_per_sm = 2: CTAs of 64 query rows, two per SM) where the call names no kernel
 # variant; FP4VIS_HOPPER_SHORT=0 turns that off. Measured on the H200,
 # self-attention, kernel alone, side by side (benchmarks/short_seq_bench.py,
-# benchmarks/results/short_seq_h200_20261129f.json): 30 % faster at 256 tokens, 9-16 % at 197, 1-6 % at
+# benchmarks/results/20261129f_h200_shortseq.json): 30 % faster at 256 tokens, 9-16 % at 197, 1-6 % at
 # 577, -3 % to +1 % at 1024, 10-14 % slower at 4096. Long queries over short keys (cross-attention) are
 # not measured and keep the default kernel.
 SHORT_SEQ = 768
@@ -216,7 +216,7 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
     This plain function is the body of the custom op ``torch.ops.fp4vis.hopper_attention``;
     ``HopperBackend`` calls it directly outside torch.compile, which saves the dispatcher's
-    30-85 us per call (H200, benchmarks/results/prepass_h200_20261129.json)."""
+    30-85 us per call (H200, benchmarks/results/20261129b_h200_prepass.json)."""
     ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = kernel_config(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,

@@ -453,7 +453,7 @@ def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, NQ, TQ, SK, NKB, NVB,
 BLOCK_R = 16
 # Warps per program: 4 at D = 128; 2 at D = 64, where 4 would spread each 16-value group over 4
 # threads (two shuffle levels per candidate sum) and each 32-key FP8/MXFP4 block over twice the
-# threads it fills: measured on the H200 (benchmarks/results/prepass_h200_20261129f_d64tune.json)
+# threads it fills: measured on the H200 (benchmarks/results/20261129f_h200_prepass_d64-tune.json)
 # 15-19 % faster NVFP4 and 7-10 % faster FP8 pre-passes at ViT shapes (B64 S197 H12, B8 S577 H16).
 NUM_WARPS = 4
 NUM_WARPS_D64 = 2
@@ -477,7 +477,7 @@ def f16_codes_default() -> bool:
 # specialises every argument on each call (tens of microseconds); with the direct launch (default;
 # FP4VIS_PREPASS_DIRECT_LAUNCH=0 turns it off; checked on the H200 with Triton 3.6:
 # benchmarks/prepass_bench.py compares the direct launches bit for bit and records LAUNCH_STATE,
-# benchmarks/results/prepass_h200_20261129d.json) the compiled kernel is cached
+# benchmarks/results/20261129d_h200_prepass.json) the compiled kernel is cached
 # and ``CompiledKernel.run`` called directly, as ``JITFunction.run`` does (all arguments,
 # constexprs last). Only when no Triton launch hooks are set when it is cached (a profiler attached
 # later does not see these launches) and the inputs are 16-byte aligned (as the cached kernel was
