@@ -196,9 +196,10 @@ def _diff_examples(a: torch.Tensor, r: torch.Tensor, x: torch.Tensor | None, lim
 
 def _mk_groups(shape, group_rows, dtype, g, dev):
     """Rows grouped as the FP8 pre-pass groups them (tests/kernels/hopper/test_hopper_prepass.py): each
-    group scaled by its own power of two (BF16 2^-20..2^20, FP16 within its range) around 8-significant-bit integers (RNE
-    ties, carries into the next binade) with per-element exponents over 14 binades (E4M3 subnormals,
-    underflow to +-0); the first group all zero, the second tiny (float32 subnormals for BF16)."""
+    group scaled by its own power of two (BF16 2^-20..2^20, FP16 within its range) around
+    8-significant-bit integers (RNE ties, carries into the next binade) with per-element exponents over
+    14 binades (E4M3 subnormals, underflow to +-0); the first group all zero, the second tiny (float32
+    subnormals for BF16)."""
     x = torch.randint(-255, 256, shape, generator=g, device=dev).float()
     x = x * torch.exp2(-torch.randint(0, 14, shape, generator=g, device=dev).float())
     lo, hi, tiny = (-20, 20, -136) if dtype == torch.bfloat16 else (-16, 8, -24)

@@ -115,6 +115,18 @@ def check_image_folder(root: str | os.PathLike) -> Path:
     return p
 
 
+def image_loader(path: str) -> Any:
+    """``torchvision``'s image loader with a clear error: a file with an image extension that is not
+    an image stops the run with one line naming it (not a traceback from inside a DataLoader)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise UsageError(f"data: {path!r} is not a readable image ({type(exc).__name__}: {exc})") from None
+
+
 def export_skimage_photos(dest: str | os.PathLike, names: Sequence[str] = SKIMAGE_PHOTOS,
                           class_name: str = "photos") -> Path:
     """Write the RGB photos that scikit-image ships into an ImageFolder at ``dest/<class_name>/``

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fp4vis.evals.common import check_image_folder, error_metrics, image_list, images_markdown, per_sample
+from fp4vis.evals.common import check_image_folder, error_metrics, image_list, image_loader, images_markdown, per_sample
 from fp4vis.evals.report import markdown_table, mean_ci95, write_report
 from fp4vis.services import (
     UsageError,
@@ -66,6 +66,7 @@ def load_mae(source: str, *, random_weights: bool = False, device: torch.device 
     else:
         src, is_local = check_model_source(source)
         kw = {"mask_ratio": mask_ratio} if mask_ratio is not None else {}
+        _require_mae(source, src, is_local)
         try:
             if random_weights:
                 model = ViTMAEForPreTraining(ViTMAEConfig.from_pretrained(src, **kw))
@@ -86,6 +87,23 @@ def load_mae(source: str, *, random_weights: bool = False, device: torch.device 
             pass
     model.eval().to(device=device, dtype=dtype)
     return model, mean, std, random_weights
+
+
+def _require_mae(source: str, src: str, is_local: bool) -> None:
+    """A checkpoint of another kind would load into ViTMAEForPreTraining as newly initialised weights
+    (transformers only warns): refuse it before loading."""
+    from transformers import AutoConfig
+
+    try:
+        model_type = AutoConfig.from_pretrained(src).model_type
+    except Exception as e:
+        if not is_local and is_network_error(e):
+            raise hub_error(source, e) from e
+        raise UsageError(f"model: {source!r} has no transformers config.json (a ViTMAE checkpoint has one with "
+                         f"model_type 'vit_mae'; {type(e).__name__})") from None
+    if model_type != "vit_mae":
+        raise UsageError(f"model: {source!r} is a {model_type!r} model, not a ViTMAE (model_type 'vit_mae'); "
+                         "the MAE eval and calibration need a ViTMAEForPreTraining checkpoint")
 
 
 class _Indexed(torch.utils.data.Dataset):
@@ -138,8 +156,8 @@ def calibration_inputs(model, mean, std, data: str | os.PathLike, *, limit: int,
     native = int(size if isinstance(size, int) else size[0])
     res = resolution or native
     n_patches = (res // int(model.config.patch_size)) ** 2
-    ds = ImageFolder(str(check_image_folder(data)), transform=T.Compose([T.Resize(res), T.CenterCrop(res),
-                                                                          T.ToTensor(), T.Normalize(mean, std)]))
+    ds = ImageFolder(str(check_image_folder(data)), loader=image_loader,
+                     transform=T.Compose([T.Resize(res), T.CenterCrop(res), T.ToTensor(), T.Normalize(mean, std)]))
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     inputs = []
     for i in range(min(limit, len(ds))):
@@ -183,7 +201,7 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
         raise UsageError(f"resolution {res} is not a multiple of the patch size {patch}")
     num_patches = (res // patch) ** 2
     tf = T.Compose([T.Resize(res, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(res), T.ToTensor()])
-    dataset: Any = ImageFolder(str(root), transform=tf)
+    dataset: Any = ImageFolder(str(root), transform=tf, loader=image_loader)
     files = image_list(dataset, root, limit)
     if limit is not None:
         dataset = Subset(dataset, list(range(min(limit, len(dataset)))))

@@ -33,6 +33,7 @@ from fp4vis.evals.common import (
     check_image_folder,
     error_metrics,
     image_list,
+    image_loader,
     images_markdown,
     per_sample,
 )
@@ -127,6 +128,8 @@ def load_classifier(source: str, *, resolution: int | None = None, random_weight
         kwargs: dict[str, Any] = {}
         if resolution is not None:
             kwargs["img_size"] = resolution  # timm resamples pos_embed when loading the checkpoint
+        if source.startswith("timm:") and not timm.is_model(name):
+            raise UsageError(f"model: {name!r} is not a timm architecture (see timm.list_models())")
         try:
             model = timm.create_model(name, pretrained=not random_weights, **kwargs)
         except Exception as e:
@@ -202,7 +205,7 @@ def calibration_inputs(clf: Classifier, data: str | os.PathLike, *, limit: int) 
     transformed as the eval transforms them."""
     from torchvision.datasets import ImageFolder
 
-    ds = ImageFolder(str(check_image_folder(data)), transform=build_transform(clf))
+    ds = ImageFolder(str(check_image_folder(data)), transform=build_transform(clf), loader=image_loader)
     interp = clf.resolution != clf.native_resolution
     device, dtype = next(clf.model.parameters()).device, next(clf.model.parameters()).dtype
     inputs = []
@@ -290,7 +293,7 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
     acc = Accelerator(cpu=dev.type == "cpu")
     clf = load_classifier(model, resolution=resolution, random_weights=random_weights, device=acc.device,
                           dtype=resolve_dtype(dtype), seed=seed)
-    dataset = ImageFolder(str(root), transform=build_transform(clf))
+    dataset = ImageFolder(str(root), transform=build_transform(clf), loader=image_loader)
     files = image_list(dataset, root, limit)
     mapping, label_mode = label_mapping(dataset.classes, clf, labels)
     if limit is not None:

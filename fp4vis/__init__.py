@@ -17,7 +17,17 @@ Follow a call: ``fp4vis.attention`` -> ``fp4vis.backends.registry.select_backend
 from fp4vis.attention import RangeExceededError, attention
 from fp4vis.backends import available_backends
 from fp4vis.metrics import cosine, rel_l2, rmse
-from fp4vis.patching import FallbackError, FallbackWarning, GuardPlan, GuardRule, PatchHandle, calibrate, patch, unpatch
+from fp4vis.patching import (
+                             FallbackError,
+                             FallbackWarning,
+                             GuardPlan,
+                             GuardPlanError,
+                             GuardRule,
+                             PatchHandle,
+                             calibrate,
+                             patch,
+                             unpatch,
+)
 from fp4vis.policy import POLICIES, Policy, get_policy, guard_policy, guard_policy_for_heads
 from fp4vis.reference import RangeReport
 
@@ -27,6 +37,7 @@ __all__ = [
     "FallbackError",
     "FallbackWarning",
     "GuardPlan",
+    "GuardPlanError",
     "GuardRule",
     "POLICIES",
     "PatchHandle",

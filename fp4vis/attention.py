@@ -4,6 +4,7 @@ backend (``fp4vis.dispatch``) and enforces the range check; the numerics live in
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Literal
 
@@ -43,10 +44,22 @@ def _check_kernel_output(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                        "(a bug: please report it with the shapes and policy)")
 
 
+_STRAIGHT_THROUGH_WARNED: set[str] = set()
+
+
+def _warn_straight_through(policy: Policy) -> None:
+    if policy.name not in _STRAIGHT_THROUGH_WARNED:
+        _STRAIGHT_THROUGH_WARNED.add(policy.name)
+        warnings.warn(f"fp4vis.attention: policy {policy.name!r} has no gradient of its own; the output is FP4 "
+                      "attention and its gradient is exact attention's (straight-through)", UserWarning, stacklevel=3)
+
+
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.is_meta:
+            raise ValueError(f"{name}: is a meta tensor (no data); attention needs real tensors")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported; use bfloat16, float16 or float32")
         if t.dim() != 4:
@@ -100,6 +113,11 @@ def attention(
     Returns:
         The attention output, q's dtype, in ``layout``.
 
+    Gradients: only ``policy="bf16"`` is differentiable. For the FP4 policies, when autograd is
+    recording and an input requires grad, the output's value is the FP4 attention and its gradient
+    is exact attention's (a straight-through estimate), with one warning per policy; a patched
+    model keeps the model's own attention for such calls instead (``fp4vis.patch``).
+
     Non-finite inputs raise ValueError naming the tensor (docs/numerics.md section 6). The reference checks
     them first; the Hopper kernel propagates them to the output (NaN or Inf in q row i gives a NaN
     output row i; in k or v, NaN in that head) and ``attention`` checks the output once (one host
@@ -116,15 +134,22 @@ def attention(
     _validate(q, k, v, layout)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    elif not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if q.numel() == 0:  # no batch, heads or queries: nothing to attend (as SDPA)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         return out.transpose(1, 2) if layout == "bshd" else out
+    grad_inputs = None
+    if pol.method != "exact" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _warn_straight_through(pol)
+        grad_inputs, (q, k, v) = (q, k, v), (q.detach(), k.detach(), v.detach())
     chosen = select_backend(backend, q, k, v, pol, float(scale))
     out, report = chosen.forward(q, k, v, pol, float(scale))
+    if grad_inputs is not None:
+        exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, scale=float(scale))
+        out = out + (exact - exact.detach())
     if report is None and range_check != "off" and not _is_tracing():
         _check_kernel_output(out, q, k, v, chosen.name)
     if report is not None and not report.ok and range_check != "off":

@@ -200,11 +200,13 @@ class NVFP4Tensor:
         sc = e4m3_decode(self.scales)
         return torch.cat((sc, sc), dim=-1) if self.layout == "folded64_mse" else sc
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 values ``c * sc * tensor_scale`` (exact in BF16 when tensor_scale is 1)."""
+    def dequantize(self, tensor_scale: bool = True) -> torch.Tensor:
+        """float32 values ``c * sc * tensor_scale`` (exact in BF16 when tensor_scale is 1);
+        ``tensor_scale=False`` leaves the per-tensor factor out (``c * sc``, exact in BF16: what a
+        kernel multiplies, with the factor folded into the softmax scale, docs/numerics.md section 1)."""
         vals = e2m1_decode(unpack_fp4(self.codes))
-        blocks = vals.unflatten(-1, (-1, NVFP4_BLOCK)) * self.block_scales().unsqueeze(-1)
-        return blocks.flatten(-2) * self.tensor_scale
+        blocks = (vals.unflatten(-1, (-1, NVFP4_BLOCK)) * self.block_scales().unsqueeze(-1)).flatten(-2)
+        return blocks * self.tensor_scale if tensor_scale else blocks
 
 
 def _codes_for_scale(blocks: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:

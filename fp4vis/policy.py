@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 Method = Literal["direct_p", "nv_fp8", "exact"]
@@ -65,6 +67,12 @@ class Policy:
     code_rounding: CodeRounding = "exact"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"Policy: name must be a non-empty string, got {self.name!r}")
+        for field_name in ("native_exp2", "qk_global_scale"):
+            value = getattr(self, field_name)
+            if type(value) is not bool:   # the string "no" must not switch an option on
+                raise TypeError(f"Policy {self.name!r}: {field_name} must be True or False, got {value!r}")
         if self.method not in ("direct_p", "nv_fp8", "exact"):
             raise ValueError(f"Policy {self.name!r}: method must be 'direct_p', 'nv_fp8' or 'exact', "
                              f"got {self.method!r}")
@@ -149,7 +157,7 @@ def guard_policy_for_heads(num_heads: int) -> Policy:
     return guard_policy(112, 14, name="guard") if num_heads >= 40 else POLICIES["guard"]
 
 
-POLICIES: dict[str, Policy] = {
+POLICIES: Mapping[str, Policy] = MappingProxyType({
     "fast": Policy("fast", affine_a=1.50, affine_b=1.20, shift=16, qk_format="folded64_mse"),
     "wan_fast": Policy("wan_fast", affine_a=1.60, affine_b=0.95, shift=16, qk_format="folded64_mse"),
     # not from the paper: `fast` with codes rounded through BF16, the inexact trade tried for Hopper.
@@ -167,7 +175,7 @@ POLICIES: dict[str, Policy] = {
     "guard": guard_policy(110, 16, name="guard"),
     "nv_fp8": Policy("nv_fp8", method="nv_fp8", qk_format="block16"),
     "bf16": Policy("bf16", method="exact"),
-}
+})   # read-only: a named policy means the same everywhere (build others with Policy(...) or .replace)
 
 
 def get_policy(policy: str | Policy) -> Policy:

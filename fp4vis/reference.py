@@ -54,6 +54,10 @@ class RangeReport:
         return not (self.saturated_blocks or self.empty_rows or self.nonfinite_outputs)
 
     def describe(self, policy: Policy) -> str:
+        """The error message: what went past the range, and advice that fits the cause. The guard
+        helps where logits leave the window above a fixed row reference (saturated blocks, empty
+        rows) and the policy is not already anchored; it cannot help an output that overflows on
+        its own (a huge V, or an output beyond the dtype's range)."""
         parts = []
         if self.saturated_blocks:
             parts.append(f"{self.saturated_blocks} saturated P blocks (logits z*log2(e) more than ~127 above "
@@ -62,9 +66,19 @@ class RangeReport:
             parts.append(f"{self.empty_rows} rows whose probabilities all underflowed (l = 0)")
         if self.nonfinite_outputs:
             parts.append(f"{self.nonfinite_outputs} non-finite output elements")
+        if self.saturated_blocks or self.empty_rows:
+            if policy.anchor > 0:
+                advice = (f"the anchored policy's margin (M = {policy.margin:g}, L = {policy.shift}) does not "
+                          "cover these logits: use a guard policy with a larger margin "
+                          "(fp4vis.guard_policy(margin, shift), M + L <= 126) or policy='bf16' for this layer")
+            else:
+                advice = "use policy='guard' for this layer (or a guard plan from fp4vis.calibrate)"
+        else:
+            advice = ("the logits are in range, so the guard does not help: the values overflow (V too large "
+                      "for FP4/FP8 blocks, or an output beyond its dtype's range); scale V down, compute in "
+                      "float32, or use policy='bf16' for this layer")
         return (f"policy {policy.name!r} went past its representable range: {'; '.join(parts)}. "
-                "Use policy='guard' for this layer (or a guard plan from fp4vis.calibrate), or "
-                "range_check='warn'/'off' to accept the result.")
+                f"{advice[0].upper() + advice[1:]}; or range_check='warn'/'off' to accept the result.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,8 +109,9 @@ def pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def quantize_qk(q: torch.Tensor, k: torch.Tensor, policy: Policy) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Decoded NVFP4 Q̂ and K̂ (float32, D padded to a multiple of 16) and the product of their
-    per-tensor decode scales. ``fp8_e4m3``: E4M3 with power-of-two scales per query row and per
+    """Decoded NVFP4 Q̂ and K̂ (float32, D padded to a multiple of 16) without their per-tensor decode
+    scales, and the product of those scales (folded into ``s`` by the callers, once: docs/numerics.md
+    section 1). ``fp8_e4m3``: E4M3 with power-of-two scales per query row and per
     32-key block of k (in its physical order), decoded (exact in float32)."""
     if policy.qk_fp8:
         check_no_nan(q, "q")
@@ -106,7 +121,7 @@ def quantize_qk(q: torch.Tensor, k: torch.Tensor, policy: Policy) -> tuple[torch
     layout = qk_layout(policy, q.shape[-1])
     qq = nvfp4_quantize(q, layout, policy.qk_global_scale, name="q")
     kq = nvfp4_quantize(k, layout, policy.qk_global_scale, name="k")
-    return qq.dequantize(), kq.dequantize(), qq.tensor_scale * kq.tensor_scale
+    return qq.dequantize(tensor_scale=False), kq.dequantize(tensor_scale=False), qq.tensor_scale * kq.tensor_scale
 
 
 def quantize_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
@@ -276,12 +291,24 @@ def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention as SDPA computes it, in the input dtype, chunked over head groups."""
+    """Softmax attention as SDPA computes it on a GPU (scores and softmax in float32, whatever the
+    input dtype), output in the input dtype, chunked over head groups. Where finite inputs give
+    scores that overflow float32 (q = k = 1e20), the call is recomputed in float64, whose range
+    holds every product of BF16/FP16/FP32 values: the output, an average of V rows, is then finite
+    (docs/numerics.md section 6)."""
     groups = q.shape[0]
     per_group = max(1, q.shape[1] * k.shape[1])
     step = max(1, CHUNK_ELEMENTS // per_group)
-    return torch.cat([F.scaled_dot_product_attention(q[g0:g1], k[g0:g1], v[g0:g1], scale=scale)
-                      for g0, g1 in _chunks(groups, step)])
+
+    def sdpa(dtype):
+        return torch.cat([F.scaled_dot_product_attention(q[g0:g1].to(dtype), k[g0:g1].to(dtype), v[g0:g1].to(dtype),
+                                                         scale=scale).to(q.dtype)
+                          for g0, g1 in _chunks(groups, step)])
+
+    out = sdpa(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    if not bool(torch.isfinite(out).all()):
+        out = sdpa(torch.float64)
+    return out
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
@@ -290,7 +317,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, polic
     if policy.method == "exact":
         return exact_attention(q, k, v, scale), RangeReport()
     if policy.method == "nv_fp8":
-        out = nv_fp8_attention(q, k, v, policy, scale)
-        return out.to(q.dtype), RangeReport(nonfinite_outputs=int((~torch.isfinite(out)).sum()))
-    out, report = direct_p_attention(q, k, v, policy, scale)
-    return out.to(q.dtype), report
+        out, report = nv_fp8_attention(q, k, v, policy, scale), RangeReport()
+    else:
+        out, report = direct_p_attention(q, k, v, policy, scale)
+    out = out.to(q.dtype)
+    # counted in the output dtype: a float32 value beyond FP16's range is an Inf the caller gets
+    report.nonfinite_outputs = int((~torch.isfinite(out)).sum())
+    return out, report

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from fp4vis.backends import AUTO, REFERENCE, backend_names
-from fp4vis.patching import GuardPlan, patch
+from fp4vis.files import atomic_write
+from fp4vis.patching import GuardPlan, GuardPlanError, patch
 from fp4vis.policy import POLICIES, Policy, get_policy
 
 
@@ -45,7 +46,10 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     """'auto' -> the first CUDA GPU when one is visible, else the CPU; 'cuda' without a GPU raises."""
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"device: {str(device)!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"device {str(device)!r} needs a CUDA GPU, but none is visible here "
                          "(torch.cuda.is_available() is False); use --device cpu or --device auto")
@@ -99,7 +103,40 @@ def load_guard_plan(path: str | os.PathLike | None) -> Any:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"guard plan: file {str(path)!r} does not exist (write one with `fp4vis calibrate`)")
-    return GuardPlan.load(p)
+    try:
+        return GuardPlan.load(p)
+    except GuardPlanError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_writable_dir(d: Path, option: str) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write in {str(d)!r} ({exc.strerror or exc})") from None
+
+
+def check_output_file(path: str | os.PathLike, option: str) -> Path:
+    """Before any work: ``path`` can be written as a file (not a directory; its folder exists or can be
+    made, and is writable). Raises UsageError naming the option."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_dir():
+        raise UsageError(f"{option}: {str(path)!r} is a directory; give a file name")
+    if p.parent.exists() and not p.parent.is_dir():
+        raise UsageError(f"{option}: {str(p.parent)!r} is a file, not a directory")
+    _check_writable_dir(p.parent, option)
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, option: str) -> Path:
+    """Before any work: ``path`` is a writable directory, or can be made one. Raises UsageError."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{option}: {str(path)!r} is a file, not a directory")
+    _check_writable_dir(p, option)
+    return p
 
 
 def guard_plan_summary(plan: Any) -> Any:
@@ -320,25 +357,6 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (str, int, bool)) or obj is None:
         return obj
     return str(obj)
-
-
-def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` so that the file is either the old one or the whole new one: a
-    temporary file in the same folder, flushed and fsynced, then renamed over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def write_json(path: str | os.PathLike, data: dict[str, Any]) -> Path:

@@ -28,12 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from fp4vis.files import atomic_path
 from fp4vis.policy import get_policy
 from fp4vis.services import (
     Timer,
     UsageError,
     check_backend,
     check_model_source,
+    check_output_file,
     environment,
     guard_plan_summary,
     hub_error,
@@ -301,18 +303,24 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
 
 
 def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
-    """Write (F, H, W, 3) frames in [0, 1] as an H.264 MP4 through imageio-ffmpeg."""
+    """Write (F, H, W, 3) frames in [0, 1] (or diffusers' batched (1, F, H, W, 3)) as an H.264 MP4 through
+    imageio-ffmpeg, atomically: a failed write leaves no partial file under ``path``."""
     import imageio.v2 as imageio
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    frames = np.asarray(frames)
+    if frames.ndim == 5 and frames.shape[0] == 1:   # diffusers' batched output (1, F, H, W, 3)
+        frames = frames[0]
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames: expected (F, H, W, 3) or (1, F, H, W, 3), got shape {frames.shape}")
     u8 = (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
     h, w = u8.shape[1:3]
     # macro_block_size=1 keeps odd-sized test videos as they are (H.264 wants even sizes: pad by one)
     if h % 2 or w % 2:
         u8 = np.pad(u8, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-    with imageio.get_writer(str(path), format="FFMPEG", mode="I", fps=fps, codec="libx264",
-                            macro_block_size=1, quality=8, pixelformat="yuv420p") as writer:
+    path = Path(path)
+    with atomic_path(path) as tmp, imageio.get_writer(str(tmp), format="FFMPEG", mode="I", fps=fps,
+                                                      codec="libx264", macro_block_size=1, quality=8,
+                                                      pixelformat="yuv420p") as writer:
         for f in u8:
             writer.append_data(f)
     return path
@@ -337,10 +345,15 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
         from PIL import Image
 
         pil = Image.open(image).convert("RGB")
+    check_output_file(output, "output")
     with Timer() as tload:
-        pipe = load_wan_pipeline(model, device=dev, dtype=dtype, i2v=True if pil is not None else None)
-    if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
+        pipe = load_wan_pipeline(model, device=dev, dtype=dtype)
+    i2v = type(pipe).__name__ == "WanImageToVideoPipeline"
+    if pil is None and i2v:
         raise UsageError(f"{model!r} is an image-to-video model: pass --image")
+    if pil is not None and not i2v:
+        raise UsageError(f"image: {model!r} is a text-to-video model ({type(pipe).__name__}); drop --image, or "
+                         "give an image-to-video checkpoint")
     res = generate(pipe, prompt=prompt, negative_prompt=negative_prompt, image=pil, height=height, width=width,
                    frames=frames, steps=steps, guidance_scale=guidance_scale, seed=seed, policy=policy,
                    guard=plan, backend=backend, progress=progress, exact_steps=exact_steps)

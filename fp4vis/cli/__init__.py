@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Sequence
 
 from fp4vis.attention import RangeExceededError
+from fp4vis.patching import GuardPlanError
 from fp4vis.services import UsageError, fp4vis_version
 
 from . import bench, calibrate, evaluate, generate, info
@@ -66,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*is deprecated.*")
             return COMMANDS[args.command].run(args)
-    except UsageError as e:
+    except (UsageError, GuardPlanError) as e:   # a plan that cannot be read, or does not fit the model
         print(f"fp4vis {args.command}: error: {e}", file=sys.stderr)
         return 2
     except (FileNotFoundError, NotImplementedError) as e:  # missing files; a model fp4vis cannot patch

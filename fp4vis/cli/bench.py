@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from fp4vis.services import UsageError, resolve_policies
+from fp4vis.services import UsageError, check_output_dir, resolve_policies
 
 from .options import Formatter, policy_list
 
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("the full kernel benchmark needs a CUDA GPU (none is visible here); "
                          "run `fp4vis bench --quick` for the CPU smoke test")
     name = args.name or ("kernel_bench_quick" if args.quick else "kernel_bench")
-    out_dir = Path(args.out_dir)
+    out_dir = check_output_dir(args.out_dir, "--out-dir")
     kwargs: dict[str, Any] = {"policies": policies, "quick": args.quick,
                               "log": None if args.no_progress else print}
     if not args.quick:

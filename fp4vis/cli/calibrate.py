@@ -48,9 +48,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fp4vis.patching.guard import calibrate
-    from fp4vis.services import resolve_device, resolve_dtype
+    from fp4vis.patching.guard import GuardRule, calibrate
+    from fp4vis.policy import get_policy
+    from fp4vis.services import UsageError, check_output_file, resolve_device, resolve_dtype
 
+    # every option is checked before the model loads (minutes on a real checkpoint)
+    if not get_policy(args.policy).is_direct_p:
+        raise UsageError(f"--policy: {args.policy!r} is not a Direct-P policy; a guard plan protects one "
+                         "(fast, wan_fast, accurate, ...)")
+    try:
+        GuardRule(**{k: v for k, v in (("fraction", args.fraction), ("threshold", args.threshold)) if v is not None})
+    except ValueError as exc:
+        option, _, reason = str(exc).partition(": ")
+        raise UsageError(f"--{option}: {reason}") from None
+    check_output_file(args.out, "--out")
     dev, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     kw: dict[str, Any] = {"threshold": args.threshold, "fraction": args.fraction, "model_id": args.model}
     if args.calib_kind == "wan":
@@ -76,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
                                     seed=args.seed)
     plan = calibrate(target, inputs, policy=args.policy, **kw)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     plan.save(out)
     print(plan.summary())
     print(f"guarded layers: {', '.join(plan.guarded) if plan.guarded else 'none'}")

@@ -8,9 +8,9 @@
 """
 
 from .api import patch
-from .guard import GuardPlan, GuardRule, calibrate
+from .guard import GuardPlan, GuardPlanError, GuardRule, calibrate
 from .handle import PatchHandle, unpatch
 from .layer import FallbackError, FallbackWarning, LayerSpec, LayerState
 
-__all__ = ["FallbackError", "FallbackWarning", "GuardPlan", "GuardRule", "LayerSpec", "LayerState", "PatchHandle",
-           "calibrate", "patch", "unpatch"]
+__all__ = ["FallbackError", "FallbackWarning", "GuardPlan", "GuardPlanError", "GuardRule", "LayerSpec", "LayerState",
+           "PatchHandle", "calibrate", "patch", "unpatch"]

@@ -158,6 +158,8 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
     elif guard is not None:
         plan = guard if isinstance(guard, GuardPlan) else GuardPlan.load(guard)
 
+    if plan is not None:
+        plan.check_model(specs, model_id(model_or_pipeline))
     policies = resolve_layer_policies(specs, policy, layers, plan)
     return install(model_or_pipeline, specs, policies, backend=backend, strict=strict,
                     range_check=range_check, plan=plan, auto=auto)

@@ -40,12 +40,14 @@ import datetime
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from fp4vis.files import atomic_write
 from fp4vis.layout import LOG2E, anchor_indices
 from fp4vis.policy import Policy, get_policy, guard_policy_for_heads
 
@@ -61,7 +63,12 @@ EXP_LIMIT = 127.0
 GUARD_ANCHORS = 128
 _FULL_CHUNK = 1 << 22
 
-__all__ = ["GuardPlan", "GuardRule", "LayerStats", "AutoGuard", "calibrate", "logit_stats", "policy_limit"]
+__all__ = ["GuardPlan", "GuardPlanError", "GuardRule", "LayerStats", "AutoGuard", "calibrate", "logit_stats",
+           "policy_limit"]
+
+
+class GuardPlanError(ValueError):
+    """A guard plan file that cannot be read, or a plan that does not fit the model it is applied to."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,10 +302,36 @@ class GuardPlan:
                 missing.append(name)
             chosen.extend(h for h in hits if h not in chosen)
         if missing:
-            raise ValueError(f"guard plan for {self.model_id!r} names layers this model does not have: "
+            raise GuardPlanError(f"guard plan for {self.model_id!r} names layers this model does not have: "
                              f"{', '.join(missing[:6])}; its layers are "
                              f"{', '.join(s.name for s in specs[:8])}{' ...' if len(specs) > 8 else ''}")
         return chosen
+
+    def check_model(self, specs: Iterable[Any], model_id: str) -> None:
+        """Refuse a plan made on another architecture: every layer the plan recorded must exist in
+        the model with the same heads and head dim (its fingerprint: the layers' names, heads and
+        head dims, and the model id); a different model id alone only warns (a local copy of the
+        same checkpoint has another path)."""
+        specs = list(specs)
+        by_name = {}
+        for s in specs:
+            by_name.setdefault(s.name, s)
+            by_name.setdefault(s.local_name, s)
+        problems = []
+        for name, st in self.stats.items():
+            spec = by_name.get(name) or (by_name.get(name.split(".", 1)[-1]) if "." in name else None)
+            if spec is None:
+                problems.append(f"{name} is not a layer of this model")
+            elif st.num_heads and (spec.num_heads, spec.head_dim) != (st.num_heads, st.head_dim):
+                problems.append(f"{name} has {spec.num_heads} heads of dim {spec.head_dim} here, "
+                                f"{st.num_heads} of dim {st.head_dim} in the plan")
+        if problems:
+            raise GuardPlanError(f"guard plan for {self.model_id!r} does not fit this model: "
+                                 f"{'; '.join(problems[:4])}{' ...' if len(problems) > 4 else ''} "
+                                 "(calibrate it on this model)")
+        if model_id and self.model_id and model_id != self.model_id:
+            warnings.warn(f"guard plan was calibrated on {self.model_id!r}, applied to {model_id!r} (its layers "
+                          "match)", RuntimeWarning, stacklevel=3)
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -332,14 +365,22 @@ class GuardPlan:
                    num_inputs=int(d.get("num_inputs", 0)), created=d.get("created", ""), version=version)
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
-            f.write("\n")
+        """Write the plan as JSON, atomically (a failed write never replaces a good plan)."""
+        atomic_write(path, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> GuardPlan:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        """Read a plan; a file that is not a readable plan of a supported version raises
+        ``GuardPlanError`` naming the file and the reason."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, Mapping):
+                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+            return cls.from_dict(data)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise GuardPlanError(f"guard plan {str(path)!r}: {what}") from None
 
     def summary(self) -> str:
         lines = [f"guard plan for {self.model_id} (policy {self.policy.name}, guard {self.guard_policy.name}; "
@@ -362,11 +403,17 @@ class _Recorder:
     def __call__(self, state, q, k, scale, layout) -> None:
         qb = _bhsd(q, layout)
         sc = float(scale) if scale is not None else qb.shape[-1] ** -0.5
+        stats = logit_stats(q, k, sc, layout=layout, n_samples=self.n_samples, full=self.full)
+        bad = [key for key, value in stats.items() if not math.isfinite(value)]
+        if bad:   # max() would drop a NaN and call the layer safe
+            raise ValueError(f"fp4vis.calibrate: layer {state.name!r}: the calibration input gives non-finite "
+                             f"logits ({', '.join(f'{key} = {stats[key]}' for key in bad)}); check the model and "
+                             "its inputs for NaN/Inf")
         st = self.stats.get(state.name)
         if st is None:
             st = self.stats[state.name] = LayerStats(state.name, index=state.index, group=state.group,
                                                      num_heads=qb.shape[1], head_dim=qb.shape[-1], scale=sc)
-        st.update(logit_stats(q, k, sc, layout=layout, n_samples=self.n_samples, full=self.full))
+        st.update(stats)
 
 
 def _n_samples(policy: Policy) -> int:

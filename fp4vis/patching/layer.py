@@ -118,10 +118,21 @@ class LayerState:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *,
                   layout: str = "bhsd", scale: float | None = None) -> torch.Tensor:
+        from fp4vis.attention import RangeExceededError
         from fp4vis.attention import attention as fp4_attention
         self.calls += 1
-        return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
-                             range_check=self.range_check)
+        try:
+            return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
+                                 range_check=self.range_check)
+        except (RangeExceededError, ValueError) as exc:   # say which layer: a model has dozens
+            raise type(exc)(f"layer {self.name!r}: {exc}") from exc
+
+    def __reduce_ex__(self, protocol):
+        # a patched layer holds hooks into its library (processors, bound forwards, the handle): copying
+        # or pickling them would give a model whose patch no handle can remove
+        raise TypeError(f"fp4vis: layer {self.name!r} is patched; copy.deepcopy, pickle and torch.save of a "
+                        "patched model are not supported: remove the patch first (handle.remove() or "
+                        "fp4vis.unpatch(model)), then copy or save, and patch again")
 
     def __repr__(self) -> str:
         pol = self.active_policy()
@@ -142,6 +153,8 @@ def fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: P
         return "causal attention (fp4vis.attention is non-causal)"
     if dropout_p and dropout_p > 0:
         return f"attention dropout p={dropout_p:g} in training mode"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "gradients requested (FP4 attention has no gradient; the model's attention keeps its own)"
     qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
     if qb.shape[1] != kb.shape[1] or kb.shape[1] != vb.shape[1]:
         return (f"grouped-query attention ({qb.shape[1]} query heads, {kb.shape[1]} key heads, "

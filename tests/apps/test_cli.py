@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +157,67 @@ def test_hub_id_without_network_says_what_to_do(assets, tmp_path):
     assert r.returncode == 2
     assert "could not load 'google/vit-base-patch16-224' from the Hugging Face Hub" in r.stderr
     assert "pass the local directory" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def bad(assets, tmp_path_factory):
+    """Files a user gets wrong: guard plans that are not readable or belong to another model, an output
+    path that is a directory or a file, an image that is not one, a ViT classifier where an MAE is needed."""
+    from fp4vis.evals.tiny import make_tiny_hf_vit
+
+    root = tmp_path_factory.mktemp("bad")
+    assert main(["calibrate", "vit", "--model", str(assets["vit"]), "--data", str(assets["data"]), "--limit", "1",
+                 "--dtype", "float32", "--out", str(root / "vit_plan.json"), "--no-progress"]) == 0
+    text = (root / "vit_plan.json").read_text()
+    (root / "corrupt.json").write_text("{not json")
+    (root / "truncated.json").write_text(text[: len(text) // 2])
+    (root / "v99.json").write_text(json.dumps({**json.loads(text), "version": 99}))
+    (root / "a_dir").mkdir()
+    (root / "a_file").write_text("x")
+    data = make_image_folder(root / "data_broken", classes=("0",), per_class=1, size=36)
+    (data / "0" / "broken.jpg").write_text("this is not a JPEG")
+    return {"root": root, "data_broken": data, "hf_vit": make_tiny_hf_vit(root / "hf_vit", num_classes=3)}
+
+
+def _bad_cases(a, b):
+    vit = ["eval", "vit", "--model", a["vit"], "--data", a["data"], "--dtype", "float32", "--no-progress"]
+    mae = ["eval", "mae", "--model", a["mae"], "--data", a["data"], "--dtype", "float32", "--no-progress"]
+    cal = ["calibrate", "vit", "--model", a["vit"], "--data", a["data"], "--out", b["root"] / "p.json"]
+    gen = ["generate", "--model", a["wan"], "--prompt", "x", "--frames", 5, "--steps", 1, "--height", 32,
+           "--width", 32, "--no-progress"]
+    return {
+        "corrupt plan": ([*vit, "--guard-plan", b["root"] / "corrupt.json"], "corrupt.json"),
+        "truncated plan": ([*vit, "--guard-plan", b["root"] / "truncated.json"], "truncated.json"),
+        "plan of another version": ([*vit, "--guard-plan", b["root"] / "v99.json"], "version 99"),
+        "plan of another model": ([*mae, "--guard-plan", b["root"] / "vit_plan.json"], "does not fit this model"),
+        "bogus device": ([*vit, "--device", "bogus"], "device: 'bogus' is not a device"),
+        "output is a directory": ([*gen, "--output", b["root"] / "a_dir"], "--output:.*is a directory"),
+        "out-dir is a file": ([*vit, "--out-dir", b["root"] / "a_file"], "--out-dir:.*is a file"),
+        "calibrate --fraction 0": ([*cal, "--fraction", 0], "--fraction: expected a number in"),
+        "calibrate --threshold nan": ([*cal, "--threshold", "nan"], "--threshold: expected a finite number"),
+        "calibrate --policy bf16": ([*cal, "--policy", "bf16"], "--policy: 'bf16' is not a Direct-P policy"),
+        "a file that is not an image": (["eval", "vit", "--model", a["vit"], "--data", b["data_broken"],
+                                         "--dtype", "float32", "--no-progress"], "broken.jpg.*not a readable image"),
+        "unknown timm architecture": (["eval", "vit", "--model", "timm:no_such_vit", "--random-weights", "--data",
+                                       a["data"]], "'no_such_vit' is not a timm architecture"),
+        "--image with a text-to-video model": ([*gen, "--image", a["data"] / "0" / "img0.png", "--output",
+                                                b["root"] / "v.mp4"], "image:.*text-to-video model"),
+        "eval mae on a ViT classifier": (["eval", "mae", "--model", b["hf_vit"], "--data", a["data"]],
+                                         "is a 'vit' model, not a ViTMAE"),
+        "calibrate mae on a ViT classifier": (["calibrate", "mae", "--model", b["hf_vit"], "--data", a["data"],
+                                               "--out", b["root"] / "m.json"], "is a 'vit' model, not a ViTMAE"),
+    }
+
+
+CASES = list(_bad_cases({"vit": "", "mae": "", "wan": "", "data": Path(".")},
+                        {"root": Path("."), "data_broken": "", "hf_vit": ""}))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_user_errors_exit_2_with_one_line(case, assets, bad, capsys):
+    argv, expected = _bad_cases(assets, bad)[case]
+    code, _, err = run(capsys, *argv)
+    lines = [line for line in err.splitlines() if line.startswith("fp4vis ")]   # progress bars aside
+    assert code == 2, (case, err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(expected, lines[0]), lines[0]

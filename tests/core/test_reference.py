@@ -506,3 +506,85 @@ def test_policy_fp8_qk_format_rules():
     assert pol.spec_twin().qk_format == "folded64_mse" and pol.spec_twin().is_spec_exact
     with pytest.raises(ValueError, match="qk_global_scale"):
         pol.replace(qk_global_scale=True)
+
+
+def test_exact_policy_is_finite_for_huge_finite_inputs():
+    """docs/numerics.md section 6: finite inputs never give NaN. q = k = 1e20 overflow float32 scores
+    (SDPA returns NaN); the exact policy recomputes such a call in float64, where all scores are
+    equal and the attention is the mean of V."""
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.full((1, 2, 5, 64), 1e20, dtype=dtype)
+        v = gaussian(1, 2, 5, 64).to(dtype)
+        assert not torch.isfinite(torch.nn.functional.scaled_dot_product_attention(q, q, v)).all()
+        out = fp4vis.attention(q, q, v, policy="bf16")
+        torch.testing.assert_close(out.float(), v.float().mean(-2, keepdim=True).expand_as(v), atol=1e-2, rtol=1e-2)
+
+
+def test_qk_global_scale_is_applied_once():
+    """The per-tensor NVFP4 scale: the operands are decoded without it and it is folded into s once,
+    so the log2-domain logits are the paper's (Q̂ K̂ᵀ of the decoded values with 1/G, times the softmax
+    scale); against exact attention the option lands where `fast` does (it was applied twice: 0.8)."""
+    q, k, v = (gaussian(1, 2, 128, 64, seed=s) * 3 for s in (1, 2, 3))
+    pol = POLICIES["fast"].replace(name="fast_global", qk_global_scale=True)
+    scale = 0.125
+    ops = ref.quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, scale)
+    qq = fm.nvfp4_quantize(q.flatten(0, 1), "folded64_mse", True)
+    kq = fm.nvfp4_quantize(k.flatten(0, 1), "folded64_mse", True)
+    assert qq.tensor_scale != 1.0 and kq.tensor_scale != 1.0
+    assert torch.equal(ops.q, qq.dequantize(tensor_scale=False))
+    paper = (qq.dequantize() @ kq.dequantize().mT) * scale * layout.LOG2E
+    torch.testing.assert_close((ops.q @ ops.k.mT) * ops.s, paper, rtol=1e-5, atol=1e-5)
+    exact = fp4vis.attention(q, k, v, policy="bf16")
+    err_global = fp4vis.rel_l2(fp4vis.attention(q, k, v, policy=pol), exact)
+    err_fast = fp4vis.rel_l2(fp4vis.attention(q, k, v, policy="fast"), exact)
+    assert abs(err_global - err_fast) < 0.1 * err_fast, (err_global, err_fast)
+
+
+def test_output_overflow_is_reported_and_the_advice_fits_the_cause():
+    """An FP16 output beyond FP16's range is counted after the cast; its message says the guard does
+    not help (the logits are in range). A saturating guard policy is not told to use the guard."""
+    q = torch.full((1, 1, 8, 64), 0.1, dtype=torch.float16)
+    v = torch.full((1, 1, 64, 64), 60000.0, dtype=torch.float16)
+    with pytest.raises(fp4vis.RangeExceededError, match="non-finite output.*guard does not help"):
+        fp4vis.attention(q, q[:, :, :1].expand(1, 1, 64, 64), v, policy="fast")
+    report = ref.RangeReport(saturated_blocks=3)
+    assert "use policy='guard'" in report.describe(POLICIES["fast"]).lower()
+    msg = report.describe(POLICIES["guard"]).lower()
+    assert "use policy='guard'" not in msg and "larger margin" in msg
+
+
+def test_gradients_are_straight_through_never_silently_dropped():
+    """An FP4 policy has no gradient of its own: with inputs that require grad the output is the FP4
+    value and its gradient exact attention's (one warning per policy), never a detached tensor."""
+    q, k, v = (gaussian(1, 2, 40, 64, seed=s).requires_grad_(True) for s in (4, 5, 6))
+    with pytest.warns(UserWarning, match="straight-through"):
+        out = fp4vis.attention(q, k, v, policy="wan_fast")
+    with torch.no_grad():
+        assert torch.equal(out, fp4vis.attention(q, k, v, policy="wan_fast"))
+    out.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.autograd.backward(exact, 2 * out.detach())
+    for got, t in zip(grads, (q, k, v), strict=True):
+        torch.testing.assert_close(got, t.grad)
+
+
+def test_inputs_and_policies_are_checked():
+    q = gaussian(1, 1, 8, 64)
+    np = pytest.importorskip("numpy")
+    torch.testing.assert_close(fp4vis.attention(q, q, q, scale=np.float32(0.125)),
+                               fp4vis.attention(q, q, q, scale=0.125))
+    for bad in (True, "0.1", float("nan"), -1.0):
+        with pytest.raises(ValueError, match="scale"):
+            fp4vis.attention(q, q, q, scale=bad)
+    with pytest.raises(ValueError, match="k: is a meta tensor"):
+        fp4vis.attention(q, q.to("meta"), q)
+    with pytest.raises(TypeError, match="native_exp2 must be True or False, got 'no'"):
+        Policy("mine", native_exp2="no")
+    with pytest.raises(TypeError, match="qk_global_scale must be True or False"):
+        Policy("mine", qk_global_scale=1)
+    with pytest.raises(TypeError):
+        POLICIES["fast"] = Policy("fast", affine_a=9.0)   # the named policies are read-only
+    assert POLICIES["fast"].affine_a == 1.5

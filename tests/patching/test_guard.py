@@ -233,3 +233,70 @@ def test_mae_needs_no_guard(tmp_path):
     plan = fp4vis.calibrate(mae, [dict(pixel_values=x) for x in _images(1)], decoder=True)
     assert plan.guarded == [] and len(plan.stats) == 4
     assert {st.group for st in plan.stats.values()} == {"encoder", "decoder"}
+
+
+# ------------------------------------------------------------------------------------------------
+# plans that do not fit, files that are not plans, statistics that are not numbers
+
+
+def _tiny_timm(heads, depth=4, dim=64):
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=dim,
+                             depth=depth, num_heads=heads, num_classes=10).eval()
+
+
+def test_plan_is_refused_on_another_architecture(vit, tmp_path):
+    """The plan's fingerprint (layer names, heads, head dims, model id): a plan made on the 2-head model
+    is refused on a 4-head one and on a shallower one, even where it guards nothing; another model id
+    with the same layers only warns."""
+    plan = fp4vis.calibrate(vit, _images(1), policy="fast", model_id="tiny-vit", fraction=0.99999)
+    with pytest.raises(fp4vis.GuardPlanError, match="blocks.0.attn has 4 heads of dim 16 here, 2 of dim 32"):
+        fp4vis.patch(_tiny_timm(heads=4), guard=plan)
+    nothing = plan.redecide(threshold=1e9)
+    assert nothing.guarded == []
+    with pytest.raises(fp4vis.GuardPlanError, match="blocks.3.attn is not a layer of this model"):
+        fp4vis.patch(_tiny_timm(heads=2, depth=2), guard=nothing)
+    with pytest.warns(RuntimeWarning, match="calibrated on 'tiny-vit'"):
+        fp4vis.patch(_tiny_timm(heads=2), guard=nothing).remove()
+
+
+def test_bad_plan_files_raise_one_clear_error(vit, tmp_path):
+    plan = fp4vis.calibrate(vit, _images(1), policy="fast", model_id="tiny-vit")
+    good = tmp_path / "plan.json"
+    plan.save(good)
+    text = good.read_text()
+    cases = {"truncated.json": text[: len(text) // 2], "empty.json": "", "list.json": "[1, 2]",
+             "binary.json": b"\xff\xfe\x00".decode("latin-1"),
+             "no_policy.json": json.dumps({k: v for k, v in json.loads(text).items() if k != "policy"})}
+    for name, body in cases.items():
+        (tmp_path / name).write_text(body, encoding="latin-1" if name == "binary.json" else "utf-8")
+        with pytest.raises(fp4vis.GuardPlanError, match=name):
+            GuardPlan.load(tmp_path / name)
+    with pytest.raises(fp4vis.GuardPlanError, match="missing.json"):
+        GuardPlan.load(tmp_path / "missing.json")
+
+
+def test_failed_save_keeps_the_good_plan(vit, tmp_path, monkeypatch):
+    """Written atomically: a full disk (the flush to disk fails) leaves the old file whole and no
+    temporary file behind."""
+    plan = fp4vis.calibrate(vit, _images(1), policy="fast", model_id="tiny-vit")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    before = path.read_bytes()
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("fp4vis.files.os.fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        plan.redecide(threshold=1.0).save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and GuardPlan.load(path).guarded == plan.guarded
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_non_finite_calibration_logits_raise_naming_the_layer(vit):
+    with torch.no_grad():
+        vit.blocks[2].attn.qkv.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="layer 'blocks.2.attn'.*non-finite logits"):
+        fp4vis.calibrate(vit, _images(1), policy="fast")
+    assert not any(hasattr(m, "_fp4vis_state") for m in vit.modules())

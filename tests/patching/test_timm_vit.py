@@ -153,11 +153,44 @@ def test_dropout_in_training_falls_back(ckpt):
     path, _ = ckpt
     overlay = dict(file=str(path), num_classes=10)
     m = timm.create_model(ARCH, pretrained=True, pretrained_cfg_overlay=overlay, attn_drop_rate=0.1, **KW).train()
-    with fp4vis.patch(m, "fast"), torch.no_grad():
+    with fp4vis.patch(m, "fast") as h, torch.no_grad():
         with pytest.warns(FallbackWarning, match="dropout"):
             m(torch.randn(1, 3, 32, 32))
         m.eval()
-        m(torch.randn(1, 3, 32, 32))  # eval: no dropout, no fallback
+        calls = [st.calls for st in h.states]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)   # eval: no dropout, no fallback
+            m(torch.randn(1, 3, 32, 32))
+        assert [st.calls for st in h.states] == [c + 1 for c in calls]   # every layer ran FP4
+
+
+def test_training_with_gradients_falls_back_visibly(model, x):
+    """A patched model in training mode keeps its own attention where gradients are requested, with one
+    warning per layer (an error under strict=True), and its gradients are the unpatched model's."""
+    model.train()
+    xg = x.clone().requires_grad_(True)
+    model(xg).sum().backward()
+    ref_grad = xg.grad.clone()
+    xg.grad = None
+    with fp4vis.patch(model, "fast") as h:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            model(xg).sum().backward()
+            model(xg).sum().backward()
+        msgs = [str(i.message) for i in w if issubclass(i.category, FallbackWarning)]
+        assert len(msgs) == len(h.states) and all("gradients requested" in m for m in msgs)
+        assert all(st.calls == 0 for st in h.states)
+    torch.testing.assert_close(xg.grad, 2 * ref_grad)
+    with fp4vis.patch(model, "fast", strict=True), pytest.raises(FallbackError, match="blocks.0.attn.*gradients"):
+        model(xg)
+    model.eval()
+
+
+def test_errors_inside_a_patched_model_name_the_layer(model, x):
+    with torch.no_grad():
+        model.blocks[1].attn.qkv.bias[0] = float("inf")
+    with fp4vis.patch(model, "fast"), torch.no_grad(), pytest.raises(ValueError, match="layer 'blocks.1.attn': q"):
+        model(x)
 
 
 def test_unsupported_timm_attention_is_named():
@@ -244,3 +277,17 @@ def test_fallback_reasons():
     assert "dtype" in fallback_reason(q.double(), q.double(), q.double(), pol, layout="bhsd", scale=None)
     assert "grouped-query" in fallback_reason(q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2), pol,
                                               layout="bshd", scale=None)
+
+
+def test_copying_or_saving_a_patched_model_says_to_unpatch(model):
+    import copy
+    import io
+
+    h = fp4vis.patch(model, "fast")
+    for copy_it in (lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO())):
+        with pytest.raises(TypeError, match="is patched.*remove the patch first"):
+            copy_it()
+    h.remove()
+    clone = copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    assert not any(hasattr(m, "_fp4vis_state") for m in clone.modules())

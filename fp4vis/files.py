@@ -1,0 +1,39 @@
+"""Writing files so that a failure never leaves half of one: ``atomic_write`` (guard plans, reports,
+results, videos go through it)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same folder, same suffix, so that writers that go by the
+    suffix, as imageio does, pick the format) for a writer that takes a file name; flushed to disk
+    and renamed over ``path`` when the block ends normally, removed when it raises, so that ``path``
+    is either the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` so that the file is either the old one or the whole new one (a
+    temporary file in the same folder, flushed to disk, then renamed over ``path``)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Path(path)
