@@ -10,7 +10,6 @@ programs' tile (``FP8_BLOCK_Q``) and ``num_warps`` vary; K/V programs are one 32
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 
@@ -25,7 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from fp4vis.kernels.hopper import prepass_triton as tp
-    from fp4vis.services import environment, time_cuda
+    from fp4vis.services import environment, time_cuda, write_json
     default_block = tp.FP8_BLOCK_Q
     rows = []
     for b, s, h, d in SHAPES:
@@ -48,8 +47,7 @@ def main(argv=None) -> int:
                 tp._FP8_META.clear()
             print(rows[-1], flush=True)
         ins = ref = None   # free the copies before the next shape
-    with open(a.out, "w") as fh:
-        json.dump({"meta": environment(), "rows": rows}, fh, indent=1)
+    write_json(a.out, {"meta": environment(), "rows": rows})
     return 0
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 import traceback
@@ -56,7 +55,7 @@ import traceback
 import torch
 
 from fp4vis.layout import LOG2E
-from fp4vis.services import HOST_BUDGET_S, environment, input_copies, time_events, time_graph, time_host
+from fp4vis.services import HOST_BUDGET_S, environment, input_copies, time_events, time_graph, time_host, write_json
 
 SHAPES = [(1, 4096, 24, 128), (1, 32768, 24, 128), (1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64),
           (8, 577, 16, 64)]
@@ -618,8 +617,7 @@ def main():
             log(traceback.format_exc())
         res["section_s"][name] = round(time.perf_counter() - t1, 2)
         log(f"[{name} done at {time.perf_counter() - t0:.1f} s]")
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, res)
     res["fast_launch"] = tp.direct_launch_on()
     res["launch_state"] = tp.LAUNCH_STATE
     res["launch_hooks"] = _launch_hooks(tp)
@@ -627,8 +625,7 @@ def main():
     if hb is not None:
         res["compile_s"] = {str(k): round(v, 2) for k, v in getattr(hb, "COMPILE_TIMES", {}).items()}
     res["total_s"] = round(time.perf_counter() - t0, 2)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

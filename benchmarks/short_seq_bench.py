@@ -30,7 +30,6 @@ after every shape.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import traceback
 
@@ -38,7 +37,7 @@ import torch
 
 from fp4vis.config import overridden, setting
 from fp4vis.layout import LOG2E
-from fp4vis.services import environment, input_copies, time_events, time_graph
+from fp4vis.services import environment, input_copies, time_events, time_graph, write_json
 
 SHAPES = [(1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64), (32, 197, 16, 64), (8, 577, 16, 64),
           (1, 4096, 24, 128)]
@@ -250,8 +249,7 @@ def main(argv=None) -> int:
                                  short_smem_bytes=smem_bytes(c["short"]), default_smem_bytes=smem_bytes(c["default"])))
                 print(plan[-1], flush=True)
         res["plan"] = plan
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, res)
         return 0
     if not torch.cuda.is_available():
         ap.error("needs a CUDA (sm_90) device; --dry-run checks the plan without one")
@@ -274,14 +272,12 @@ def main(argv=None) -> int:
         log(summary_line(row, policies))
         res["occupancy"] = list(occ.values())
         res["total_s"] = round(time.perf_counter() - t0, 2)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.out, res)
         torch.cuda.empty_cache()
     from fp4vis.kernels.hopper import backend as hb
     res["compile_s"] = {str(k): round(v, 2) for k, v in hb.COMPILE_TIMES.items()}
     res["log"] = lines
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.out, res)
     bad = [r["shape"] for r in res["rows"] if not all(r.get(p, {}).get("match", False) for p in policies)]
     if bad:
         print(f"MISMATCH or error (short vs default) at {bad}", flush=True)

@@ -14,8 +14,8 @@ Backends (each skipped with a reason in its row when it cannot run here):
                     may be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
                     ``hopper@pingpong/packed/3`` or ``hopper_kernel@///lane``; see
                     ``fp4vis.kernels.hopper.config.DirectPConfig``
-  ``hopper_fused``  the whole call with the fused (Triton) folded-K64 Q/K pre-pass, whose exact MSE
-                    can choose other scales than the reference's float32 one at ties
+  ``hopper_fused``  the same as ``hopper`` (the fused Triton folded-K64 Q/K pre-pass is the default;
+                    the name is kept for the earlier results that used it)
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
   ``prepass``       the pre-pass alone (``prepass_fused``: the all-Triton one of ``hopper_fused``)
   ``fa4``           flash-attn-4 (``flash_attn.cute``) BF16 forward, non-causal
@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 
-from fp4vis.config import overridden
 from fp4vis.layout import LOG2E
 from fp4vis.policy import get_policy
 from fp4vis.services import atomic_write, environment, time_cpu, time_cuda, write_json
@@ -144,20 +143,18 @@ def split_variant(backend: str) -> tuple[str, dict]:
     return base, kw
 
 
-def _hopper(policy: str, fused_folded: bool | None = None, **variant):
+def _hopper(policy: str, **variant):
     """The whole call. The default variant goes through the public API (``fp4vis.attention``,
     ``backend="hopper"``: what users and the patchers run); variants call the backend's function."""
     import fp4vis
     hb = _kmod("hopper.backend")
     pol = get_policy(policy)
     default = not variant
-    settings = {} if fused_folded is None else {"FP4VIS_PREPASS_FUSED_FOLDED": "1" if fused_folded else "0"}
 
     def call(q, k, v, scale):
-        with overridden(**settings):
-            if default:
-                return fp4vis.attention(q, k, v, policy=pol, scale=scale, backend="hopper", range_check="off")
-            return hb.hopper_attention_eager(q, k, v, scale, **hb.policy_args(pol, q.shape[-1], scale), **variant)
+        if default:
+            return fp4vis.attention(q, k, v, policy=pol, scale=scale, backend="hopper", range_check="off")
+        return hb.hopper_attention_eager(q, k, v, scale, **hb.policy_args(pol, q.shape[-1], scale), **variant)
     return call
 
 
@@ -353,7 +350,7 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
         call = {"hopper": lambda: _hopper(pol, **variant),
                 "hopper_plain": lambda: _hopper(pol, schedule="serial"),
                 "hopper_overlap": lambda: _hopper(pol, schedule="overlap"),
-                "hopper_fused": lambda: _hopper(pol, True),
+                "hopper_fused": lambda: _hopper(pol),   # the default since the fused folded pre-pass
                 "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
                 "sdpa_flash": lambda: _sdpa("flash"), "sage": _sage,
                 "reference": lambda: _reference(pol)}[base]()

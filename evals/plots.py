@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from fp4vis.files import atomic_path
+
 SPEED_KEYS = ("tflops", "TFLOPS", "tflops_s")
 TIME_KEYS = ("time_ms", "ms", "median_ms", "latency_ms", "mean_ms", "time_s")
 ERROR_KEYS = ("rel_l2_vs_bf16", "rel_l2", "rel_l2_vs_exact", "rel_l2_exact", "err_rel_l2", "error_rel_l2",
@@ -125,7 +127,7 @@ def speed_error_plot(result: Any, path: str | os.PathLike, *, title: str = "fp4v
     else:
         fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path

@@ -1,5 +1,5 @@
 """``fp4vis.attention``: the public entry point. It validates, normalises the layout, picks a
-backend (``fp4vis.dispatch``) and enforces the range check; the numerics live in the backends."""
+backend (``fp4vis.backends.registry``) and enforces the range check; the numerics live in the backends."""
 
 from __future__ import annotations
 

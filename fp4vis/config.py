@@ -2,13 +2,15 @@
 used (``setting(name)``), never at import. docs/configuration.md lists them (a test keeps the two in
 step). They select kernel variants for measurement and debugging; the defaults are the product.
 
-Where a setting feeds a cached object (a compiled kernel configuration, the pre-pass launcher), it
-is read when that object is first made in the process.
+Per-call paths read ``cached_setting(name)``: the value at its first use in the process
+(``overridden`` and ``refresh`` re-read). Where a setting feeds a cached object (a compiled kernel
+configuration), it is read when that object is first made.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,9 +25,12 @@ class Setting:
     name: str
     default: str
     doc: str
-    choices: tuple[str, ...] = ()   # empty: a boolean flag
+    choices: tuple[str, ...] = ()   # empty: a boolean flag (unless ``text``)
+    text: bool = False              # free text (a path), returned as given
 
     def parse(self, raw: str) -> str | bool:
+        if self.text:
+            return raw
         value = raw.strip().lower()
         if not self.choices:
             if value in _TRUE:
@@ -63,6 +68,18 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 )}
 
 
+@functools.cache
+def cached_setting(name: str) -> str | bool:
+    """``setting(name)`` as read at its first use in the process (per-call paths: an environment
+    lookup costs about a microsecond there); ``overridden`` and ``refresh`` re-read it."""
+    return setting(name)
+
+
+def refresh() -> None:
+    """Forget the values ``cached_setting`` read (after changing the environment by hand)."""
+    cached_setting.cache_clear()
+
+
 def setting(name: str) -> str | bool:
     """The value of ``name`` now: a bool for a flag, the lower-case choice otherwise. An unknown
     name is a programming error (KeyError); a bad value raises ValueError naming the variable."""
@@ -78,6 +95,7 @@ def overridden(**values: str) -> Iterator[None]:
         SETTINGS[name].parse(raw)   # an unknown name or a bad value fails before anything changes
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
+    refresh()
     try:
         yield
     finally:
@@ -86,3 +104,17 @@ def overridden(**values: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = old
+        refresh()
+
+
+def markdown_table() -> str:
+    """The settings as docs/configuration.md lists them (``python -m fp4vis.config`` prints it)."""
+    rows = ["| variable | default | values | what |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        values = "a path" if s.text else ", ".join(f"`{c}`" for c in s.choices) if s.choices else "`1`, `0`"
+        rows.append(f"| `{s.name}` | `{s.default}` | {values} | {s.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -10,6 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _mode_for(path: Path) -> int:
+    """The existing file's mode, or what ``open(path, "w")`` would create (0666 less the umask)."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` (same folder, same suffix, so that writers that go by the
@@ -20,6 +30,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, _mode_for(path))   # mkstemp makes 0600: give the file the mode a plain open() would
     try:
         yield Path(tmp)
         with open(tmp, "rb+") as f:

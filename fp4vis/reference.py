@@ -66,13 +66,16 @@ class RangeReport:
             parts.append(f"{self.empty_rows} rows whose probabilities all underflowed (l = 0)")
         if self.nonfinite_outputs:
             parts.append(f"{self.nonfinite_outputs} non-finite output elements")
-        if self.saturated_blocks or self.empty_rows:
-            if policy.anchor > 0:
-                advice = (f"the anchored policy's margin (M = {policy.margin:g}, L = {policy.shift}) does not "
-                          "cover these logits: use a guard policy with a larger margin "
-                          "(fp4vis.guard_policy(margin, shift), M + L <= 126) or policy='bf16' for this layer")
-            else:
-                advice = "use policy='guard' for this layer (or a guard plan from fp4vis.calibrate)"
+        if (self.saturated_blocks or self.empty_rows) and policy.anchor == 0:
+            advice = "use policy='guard' for this layer (or a guard plan from fp4vis.calibrate)"
+        elif self.saturated_blocks:
+            advice = (f"the anchored policy's margin (M = {policy.margin:g}) does not cover these logits: use a "
+                      "guard policy with a larger margin (fp4vis.guard_policy(margin, shift); M + L <= 126, so "
+                      f"lower L = {policy.shift} to make room) or policy='bf16' for this layer")
+        elif self.empty_rows:
+            advice = (f"the anchored policy's row reference sits too far above these rows' scores: use a smaller "
+                      f"margin (M = {policy.margin:g}) or a lower shift (L = {policy.shift}) with "
+                      "fp4vis.guard_policy(margin, shift), or policy='bf16' for this layer")
         else:
             advice = ("the logits are in range, so the guard does not help: the values overflow (V too large "
                       "for FP4/FP8 blocks, or an output beyond its dtype's range); scale V down, compute in "
@@ -92,7 +95,8 @@ class QuantizedOperands:
     q: (G, Sq, Dqk) float32 NVFP4-decoded; k: (G, Skv_pad, Dqk) likewise, anchor-permuted and
     zero-padded to a multiple of 32 keys; v6: (G, Skv_pad, Dv) float32 ``α·c`` (MXFP4 decoded
     times 6, exact in BF16); num_keys: the valid keys; s: ``scale·log2(e)`` with the per-tensor
-    scales folded in; perm: the physical key order (None when not permuted)."""
+    scales folded in; perm: the physical key order (None when not permuted); tensor_scale: the
+    product of Q's and K's per-tensor decode scales (1.0 unless ``qk_global_scale``)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -100,6 +104,7 @@ class QuantizedOperands:
     num_keys: int
     s: float
     perm: torch.Tensor | None
+    tensor_scale: float = 1.0
 
 
 def pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -139,22 +144,25 @@ def quantize_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy:
     if key_pad:
         kd = F.pad(kd, (0, 0, 0, key_pad))
         v6 = F.pad(v6, (0, 0, 0, key_pad))
-    return QuantizedOperands(qd, kd, v6, num_keys, scale * tensor_scale * LOG2E, perm)
+    return QuantizedOperands(qd, kd, v6, num_keys, scale * tensor_scale * LOG2E, perm, tensor_scale)
 
 
 # ---------------------------------------------------------------------------------------------
 # Direct-P
 # ---------------------------------------------------------------------------------------------
 
-def row_reference(q: torch.Tensor, k: torch.Tensor, num_keys: int, s: float, policy: Policy) -> torch.Tensor:
+def row_reference(q: torch.Tensor, k: torch.Tensor, num_keys: int, s: float, policy: Policy,
+                  tensor_scale: float = 1.0) -> torch.Tensor:
     """m_i (raw units, float64, shape (G, Sq, 1)) for decoded queries q (G, Sq, D) against the
-    physically ordered keys k (G, Skv, D): 0, or the anchor maximum plus the margin."""
+    physically ordered keys k (G, Skv, D): 0, or the anchor maximum plus the margin. ``raw`` is the
+    product of operands decoded without their per-tensor scales (``tensor_scale``, their product,
+    is in ``s``): the code-units margin M ln 2, stated for the true scores, is M ln 2 / tensor_scale here."""
     if policy.anchor == 0:
         return torch.zeros(*q.shape[:-1], 1, dtype=torch.float64, device=q.device)
     n = min(policy.anchor, num_keys)
     a = (q @ k[:, :n].mT).amax(-1, keepdim=True).double()
     if policy.margin_units == "code":
-        return a + policy.margin * LN2
+        return a + policy.margin * LN2 / tensor_scale
     return a + policy.margin / s  # M binary exponents of P: M ln2 / scale = M / (scale log2 e)
 
 
@@ -243,7 +251,7 @@ def direct_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy
     for g0, g1 in _chunks(groups, cg):
         for q0, q1 in _chunks(sq, cq):
             qc = ops.q[g0:g1, q0:q1]
-            m = row_reference(qc, ops.k[g0:g1], ops.num_keys, ops.s, policy)
+            m = row_reference(qc, ops.k[g0:g1], ops.num_keys, ops.s, policy, ops.tensor_scale)
             num = torch.zeros(g1 - g0, q1 - q0, ops.v6.shape[-1], dtype=torch.float32, device=q.device)
             den = torch.zeros(g1 - g0, q1 - q0, dtype=torch.float64, device=q.device)
             for k0, k1 in _chunks(nkp, ck):
@@ -291,11 +299,10 @@ def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention as SDPA computes it on a GPU (scores and softmax in float32, whatever the
-    input dtype), output in the input dtype, chunked over head groups. Where finite inputs give
-    scores that overflow float32 (q = k = 1e20), the call is recomputed in float64, whose range
-    holds every product of BF16/FP16/FP32 values: the output, an average of V rows, is then finite
-    (docs/numerics.md section 6)."""
+    """Softmax attention as SDPA computes it, in the input dtype, chunked over head groups. Where
+    finite inputs give scores that overflow (q = k = 1e20: SDPA returns NaN), the call is recomputed
+    in float64, whose range holds every product of BF16/FP16/FP32 values: the output, an average of
+    V rows, is then finite (docs/numerics.md section 6)."""
     groups = q.shape[0]
     per_group = max(1, q.shape[1] * k.shape[1])
     step = max(1, CHUNK_ELEMENTS // per_group)
@@ -305,7 +312,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                                                          scale=scale).to(q.dtype)
                           for g0, g1 in _chunks(groups, step)])
 
-    out = sdpa(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    out = sdpa(q.dtype)
     if not bool(torch.isfinite(out).all()):
         out = sdpa(torch.float64)
     return out

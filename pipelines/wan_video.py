@@ -345,15 +345,15 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
         from PIL import Image
 
         pil = Image.open(image).convert("RGB")
-    check_output_file(output, "output")
+    output = check_output_file(output, "output")
+    src, is_local = check_model_source(model)
+    if pil is not None and is_local and "ImageToVideo" not in str(_model_index(src).get("_class_name", "")):
+        raise UsageError(f"image: {model!r} is a text-to-video model ({_model_index(src).get('_class_name')}); "
+                         "drop --image, or give an image-to-video checkpoint")
     with Timer() as tload:
-        pipe = load_wan_pipeline(model, device=dev, dtype=dtype)
-    i2v = type(pipe).__name__ == "WanImageToVideoPipeline"
-    if pil is None and i2v:
+        pipe = load_wan_pipeline(model, device=dev, dtype=dtype, i2v=True if pil is not None else None)
+    if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
         raise UsageError(f"{model!r} is an image-to-video model: pass --image")
-    if pil is not None and not i2v:
-        raise UsageError(f"image: {model!r} is a text-to-video model ({type(pipe).__name__}); drop --image, or "
-                         "give an image-to-video checkpoint")
     res = generate(pipe, prompt=prompt, negative_prompt=negative_prompt, image=pil, height=height, width=width,
                    frames=frames, steps=steps, guidance_scale=guidance_scale, seed=seed, policy=policy,
                    guard=plan, backend=backend, progress=progress, exact_steps=exact_steps)

@@ -58,3 +58,20 @@ def image_folder(tmp_path_factory):
     from fp4vis.evals.tiny import make_image_folder
 
     return make_image_folder(tmp_path_factory.mktemp("tiny") / "images", classes=("a", "b"), per_class=2, size=36)
+
+
+@pytest.fixture()
+def fp4vis_settings(monkeypatch):
+    """``fp4vis_settings(FP4VIS_X="0", ...)`` sets ``FP4VIS_*`` variables for one test, re-reading the
+    values that per-call paths cache (``fp4vis.config.refresh``) now and at the end."""
+    from fp4vis import config
+
+    def set_settings(**values: str) -> None:
+        for name, value in values.items():
+            config.SETTINGS[name].parse(value)
+            monkeypatch.setenv(name, value)
+        config.refresh()
+
+    yield set_settings
+    monkeypatch.undo()
+    config.refresh()

@@ -47,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    """The message of a user error; one raised in a DataLoader worker comes back with the worker's
+    traceback in it (torch re-raises it as 'Caught UsageError in DataLoader worker ...'): its last line."""
+    text = str(exc).strip()
+    if "Original Traceback" in text:
+        text = text.splitlines()[-1].split(": ", 1)[-1]
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -68,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
             warnings.filterwarnings("ignore", message=".*torch_dtype.*is deprecated.*")
             return COMMANDS[args.command].run(args)
     except (UsageError, GuardPlanError) as e:   # a plan that cannot be read, or does not fit the model
-        print(f"fp4vis {args.command}: error: {e}", file=sys.stderr)
+        print(f"fp4vis {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, NotImplementedError) as e:  # missing files; a model fp4vis cannot patch
         print(f"fp4vis {args.command}: error: {e}", file=sys.stderr)

@@ -4,7 +4,6 @@ write a guard plan."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from .options import Formatter, policy, positive_int
@@ -61,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         option, _, reason = str(exc).partition(": ")
         raise UsageError(f"--{option}: {reason}") from None
-    check_output_file(args.out, "--out")
+    out = check_output_file(args.out, "--out")
+    if args.calib_kind != "wan":
+        from fp4vis.evals.common import check_image_folder
+
+        check_image_folder(args.data)
     dev, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     kw: dict[str, Any] = {"threshold": args.threshold, "fraction": args.fraction, "model_id": args.model}
     if args.calib_kind == "wan":
@@ -86,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
         inputs = calibration_inputs(target, mean, std, args.data, limit=args.limit, resolution=args.resolution,
                                     seed=args.seed)
     plan = calibrate(target, inputs, policy=args.policy, **kw)
-    out = Path(args.out)
     plan.save(out)
     print(plan.summary())
     print(f"guarded layers: {', '.join(plan.guarded) if plan.guarded else 'none'}")

@@ -98,7 +98,7 @@ def _main_process() -> bool:
 def run(args: argparse.Namespace) -> int:
     from fp4vis.services import check_output_dir
 
-    check_output_dir(args.out_dir, "--out-dir")
+    args.out_dir = check_output_dir(args.out_dir, "--out-dir")
     common = dict(device=args.device, dtype=args.dtype, backend=args.backend, guard_plan=args.guard_plan,
                   out_dir=args.out_dir, progress=not args.no_progress)
     if args.eval_command == "vit":

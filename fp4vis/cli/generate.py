@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from fp4vis.pipelines.wan_video import run_generate
     from fp4vis.services import check_output_file
 
-    check_output_file(args.output, "--output")
+    args.output = check_output_file(args.output, "--output")
 
     out = run_generate(args.model, args.prompt, output=args.output, negative_prompt=args.negative_prompt,
                        image=args.image, policy=args.policy, guard_plan=args.guard_plan, seed=args.seed,

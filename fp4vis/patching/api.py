@@ -121,7 +121,7 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
             ViT / ViTMAE model (any ``nn.Module`` holding supported attention layers).
         policy: base policy of the default layers (a name, a Policy, or None/"exact").
         layers: ``{index or name pattern: policy}`` overrides, applied in order (module docstring).
-        guard: a :class:`~fp4vis.guard.GuardPlan`, a path to its JSON, or ``"auto"`` (each layer
+        guard: a :class:`~fp4vis.patching.guard.GuardPlan`, a path to its JSON, or ``"auto"`` (each layer
             calibrates on its first call with ``guard_rule`` and switches to the guard policy when
             the rule says so; ``handle.guard_plan`` collects the result).
         backend: ``"auto"`` | ``"reference"`` | ``"hopper"`` (passed to
@@ -131,7 +131,7 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
         cross_attention: Wan: patch ``attn2`` with the base policy too (default: exact).
         decoder: ViTMAE: patch the decoder with the base policy too (default: encoder only).
         range_check: passed to ``fp4vis.attention`` ("raise", "warn", "off").
-        guard_rule: the :class:`~fp4vis.guard.GuardRule` for ``guard="auto"``.
+        guard_rule: the :class:`~fp4vis.patching.guard.GuardRule` for ``guard="auto"``.
     """
     _check_backend(backend, strict)
     _check_range_check(range_check)
@@ -155,6 +155,7 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
     if isinstance(guard, str) and guard == "auto":
         auto = AutoGuard(rule=guard_rule, model_id=model_id(model_or_pipeline),
                          base_policy=resolve_policy(policy) or "fast")
+        auto.plan.architecture = {s.name: [s.num_heads, s.head_dim] for s in specs}
     elif guard is not None:
         plan = guard if isinstance(guard, GuardPlan) else GuardPlan.load(guard)
 

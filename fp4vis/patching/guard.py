@@ -276,6 +276,8 @@ class GuardPlan:
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(
         timespec="seconds"))
     version: int = VERSION
+    # the fingerprint of the model it was calibrated on: every reachable attention layer -> [heads, head dim]
+    architecture: dict[str, list[int]] = field(default_factory=dict)
 
     # -- decisions -------------------------------------------------------------------------------
     def decide(self) -> list[str]:
@@ -308,23 +310,40 @@ class GuardPlan:
         return chosen
 
     def check_model(self, specs: Iterable[Any], model_id: str) -> None:
-        """Refuse a plan made on another architecture: every layer the plan recorded must exist in
-        the model with the same heads and head dim (its fingerprint: the layers' names, heads and
-        head dims, and the model id); a different model id alone only warns (a local copy of the
-        same checkpoint has another path)."""
+        """Refuse a plan made on another architecture. The plan's fingerprint lists every attention
+        layer of the calibrated model with its heads and head dim; the model's must be the same
+        (a deeper model would keep unguarded layers the plan never saw). A plan without one (written
+        before fingerprints) is checked on the layers it recorded. A different model id alone only
+        warns (a local copy of the same checkpoint has another path)."""
         specs = list(specs)
-        by_name = {}
-        for s in specs:
-            by_name.setdefault(s.name, s)
-            by_name.setdefault(s.local_name, s)
         problems = []
-        for name, st in self.stats.items():
-            spec = by_name.get(name) or (by_name.get(name.split(".", 1)[-1]) if "." in name else None)
-            if spec is None:
-                problems.append(f"{name} is not a layer of this model")
-            elif st.num_heads and (spec.num_heads, spec.head_dim) != (st.num_heads, st.head_dim):
-                problems.append(f"{name} has {spec.num_heads} heads of dim {spec.head_dim} here, "
-                                f"{st.num_heads} of dim {st.head_dim} in the plan")
+        if self.architecture:
+            # a plan of a pipeline names "transformer.blocks.0.attn1"; applied to its transformer (or the
+            # other way round) the layers are the same without the component prefix
+            plan_views = [self.architecture, {n.split(".", 1)[-1]: v for n, v in self.architecture.items()}]
+            model_views = [{s.name: [s.num_heads, s.head_dim] for s in specs},
+                           {s.local_name: [s.num_heads, s.head_dim] for s in specs}]
+            plan, here = max(((p, m) for p in plan_views for m in model_views),
+                             key=lambda pm: (set(pm[0]) == set(pm[1]), len(set(pm[0]) & set(pm[1]))))
+            for name, shape in plan.items():
+                if name not in here:
+                    problems.append(f"{name} is not a layer of this model")
+                elif here[name] != list(shape):
+                    problems.append(f"{name} has {here[name][0]} heads of dim {here[name][1]} here, "
+                                    f"{shape[0]} of dim {shape[1]} in the plan")
+            problems += [f"{name} is not in the plan" for name in here if name not in plan]
+        else:
+            by_name = {}
+            for s in specs:
+                by_name.setdefault(s.name, s)
+                by_name.setdefault(s.local_name, s)
+            for name, st in self.stats.items():
+                spec = by_name.get(name) or (by_name.get(name.split(".", 1)[-1]) if "." in name else None)
+                if spec is None:
+                    problems.append(f"{name} is not a layer of this model")
+                elif st.num_heads and (spec.num_heads, spec.head_dim) != (st.num_heads, st.head_dim):
+                    problems.append(f"{name} has {spec.num_heads} heads of dim {spec.head_dim} here, "
+                                    f"{st.num_heads} of dim {st.head_dim} in the plan")
         if problems:
             raise GuardPlanError(f"guard plan for {self.model_id!r} does not fit this model: "
                                  f"{'; '.join(problems[:4])}{' ...' if len(problems) > 4 else ''} "
@@ -348,6 +367,7 @@ class GuardPlan:
             "statistic_units": "log2: z*log2(e), z = q.k*scale, FP32 from the layer's q and k",
             "layers": {name: st.to_dict() for name, st in self.stats.items()},
             "guarded": list(self.guarded),
+            "architecture": {name: list(shape) for name, shape in self.architecture.items()},
         }
 
     @classmethod
@@ -362,7 +382,8 @@ class GuardPlan:
                    guard_policy=_policy_from_dict(d["guard_policy"]), rule=GuardRule.from_dict(d["rule"]),
                    stats={k: LayerStats.from_dict(v) for k, v in d.get("layers", {}).items()},
                    guarded=list(d.get("guarded", [])), n_samples=int(d.get("n_samples", GUARD_ANCHORS)),
-                   num_inputs=int(d.get("num_inputs", 0)), created=d.get("created", ""), version=version)
+                   num_inputs=int(d.get("num_inputs", 0)), created=d.get("created", ""), version=version,
+                   architecture={str(k): [int(x) for x in v] for k, v in d.get("architecture", {}).items()})
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically (a failed write never replaces a good plan)."""
@@ -501,7 +522,8 @@ def calibrate(model: Any, inputs: Any, policy: str | Policy = "fast", *, rule: G
     gp = get_policy(guard_policy) if guard_policy is not None else guard_policy_for_heads(heads)
     ordered = {s.name: recorder.stats[s.name] for s in specs if s.name in recorder.stats}
     plan = GuardPlan(model_id=model_id or discovered_model_id(model), policy=base, guard_policy=gp, rule=rule,
-                     stats=ordered, n_samples=_n_samples(base), num_inputs=num_inputs)
+                     stats=ordered, n_samples=_n_samples(base), num_inputs=num_inputs,
+                     architecture={s.name: [s.num_heads, s.head_dim] for s in specs})
     plan.decide()
     if path is not None:
         plan.save(path)

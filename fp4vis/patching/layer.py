@@ -124,8 +124,9 @@ class LayerState:
         try:
             return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
                                  range_check=self.range_check)
-        except (RangeExceededError, ValueError) as exc:   # say which layer: a model has dozens
-            raise type(exc)(f"layer {self.name!r}: {exc}") from exc
+        except (RangeExceededError, ValueError, RuntimeError) as exc:   # say which layer: a model has dozens
+            exc.args = (f"layer {self.name!r}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+            raise
 
     def __reduce_ex__(self, protocol):
         # a patched layer holds hooks into its library (processors, bound forwards, the handle): copying

@@ -40,7 +40,7 @@ from fp4vis.backends.base import (
     need_head_dims,
     need_nonempty,
 )
-from fp4vis.config import setting
+from fp4vis.config import cached_setting, setting
 from fp4vis.layout import LN2, LOG2E, qk_layout
 from fp4vis.policy import QK_FP8, Policy
 
@@ -99,7 +99,7 @@ def kernel_config(head_dim: int, out_dtype: str, affine_a: float, affine_b: floa
 def short_sequences(seqlen_q: int, seqlen_k: int) -> bool:
     """Both sequences within SHORT_SEQ (and FP4VIS_HOPPER_SHORT on): where the short-sequence variant was
     measured to pay."""
-    return seqlen_q <= SHORT_SEQ and seqlen_k <= SHORT_SEQ and setting("FP4VIS_HOPPER_SHORT")
+    return seqlen_q <= SHORT_SEQ and seqlen_k <= SHORT_SEQ and cached_setting("FP4VIS_HOPPER_SHORT")
 
 
 def auto_ctas_per_sm(short: bool, schedule: str = "", p_path: str = "", num_wg: int = 0, block_scales: str = "",

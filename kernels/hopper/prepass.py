@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from fp4vis.config import setting
+from fp4vis.config import cached_setting
 from fp4vis.formats import fp8_pow2_quantize, mxfp4_qdq, nvfp4_qdq
 from fp4vis.layout import anchor_permutation
 from fp4vis.policy import QK_FP8
@@ -126,7 +126,7 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layou
     if tp is not None:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         perm = _int32_permutation(k, anchor)
-        if qk_layout == "block16" or fused or setting("FP4VIS_PREPASS_FUSED_FOLDED"):
+        if qk_layout == "block16" or fused or cached_setting("FP4VIS_PREPASS_FUSED_FOLDED"):
             return tp.prepass(q, k, v, qk_layout, perm)
         v6 = tp.mxfp4_v6(v, perm)
         if anchor > 0:

@@ -45,6 +45,7 @@ its E4M3 rounding, nor of the snap); the exact FMAs are written explicitly.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -52,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4vis.config import setting
+from fp4vis.config import cached_setting
 from fp4vis.formats import FOLDED_MSE_MULTIPLIERS, FP8_GROUP_TOP_EXP, FP8_MIN_GROUP_EXP
 
 from .layout import fp8_key_scale_blocks
@@ -469,7 +470,13 @@ def default_warps(d: int) -> int:
 # FP4VIS_PREPASS_F16_CODES=0 selects the float32 form on the GPU too (for side-by-side timing).
 def f16_codes_default() -> bool:
     """The E2M1 code form used where a call does not name one."""
-    return setting("FP4VIS_PREPASS_F16_CODES") and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return cached_setting("FP4VIS_PREPASS_F16_CODES") and not _interpreting()
+
+
+@functools.cache
+def _interpreting() -> bool:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1) is on: it cannot run inline assembly."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # Host path. ``prepass`` and ``fp8_prepass`` keep, per input signature, the launch geometry (one
@@ -490,7 +497,7 @@ _META: dict[tuple, list] = {}
 
 def direct_launch_on() -> bool:
     """Whether launches go straight to the compiled kernel (see above)."""
-    return setting("FP4VIS_PREPASS_DIRECT_LAUNCH") if FAST_LAUNCH is None else FAST_LAUNCH
+    return cached_setting("FP4VIS_PREPASS_DIRECT_LAUNCH") if FAST_LAUNCH is None else FAST_LAUNCH
 
 
 def _hooks_clear() -> bool:

@@ -217,7 +217,21 @@ CASES = list(_bad_cases({"vit": "", "mae": "", "wan": "", "data": Path(".")},
 def test_user_errors_exit_2_with_one_line(case, assets, bad, capsys):
     argv, expected = _bad_cases(assets, bad)[case]
     code, _, err = run(capsys, *argv)
-    lines = [line for line in err.splitlines() if line.startswith("fp4vis ")]   # progress bars aside
+    progress = re.compile(r"\d+%\||it/s\]|s/it\]")   # loading bars of the libraries, not messages
+    lines = [line for line in err.splitlines() if line.strip() and not progress.search(line)]
     assert code == 2, (case, err)
-    assert len(lines) == 1 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("fp4vis ") and "Traceback" not in err, err
     assert re.search(expected, lines[0]), lines[0]
+
+
+def test_a_user_error_from_a_dataloader_worker_is_one_line():
+    """torch re-raises a worker's UsageError with the worker's traceback in its message; the CLI prints
+    the last line only."""
+    from fp4vis.cli import _one_line
+    from fp4vis.services import UsageError
+
+    worker = UsageError("Caught UsageError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
+                        "last):\n  File \"x.py\", line 1\nfp4vis.services.UsageError: data: 'b.jpg' is not a "
+                        "readable image")
+    assert _one_line(worker) == "data: 'b.jpg' is not a readable image"
+    assert _one_line(UsageError("plain message")) == "plain message"

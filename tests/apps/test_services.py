@@ -42,6 +42,16 @@ def test_atomic_write_under_a_file_size_limit(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["report.md"]
 
 
+def test_atomic_write_gives_the_mode_of_a_plain_write(tmp_path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    made = files.atomic_write(tmp_path / "made.txt", "x")
+    assert made.stat().st_mode == plain.stat().st_mode
+    plain.chmod(0o640)
+    files.atomic_write(plain, "y")
+    assert plain.stat().st_mode & 0o777 == 0o640 and plain.read_text() == "y"
+
+
 def test_atomic_path_removes_the_partial_file_on_an_exception(tmp_path):
     path = tmp_path / "v.mp4"
     with pytest.raises(RuntimeError, match="mid-write"), files.atomic_path(path) as tmp:

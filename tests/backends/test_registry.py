@@ -74,8 +74,8 @@ def test_backend_registers_and_explains_cpu():
     backend = registry.get_backend("hopper")
     assert isinstance(backend, hopper_backend.HopperBackend)
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
-    assert backend.unsupported_reason(q, q, q, POLICIES["fast"], 0.125) is not None
-    assert backend.unsupported_reason(q, q, q, POLICIES["bf16"], 0.125) is not None
+    assert backend.unsupported_reason(q, q, q, POLICIES["fast"], 0.125) == "tensors are not on a CUDA device"
+    assert backend.unsupported_reason(q, q, q, POLICIES["bf16"], 0.125) == "policy 'bf16' is not a Direct-P policy"
     if not torch.cuda.is_available():
         assert fp4vis.available_backends()["hopper"] is not None
         with pytest.raises(RuntimeError):

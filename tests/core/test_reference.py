@@ -511,7 +511,10 @@ def test_policy_fp8_qk_format_rules():
 def test_exact_policy_is_finite_for_huge_finite_inputs():
     """docs/numerics.md section 6: finite inputs never give NaN. q = k = 1e20 overflow float32 scores
     (SDPA returns NaN); the exact policy recomputes such a call in float64, where all scores are
-    equal and the attention is the mean of V."""
+    equal and the attention is the mean of V. Inputs in range get SDPA's own bits."""
+    q, k, v = (gaussian(1, 2, 33, 64, seed=s).bfloat16() for s in (7, 8, 9))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(fp4vis.attention(q, k, v, policy="bf16"), sdpa)
     for dtype in (torch.bfloat16, torch.float32):
         q = torch.full((1, 2, 5, 64), 1e20, dtype=dtype)
         v = gaussian(1, 2, 5, 64).to(dtype)
@@ -538,6 +541,14 @@ def test_qk_global_scale_is_applied_once():
     err_global = fp4vis.rel_l2(fp4vis.attention(q, k, v, policy=pol), exact)
     err_fast = fp4vis.rel_l2(fp4vis.attention(q, k, v, policy="fast"), exact)
     assert abs(err_global - err_fast) < 0.1 * err_fast, (err_global, err_fast)
+    # an anchored policy: the code-units margin M ln 2 is stated for the true scores, so the row
+    # reference sits M ln 2 above the anchor maximum of the paper's logits whatever the tensor scale
+    acc = POLICIES["accurate"].replace(name="accurate_global", qk_global_scale=True, qk_format="folded64_mse")
+    ops = ref.quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), acc, scale)
+    m = ref.row_reference(ops.q, ops.k, ops.num_keys, ops.s, acc, ops.tensor_scale)
+    anchor_max = (ops.q @ ops.k[:, :acc.anchor].mT).amax(-1, keepdim=True).double()
+    gap = (m - anchor_max) * ops.tensor_scale          # in the true scores' units
+    torch.testing.assert_close(gap, torch.full_like(gap, acc.margin * layout.LN2), rtol=1e-9, atol=1e-9)
 
 
 def test_output_overflow_is_reported_and_the_advice_fits_the_cause():

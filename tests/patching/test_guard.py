@@ -255,6 +255,9 @@ def test_plan_is_refused_on_another_architecture(vit, tmp_path):
     assert nothing.guarded == []
     with pytest.raises(fp4vis.GuardPlanError, match="blocks.3.attn is not a layer of this model"):
         fp4vis.patch(_tiny_timm(heads=2, depth=2), guard=nothing)
+    with pytest.raises(fp4vis.GuardPlanError, match="blocks.4.attn is not in the plan"):
+        fp4vis.patch(_tiny_timm(heads=2, depth=6), guard=plan)   # deeper: blocks 4, 5 would go unguarded
+    assert GuardPlan.from_dict(plan.to_dict()).architecture == {n: [2, 32] for n in NAMES}
     with pytest.warns(RuntimeWarning, match="calibrated on 'tiny-vit'"):
         fp4vis.patch(_tiny_timm(heads=2), guard=nothing).remove()
 

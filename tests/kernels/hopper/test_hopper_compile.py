@@ -19,6 +19,7 @@ os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
 
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
+from fp4vis.config import setting  # noqa: E402
 from fp4vis.layout import qk_layout  # noqa: E402
 from fp4vis.policy import POLICIES  # noqa: E402
 from fp4vis.reference import quantize_operands  # noqa: E402
@@ -188,7 +189,7 @@ def test_short_variant_config_plumbing():
     assert split_variant("hopper_kernel@serial//1//1")[1] == {"schedule": "serial", "num_wg": 1, "ctas_per_sm": 1}
 
 
-def test_short_variant_dispatch(monkeypatch):
+def test_short_variant_dispatch(monkeypatch, fp4vis_settings):
     """The backend's call picks the short-sequence variant when both sequences are at most SHORT_SEQ and
     the call names no variant field, never swaps a variant asked for by name (any field), keeps the
     default kernel for long queries over short keys, and FP4VIS_HOPPER_SHORT=0 turns it off (read at
@@ -211,7 +212,7 @@ def test_short_variant_dispatch(monkeypatch):
     assert ctas(40, schedule="pingpong") == 1 and ctas(40, schedule="serial", num_wg=1) == 1
     assert seen[0].key() == hb.kernel_config(64, "bf16", pol.affine_a, pol.affine_b, pol.shift, pol.native_exp2,
                                              pol.anchor, "", "", 0, pol.code_rounding, False, "", 0, True).key()
-    monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "0")
+    fp4vis_settings(FP4VIS_HOPPER_SHORT="0")
     assert ctas(40) == 1
 
 
@@ -303,7 +304,7 @@ def test_e2m1_grid_rounding_constant_forms_agree():
     from fp4vis.formats import e2m1_round
 
     mant = torch.arange(1 << 23, dtype=torch.int32)
-    everything = os.environ.get("FP4VIS_EXHAUSTIVE") == "1"   # all of [0, 1]: about a minute
+    everything = setting("FP4VIS_EXHAUSTIVE")   # all of [0, 1]: about a minute
     g = torch.Generator().manual_seed(0)
     chunks = [torch.tensor([0, 1, 0x3F800000], dtype=torch.int32)]   # 0, a subnormal, 1.0
     for e in range(-127, 0):   # -127: the subnormals

@@ -293,7 +293,7 @@ PREPASS_PATHS = ["triton", "torch_folded", "torch"]
 
 @pytest.mark.parametrize("prepass_path", PREPASS_PATHS)
 @pytest.mark.parametrize("policy", ["fast", "guard", "fast_fp8qk"])
-def test_non_finite_inputs(policy, prepass_path, monkeypatch):
+def test_non_finite_inputs(policy, prepass_path, monkeypatch, fp4vis_settings):
     """docs/numerics.md section 6 on the kernel path, on every pre-pass path (fused Triton; folded Q/K through
     fp4vis.formats; all PyTorch): the pre-pass turns NaN/Inf into NaN operands and the kernel
     propagates them (a bad q row gives a NaN output row; a bad k or v entry NaN in that head), so
@@ -303,7 +303,7 @@ def test_non_finite_inputs(policy, prepass_path, monkeypatch):
     if prepass_path == "torch_folded" and fp4vis.get_policy(policy).qk_fp8:
         pytest.skip("FP4VIS_PREPASS_FUSED_FOLDED concerns the NVFP4 folded layout: as the triton case for FP8 Q/K")
     if prepass_path == "torch_folded":
-        monkeypatch.setenv("FP4VIS_PREPASS_FUSED_FOLDED", "0")
+        fp4vis_settings(FP4VIS_PREPASS_FUSED_FOLDED="0")
     elif prepass_path == "torch":
         monkeypatch.setattr(hp, "_TP", [None])
     g = torch.Generator(device="cuda").manual_seed(3)
