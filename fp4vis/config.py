@@ -63,6 +63,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "(same bits); 0 selects the float32 form"),
     Setting("FP4VIS_PREPASS_DIRECT_LAUNCH", "1", "Hopper pre-pass: launch the compiled Triton kernel "
             "directly (skips Triton's per-call argument binding); 0 uses the ordinary launch"),
+    Setting("FP4VIS_BLACKWELL_CUBINS", "", "Blackwell backend: a folder of precompiled sm_90 cubins of its kernel "
+            "(the H200 verification route, kernels/blackwell/cubin.py); empty: Triton compiles it", text=True),
+    Setting("FP4VIS_BLACKWELL_PREPASS_FUSED", "1", "Blackwell pre-pass: the fused Triton launch on CUDA tensors "
+            "(same bits); 0 runs the PyTorch statement"),
+    Setting("FP4VIS_BLACKWELL_REPORT", "", "Tests: a JSON file where the Blackwell GPU tests write their "
+            "per-case relL2 and bit-identical shares", text=True),
     Setting("FP4VIS_EXHAUSTIVE", "0", "Tests: run the exhaustive E2M1 rounding check over every float32 "
             "in [0, 1] (about a minute) instead of a sample"),
 )}

@@ -16,8 +16,10 @@ from fp4vis.reference import RangeReport
 AUTO = "auto"
 REFERENCE = "reference"
 HOPPER = "hopper"
-# compute capabilities of the GPUs each kernel backend is built for
+BLACKWELL = "blackwell"
+# compute capabilities of the GPUs each kernel backend is built for ("auto" picks it there)
 HOPPER_CAPABILITIES = ((9, 0),)
+BLACKWELL_CAPABILITIES = ((10, 0), (10, 3), (12, 0))
 
 
 class Backend:

@@ -15,13 +15,24 @@ import torch
 
 from fp4vis.policy import Policy
 
-from .base import AUTO, HOPPER, HOPPER_CAPABILITIES, REFERENCE, Backend, device_capability
+from .base import (
+    AUTO,
+    BLACKWELL,
+    BLACKWELL_CAPABILITIES,
+    HOPPER,
+    HOPPER_CAPABILITIES,
+    REFERENCE,
+    Backend,
+    device_capability,
+)
 from .reference import ReferenceBackend
 
 # kernel backend name -> module holding its BACKEND
-KERNEL_MODULES = {HOPPER: "fp4vis.kernels.hopper.backend"}
-# the kernel backend "auto" tries on a CUDA device of each compute capability
-AUTO_BY_CAPABILITY = {cap: HOPPER for cap in HOPPER_CAPABILITIES}
+KERNEL_MODULES = {HOPPER: "fp4vis.kernels.hopper.backend", BLACKWELL: "fp4vis.kernels.blackwell.backend"}
+# the kernel backend "auto" tries on a CUDA device of each compute capability (the Blackwell kernel's
+# sm_90 build is a verification path: "auto" never picks it on a Hopper GPU)
+AUTO_BY_CAPABILITY = {**{cap: HOPPER for cap in HOPPER_CAPABILITIES},
+                      **{cap: BLACKWELL for cap in BLACKWELL_CAPABILITIES}}
 
 _REGISTRY: dict[str, Backend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}

@@ -26,11 +26,12 @@ from fp4vis.attention import RangeExceededError
 from fp4vis.patching import GuardPlanError
 from fp4vis.services import UsageError, fp4vis_version
 
-from . import bench, calibrate, evaluate, generate, info
+from . import bench, calibrate, evaluate, generate, info, selfcheck
 from .options import EPILOG, Formatter, fill_help
 
 # command name -> module with add_parser(sub) and run(args)
-COMMANDS = {"info": info, "bench": bench, "generate": generate, "eval": evaluate, "calibrate": calibrate}
+COMMANDS = {"info": info, "bench": bench, "generate": generate, "eval": evaluate, "calibrate": calibrate,
+            "selfcheck": selfcheck}
 
 
 def build_parser() -> argparse.ArgumentParser:

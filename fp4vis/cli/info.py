@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from fp4vis.backends import available_backends
+from fp4vis.backends import available_backends, get_backend
 from fp4vis.policy import POLICIES
 from fp4vis.services import fp4vis_version, gpu_info, package_versions
 
@@ -20,14 +20,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def _backend_status(backends: dict) -> dict:
+    """More than available-or-not, from backends that say it (``status()``: the Blackwell backend's
+    launch route, compiled kernels and self-check verdicts)."""
+    out = {}
+    for name in backends:
+        try:
+            backend = get_backend(name)
+            if backend is not None and hasattr(backend, "status"):
+                out[name] = backend.status()
+        except Exception as e:  # noqa: BLE001 - report, do not crash
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         backends = available_backends()
     except Exception as e:  # report, do not crash: `info` is what people run when things break
         backends = {"(registry)": f"{type(e).__name__}: {e}"}
     gpu = gpu_info()
+    status = _backend_status(backends)
     info = {"fp4vis": fp4vis_version(), "torch": torch.__version__, "cuda": gpu, "backends": backends,
-            "policies": sorted(POLICIES), "versions": package_versions()}
+            "backend_status": status, "policies": sorted(POLICIES), "versions": package_versions()}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -40,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     print("Backends:")
     for name, reason in backends.items():
         print(f"  {name:<10} {'available' if reason is None else 'unavailable: ' + str(reason)}")
+        for key, value in status.get(name, {}).items():
+            if key != "available" and value not in ({}, [], None):
+                print(f"  {'':<10}   {key}: {value}")
     print("Policies: " + ", ".join(info["policies"]))
     missing = [k for k, v in info["versions"].items() if v is None]
     if missing:

@@ -370,6 +370,7 @@ def variants(head_dims=(128, 64)):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90a", choices=["sm_90a"], help="the target (this check's one)")
     ap.add_argument("--policy", default=None, help="one policy (default: all CI variants)")
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--keep-dir", default=None)

@@ -32,12 +32,13 @@ def run(capsys, *argv):
 def test_console_script_help():
     r = subprocess.run([sys.executable, "-m", "fp4vis.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
-    for cmd in ("generate", "eval", "bench", "calibrate", "info"):
+    for cmd in ("generate", "eval", "bench", "calibrate", "info", "selfcheck"):
         assert cmd in r.stdout
 
 
 @pytest.mark.parametrize("argv", [["generate"], ["eval", "vit"], ["eval", "mae"], ["eval", "wan"], ["bench"],
-                                  ["calibrate", "wan"], ["calibrate", "vit"], ["calibrate", "mae"], ["info"]])
+                                  ["calibrate", "wan"], ["calibrate", "vit"], ["calibrate", "mae"], ["info"],
+                                  ["selfcheck"]])
 def test_every_subcommand_has_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([*argv, "--help"])
@@ -147,6 +148,8 @@ def test_gpu_only_options_without_gpu(assets, capsys):
     assert code == 2 and "runs only on a CUDA GPU" in err
     code, _, err = run(capsys, "bench")
     assert code == 2 and "bench --quick" in err
+    code, _, err = run(capsys, "selfcheck")
+    assert code == 2 and "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
 
 
 def test_hub_id_without_network_says_what_to_do(assets, tmp_path):

@@ -1,0 +1,260 @@
+"""Compile the Blackwell kernel for a target without a GPU and prove from PTX/SASS what it runs.
+
+Per variant (``KernelConfig``) and arch: the FP4 block-scaled MMAs are there (sm_100a/sm_103a:
+``tcgen05.mma ... kind::mxf4nvf4.block_scale`` for Q·Kᵀ with E4M3 scales per 16 and
+``kind::mxf4.block_scale`` for P·V with E8M0 per 32; sm_120a: ``mma.sync ... kind::mxf4nvf4.
+block_scale`` with ue4m3 / ue8m0 scales), the FP4 operands are not upcast before the MMA (no
+``fp4_to_fp`` / ``upcast_mxfp`` in the TTGIR, no BF16/FP16 MMA in the PTX), the P codes use the
+hardware ``cvt.rn.satfinite.relu.e2m1x2.f32`` where the arch has it, and there is no local memory
+(no ``.local`` in the PTX, no LDL/STL in the SASS: no spills). The sm_90a build (the H200
+verification route) is reported too, and fails the FP4 check by design: its MMA is the BF16 wgmma
+of the exact upcast.
+
+CLI: ``python -m fp4vis.kernels.blackwell.compile_check --arch sm_100a [--head-dim 128] [--json]``
+prints the MMA instruction kinds found and exits non-zero when the FP4 block-scaled MMA is absent
+(or any other check fails) for a Blackwell arch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from .config import ARCHS, HW_CVT_ARCHS, KernelConfig
+
+ARCH_BY_NAME = {name: cap for cap, name in ARCHS.items()}
+_MMA_PTX = re.compile(r"(tcgen05\.mma[\w.:]*|mma\.sync\.aligned[\w.:]*|wgmma\.mma_async[\w.:]*)")
+_SASS_OP = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", re.M)
+
+
+@dataclass
+class Report:
+    variant: str
+    arch: str
+    compile_s: float
+    mma_ptx: dict = field(default_factory=dict)      # distinct PTX MMA instruction -> count
+    sass_mma: dict = field(default_factory=dict)     # SASS MMA mnemonics -> count
+    e2m1_cvt: int = 0                                # cvt.rn.satfinite(.relu).e2m1x2.f32 in PTX
+    ttgir_upcasts: int = 0                           # fp4_to_fp / upcast_mxfp ops before the MMA
+    local_ptx: int = 0                               # .local declarations / ld.local / st.local
+    sass_local: int = 0                              # LDL / STL
+    loops: list = field(default_factory=list)        # SASS instructions of each innermost loop
+    steady_loop: int = 0         # the main loop without its forward-branch regions (the tail tile's mask)
+    steady_mix: dict = field(default_factory=dict)   # mnemonic (no modifiers) -> count in steady_loop
+    steady_special: dict = field(default_factory=dict)  # MUFU / F2FP / MMA / TMEM ops in steady_loop
+    per_score: float = 0.0       # thread instructions per score of the steady loop
+    sass_total: int = 0
+    sass_counts: dict = field(default_factory=dict)  # selected mnemonics (MUFU.EX2, F2FP, ...) -> count
+    shared: int = 0
+    failures: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _nvdisasm() -> str:
+    import shutil
+
+    import triton
+    for cand in (shutil.which("nvdisasm"),
+                 os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+        if cand and os.path.exists(cand):
+            return cand
+    raise RuntimeError("nvdisasm not found (Triton bundles one; or pip install nvidia-cuda-nvdisasm)")
+
+
+def sass_of(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def innermost_loops(sass: str) -> list[int]:
+    """Instruction counts of the SASS loops that contain no other loop (backward branch to a label)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    inner = [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [sum(1 for line in lines[a:b + 1] if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)) for a, b in inner]
+
+
+def _op(line: str) -> str | None:
+    m = _SASS_OP.match(line)
+    return m.group(1) if m else None
+
+
+def steady_loop(sass: str) -> tuple[list[str], int]:
+    """(instructions of the largest innermost loop that run on every iteration, instructions skipped
+    by its forward branches): the loop minus the regions a forward branch inside it jumps over
+    (here: the key mask, executed only on the tile past the last key)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    inner = [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
+    if not inner:
+        return [], 0
+    a, b = max(inner, key=lambda span: span[1] - span[0])
+    skipped = set()
+    for i in range(a, b + 1):
+        m = re.search(r"@!?U?P\w+\s+BRA[^`]*`\((\.L_x_\d+)\)", lines[i])
+        if m and i < labels.get(m.group(1), -1) <= b:
+            skipped.update(range(i + 1, labels[m.group(1)]))
+    ops = [op for i in range(a, b + 1) if i not in skipped and (op := _op(lines[i]))]
+    return ops, sum(1 for i in skipped if _op(lines[i]))
+
+
+def inspect(cfg: KernelConfig, keep_dir: str | None = None) -> Report:
+    """Compile ``cfg`` for its arch (no GPU) and check it; the Report lists any failures."""
+    from .kernel import compile_for_target
+    t0 = time.perf_counter()
+    k = compile_for_target(cfg)
+    rep = Report(cfg.tag(), cfg.arch_name, time.perf_counter() - t0, shared=k.metadata.shared)
+    ptx, ttgir, cubin = k.asm["ptx"], k.asm["ttgir"], k.asm["cubin"]
+    if keep_dir:
+        os.makedirs(keep_dir, exist_ok=True)
+        for ext, data in (("ptx", ptx), ("ttgir", ttgir)):
+            with open(os.path.join(keep_dir, f"{cfg.tag()}.{ext}"), "w") as f:
+                f.write(data)
+    rep.mma_ptx = dict(Counter(_MMA_PTX.findall(ptx)))
+    rep.e2m1_cvt = len(re.findall(r"cvt\.rn\.satfinite(?:\.relu)?\.e2m1x2\.f32", ptx))
+    rep.ttgir_upcasts = len(re.findall(r"ttg\.fp4_to_fp|ttg\.upcast_mxfp|tt\.fp4_to_fp", ttgir))
+    rep.local_ptx = len(re.findall(r"\.local\b", ptx))
+    sass = sass_of(cubin)
+    if keep_dir:
+        with open(os.path.join(keep_dir, f"{cfg.tag()}.sass"), "w") as f:
+            f.write(sass)
+    ops = _SASS_OP.findall(sass)
+    rep.sass_total = len(ops)
+    counts = Counter(ops)
+    rep.sass_mma = {op: n for op, n in counts.items() if "MMA" in op}
+    rep.sass_local = sum(n for op, n in counts.items() if op.split(".")[0] in ("LDL", "STL"))
+    rep.sass_counts = {op: n for op, n in sorted(counts.items())
+                       if op.split(".")[0] in ("MUFU", "F2FP", "F2F", "FMNMX", "FSETP", "FFMA", "FMUL", "FADD", "SHFL",
+                                               "I2F", "F2I", "FRND", "LOP3", "PRMT", "SEL", "FSEL", "IMAD", "IADD3",
+                                               "LDS", "STS", "LDG", "STG", "LDSM", "STTM", "LDTM", "UTCBAR")}
+    rep.loops = innermost_loops(sass)
+    ops_steady, _ = steady_loop(sass)
+    rep.steady_loop = len(ops_steady)
+    rep.steady_mix = dict(Counter(op.split(".")[0] for op in ops_steady).most_common())
+    rep.steady_special = dict(Counter(op for op in ops_steady if op.startswith(("MUFU", "F2FP", "UTC", "STTM", "LDTM",
+                                                                                  "HMMA", "OMMA", "QMMA", "HGMMA"))))
+    rep.per_score = rep.steady_loop * 32 * cfg.num_warps / (cfg.block_m * cfg.block_n)
+    _judge(cfg, rep)
+    return rep
+
+
+def _judge(cfg: KernelConfig, rep: Report) -> None:
+    kinds = " ".join(rep.mma_ptx)
+    f = rep.failures
+    if cfg.arch in (100, 103):
+        if not re.search(r"tcgen05\.mma[\w.:]*kind::mxf4nvf4\.block_scale", kinds):
+            f.append("no tcgen05.mma kind::mxf4nvf4.block_scale (NVFP4 Q·Kᵀ)")
+        if not re.search(r"tcgen05\.mma[\w.:]*kind::mxf4(?:nvf4)?\.block_scale\.block32", kinds):
+            f.append("no tcgen05.mma kind::mxf4 block_scale with 32-element E8M0 blocks (MXFP4 P·V)")
+        if re.search(r"kind::(?:f16|tf32|f8f6f4)\b", kinds):
+            f.append("a non-FP4 tcgen05 MMA kind on the dot path")
+    if cfg.arch == 120:
+        if not re.search(r"mma\.sync[\w.:]*kind::mxf4nvf4\.block_scale[\w.:]*ue4m3", kinds):
+            f.append("no mma.sync kind::mxf4nvf4.block_scale with ue4m3 scales (NVFP4 Q·Kᵀ)")
+        if not re.search(r"mma\.sync[\w.:]*kind::mxf4(?:nvf4)?\.block_scale[\w.:]*ue8m0", kinds):
+            f.append("no mma.sync block_scale with ue8m0 scales (MXFP4 P·V)")
+    if cfg.arch == 90:
+        f.append("no FP4 block-scaled MMA: sm_90a has none (the verification build upcasts FP4 exactly to BF16 "
+                 "for wgmma, by design)")
+    else:
+        if re.search(r"(bf16|f16)\.(bf16|f16)", kinds) or "wgmma" in kinds:
+            f.append("a BF16/FP16 MMA on the dot path (FP4 upcast)")
+        if rep.ttgir_upcasts:
+            f.append(f"{rep.ttgir_upcasts} FP4 upcasts in the TTGIR")
+    if cfg.arch in HW_CVT_ARCHS and not rep.e2m1_cvt:
+        f.append("P codes not through cvt.rn.satfinite.relu.e2m1x2.f32")
+    if rep.local_ptx or rep.sass_local:
+        f.append(f"local memory: {rep.local_ptx} in PTX, {rep.sass_local} LDL/STL in SASS (spills)")
+
+
+# ---------------------------------------------------------------------------------------------
+# B200 performance MODEL (not a measurement: nobody here has run this kernel on Blackwell)
+# ---------------------------------------------------------------------------------------------
+
+# Per SM per clock. FP4 / BF16 dense tensor rates: the vendor's B200 figures (18 and 4.5 PFLOPS with
+# sparsity, i.e. 9 and 2.25 dense) over 148 SMs at ~1.86 GHz -> 32768 and 8192 FLOP/clk/SM. Issue:
+# 4 schedulers x 1 warp instruction per clock. MUFU.EX2: 16/clk/SM (the CUDA guide's figure for
+# recent architectures). The E2M1 conversion's rate is not published: a range, 16 to 64 per clock.
+B200 = dict(sms=148, clock_ghz=1.86, fp4_flop_clk=32768, bf16_flop_clk=8192, issue_warp_clk=4, ex2_clk=16,
+            cvt_clk_low=16, cvt_clk_high=64, fa4_bf16_efficiency=0.71)
+
+
+def b200_model(cfg: KernelConfig, rep: Report) -> dict:
+    """Cycles per SM for one (block_m x block_n) tile of the steady loop on B200, each resource
+    alone, and the modelled ratio to a BF16 FlashAttention at ``fa4_bf16_efficiency`` of its
+    tensor peak. A model: the loop is taken as perfectly overlapped (the bound is the slowest
+    resource), which Triton's schedule without warp specialisation does not reach."""
+    scores = cfg.block_m * cfg.block_n
+    warps = cfg.num_warps
+    flops = 2 * scores * cfg.head_dim * 2 + 2 * scores * 16        # QK, PV, and the denominator MMA
+    special = rep.steady_special
+    ex2 = sum(n for op, n in special.items() if op.startswith("MUFU.EX2")) * 32 * warps
+    cvt = sum(n for op, n in special.items() if "E2M1" in op) * 32 * warps
+    cyc = {"tensor_fp4": flops / B200["fp4_flop_clk"], "issue": rep.steady_loop * warps / B200["issue_warp_clk"],
+           "ex2": ex2 / B200["ex2_clk"], "e2m1_cvt": [cvt / B200["cvt_clk_high"], cvt / B200["cvt_clk_low"]]}
+    bound = max(cyc["tensor_fp4"], cyc["issue"], cyc["ex2"], cyc["e2m1_cvt"][1])
+    bf16 = 2 * scores * cfg.head_dim * 2 / B200["bf16_flop_clk"] / B200["fa4_bf16_efficiency"]
+    return {"cycles_per_tile": cyc, "bound_cycles": bound, "bf16_fa_cycles": bf16,
+            "modelled_speedup_vs_bf16": bf16 / bound, "per_score_instructions": rep.per_score}
+
+
+def variants(arch: int, head_dims=(128, 64)) -> list[KernelConfig]:
+    """The policy classes of one arch: (affine, m = 0) = fast/wan_fast, (native, anchored) =
+    accurate/guard, per head dim (BF16 out; the FP16 build differs in the final store only)."""
+    return [KernelConfig(d, "bf16", native, native, arch) for d in head_dims for native in (False, True)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fp4vis.kernels.blackwell.compile_check",
+                                 description="Compile the Blackwell Direct-P kernel on the CPU and check its PTX/SASS.")
+    ap.add_argument("--arch", default="sm_100a", choices=sorted(ARCH_BY_NAME))
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), action="append")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", metavar="DIR", help="write PTX/TTGIR/SASS here")
+    ap.add_argument("--model", action="store_true", help="print the B200 performance MODEL from the counts")
+    a = ap.parse_args(argv)
+    arch = ARCH_BY_NAME[a.arch]
+    reports = [inspect(cfg, a.keep) for cfg in variants(arch, tuple(a.head_dim or (128, 64)))]
+    if a.json:
+        print(json.dumps([dict(asdict(r), ok=r.ok) for r in reports], indent=1))
+    else:
+        for r in reports:
+            print(f"{r.variant}: {'ok' if r.ok else 'FAIL'}  ({r.compile_s:.1f} s, shared {r.shared} B, "
+                  f"{r.sass_total} SASS instructions, innermost loops {r.loops})")
+            for k, n in r.mma_ptx.items():
+                print(f"  PTX  {k}  x{n}")
+            print(f"  SASS MMA {r.sass_mma}  e2m1x2 cvt x{r.e2m1_cvt}  LDL/STL {r.sass_local}")
+            print(f"  steady loop {r.steady_loop} instructions ({r.per_score:.1f} per score): "
+                  f"{dict(list(r.steady_mix.items())[:8])}; {r.steady_special}")
+            if a.model:
+                cfg = next(c for c in variants(arch, tuple(a.head_dim or (128, 64))) if c.tag() == r.variant)
+                m = b200_model(cfg, r)
+                c = m["cycles_per_tile"]
+                print(f"  MODEL (B200, not measured): cycles/tile tensor {c['tensor_fp4']:.0f}, "
+                      f"issue {c['issue']:.0f}, "
+                      f"ex2 {c['ex2']:.0f}, e2m1 cvt {c['e2m1_cvt'][0]:.0f}-{c['e2m1_cvt'][1]:.0f}; BF16 FA "
+                      f"{m['bf16_fa_cycles']:.0f} -> {m['modelled_speedup_vs_bf16']:.2f}x at best")
+            for msg in r.failures:
+                print(f"  FAIL {msg}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The Direct-P forward (docs/numerics.md section 2) as one Triton source on the block-scaled FP4 MMAs.
+
+Per program: BLOCK_M query rows of one (batch, head). Q·Kᵀ is ``tl.dot_scaled`` on NVFP4 operands
+(E2M1 codes, E4M3 scale per 16 along D), the P codes and their E8M0 block scales α' are computed
+in registers from the scores, and P·V is ``tl.dot_scaled`` on MXFP4 operands (P codes with α' per
+row per 32 keys as the A scale; V codes with an E8M0 scale per column per 32 tokens as the B
+scale). The denominator comes from the same codes and scales (docs/numerics.md section 2, step 7): a second
+block-scaled MMA of P against a block of 1.0 codes.
+
+Lowering (Triton >= 3.8): sm_100a/sm_103a ``tcgen05.mma ... kind::mxf4nvf4.block_scale`` /
+``kind::mxf4.block_scale``; sm_120a ``mma.sync ... kind::mxf4nvf4.block_scale``; sm_90a an exact
+upcast of the FP4 operands to BF16 + wgmma (the H200 verification build: docs/blackwell_kernel.md).
+
+Operand layouts (all contiguous; G = B*H; the pre-pass ``prepass.py`` writes them):
+  QC (G, SQP, D/2) u8 E2M1 pairs along D      QS (G, SQP, D/16) E4M3
+  KC (G, SKP, D/2) u8 E2M1 pairs along D      KS (G, SKP, D/16) E4M3
+  VC (G, D, SKP/2) u8 E2M1 pairs along tokens VS (G, D, SKP/32) E8M0
+  OUT (G, SQ, D) bf16/fp16
+SQP / SKP are Sq / Skv padded to whole tiles with zero codes; keys >= NUM_KEYS are masked.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .config import E8M0_BIAS, KEY_BLOCK, LOG2_1P5, LOG2_6, MAX_EXP_BYTE, NVFP4_BLOCK
+
+_KEY_BLOCK = tl.constexpr(KEY_BLOCK)
+_SF16 = tl.constexpr(NVFP4_BLOCK)
+_BIAS = tl.constexpr(E8M0_BIAS)
+_MAX_U = tl.constexpr(MAX_EXP_BYTE)
+_LOG2_6 = tl.constexpr(LOG2_6)
+_ONE_MINUS_LOG2_1P5 = tl.constexpr(1.0 - LOG2_1P5)
+_DEN_N = tl.constexpr(16)   # columns of the denominator MMA (the smallest N the FP4 MMAs take)
+
+
+# ---------------------------------------------------------------------------------------------
+# device helpers
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _e2m1_index(y):
+    """E2M1 magnitude index (0..7) of E2M1_rne_sat(max(0, y)) (docs/numerics.md section 1), by counting the
+    rounding boundaries below y: ties go to the even index (down at 0.25, 1.25, 2.5, 5; up at 0.75,
+    1.75, 3.5). -inf and NaN give 0. The exact emulation for archs without the cvt instruction."""
+    return ((y > 0.25).to(tl.int32) + (y >= 0.75).to(tl.int32) + (y > 1.25).to(tl.int32)
+            + (y >= 1.75).to(tl.int32) + (y > 2.5).to(tl.int32) + (y >= 3.5).to(tl.int32)
+            + (y > 5.0).to(tl.int32))
+
+
+@triton.jit
+def _e2m1_value(idx):
+    """The magnitude {0, .5, 1, 1.5, 2, 3, 4, 6} of an E2M1 index 0..7 (float32, exact)."""
+    f = idx.to(tl.float32)
+    return tl.where(idx < 4, f * 0.5, tl.where(idx == 7, 6.0, f - 2.0))
+
+
+@triton.jit
+def _e2m1x2_hw(lo, hi):
+    """One byte of two E2M1 codes (lo in the low nibble) of relu(lo), relu(hi), by the hardware
+    conversion ``cvt.rn.satfinite.relu.e2m1x2.f32``, which defines docs/numerics.md section 1's rounding. Its
+    first source goes to the upper nibble."""
+    # four pairs per call, their four bytes written straight into one 32-bit register (no byte
+    # permutes to build the uint8 operand)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b8 t0, t1, t2, t3;\n"
+        "cvt.rn.satfinite.relu.e2m1x2.f32 t0, $5, $1;\n"
+        "cvt.rn.satfinite.relu.e2m1x2.f32 t1, $6, $2;\n"
+        "cvt.rn.satfinite.relu.e2m1x2.f32 t2, $7, $3;\n"
+        "cvt.rn.satfinite.relu.e2m1x2.f32 t3, $8, $4;\n"
+        "mov.b32 $0, {t0, t1, t2, t3}; }",
+        "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _native_mask(keys):
+    """docs/numerics.md section 2 native exp2 positions of physical key indices: b = j // 32, quarter = b % 4,
+    pair = (j % 32) // 2; native when pair is quarter, quarter + 8, 4 or 12."""
+    quarter = (keys // 32) % 4
+    pair = (keys % 32) // 2
+    return (pair == quarter) | (pair == quarter + 8) | (pair == 4) | (pair == 12)
+
+
+@triton.jit
+def _decode_nvfp4(packed, scales, R: tl.constexpr, C: tl.constexpr):
+    """Float32 values (R, C) of packed E2M1 pairs (R, C/2) times their E4M3 scales (R, C/16)."""
+    lo = (packed & 15).to(tl.int32)
+    hi = (packed >> 4).to(tl.int32)
+    vlo = tl.where((lo & 8) != 0, -1.0, 1.0) * _e2m1_value(lo & 7)
+    vhi = tl.where((hi & 8) != 0, -1.0, 1.0) * _e2m1_value(hi & 7)
+    vals = tl.reshape(tl.join(vlo, vhi), (R, C))
+    sc = tl.broadcast_to(scales.to(tl.float32)[:, :, None], (R, C // 16, 16))
+    return vals * tl.reshape(sc, (R, C))
+
+
+@triton.jit
+def _qk_scores(q, qs, kc_ptr, ks_ptr, kbase, ksbase, j0, SKP, zero,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, QK_DECODE: tl.constexpr):
+    """raw = Q̂ K̂ᵀ (float32, no softmax scale) of the query tile against keys j0..j0+BLOCK_N:
+    tl.dot_scaled on NVFP4 operands. K codes are read as the (D/2, BLOCK_N) B operand (packed
+    along D, the reduction dim), its scales as (BLOCK_N, D/16). ``zero`` is a runtime 0.0: Triton
+    3.8's sm_100 pipeline fails (TritonGPUOptimizeAccumulatorInit, "uninitialized alloc must have a
+    mutable memdesc type") on a constant-zero accumulator of a scaled MMA inside a loop; a splat of
+    a runtime zero compiles (one TMEM store of the tile per step; docs/blackwell_kernel.md)."""
+    on = j0 + tl.arange(0, BLOCK_N)
+    odp = tl.arange(0, D // 2)
+    ods = tl.arange(0, D // _SF16)
+    ks = tl.load(ks_ptr + ksbase + on[:, None] * (D // _SF16) + ods[None, :])
+    if QK_DECODE:
+        # test build for Triton's CPU interpreter, which decodes NVFP4 scales as E8M0: the same
+        # codes and scales decoded in registers (exact in float32), then a plain dot
+        kk = tl.load(kc_ptr + kbase + on[:, None] * (D // 2) + odp[None, :])
+        qd = _decode_nvfp4(q, qs, q.shape[0], D)
+        kd = _decode_nvfp4(kk, ks, BLOCK_N, D)
+        return tl.dot(qd, tl.trans(kd), input_precision="ieee")
+    kt = tl.load(kc_ptr + kbase + on[None, :] * (D // 2) + odp[:, None])
+    acc = tl.full((q.shape[0], BLOCK_N), zero, tl.float32)
+    return tl.dot_scaled(q, qs, "e2m1", kt, ks, "e2m1", acc)
+
+
+@triton.jit
+def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr, NATIVE: tl.constexpr,
+              HW_CVT: tl.constexpr):
+    """docs/numerics.md section 2 steps 1-6 for one (BLOCK_M, BLOCK_N) score tile: returns the packed P codes
+    (BLOCK_M, BLOCK_N/2) u8 and their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8. (Step 7's
+    denominator is a second block-scaled MMA of the same codes and scales: see the kernel.)
+
+    Float32 in the reference's order: d = raw - m first (the reference subtracts m before scaling),
+    g = max_B(d)·s, and the code argument as one FMA, y = d·(A s) + (A k + B) with k = log2 6 - ē
+    (native: 2^(d·s + k)): one rounding of the float64 reference's value, so codes differ from it
+    only where y lies within an ulp of an E2M1 midpoint."""
+    NB: tl.constexpr = BLOCK_N // 32
+    if ANCHORED:
+        d = raw - m[:, None]
+    else:
+        d = raw                                                      # m = 0: exact, skipped
+    # masked keys are -inf: they drop out of the block max and give code 0 on both paths; only the
+    # tile that reaches past the last key pays for the compare and select
+    if tl.max(keys) >= NUM_KEYS:
+        d = tl.where((keys < NUM_KEYS)[None, :], d, float("-inf"))
+    d3 = tl.reshape(d, (BLOCK_M, NB, 32))
+    g = tl.max(d3, axis=2) * s_log2                                  # step 1 (s > 0)
+    e = tl.floor(g + _ONE_MINUS_LOG2_1P5)                            # step 2 (-inf for empty blocks)
+    u = tl.minimum(tl.maximum(e + _BIAS, 0.0), _MAX_U * 1.0)
+    ub = tl.maximum(u, (shift + 1) * 1.0)                            # step 3: working exponent
+    # step 4's constant k = log2(6) - e_bar; blocks with u = 0 give q = 0 (k = -inf)
+    k = tl.where(u == 0.0, float("-inf"), _LOG2_6 - (ub - _BIAS))
+    kaff = affine_a * k + affine_b
+    a_s = affine_a * s_log2
+    y3 = tl.fma(d3, a_s, kaff[:, :, None])                           # step 5, affine positions
+    if NATIVE:
+        yn = tl.exp2(tl.fma(d3, s_log2, k[:, :, None]))              # step 5, native positions
+        # the pattern repeats every 4 blocks (quarter = block % 4): with whole 128-key tiles it is
+        # the same for every tile, a loop invariant
+        if BLOCK_N % 128 == 0:
+            nat = tl.reshape(_native_mask(tl.arange(0, BLOCK_N)), (1, NB, 32))
+        else:
+            nat = tl.reshape(_native_mask(keys), (1, NB, 32))
+        y3 = tl.where(nat, yn, y3)
+    y_lo, y_hi = tl.split(tl.reshape(y3, (BLOCK_M, BLOCK_N // 2, 2)))
+    if HW_CVT:
+        packed = _e2m1x2_hw(y_lo, y_hi).to(tl.int32)
+    else:
+        packed = _e2m1_index(y_lo) | (_e2m1_index(y_hi) << 4)
+    sbyte = (ub - shift).to(tl.int32)                                # step 6: >= 1, never subnormal
+    return packed.to(tl.uint8), sbyte.to(tl.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT,
+                 SQ, SQP, SKP, NUM_KEYS, N_ANCHOR, s_log2, margin_raw, affine_a, affine_b, shift,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
+                 ANCHORED: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1).to(tl.int64)
+    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    odp = tl.arange(0, D // 2)
+    ods = tl.arange(0, D // _SF16)
+    od = tl.arange(0, D)
+    qbase = pid_g * SQP * (D // 2)
+    kbase = pid_g * SKP * (D // 2)
+    ksbase = pid_g * SKP * (D // _SF16)
+    vbase = pid_g * D * (SKP // 2)
+    vsbase = pid_g * D * (SKP // 32)
+    zero = s_log2 * 0.0   # s_log2 is finite: a runtime zero (see _qk_scores)
+    q = tl.load(QC + qbase + om[:, None] * (D // 2) + odp[None, :])
+    qs = tl.load(QS + pid_g * SQP * (D // _SF16) + om[:, None] * (D // _SF16) + ods[None, :])
+
+    # the fixed row reference (docs/numerics.md sections 2, 4): m = 0, or anchor max + margin over the first
+    # N_ANCHOR physical keys (the pre-pass put the samples there)
+    if ANCHORED:
+        amax = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        for j0 in range(0, N_ANCHOR, BLOCK_N):
+            raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
+            keys = j0 + tl.arange(0, BLOCK_N)
+            raw = tl.where((keys < N_ANCHOR)[None, :], raw, float("-inf"))
+            amax = tl.maximum(amax, tl.max(raw, axis=1))
+        m = amax + margin_raw
+    else:
+        m = tl.zeros((BLOCK_M,), tl.float32)
+
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    den_acc = tl.zeros((BLOCK_M, _DEN_N), tl.float32)
+    # E2M1 code 2 is 1.0; E8M0 127 is 2^0
+    ones = tl.full((BLOCK_N // 2, _DEN_N), 0x22, tl.uint8)
+    ones_s = tl.full((_DEN_N, BLOCK_N // 32), 127, tl.uint8)
+    otp = tl.arange(0, BLOCK_N // 2)
+    ots = tl.arange(0, BLOCK_N // _KEY_BLOCK)
+    for j0 in range(0, SKP, BLOCK_N):
+        raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
+        keys = j0 + tl.arange(0, BLOCK_N)
+        p, ps = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
+                          BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT)
+        # step 7 on the tensor cores: l = Σ_B α'_B Σ_j q_j = (P codes with α') x (a column of 1.0s),
+        # the same codes and scales P·V consumes; every column of den_acc is l (exact products,
+        # float32 sums)
+        den_acc = tl.dot_scaled(p, ps, "e2m1", ones, ones_s, "e2m1", den_acc)
+        # V as the (BLOCK_N/2, D) B operand (packed along tokens), its scales as (D, BLOCK_N/32)
+        v = tl.load(VC + vbase + od[None, :] * (SKP // 2) + (j0 // 2 + otp)[:, None])
+        vs = tl.load(VS + vsbase + od[:, None] * (SKP // 32) + (j0 // 32 + ots)[None, :])
+        acc = tl.dot_scaled(p, ps, "e2m1", v, vs, "e2m1", acc)
+
+    # O = Σ (α' q)(α c) / 36 / (Σ α' c_B / 6) = acc / (6 den)  (docs/numerics.md sections 1, 2 step 8);
+    # a row whose probabilities all underflowed (den = 0) gives 0, as the Hopper kernel does
+    den = tl.max(den_acc, axis=1)
+    den6 = tl.where(den > 0.0, 6.0 * den, 1.0)
+    o = tl.math.div_rn(acc, tl.broadcast_to(den6[:, None], (BLOCK_M, D)))   # correctly rounded, as the reference
+    # acc * 0 keeps a NaN from a flagged head's V scales (pre-pass: non-finite input) non-finite
+    o = tl.where((den > 0.0)[:, None], o, acc * 0.0)
+    optr = OUT + pid_g * SQ * D + om[:, None] * D + od[None, :]
+    tl.store(optr, o.to(OUT.dtype.element_ty), mask=(om < SQ)[:, None])
+
+
+# the kernel's runtime argument list, in order (the cubin launcher builds its ABI from it)
+POINTER_ARGS = ("QC", "QS", "KC", "KS", "VC", "VS", "OUT")
+INT_ARGS = ("SQ", "SQP", "SKP", "NUM_KEYS", "N_ANCHOR")
+FLOAT_ARGS = ("s_log2", "margin_raw", "affine_a", "affine_b")
+INT_TAIL_ARGS = ("shift",)
+
+
+def signature(out_dtype: str) -> dict:
+    """Triton signature of ``direct_p_fwd`` for an output dtype ("bf16"/"fp16")."""
+    sig = {"QC": "*u8", "QS": "*fp8e4nv", "KC": "*u8", "KS": "*fp8e4nv", "VC": "*u8", "VS": "*u8",
+           "OUT": f"*{out_dtype}"}
+    sig.update({name: "i32" for name in INT_ARGS})
+    sig.update({name: "fp32" for name in FLOAT_ARGS})
+    sig.update({name: "i32" for name in INT_TAIL_ARGS})
+    return sig
+
+
+def constexprs(cfg, qk_decode: bool = False) -> dict:
+    """The compile-time specialisation of ``cfg`` (``qk_decode``: the CPU-interpreter test build)."""
+    return dict(D=cfg.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NATIVE=cfg.native,
+                ANCHORED=cfg.anchored, HW_CVT=cfg.hw_cvt and not qk_decode, QK_DECODE=qk_decode)
+
+
+def compile_for_target(cfg):
+    """Compile ``cfg`` for its arch with this process's Triton, no GPU needed (Triton's own ptxas);
+    returns the CompiledKernel (``.asm`` has "ptx", "cubin", "ttgir"; ``.metadata``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature(cfg.out_dtype), **{name: "constexpr" for name in constexprs(cfg)})
+    # pointers 16-byte aligned (the pre-pass allocates them so), as Triton's JIT specialises them
+    attrs = {(direct_p_fwd.arg_names.index(name),): [["tt.divisibility", 16]] for name in POINTER_ARGS}
+    src = ASTSource(fn=direct_p_fwd, signature=sig, constexprs=constexprs(cfg), attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", cfg.arch, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def grid(cfg, ops) -> tuple[int, int]:
+    return (ops.rows_q // cfg.block_m, ops.qc.shape[0])
+
+
+def runtime_args(ops, out, params: dict) -> tuple:
+    """The kernel's runtime arguments in signature order, from the pre-pass operands, the output
+    and ``params`` (s_log2, margin_raw, affine_a, affine_b, shift, n_anchor)."""
+    return (ops.qc, ops.qs, ops.kc, ops.ks, ops.vc, ops.vs, out,
+            ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, int(params["n_anchor"]),
+            float(params["s_log2"]), float(params["margin_raw"]), float(params["affine_a"]),
+            float(params["affine_b"]), int(params["shift"]))
+
+
+def launch_jit(cfg, ops, out, params: dict, qk_decode: bool = False) -> None:
+    """Launch through Triton's JIT on the current stream (a GPU Triton >= 3.8 supports, or Triton's
+    CPU interpreter with ``qk_decode``)."""
+    direct_p_fwd[grid(cfg, ops)](*runtime_args(ops, out, params), **constexprs(cfg, qk_decode),
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)

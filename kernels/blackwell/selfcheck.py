@@ -1,0 +1,200 @@
+"""Self-check at first use: the Blackwell kernel proves itself against the reference on the GPU it
+is about to run on, before any of its numbers are returned.
+
+Why: nobody on the project can run the FP4 MMA lowering (tcgen05 / mma.sync block_scale) on its
+hardware; compile-level checks (``compile_check``) prove which instructions are emitted, not what
+they compute. So the first eager call in a process on a GPU whose (device name, compute capability,
+driver, fp4vis version, Triton version, launch route) has not passed runs ``PROBLEMS`` (every
+policy, D 64 and 128, partial tiles, cross-attention, BF16 and FP16) through the kernel and
+``fp4vis.reference`` on that GPU and compares them with the tests' tolerance (relL2 <= 5e-3, all
+finite). The verdict is cached on disk (``$XDG_CACHE_HOME/fp4vis`` or ``~/.cache/fp4vis``; written
+atomically; a missing or read-only cache only costs a re-check). A failed check raises
+``SelfCheckError`` naming the case, on that call and every later one: the kernel's numbers are
+never returned. Under CUDA-graph capture the check cannot run (it synchronises): it must have run
+before (the first eager call, or ``ensure`` / ``run_table`` at patch time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+from dataclasses import asdict, dataclass
+
+import torch
+
+from fp4vis.files import atomic_write
+from fp4vis.metrics import rel_l2
+from fp4vis.policy import POLICIES, Policy
+from fp4vis.reference import reference_attention
+
+TOLERANCE = 5e-3        # relL2 against the reference: the GPU tests' bound
+CACHE_FILE = "blackwell_selfcheck.json"
+
+# (policy, head dim, dtype, B, H, Sq, Skv): every policy x D x dtype once, shapes cycling through
+# a partial query and key tile, cross-attention with Sq < Skv and Sq > Skv, and a single tile
+_SHAPES = ((1, 2, 130, 200), (1, 1, 64, 333), (2, 1, 257, 96), (1, 2, 128, 128))
+PROBLEMS = tuple(
+    (pol, d, dt, *_SHAPES[i % len(_SHAPES)])
+    for i, (pol, d, dt) in enumerate((pol, d, dt) for pol in ("fast", "wan_fast", "accurate", "guard")
+                                     for d in (64, 128) for dt in ("bf16", "fp16")))
+
+
+class SelfCheckError(RuntimeError):
+    """The Blackwell kernel disagreed with the reference on this GPU: its results are refused."""
+
+
+@dataclass
+class CaseResult:
+    case: str
+    rel_l2: float
+    bit_identical: float
+    finite: bool
+    passed: bool
+
+
+def case_name(problem) -> str:
+    pol, d, dt, b, h, sq, skv = problem
+    return f"{pol} D={d} {dt} B={b} H={h} Sq={sq} Skv={skv}"
+
+
+# largest logit z·log2(e) the "wide" inputs drive each policy to (inside its representable range,
+# docs/numerics.md section 2; the Hopper tests' values)
+LOGIT_LIMIT = {"fast": 100.0, "wan_fast": 100.0, "accurate": 200.0, "guard": 300.0}
+
+
+def make_inputs(shape, dtype, kind: str = "gauss", policy: str = "fast", seed: int = 0, device="cpu"):
+    """q, k, v of ``shape`` (B, H, Sq, Skv, D), generated on the CPU (the same numbers on every
+    device). ``kind``: "gauss" (iid N(0, 1)) or "wide" (outlier channels in K and V, 300x and
+    1e-3x, and q scaled so the largest logit z·log2(e) reaches ``LOGIT_LIMIT[policy]``)."""
+    b, h, sq, skv, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for s in (sq, skv, skv))
+    if kind == "wide":
+        k[..., 1] *= 20.0
+        v[..., 2] *= 300.0
+        v[..., 3] *= 1e-3
+        raw_max = (q @ k.transpose(-1, -2)).abs().amax() / math.sqrt(d) / math.log(2)
+        q = q * (LOGIT_LIMIT.get(policy, 100.0) / float(raw_max))
+    elif kind != "gauss":
+        raise ValueError(f"kind: 'gauss' or 'wide', got {kind!r}")
+    return tuple(t.to(dtype).to(device) for t in (q, k, v))
+
+
+def _inputs(problem, device):
+    pol, d, dt, b, h, sq, skv = problem
+    dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+    return make_inputs((b, h, sq, skv, d), dtype, "gauss", pol, seed=1234 + d + sq + skv, device=device)
+
+
+def run_problems(kernel_fn, device, problems=None) -> list[CaseResult]:
+    """Run each problem (default: ``PROBLEMS``) through ``kernel_fn(q, k, v, policy, scale) -> out``
+    ((B, H, S, D) tensors) and the reference on ``device``; the per-case results."""
+    results = []
+    problems = PROBLEMS if problems is None else problems
+    for problem in problems:
+        q, k, v = _inputs(problem, device)
+        policy: Policy = POLICIES[problem[0]]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out = kernel_fn(q, k, v, policy, scale)
+        ref, _ = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), policy, scale)
+        ref = ref.unflatten(0, q.shape[:2])
+        finite = bool(torch.isfinite(out).all())
+        err = rel_l2(out.float(), ref.float()) if finite else math.inf
+        same = float((out == ref).double().mean())
+        results.append(CaseResult(case_name(problem), err, same, finite, finite and err <= TOLERANCE))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# verdict cache
+# ---------------------------------------------------------------------------------------------
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fp4vis")
+
+
+def _read_cache() -> dict:
+    try:
+        with open(os.path.join(cache_dir(), CACHE_FILE)) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, verdict: dict) -> bool:
+    """Add one verdict, atomically (``fp4vis.files.atomic_write``); False when the cache cannot be
+    written (read-only, missing home): the check then simply runs again in the next process."""
+    try:
+        data = _read_cache()
+        data[key] = verdict
+        atomic_write(os.path.join(cache_dir(), CACHE_FILE), json.dumps(data, indent=1))
+        return True
+    except OSError:
+        return False
+
+
+def identity_key(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# ---------------------------------------------------------------------------------------------
+# the gate
+# ---------------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_VERDICTS: dict[str, dict] = {}   # identity key -> verdict, this process
+
+
+def _raise_failed(verdict: dict) -> None:
+    bad = [c for c in verdict["cases"] if not c["passed"]]
+    first = bad[0] if bad else {"case": "?", "rel_l2": math.nan}
+    raise SelfCheckError(
+        f"fp4vis: the Blackwell kernel failed its self-check on {verdict['identity'].get('device', '?')} "
+        f"({len(bad)} of {len(verdict['cases'])} cases; first: {first['case']}, relL2 {first['rel_l2']:.3g} "
+        f"> {TOLERANCE}). Its results are refused. Use fp4vis.attention(..., backend='reference') "
+        "(exact emulation, slow) and please report this with `fp4vis selfcheck` output.")
+
+
+def verdict_for(identity: dict, kernel_fn, device, *, force: bool = False, problems=None) -> dict:
+    """The verdict for ``identity``: from this process, else the disk cache, else by running the
+    problems now (and caching the result). ``force`` re-runs."""
+    key = identity_key(identity)
+    with _LOCK:
+        if not force:
+            v = _VERDICTS.get(key) or _read_cache().get(key)
+            if v is not None:
+                _VERDICTS[key] = v
+                return v
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise SelfCheckError("fp4vis: the Blackwell kernel's self-check has not run in this process and "
+                                 "cannot run under CUDA-graph capture; make one eager call (or call "
+                                 "fp4vis.kernels.blackwell.selfcheck.ensure()) before capturing")
+        cases = run_problems(kernel_fn, device, problems)
+        v = {"identity": identity, "passed": all(c.passed for c in cases), "cases": [asdict(c) for c in cases]}
+        _VERDICTS[key] = v
+        v["cached"] = _write_cache(key, v)
+        return v
+
+
+def check(identity: dict, kernel_fn, device) -> None:
+    """Raise SelfCheckError unless ``identity`` has passed (running the check if it has not run)."""
+    v = _VERDICTS.get(identity_key(identity))
+    if v is None:
+        v = verdict_for(identity, kernel_fn, device)
+    if not v["passed"]:
+        _raise_failed(v)
+
+
+def format_table(verdict: dict) -> str:
+    lines = [f"{'case':<44} {'relL2':>10} {'bit-equal':>9}  result"]
+    for c in verdict["cases"]:
+        lines.append(f"{c['case']:<44} {c['rel_l2']:>10.3g} {c['bit_identical']:>9.3f}  "
+                     f"{'ok' if c['passed'] else 'FAIL'}")
+    lines.append(f"verdict: {'passed' if verdict['passed'] else 'FAILED'} "
+                 f"({json.dumps(verdict['identity'], sort_keys=True)})")
+    return "\n".join(lines)

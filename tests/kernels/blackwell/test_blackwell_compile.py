@@ -1,0 +1,52 @@
+"""CPU compile checks of the Blackwell kernel (no GPU): compiled here for sm_100a, sm_103a and
+sm_120a, its PTX/SASS must show the FP4 block-scaled MMAs, no BF16 upcast on the dot path, the
+hardware E2M1 conversion, and no local memory."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from fp4vis.kernels.blackwell import compile_check  # noqa: E402
+from fp4vis.kernels.blackwell.config import KernelConfig  # noqa: E402
+
+TRITON_38 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
+needs_38 = pytest.mark.skipif(not TRITON_38, reason="Triton >= 3.8 compiles NVFP4 tl.dot_scaled")
+
+
+
+@needs_38
+@pytest.mark.parametrize("arch", [100, 103, 120])
+@pytest.mark.parametrize("native", [False, True], ids=["fast", "native"])
+def test_blackwell_build_uses_fp4_block_scaled_mma(arch, native):
+    rep = compile_check.inspect(KernelConfig(128, "bf16", native, native, arch))
+    assert rep.ok, rep.failures
+    kinds = " ".join(rep.mma_ptx)
+    if arch in (100, 103):
+        assert "kind::mxf4nvf4.block_scale" in kinds and "kind::mxf4.block_scale.block32" in kinds
+        assert any(op.startswith("UTC") and "MMA" in op for op in rep.sass_mma)
+    else:
+        assert "mma.sync.aligned" in kinds and "kind::mxf4nvf4.block_scale" in kinds
+        assert any("MMA" in op for op in rep.sass_mma)
+    assert not any("bf16" in k or "wgmma" in k for k in rep.mma_ptx)
+    assert rep.e2m1_cvt > 0 and rep.ttgir_upcasts == 0 and rep.sass_local == 0 and rep.local_ptx == 0
+
+
+@needs_38
+def test_compile_check_cli(capsys):
+    assert compile_check.main(["--arch", "sm_100a", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "kind::mxf4nvf4.block_scale" in out and "FAIL" not in out
+    # the sm_90a build has no FP4 MMA (exact BF16 upcast): the check must say so and fail
+    assert compile_check.main(["--arch", "sm_90a", "--head-dim", "64"]) == 1
+    assert "no FP4 block-scaled MMA" in capsys.readouterr().out
+
+
+def test_judge_catches_missing_mma_and_spills():
+    cfg = KernelConfig(128, "bf16", False, False, 100)
+    rep = compile_check.Report(cfg.tag(), cfg.arch_name, 0.0,
+                               mma_ptx={"wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16": 4}, sass_local=2)
+    compile_check._judge(cfg, rep)
+    text = " ".join(rep.failures)
+    assert not rep.ok and "mxf4nvf4" in text and "BF16" in text and "spills" in text and "e2m1x2" in text
