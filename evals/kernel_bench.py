@@ -22,6 +22,8 @@ Backends (each skipped with a reason in its row when it cannot run here):
   ``sdpa_cudnn``    torch SDPA with the cuDNN backend
   ``sdpa_flash``    torch SDPA with the flash backend
   ``sage``          SageAttention (``sageattention.sageattn``), when importable
+  ``blackwell``     fp4vis Blackwell kernel, whole call (sm_100/103/120; on the H200 its sm_90
+                    verification build where the cubins are given, not a product path)
   ``reference``     the fp4vis reference emulation (the only one that runs on the CPU)
 
 Timing: CUDA events around each call after warm-up, median over repetitions, inputs rotated over
@@ -225,6 +227,16 @@ def _scaled_mm_fast_accum(q8: torch.Tensor, k8: torch.Tensor) -> torch.Tensor:
                                          use_fast_accum=True)[:sq] for g in range(q8.shape[0])])
 
 
+def _blackwell(policy: str):
+    """The Blackwell backend's whole call through the public API (its self-check runs at the first,
+    untimed call)."""
+    import fp4vis
+
+    def call(q, k, v, scale):
+        return fp4vis.attention(q, k, v, policy=policy, scale=scale, backend="blackwell", range_check="off")
+    return call
+
+
 def _reference(policy: str):
     import fp4vis
 
@@ -272,6 +284,9 @@ def available(backend: str) -> str | None:
         if split_variant(backend)[0] in HOPPER_BACKENDS:
             import fp4vis
             return fp4vis.available_backends().get("hopper")
+        if backend == "blackwell":
+            import fp4vis
+            return fp4vis.available_backends().get("blackwell")
         if backend == "fa4":
             _fa4()
         elif backend == "sage":
@@ -310,7 +325,7 @@ def run_grid(shapes: Sequence = GRID_D128, backends: Sequence[str] = ("hopper", 
             except Exception:
                 bf16_out = None
         for backend in backends:
-            pols = policies if split_variant(backend)[0] in HOPPER_BACKENDS + ("reference",) else (None,)
+            pols = policies if split_variant(backend)[0] in HOPPER_BACKENDS + ("blackwell", "reference") else (None,)
             for pol in pols:
                 row = dict(shape=shape.label(), b=shape.b, s=shape.s, skv=shape.kv, h=shape.h, d=shape.d,
                            backend=backend, policy=pol, dtype=str(dtype).replace("torch.", ""))
@@ -353,7 +368,7 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
                 "hopper_fused": lambda: _hopper(pol),   # the default since the fused folded pre-pass
                 "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
                 "sdpa_flash": lambda: _sdpa("flash"), "sage": _sage,
-                "reference": lambda: _reference(pol)}[base]()
+                "reference": lambda: _reference(pol), "blackwell": lambda: _blackwell(pol)}[base]()
         fn = lambda i: call(*sets[i], scale)  # noqa: E731
         out0 = call(*sets[0], scale)
     times = time_cpu(fn, len(sets)) if quick else time_cuda(fn, len(sets), budget_s=budget_s)
@@ -437,7 +452,7 @@ def summary_table(rows: list[dict]) -> str:
                   f"{hop.get('prepass_fraction', '—')}", f"{hop.get('rel_l2_vs_reference', '—')}",
                   f"{hop.get('rel_l2_vs_bf16', '—')}"] if hop else ["—"] * 5
         lines.append("| " + " | ".join(cells) + " |")
-    gms = [(b, p, geo_mean_speedup(rows, b, p)) for b, p in cols if b in ("hopper", "hopper_kernel") and p]
+    gms = [(b, p, geo_mean_speedup(rows, b, p)) for b, p in cols if b in ("hopper", "hopper_kernel", "blackwell") and p]
     if any(gm is not None for _, _, gm in gms):
         lines.append("")
     for b, p, gm in gms:

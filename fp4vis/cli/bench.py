@@ -13,7 +13,7 @@ from fp4vis.services import UsageError, check_output_dir, resolve_policies
 from .options import Formatter, policy_list
 
 # the backends a full run times (``fp4vis.evals.kernel_bench`` lists what each is)
-BENCH_BACKENDS = ("hopper", "hopper_kernel", "prepass", "fa4", "sdpa_cudnn", "sdpa_flash", "sage")
+BENCH_BACKENDS = ("hopper", "hopper_kernel", "prepass", "blackwell", "fa4", "sdpa_cudnn", "sdpa_flash", "sage")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -57,3 +57,19 @@ def test_speed_error_plot_png(tmp_path):
     assert skipped_backends({"rows": rows}) == {"hopper": "True"}
     png = speed_error_plot({"rows": rows}, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_runs_the_blackwell_backend_where_it_exists():
+    """`fp4vis bench` times the Blackwell backend with the others; where it cannot run, its row says why."""
+    import torch
+
+    from fp4vis.cli.bench import BENCH_BACKENDS
+    from fp4vis.evals import kernel_bench as kb
+
+    assert "blackwell" in BENCH_BACKENDS
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-side reasons")
+    assert kb.available("blackwell") == "no CUDA device"
+    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="backend='blackwell'"):
+        kb._blackwell("fast")(q, q, q, 0.125)
