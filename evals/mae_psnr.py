@@ -52,9 +52,14 @@ PSNR_STATEMENT = ("PSNR per image in [0, 1] RGB pixel space (normalisation undon
 
 def load_mae(source: str, *, random_weights: bool = False, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.bfloat16, seed: int = 0, mask_ratio: float | None = None):
-    """ViTMAEForPreTraining from a Hub id or local directory; ``config:default`` builds the
-    ViTMAEConfig defaults (MAE-base) with seeded random weights."""
+    """ViTMAEForPreTraining from a Hub id, a local directory or a shipped ``fp4vis:<name>`` (e.g.
+    ``fp4vis:digits-mae``, read from its folder); ``config:default`` builds the ViTMAEConfig defaults
+    (MAE-base) with seeded random weights."""
     from transformers import ViTMAEConfig, ViTMAEForPreTraining
+
+    from fp4vis.zoo import resolve_source
+
+    source = resolve_source(source)
 
     torch.manual_seed(seed)
     if source == DEFAULT_CONFIG:

@@ -1,6 +1,7 @@
 """ViT top-1 eval: what FP4 attention costs an image classifier.
 
-A timm or transformers classifier (Hub id, local directory or ``timm:<registry name>``) runs on an
+A timm or transformers classifier (Hub id, local directory, ``timm:<registry name>`` or a shipped
+``fp4vis:<name>``, e.g. ``fp4vis:digits-vit``) runs on an
 ImageFolder-style dataset, at its native resolution or another one (``resolution=1008`` gives a
 ViT-B/16 about 4k tokens: timm resamples the position embeddings on load, transformers interpolates
 them in the forward pass). For each image the model runs once with its own attention (the BF16
@@ -113,7 +114,11 @@ def load_classifier(source: str, *, resolution: int | None = None, random_weight
     """Load a classifier from a Hub id, a local directory or ``timm:<registry name>``.
 
     ``random_weights`` builds the architecture from its config with seeded random weights (nothing
-    but the config is read; a ``timm:`` name needs nothing at all)."""
+    but the config is read; a ``timm:`` name needs nothing at all). ``fp4vis:<name>`` is a model
+    fp4vis ships (``fp4vis.zoo``), read from its folder like any local one."""
+    from fp4vis.zoo import resolve_source
+
+    source = resolve_source(source)
     if not source.startswith(("timm:", "hf-hub:")):
         src = source[len("local-dir:"):] if source.startswith("local-dir:") else source
         src, is_local = check_model_source(src)

@@ -1,6 +1,7 @@
 """The ``fp4vis`` command line: generate videos, run the evals and the kernel benchmark, calibrate
 guard plans, and say which attention backends work on this machine.
 
+    fp4vis demo
     fp4vis info
     fp4vis bench --quick
     fp4vis generate --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "a red fox in the snow" --policy fast
@@ -26,11 +27,11 @@ from fp4vis.attention import RangeExceededError
 from fp4vis.patching import GuardPlanError
 from fp4vis.services import UsageError, fp4vis_version
 
-from . import bench, calibrate, evaluate, generate, info, selfcheck
+from . import bench, calibrate, demo, evaluate, generate, info, selfcheck
 from .options import EPILOG, Formatter, fill_help
 
 # command name -> module with add_parser(sub) and run(args)
-COMMANDS = {"info": info, "bench": bench, "generate": generate, "eval": evaluate, "calibrate": calibrate,
+COMMANDS = {"demo": demo, "info": info, "bench": bench, "generate": generate, "eval": evaluate, "calibrate": calibrate,
             "selfcheck": selfcheck}
 
 
