@@ -27,6 +27,8 @@ import triton.language as tl
 
 from fp4vis.formats import E4M3_MAX, FOLDED_MSE_MULTIPLIERS, MXFP4_ZERO_AMAX
 
+from .kernel import _e2m1_index, _e2m1_value  # the one E2M1 emulation of the Blackwell sources
+
 # _candidate below computes the multipliers as k / 16 (exact); keep the two in step
 assert FOLDED_MSE_MULTIPLIERS == (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
 
@@ -34,20 +36,6 @@ assert FOLDED_MSE_MULTIPLIERS == (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 
 # arithmetic); checked against the project's constants here
 assert MXFP4_ZERO_AMAX == 1e-38 and E4M3_MAX == 448.0
 BLOCK_R = 32   # Q/K rows per program
-
-
-@triton.jit
-def _e2m1_mag_index(a):
-    """E2M1 magnitude index (0..7) of |y| = a >= 0, round to nearest, ties to even, saturating."""
-    return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-
-
-@triton.jit
-def _mag_value(idx):
-    f = idx.to(tl.float32)
-    return tl.where(idx < 4, f * 0.5, tl.where(idx == 7, 6.0, f - 2.0))
 
 
 @triton.jit
@@ -85,7 +73,7 @@ def _e4m3_byte(v):
 def _codes(x, sc):
     """Signed E2M1 codes (int32, sign bit 3) of x / sc; sc = 0 gives +0 codes."""
     safe = tl.where(sc == 0.0, 1.0, sc)
-    idx = _e2m1_mag_index(tl.abs(tl.math.div_rn(x, safe)))
+    idx = _e2m1_index(tl.abs(tl.math.div_rn(x, safe)))
     sign = ((x.to(tl.int32, bitcast=True) >> 31) & 1) << 3
     return tl.where(sc == 0.0, 0, idx | sign)
 
@@ -93,7 +81,7 @@ def _codes(x, sc):
 @triton.jit
 def _decoded64(a, safe, sc):
     """P = |E2M1(a / sc)| * sc in float64 (exact: at most 6 significant bits); 0 where sc = 0."""
-    p = (_mag_value(_e2m1_mag_index(tl.math.div_rn(a, safe))) * sc).to(tl.float64)
+    p = (_e2m1_value(_e2m1_index(tl.math.div_rn(a, safe))) * sc).to(tl.float64)
     return tl.where(sc == 0.0, 0.0, p)
 
 
@@ -215,7 +203,7 @@ def _mxfp4_v(V, PERM, VC, VS, ROWS_IN, KEYS, D: tl.constexpr, HAS_PERM: tl.const
     # 2^(127 - u) from its bits; u = 254 gives the subnormal 2^-127
     inv_alpha = tl.where(u == 254, 0x00400000, (254 - u) << 23).to(tl.float32, bitcast=True)
     y = v * inv_alpha[None, :] * 6.0                                  # exact for BF16/FP16 v
-    idx = _e2m1_mag_index(tl.abs(y))
+    idx = _e2m1_index(tl.abs(y))
     sign = ((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3
     c = idx | sign                                                    # (32 tokens, D)
     ct = tl.trans(c)                                                  # (D, 32)
