@@ -31,7 +31,17 @@ import time
 
 import torch
 
-from fp4vis.backends.base import BLACKWELL, BLACKWELL_CAPABILITIES, Backend, device_capability
+from fp4vis.backends.base import (
+    BLACKWELL,
+    BLACKWELL_CAPABILITIES,
+    Backend,
+    device_capability,
+    first_reason,
+    need_direct_p,
+    need_dtype,
+    need_head_dims,
+    need_nonempty,
+)
 from fp4vis.layout import qk_layout
 from fp4vis.policy import Policy
 
@@ -267,29 +277,19 @@ class BlackwellBackend(Backend):
         return "; ".join(sorted(set(reasons)))
 
     def unsupported_reason(self, q, k, v, policy, scale) -> str | None:
-        if not policy.is_direct_p:
-            return f"policy {policy.name!r} is not a Direct-P policy"
-        if not q.is_cuda:
-            return "tensors are not on a CUDA device"
+        reason = need_direct_p(policy) or (None if q.is_cuda else "tensors are not on a CUDA device")
+        if reason is not None:
+            return reason
         index = _index(q.device)
-        r = route(index)
+        r = route(index)   # needs a CUDA device: the checks below come after it
         if isinstance(r, str):
             return r
-        if q.dtype not in SUPPORTED_DTYPES:
-            return f"dtype {q.dtype} (the kernel takes bfloat16 or float16)"
-        d = q.shape[-1]
-        if d not in SUPPORTED_HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
-            return f"head dims q/k/v = {d}/{k.shape[-1]}/{v.shape[-1]} (the kernel supports 64 and 128)"
-        if q.shape[-2] == 0 or k.shape[-2] == 0:
-            return "empty sequence"
-        if policy.qk_fp8:
-            return "qk_format 'fp8_e4m3' is a Hopper policy (FP8 Q/K); the Blackwell kernel is NVFP4"
-        if policy.qk_global_scale:
-            return "qk_global_scale (per-tensor NVFP4 scale) is not implemented in the kernel"
-        if policy.code_rounding != "exact":
-            return f"code_rounding={policy.code_rounding!r} (the kernel rounds P codes exactly)"
+        reason = first_reason(need_dtype(q, SUPPORTED_DTYPES), need_head_dims(q, k, v, SUPPORTED_HEAD_DIMS),
+                              need_nonempty(q, k), _policy_reason(policy))
+        if reason is not None:
+            return reason
         if r[0] == "cubin":
-            cfg = kernel_config(index, d, q.dtype, policy.native_exp2, policy.anchor > 0)
+            cfg = kernel_config(index, q.shape[-1], q.dtype, policy.native_exp2, policy.anchor > 0)
             if not _has_cubin(cfg):
                 return f"no precompiled cubin {cfg.tag()} in {cubin_mod.cubin_dir()}"
         return None
@@ -346,6 +346,17 @@ class BlackwellBackend(Backend):
         out = op(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
                  **policy_args(policy, q.shape[-1], float(scale)))
         return out, None
+
+
+def _policy_reason(policy: Policy) -> str | None:
+    """The policy fields the kernel does not implement."""
+    if policy.qk_fp8:
+        return "qk_format 'fp8_e4m3' is a Hopper policy (FP8 Q/K); the Blackwell kernel is NVFP4"
+    if policy.qk_global_scale:
+        return "qk_global_scale (per-tensor NVFP4 scale) is not implemented in the kernel"
+    if policy.code_rounding != "exact":
+        return f"code_rounding={policy.code_rounding!r} (the kernel rounds P codes exactly)"
+    return None
 
 
 BACKEND = BlackwellBackend()
