@@ -14,7 +14,7 @@ Follow a call: ``fp4vis.attention`` -> ``fp4vis.backends.registry.select_backend
 ``forward`` (``fp4vis.backends.reference`` or ``fp4vis.kernels.hopper.backend``) -> its kernel.
 """
 
-from fp4vis.attention import RangeExceededError, attention
+from fp4vis.attention import RangeExceededError, attention, check_range
 from fp4vis.backends import available_backends
 from fp4vis.metrics import cosine, rel_l2, rmse
 from fp4vis.patching import (
@@ -47,6 +47,7 @@ __all__ = [
     "attention",
     "available_backends",
     "calibrate",
+    "check_range",
     "cosine",
     "get_policy",
     "guard_policy",

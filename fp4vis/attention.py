@@ -10,16 +10,17 @@ from typing import Literal
 
 import torch
 
+from fp4vis.backends import range_record
 from fp4vis.backends.registry import select_backend
 from fp4vis.policy import Policy, get_policy
+from fp4vis.reference import RangeExceededError
 
 Layout = Literal["bhsd", "bshd"]
 RangeCheck = Literal["raise", "warn", "off"]
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class RangeExceededError(FloatingPointError):
-    """A Direct-P policy was driven past its representable range (docs/numerics.md section 2)."""
+__all__ = ["RangeExceededError", "attention", "check_range"]
 
 
 def _is_tracing() -> bool:
@@ -30,8 +31,20 @@ def _is_tracing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def check_range() -> None:
+    """Wait for the GPU kernels launched so far and raise ``RangeExceededError`` (or warn, for calls
+    made with ``range_check="warn"``) for the earliest call that went past its policy's range, or
+    ``ValueError`` for one whose q, k or v held NaN or Inf; nothing when none did. The kernels record
+    their range on the device and ``fp4vis.attention`` reports it at the next call, a patched model
+    at the end of its forward (docs/numerics.md section 9): call this where a program needs the
+    answer before then (after its last call, say). No synchronisation when no kernel call was
+    recorded since the last check."""
+    range_record.check()
+
+
 def _check_kernel_output(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> None:
-    """docs/numerics.md section 6 for the kernel paths, with one host synchronisation: the kernels propagate
+    """docs/numerics.md section 6 for kernel backends without the range record,
+    with one host synchronisation: the kernels propagate
     NaN/Inf inputs to the output (they never quantize them to finite codes), so a finite output
     means finite inputs; otherwise name the bad input (or report a kernel bug)."""
     if bool(torch.isfinite(out).all()):
@@ -107,8 +120,11 @@ def attention(
             warning), "reference" or "hopper" (these raise when they cannot run).
         range_check: when a Direct-P policy is driven past its range (saturated P blocks, rows
             that underflow, non-finite output): "raise" RangeExceededError, "warn", or "off".
-            Only the reference reports ranges; the Hopper kernel does not check them. "off" also
-            skips the kernel path's input check (below): no host synchronisation at all.
+            The reference reports it from this call. The Hopper kernel records it on the GPU and
+            the error comes later, without a host synchronisation per call: at the start of the
+            next ``fp4vis.attention`` call, at the end of a patched model's forward, or at
+            ``fp4vis.check_range()`` (docs/numerics.md section 9); the message names the call and,
+            in a patched model, the layer. "off": no record and no check at all.
 
     Returns:
         The attention output, q's dtype, in ``layout``.
@@ -120,10 +136,13 @@ def attention(
 
     Non-finite inputs raise ValueError naming the tensor (docs/numerics.md section 6). The reference checks
     them first; the Hopper kernel propagates them to the output (NaN or Inf in q row i gives a NaN
-    output row i; in k or v, NaN in that head) and ``attention`` checks the output once (one host
-    synchronisation). With ``range_check="off"``, under torch.compile and in CUDA-graph capture
-    that check is skipped and the NaNs are returned, as SDPA does.
+    output row i; in k or v, NaN in that head), its range record counts the non-finite outputs and
+    the later check names the tensor where the inputs are still alive then. Kernels without the
+    record (Blackwell) check the output at once (one host synchronisation). With
+    ``range_check="off"``, under torch.compile and in CUDA-graph capture nothing is checked and the
+    NaNs are returned, as SDPA does.
     """
+    range_record.poll()
     pol = get_policy(policy)
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout: must be 'bhsd' or 'bshd', got {layout!r}")
@@ -136,6 +155,7 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
+    given = (q, k, v)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if q.numel() == 0:  # no batch, heads or queries: nothing to attend (as SDPA)
@@ -146,11 +166,20 @@ def attention(
         _warn_straight_through(pol)
         grad_inputs, (q, k, v) = (q, k, v), (q.detach(), k.detach(), v.detach())
     chosen = select_backend(backend, q, k, v, pol, float(scale))
-    out, report = chosen.forward(q, k, v, pol, float(scale))
+    checked = range_check != "off"
+    # the record works in CUDA-graph capture too (a replay reports as the captured call), not under
+    # torch.compile, whose graphs would specialise on the call's number
+    if chosen.records_range and checked and not torch.compiler.is_compiling():
+        record = range_record.record_for(q.device).start_call(chosen.name, pol, range_check, layout, given)
+        out, report = chosen.forward(q, k, v, pol, float(scale), record=record)
+        checked = False   # reported by the record
+    else:
+        out, report = chosen.forward(q, k, v, pol, float(scale))
+        checked = checked and not _is_tracing()
     if grad_inputs is not None:
         exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, scale=float(scale))
         out = out + (exact - exact.detach())
-    if report is None and range_check != "off" and not _is_tracing():
+    if report is None and checked:
         _check_kernel_output(out, q, k, v, chosen.name)
     if report is not None and not report.ok and range_check != "off":
         message = report.describe(pol)

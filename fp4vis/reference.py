@@ -35,6 +35,10 @@ CHUNK_ELEMENTS = 1 << 22  # scores per chunk: float64 temporaries of 32 MiB each
 KEY_CHUNK = 4096  # keys per chunk (a multiple of 32)
 
 
+class RangeExceededError(FloatingPointError):
+    """A Direct-P policy was driven past its representable range (docs/numerics.md section 2)."""
+
+
 @dataclass
 class RangeReport:
     """What went past a Direct-P policy's representable range in one call.

@@ -26,6 +26,9 @@ class Backend:
     """Interface of an attention backend. ``forward`` gets validated (B, H, S, D) tensors."""
 
     name: str = "?"
+    #: True where ``forward`` takes ``record=`` (the range record's launch arguments,
+    #: ``fp4vis.backends.range_record``): the kernel reports its range on the device
+    records_range: bool = False
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can run on this machine at all, else why not."""
@@ -39,7 +42,8 @@ class Backend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
                 scale: float) -> tuple[torch.Tensor, RangeReport | None]:
         """Attention of (B, H, S, D) tensors; returns the output (q's dtype) and a RangeReport
-        (None when the backend does not check its range)."""
+        (None when the backend does not check its range, or reports it through the range record:
+        ``records_range``)."""
         raise NotImplementedError
 
 

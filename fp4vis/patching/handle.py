@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fp4vis.backends import range_record
 from fp4vis.policy import Policy
 
 from .discovery import patcher_modules, roots
@@ -35,6 +36,7 @@ class PatchHandle:
     specs: list[LayerSpec] = field(default_factory=list)
     guard_plan: Any = None
     removed: bool = False
+    _hooks: list = field(default_factory=list)
 
     @property
     def layers(self) -> dict[str, LayerState | None]:
@@ -76,6 +78,9 @@ class PatchHandle:
             if getattr(inst.spec.module, STATE_ATTR, None) is inst.state:
                 delattr(inst.spec.module, STATE_ATTR)
         self._installed.clear()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         self.removed = True
         if errors:
             raise RuntimeError("fp4vis: could not restore " + "; ".join(errors))
@@ -125,12 +130,33 @@ def install(target: Any, specs: list[LayerSpec], policies: Mapping[str, Policy |
             inst = _Installed(s, st, patcher)
             handle._installed.append(inst)
             inst.token = patcher.install(s, st)
+        for name, root in roots(target):
+            handle._hooks.append(root.register_forward_hook(RangeCheckHook(name or type(root).__name__)))
     except BaseException:
         handle.remove()
         raise
     if auto is not None:
         handle.guard_plan = auto.plan
     return handle
+
+
+class RangeCheckHook:
+    """The forward hook of a patched model (or pipeline component): the GPU kernels' range record
+    (``fp4vis.backends.range_record``) is checked when its forward returns, so that an output whose
+    range was exceeded never leaves the model without an error naming the layer. One wait for the
+    device per forward, only where kernel calls were recorded."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.where = f"the end of {name}'s forward"
+
+    def __call__(self, module, args, output) -> None:
+        range_record.check(self.where)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"fp4vis: {self.name} is patched; copy.deepcopy, pickle and torch.save of a patched model "
+                        "are not supported: remove the patch first (handle.remove() or fp4vis.unpatch(model)), "
+                        "then copy or save, and patch again")
 
 
 def patched_states(obj: Any) -> list[LayerState]:

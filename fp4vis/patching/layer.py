@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fp4vis.backends import registry
+from fp4vis.backends import range_record, registry
 from fp4vis.policy import Policy, get_policy
 
 #: policy values that mean "keep the model's own exact attention"
@@ -121,12 +121,17 @@ class LayerState:
         from fp4vis.attention import RangeExceededError
         from fp4vis.attention import attention as fp4_attention
         self.calls += 1
+        token = range_record.call_label.set(self.name)
         try:
             return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
                                  range_check=self.range_check)
+        except (range_record.DeferredRangeError, range_record.DeferredInputError):
+            raise   # an earlier call's: its message names that call's layer
         except (RangeExceededError, ValueError, RuntimeError) as exc:   # say which layer: a model has dozens
             exc.args = (f"layer {self.name!r}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
             raise
+        finally:
+            range_record.call_label.reset(token)
 
     def __reduce_ex__(self, protocol):
         # a patched layer holds hooks into its library (processors, bound forwards, the handle): copying

@@ -14,9 +14,11 @@
   replay with new inputs gives new outputs (compile the kernel once, outside capture, first).
 * Compiled kernels are cached per configuration (``DirectPConfig.key()``); each compile is timed
   and logged (logger ``fp4vis.kernels.hopper``) and kept in ``COMPILE_TIMES``.
-* Range checks: the kernel does not report saturated blocks or empty rows; ``forward`` returns
-  ``None`` for the RangeReport (the reference backend is the place for range diagnostics). Rows
-  whose probabilities all underflow produce 0 rather than NaN.
+* Range checks: where ``fp4vis.attention`` passes a range record (``range_check`` "raise" or
+  "warn", outside tracing), the kernel variant with ``range_record`` counts saturated P blocks,
+  empty rows and non-finite outputs on the device and ``fp4vis.backends.range_record`` reports them
+  later (no synchronisation per call); ``forward`` returns ``None`` for the RangeReport. Rows whose
+  probabilities all underflow produce 0 rather than NaN.
 """
 
 from __future__ import annotations
@@ -82,18 +84,19 @@ def _cutlass_import_error() -> str | None:
 def kernel_config(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int,
                   native_exp2: bool, anchor: int, schedule: str, p_path: str, num_wg: int,
                   code_rounding: str, qk_fp8: bool, block_scales: str = "", ctas_per_sm: int = 0,
-                  short: bool = False):
+                  short: bool = False, range_record: bool = False):
     """``DirectPConfig.make`` for the custom op's arguments (""/0: the defaults), cached: the module
     defaults ``make`` reads from the environment (``FP4VIS_HOPPER_*``) are taken at first use, so code
     that changes them must call ``kernel_config.cache_clear()``.
     ``short`` (``short_sequences``, the caller's comparison) picks ``ctas_per_sm = 2`` where the call
-    names no variant (``auto_ctas_per_sm``)."""
+    names no variant (``auto_ctas_per_sm``). ``range_record``: the variant that writes the range record."""
     from .config import DirectPConfig
     return DirectPConfig.make(head_dim, out_dtype, affine_a, affine_b, shift, native_exp2, anchor,
                               schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None,
                               code_rounding=code_rounding, qk_fp8=qk_fp8, block_scales=block_scales or None,
                               ctas_per_sm=auto_ctas_per_sm(short, schedule, p_path, num_wg, block_scales,
-                                                           ctas_per_sm) or None)
+                                                           ctas_per_sm) or None,
+                              range_record=range_record)
 
 
 def short_sequences(seqlen_q: int, seqlen_k: int) -> bool:
@@ -142,21 +145,22 @@ def _compile(cfg, tensors) -> tuple[object, bool]:
     from the caller: a few microseconds per launch) when the machine has apache-tvm-ffi and
     FP4VIS_HOPPER_TVM_FFI is on, else through the plain DLPack path. Returns (function, uses_tvm_ffi)."""
     import cutlass.cute as cute
-    from cutlass import Float32
+    from cutlass import Float32, Int32, Int64
     from cutlass.cute.runtime import make_fake_stream
 
     from .kernel import DirectPAttentionSm90
     if setting("FP4VIS_HOPPER_TVM_FFI"):
         try:
             args = [_to_cute(t, tvm_ffi=True) for t in tensors]
-            fn = cute.compile(DirectPAttentionSm90(cfg), *args, Float32(1.0), Float32(0.0),
-                              make_fake_stream(use_tvm_ffi_env_stream=True),
+            fn = cute.compile(DirectPAttentionSm90(cfg), *args, Float32(1.0), Float32(0.0), Int64(0), Int64(0),
+                              Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True),
                               options="--gpu-arch sm_90a --enable-tvm-ffi")
             return fn, True
         except Exception as exc:  # no apache-tvm-ffi here, or an incompatible version
             log.info("fp4vis hopper: TVM-FFI launch path unavailable (%s); using DLPack", exc)
     args = [_to_cute(t) for t in tensors]
-    fn = cute.compile(DirectPAttentionSm90(cfg), *args, Float32(1.0), Float32(0.0), _current_stream(),
+    fn = cute.compile(DirectPAttentionSm90(cfg), *args, Float32(1.0), Float32(0.0), Int64(0), Int64(0), Int32(0),
+                      _current_stream(),
                       options="--gpu-arch sm_90a")
     return fn, False
 
@@ -180,10 +184,15 @@ def get_kernel(cfg, tensors) -> tuple[object, bool]:
 
 
 def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, q_scale: torch.Tensor | None,
-               k_scale: torch.Tensor | None, out: torch.Tensor, cfg, s_log2: float, m_offset: float) -> None:
+               k_scale: torch.Tensor | None, out: torch.Tensor, cfg, s_log2: float, m_offset: float,
+               record: tuple[int, int, int] = (0, 0, 0)) -> None:
     """Launch the Direct-P kernel on the operands of ``prepare_kernel_operands`` (all (B, H, S, D)
     contiguous; with ``cfg.qk_fp8`` q_hat, k_hat are float8_e4m3fn and q_scale, k_scale their
-    power-of-two scales, otherwise the scales are None) on the current CUDA stream."""
+    power-of-two scales, otherwise the scales are None) on the current CUDA stream. ``record``: the
+    range record's (fields address, flag address, call number) where ``cfg.range_record``
+    (``fp4vis.backends.range_record.RangeRecord.launch_args``)."""
+    if cfg.range_record and not (record[0] and record[1]):
+        raise ValueError("record: a kernel compiled with range_record needs the record's addresses")
     if cfg.qk_fp8:
         if q_scale is None or k_scale is None:
             raise ValueError("q_scale, k_scale: the FP8 Q/K kernel needs both (prepare_fp8_operands)")
@@ -199,20 +208,24 @@ def run_kernel(q_hat: torch.Tensor, k_hat: torch.Tensor, v6: torch.Tensor, q_sca
     tensors = (q_hat, k_hat, v6, out, q_scale, k_scale)
     fn, tvm_ffi = get_kernel(cfg, tensors)
     if tvm_ffi:
-        fn(*tensors, s_log2, m_offset)
+        fn(*tensors, s_log2, m_offset, *record)
     else:
-        from cutlass import Float32
-        fn(*(_to_cute(t) for t in tensors), Float32(s_log2), Float32(m_offset), _current_stream())
+        from cutlass import Float32, Int32, Int64
+        fn(*(_to_cute(t) for t in tensors), Float32(s_log2), Float32(m_offset), Int64(record[0]), Int64(record[1]),
+           Int32(record[2]), _current_stream())
 
 
 def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, affine_a: float,
                            affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
                            qk_fmt: str, schedule: str = "", p_path: str = "", num_wg: int = 0,
-                           code_rounding: str = "exact", block_scales: str = "", ctas_per_sm: int = 0) -> torch.Tensor:
+                           code_rounding: str = "exact", block_scales: str = "", ctas_per_sm: int = 0,
+                           record_fields: int = 0, record_flag: int = 0, call_number: int = 0) -> torch.Tensor:
     """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Hopper kernel.
     ``schedule`` / ``p_path`` / ``num_wg`` / ``block_scales`` / ``ctas_per_sm``: ""/0 the defaults, else a
     kernel variant (see ``config.DirectPConfig``; for the tests and the benchmark). With the defaults,
     sequences up to ``SHORT_SEQ`` run the short-sequence variant (``kernel_config``).
+    ``record_fields``, ``record_flag``, ``call_number``: the range record's launch arguments
+    (``fp4vis.backends.range_record``); 0: the variant without the record.
 
     This plain function is the body of the custom op ``torch.ops.fp4vis.hopper_attention``;
     ``HopperBackend`` calls it directly outside torch.compile, which saves the dispatcher's
@@ -221,8 +234,8 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = kernel_config(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
                         shift, native_exp2, anchor, schedule, p_path, num_wg, code_rounding, qk_fmt == QK_FP8,
-                        block_scales, ctas_per_sm, short_sequences(q.shape[-2], k.shape[-2]))
-    run_kernel(*ops, out, cfg, scale * LOG2E, margin_raw)
+                        block_scales, ctas_per_sm, short_sequences(q.shape[-2], k.shape[-2]), bool(record_fields))
+    run_kernel(*ops, out, cfg, scale * LOG2E, margin_raw, (record_fields, record_flag, call_number))
     return out
 
 
@@ -233,7 +246,7 @@ hopper_attention = torch.library.custom_op("fp4vis::hopper_attention", mutates_a
 @hopper_attention.register_fake
 def _hopper_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw,
                            qk_fmt, schedule="", p_path="", num_wg=0, code_rounding="exact", block_scales="",
-                           ctas_per_sm=0):
+                           ctas_per_sm=0, record_fields=0, record_flag=0, call_number=0):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -252,6 +265,7 @@ class HopperBackend(Backend):
     """Direct-P on the H200/H100 tensor cores (CuTe DSL, sm_90a)."""
 
     name = HOPPER
+    records_range = True
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
@@ -270,14 +284,15 @@ class HopperBackend(Backend):
             _policy_reason(policy),
             _cutlass_import_error())
 
-    def forward(self, q, k, v, policy, scale):
+    def forward(self, q, k, v, policy, scale, record=None):
         # the custom op under torch.compile (one graph node) and where autograd would need it (it has
         # no backward: it then fails at backward, not silently); the same function, undispatched,
         # otherwise
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         op = torch.ops.fp4vis.hopper_attention if torch.compiler.is_compiling() or grad else hopper_attention_eager
+        rec = {} if record is None else dict(zip(("record_fields", "record_flag", "call_number"), record))
         out = op(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
-                 **policy_args(policy, q.shape[-1], float(scale)))
+                 **policy_args(policy, q.shape[-1], float(scale)), **rec)
         return out, None
 
 

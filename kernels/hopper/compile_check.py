@@ -100,7 +100,7 @@ def _fake_args(cfg):
     v = t(cutlass.BFloat16, skv)
     o = t(out_dt, sq)
     return (q, k, v, o, scales(sq), scales(cute.sym_int32()), cutlass.Float32(0.18), cutlass.Float32(0.0),
-            make_fake_stream())
+            cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), make_fake_stream())
 
 
 def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = True) -> CompileReport:
@@ -338,7 +338,8 @@ def variants(head_dims=(128, 64)):
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
     policies with at most 64 anchors, three consumer warpgroups, the short-sequence variant (two CTAs
     per SM: ``*_short``), and (first head dim) the scalar, integer-constant and timing-only P paths with
-    the default schedule, one serial warpgroup and the per-thread block constants (BF16 out)."""
+    the default schedule, one serial warpgroup, the per-thread block constants and the range record
+    (``*_record``; BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .config import DirectPConfig
@@ -365,6 +366,10 @@ def variants(head_dims=(128, 64)):
                                                                      num_wg=1)))
             for name in ("fast", "guard", "fast_fp8qk"):   # block constants per thread, the earlier form
                 out.append((f"{name}_lane", DirectPConfig.from_policy(pols[name], d, "bf16", block_scales="lane")))
+            # the range record (range_check "raise"/"warn"): default, anchored, short FP8
+            for name, kw in (("fast", {}), ("guard", {}), ("fast_fp8qk", {"ctas_per_sm": 2})):
+                cfg = DirectPConfig.from_policy(pols[name], d, "bf16", **kw)
+                out.append((f"{name}{'_short' if kw else ''}_record", dataclasses.replace(cfg, range_record=True)))
     return out
 
 

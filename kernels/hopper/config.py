@@ -45,6 +45,7 @@ SCHEDULES = ("pingpong", "serial", "overlap")
 # notes' method where counters cannot): "none" P = 1, no Direct-P; "timing_scales" the block
 # scales (maxima, shuffles, exponents) but P = 1; "timing_codes" the codes with fixed block scales.
 P_PATHS = ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")
+TIMING_P_PATHS = ("none", "timing_scales", "timing_codes")   # wrong results by design: nothing to record
 # Block constants (DirectPConfig.block_scales): the four threads of a quad hold parts of the same
 # eight (row, 32-key block) pairs of a 128-key tile. "lane": each thread computes the exponent and
 # constants of all eight (the same values four times); "quad": thread q of the quad computes those of
@@ -53,6 +54,10 @@ BLOCK_SCALES_MODES = ("quad", "lane")
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # DirectPConfig.eighths: the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS_LOG2 = 3
+# The range record: the smallest float32 magnitudes that round (to nearest even) to Inf in the output
+# dtype: half an ulp above the largest finite value, whose odd significand rounds the tie up
+OVERFLOW_BF16 = 3.3961775292304740e38   # 0x7F7F8000: BF16 max 0x7F7F plus half an ulp
+OVERFLOW_FP16 = 65520.0                  # FP16 max 65504 plus half an ulp (16)
 
 
 
@@ -76,6 +81,7 @@ class DirectPConfig:
     block_scales: str = "quad"       # see BLOCK_SCALES_MODES ("quad" needs 128-key tiles)
     ctas_per_sm: int = 1             # 2: the short-sequence variant (num_wg 1, serial; REGS_2CTA, SMEM_2CTA)
     eighths: bool = True             # affine codes as q/8 (EIGHTHS_LOG2; only where shift >= 3)
+    range_record: bool = False       # count saturated blocks, empty rows, non-finite outputs (range_check)
 
     @property
     def overlap(self) -> bool:
@@ -84,14 +90,16 @@ class DirectPConfig:
     def key(self) -> tuple:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
                 self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
-                self.code_rounding, self.qk_fp8, self.block_scales, self.ctas_per_sm, self.eighths)
+                self.code_rounding, self.qk_fp8, self.block_scales, self.ctas_per_sm, self.eighths,
+                self.range_record)
 
     @staticmethod
     def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
              anchor: int, schedule: str | None = None, tile_n: int | None = None,
              p_path: str | None = None, num_wg: int | None = None,
              code_rounding: str = "exact", qk_fp8: bool = False,
-             block_scales: str | None = None, ctas_per_sm: int | None = None) -> DirectPConfig:
+             block_scales: str | None = None, ctas_per_sm: int | None = None,
+             range_record: bool = False) -> DirectPConfig:
         """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
         tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
         tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule.
@@ -146,7 +154,8 @@ class DirectPConfig:
                              affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
                              anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path, num_wg=num_wg,
                              code_rounding=code_rounding, qk_fp8=bool(qk_fp8), block_scales=block_scales,
-                             ctas_per_sm=ctas_per_sm, eighths=eighths)
+                             ctas_per_sm=ctas_per_sm, eighths=eighths,
+                             range_record=bool(range_record) and p_path not in TIMING_P_PATHS)
 
     @staticmethod
     def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,

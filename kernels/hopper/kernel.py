@@ -36,7 +36,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.utils import LayoutEnum
 
 from .config import (
@@ -44,6 +44,8 @@ from .config import (
     DP_BLOCK,
     EIGHTHS_LOG2,
     KV_KEYS_IN_FLIGHT,
+    OVERFLOW_BF16,
+    OVERFLOW_FP16,
     REGS_2CTA,
     REGS_CONSUMER,
     REGS_PRODUCER,
@@ -53,11 +55,15 @@ from .config import (
 )
 from .layout import FP8_KEY_TILE
 from .ptx import (
+    abs_max_nan,
     add_bf16x2,
     bf16x2_splat_pow2,
     bf16x2_sum,
     block_constants,
     block_exponent,
+    clamp_exponent,
+    count_saturated,
+    count_zero_row,
     e2m1_bf16x2_eighths,
     e2m1_grid_eighths,
     e2m1_relu_round,
@@ -68,10 +74,12 @@ from .ptx import (
     fmax_nan,
     mask_key,
     mul_bf16x2,
+    not_below,
     order_before_wait,
     pack_sat_bf16x2,
     pow2_of_splat,
     quad_broadcast,
+    record_range,
     select_by_lane,
     select_f32,
 )
@@ -80,11 +88,16 @@ from .ptx import (
 class DirectPAttentionSm90:
     """Direct-P FP4 attention forward, non-causal, for sm_90a.
 
-    Host entry: ``__call__(q, k, v, o, q_scale, k_scale, s_log2, m_offset, stream)`` with q/k/v/o in
+    Host entry: ``__call__(q, k, v, o, q_scale, k_scale, s_log2, m_offset, range_record, range_flag,
+    call_number, stream)`` with q/k/v/o in
     SDPA's layout (B, H, S, D), D contiguous, BF16 q/k/v (with ``qk_fp8``: q, k E4M3 bytes as uint8),
     ``o`` in ``out_dtype``; ``q_scale`` (B, H, Sq) and ``k_scale`` (B, H, key blocks padded to whole
     128-key tiles) float32 powers of two (read only with ``qk_fp8``); ``s_log2 = scale * log2(e)``;
-    ``m_offset`` the anchor margin in raw-score units (ignored without anchors). The kernel works on
+    ``m_offset`` the anchor margin in raw-score units (ignored without anchors). With
+    ``cfg.range_record``, ``range_record`` is the address of the device record's int32 fields and
+    ``range_flag`` that of the host-visible flag (``fp4vis.backends.range_record``): threads whose rows
+    saw saturated P blocks, empty rows or non-finite outputs add their counts there and store
+    ``call_number`` into the flag (read only then; 0 otherwise). The kernel works on
     (S, D, H, B) / (N, H, B) views, made here from the layouts (no per-call view on the host).
     """
 
@@ -138,7 +151,8 @@ class DirectPAttentionSm90:
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mQs: cute.Tensor, mKs: cute.Tensor, s_log2: Float32, m_offset: Float32, stream):
+                 mQs: cute.Tensor, mKs: cute.Tensor, s_log2: Float32, m_offset: Float32, range_record: Int64,
+                 range_flag: Int64, call_number: Int32, stream):
         # (B, H, S, D) -> (S, D, H, B); (B, H, N) -> (N, H, B)
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                           for t in (mQ, mK, mV, mO)]
@@ -198,7 +212,7 @@ class DirectPAttentionSm90:
         # two CTAs per SM: ptxas caps the launch at 128 registers per thread (setmaxnreg rebalances them);
         # the carveout is given (all shared memory), else the DSL asks the device for it while compiling
         self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, s_log2, m_offset,
-                    q_sl, k_sl, v_sl).launch(
+                    range_record, range_flag, call_number, q_sl, k_sl, v_sl).launch(
             grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=self.cfg.ctas_per_sm,
             preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
@@ -208,7 +222,7 @@ class DirectPAttentionSm90:
     def kernel(self, qk_mma: cute.TiledMma, qk_mma_acc: cute.TiledMma, pv_mma: cute.TiledMma,
                tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
                tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
-               s_log2: Float32, m_offset: Float32,
+               s_log2: Float32, m_offset: Float32, range_record: Int64, range_flag: Int64, call_number: Int32,
                q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout, v_sl: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         m_blk, h_idx, b_idx = cute.arch.block_idx()
@@ -246,7 +260,8 @@ class DirectPAttentionSm90:
         else:
             cute.arch.warpgroup_reg_alloc(self.regs_consumer)
             self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
-                          tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles)
+                          (range_record, range_flag, call_number), tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q,
+                          seqlen_k, n_tiles)
 
     @cute.jit
     def producer(self, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
@@ -287,7 +302,7 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
-                 tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
+                 record_args, tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
         """One consumer warpgroup: 64 query rows against every key tile."""
         tid_wg = tidx % 128
         lane_q = tidx % 4   # column pair inside each 8-column chunk of the accumulator
@@ -308,6 +323,11 @@ class DirectPAttentionSm90:
         row_l = cute.make_rmem_tensor((2,), Float32)
         row_m.fill(0.0)
         row_l.fill(0.0)
+        # the range record: saturated (row, block) pairs this thread computed the exponent of
+        saturated = None
+        if const_expr(self.cfg.range_record):
+            saturated = cute.make_rmem_tensor((1,), Int32)
+            saturated.fill(0)
         qk_scales = None
         if const_expr(self.cfg.qk_fp8):
             qk_scales = (self.query_scales(thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q), mKs, h_idx, b_idx)
@@ -337,17 +357,21 @@ class DirectPAttentionSm90:
             for jj in cutlass.range(n_tiles // 2, unroll=1):
                 kv_state = self.overlap_step(
                     2 * jj, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+                    kv_pipe, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
+                    partial_last)
                 kv_state = self.overlap_step(
                     2 * jj + 1, acc_s1, acc_s, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+                    kv_pipe, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
+                    partial_last)
             if n_tiles % 2 == 1:
                 kv_state = self.overlap_step(
                     n_tiles - 1, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles, partial_last)
+                    kv_pipe, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
+                    partial_last)
         elif const_expr(self.cfg.schedule == "pingpong"):
             self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                               acc_o, r_p, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles)
+                               acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, m_offset, lane_q, wg,
+                               seqlen_k, n_tiles)
         else:
             for j in cutlass.range(n_tiles, unroll=1):
                 # S = Q K^T
@@ -363,8 +387,8 @@ class DirectPAttentionSm90:
                 if const_expr(self.cfg.anchor > 0):
                     if j == 0:
                         self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
-                self.direct_p_tile(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
-                                   partial_last)
+                self.direct_p_tile(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k, j,
+                                   n_tiles, partial_last)
 
                 # O += P V
                 kv_pipe.consumer_wait(kv_state)
@@ -375,11 +399,11 @@ class DirectPAttentionSm90:
                 kv_pipe.consumer_release(kv_state)
                 kv_state.advance()
 
-        self.epilogue(thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q)
+        self.epilogue(thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q, lane_q, saturated, record_args)
 
     @cute.jit
     def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                      acc_o, r_p, row_m, row_l, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles):
+                      acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles):
         """The ping-pong schedule. Per key tile j one "tensor phase" issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} together, then Direct-P of S_j runs on the ALUs. Named barrier
         BAR_SCHED + w means "warpgroup w may issue": each warpgroup waits for its own before a
@@ -409,18 +433,18 @@ class DirectPAttentionSm90:
         kv_pipe.consumer_release(k_state)
         if const_expr(self.cfg.anchor > 0):
             self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
-        self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, 0, True, False)
+        self.direct_p(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k, 0, True, False)
         k_state, v_state = self.next_tile_states(k_state)
         # tiles 1 .. n-2 are whole
         for j in cutlass.range(1, n_tiles - 1, unroll=1):
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                               acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar,
-                               other_bar, n_sched, False)
+                               acc_s, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, j,
+                               own_bar, other_bar, n_sched, False)
             k_state, v_state = self.next_tile_states(k_state)
         if n_tiles > 1:    # the last tile, masked (exact for a whole tile too)
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                               acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles - 1,
-                               own_bar, other_bar, n_sched, True)
+                               acc_s, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k,
+                               n_tiles - 1, own_bar, other_bar, n_sched, True)
             k_state, v_state = self.next_tile_states(k_state)
         # the last tensor phase: O += P_{n-1} V_{n-1}
         kv_pipe.consumer_wait(v_state)
@@ -444,8 +468,8 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def pingpong_step(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                      acc_s, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar, other_bar,
-                      n_sched, masked: cutlass.Constexpr):
+                      acc_s, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar,
+                      other_bar, n_sched, masked: cutlass.Constexpr):
         """One tensor phase (S_j = Q K_j^T, then O += P_{j-1} V_{j-1} as a second group) and
         Direct-P of S_j, which starts once S_j is done while PV_{j-1} still runs; P_j goes into r_p
         (which PV_{j-1} reads) only after wait_group(0), inside direct_p."""
@@ -461,8 +485,8 @@ class DirectPAttentionSm90:
         cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(1)
         kv_pipe.consumer_release(k_state)
-        self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k - j * self.tile_n, j, masked,
-                      True)
+        self.direct_p(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k - j * self.tile_n,
+                      j, masked, True)
         kv_pipe.consumer_release(v_state)
 
     @cute.jit
@@ -476,8 +500,8 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def overlap_step(self, j, acc_cur, acc_next, v_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV,
-                     q_stage, kv_pipe, acc_o, r_p, row_m, row_l, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
-                     partial_last):
+                     q_stage, kv_pipe, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k,
+                     n_tiles, partial_last):
         """One key tile in the overlapped schedule: S_j is in acc_cur, V_j at v_state; issue
         S_{j+1} into acc_next, Direct-P on S_j, O += P V_j; returns the state of V_{j+1}."""
         tile_scales = self.tile_scales(qk_scales, j)
@@ -489,7 +513,7 @@ class DirectPAttentionSm90:
             cute.nvgpu.warpgroup.fence()
             self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_next)
             cute.nvgpu.warpgroup.commit_group()
-        self.direct_p_tile(acc_cur, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
+        self.direct_p_tile(acc_cur, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
                            partial_last)
         kv_pipe.consumer_wait(v_state)
         cute.nvgpu.warpgroup.fence()
@@ -544,18 +568,18 @@ class DirectPAttentionSm90:
             row_m[r] = a + m_offset
 
     @cute.jit
-    def direct_p_tile(self, acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
+    def direct_p_tile(self, acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
                       partial_last):
         """Direct-P of key tile j (serial and overlapped schedules): the masked variant (keys >= Skv)
         only for a partial last tile."""
         kv_limit = seqlen_k - j * self.tile_n
         if partial_last and j == n_tiles - 1:
-            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, True)
+            self.direct_p(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, kv_limit, j, True)
         else:
-            self.direct_p(acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, j, False)
+            self.direct_p(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, kv_limit, j, False)
 
     @cute.jit
-    def direct_p(self, acc_s, r_p, row_m, row_l, tile_scales, s_log2, lane_q, kv_limit, tile_idx,
+    def direct_p(self, acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, kv_limit, tile_idx,
                  masked: cutlass.Constexpr, wait_pv: cutlass.Constexpr = False):
         """Direct-P on one 64 x 128 score tile held in registers: reads the scores (never writes
         them: a non-WGMMA write to accumulator registers would make ptxas serialise the WGMMAs
@@ -624,7 +648,7 @@ class DirectPAttentionSm90:
             if const_expr(cfg.block_scales == "quad"):
                 mx_own = [self.quad_block_max(mx, r, lane_q) for r in range(2)]
                 self.quad_block_constants(mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
-                                          packed, eighths)
+                                          packed, eighths, saturated)
             else:
                 for off in (1, 2):
                     for rb in rbs:
@@ -632,7 +656,7 @@ class DirectPAttentionSm90:
                 for r, b in rbs:
                     nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
                 for r, b in rbs:
-                    u = block_exponent(mx[r, b], row_m[r], s_pair[r, b], anchored)
+                    u = self.exponent(mx[r, b], row_m[r], s_pair[r, b], saturated)
                     consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
         else:
             for r, b in rbs:   # fixed block scales: no maxima, shuffles or exponent chain
@@ -728,8 +752,17 @@ class DirectPAttentionSm90:
         # with the neighbour (same two blocks): keep block 2 hi + lo
         return fmax_nan(select_f32(lo, k1, k0), cute.arch.shuffle_sync_bfly(select_f32(lo, k0, k1), offset=1))
 
+    def exponent(self, mx, m, s2, saturated):
+        """``block_exponent`` of one (row, block) pair; with the range record, a saturated pair (e > 254,
+        before the clamp) also counts in ``saturated``."""
+        if saturated is None:
+            return block_exponent(mx, m, s2, self.cfg.anchor > 0)
+        e = block_exponent(mx, m, s2, self.cfg.anchor > 0, unclamped=True)
+        saturated[0] = count_saturated(saturated[0], e)
+        return clamp_exponent(e)
+
     def quad_block_constants(self, mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
-                             packed: bool, eighths: bool):
+                             packed: bool, eighths: bool, saturated=None):
         """``block_scales="quad"``: thread q of each quad computes the exponent and constants of key
         block q for both rows from ``mx_own`` (``quad_block_max``) and the quad's shuffles hand them
         to the other three threads; the same operations as the per-thread form, so the same bits.
@@ -746,7 +779,7 @@ class DirectPAttentionSm90:
         for r in range(2):
             nan_flag[r] = fmax_nan(nan_flag[r], mx_own[r])
             s_own = s_rows[r] if k_own is None else s_rows[r] * k_own
-            u = block_exponent(mx_own[r], row_m[r], s_own, cfg.anchor > 0)
+            u = self.exponent(mx_own[r], row_m[r], s_own, saturated)
             alpha, kaff, knat = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
             own.append((alpha, kaff, knat, bf16x2_splat_pow2(alpha) if packed else None))
         for r in range(2):
@@ -761,23 +794,25 @@ class DirectPAttentionSm90:
                 consts[r, b] = (alpha_b, quad_broadcast(kaff, b), knat_b)
 
     @cute.jit
-    def epilogue(self, thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q):
-        """O = acc / (6 * l), stored straight from registers with a row predicate."""
-        inv = cute.make_rmem_tensor((2,), Float32)
-        for r in cutlass.range_constexpr(2):
-            lt = row_l[r]
-            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
-            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
-            den = lt * 6.0
-            inv[r] = 0.0
-            if den != 0.0:       # 0: every probability underflowed; NaN (non-finite input) stays NaN
-                inv[r] = 1.0 / den
+    def epilogue(self, thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q, lane_q, saturated, record_args):
+        """O = acc / (6 * l), stored straight from registers with a row predicate; with the range record,
+        this thread's counts (``record_output_range``)."""
         row0 = (m_blk * self.num_wg + wg) * TILE_M_PER_WG
         gO = cute.local_tile(mO[None, None, h_idx, b_idx], (TILE_M_PER_WG, self.head_dim),
                              (m_blk * self.num_wg + wg, 0))
         tOgO = thr_pv.partition_C(gO)
         cO = cute.make_identity_tensor((TILE_M_PER_WG, self.head_dim))
         tOcO = thr_pv.partition_C(cO)
+        inv = cute.make_rmem_tensor((2,), Float32)
+        den = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            lt = row_l[r]
+            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
+            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
+            den[r] = lt * 6.0
+            inv[r] = 0.0
+            if den[r] != 0.0:       # 0: every probability underflowed; NaN (non-finite input) stays NaN
+                inv[r] = 1.0 / den[r]
         r_o = cute.make_rmem_tensor_like(acc_o, self.o_dtype)
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = acc_o[i] * inv[(i // 2) % 2]
@@ -785,4 +820,33 @@ class DirectPAttentionSm90:
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             if tOcO[i][0] + row0 < seqlen_q:
                 tOgO[i] = r_o[i]
+        if const_expr(self.cfg.range_record):
+            self.record_output_range(acc_o, den, tOcO, row0, seqlen_q, lane_q, saturated, record_args)
 
+    @cute.jit
+    def record_output_range(self, acc_o, den, tOcO, row0, seqlen_q, lane_q, saturated, record_args):
+        """The range record of this thread's rows (docs/numerics.md section 9), as the reference counts
+        them: saturated (row, block) pairs (each counted once: in "lane" mode all four threads of a
+        quad computed the same pairs, so lane 0 reports them), rows of Sq whose denominator is 0
+        (lane 0 of the quad) and output elements of rows of Sq that are NaN or round to Inf in the
+        output dtype. Non-zero counts go to the record with the call's number (``record_range``)."""
+        record, flag, call = record_args
+        limit = OVERFLOW_BF16 if const_expr(self.cfg.out_dtype == "bf16") else OVERFLOW_FP16
+        worst = cute.make_rmem_tensor((1,), Float32)
+        worst.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            if tOcO[i][0] + row0 < seqlen_q:
+                worst[0] = abs_max_nan(worst[0], acc_o[i])
+        nonfinite = cute.make_rmem_tensor((1,), Int32)
+        nonfinite.fill(0)
+        if not_below(worst[0], limit) != 0:   # rare: count the elements
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                if tOcO[i][0] + row0 < seqlen_q:
+                    nonfinite[0] = nonfinite[0] + not_below(abs_max_nan(Float32(0.0), acc_o[i]), limit)
+        empty = Int32(0)
+        for r in cutlass.range_constexpr(2):
+            empty = count_zero_row(empty, den[r], tOcO[2 * r][0] + row0, seqlen_q, lane_q)
+        sat = saturated[0]
+        if const_expr(self.cfg.block_scales != "quad"):
+            sat = sat * Int32(lane_q == 0)
+        record_range(record, flag, call, sat, empty, nonfinite[0])

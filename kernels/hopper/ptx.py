@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import struct
 
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -129,7 +129,8 @@ def pow2_of_splat(a2: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def block_exponent(mx: Float32, m: Float32, s2: Float32, anchored: bool, *, loc=None, ip=None) -> Int32:
+def block_exponent(mx: Float32, m: Float32, s2: Float32, anchored: bool, unclamped: bool = False, *, loc=None,
+                   ip=None) -> Int32:
     """u = clamp(floor((mx - m) * s + 1 - log2(1.5)) + 127, 0, 254) (docs/numerics.md section 2, steps 1-2).
 
     The floor is taken with a round-down add of 1.5 * 2^23, which puts floor(g) in the low mantissa
@@ -137,7 +138,8 @@ def block_exponent(mx: Float32, m: Float32, s2: Float32, anchored: bool, *, loc=
     from below before the subtraction: a sum below 2^23 (g < -2^22), a negative one (g below
     -1.5 * 2^23, where the signed bits would wrap) and -inf (an all-masked block) all give u = 0;
     g >= 2^22 and +inf give 254 — as cvt.rmi.sat did, for every non-NaN g. Without anchors m = 0
-    and ``mx - m`` is skipped (exact: x - 0 = x)."""
+    and ``mx - m`` is skipped (exact: x - 0 = x). ``unclamped``: leave out the top clamp (the range
+    record counts e > 254 before ``clamp_exponent`` applies it)."""
     g = "sub.rn.f32 g, $1, $2;\nmul.rn.f32 g, g, $3;\n" if anchored else "mul.rn.f32 g, $1, $3;\n"
     body = ("{ .reg .f32 g; .reg .s32 e;\n" + g +
             f"add.rn.f32 g, g, {_f32_hex(1.0 - LOG2_1P5)};\n"
@@ -145,8 +147,64 @@ def block_exponent(mx: Float32, m: Float32, s2: Float32, anchored: bool, *, loc=
             "mov.b32 e, g;\n"
             f"max.s32 e, e, {0x4B400000 - 127};\n"
             f"sub.s32 e, e, {0x4B400000 - 127};\n"
-            "min.s32 $0, e, 254; }")
+            + ("mov.s32 $0, e; }" if unclamped else "min.s32 $0, e, 254; }"))
     return Int32(_asm(T.i32(), [Float32(mx), Float32(m), Float32(s2)], body, "=r,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def clamp_exponent(e: Int32, *, loc=None, ip=None) -> Int32:
+    """u = min(e, 254): the top clamp of ``block_exponent(..., unclamped=True)``."""
+    return Int32(_asm(T.i32(), [Int32(e)], "min.s32 $0, $1, 254;", "=r,r", loc, ip))
+
+
+@dsl_user_op
+def count_saturated(count: Int32, e: Int32, *, loc=None, ip=None) -> Int32:
+    """count + 1 where the unclamped block exponent byte e exceeds 254 (a saturated P block: the
+    reference's ``saturated_blocks``), else count."""
+    body = "{ .reg .pred p; .reg .s32 t; setp.gt.s32 p, $2, 254; selp.s32 t, 1, 0, p; add.s32 $0, $1, t; }"
+    return Int32(_asm(T.i32(), [Int32(count), Int32(e)], body, "=r,r,r", loc, ip))
+
+
+@dsl_user_op
+def count_zero_row(count: Int32, den: Float32, row: Int32, rows: Int32, lane: Int32, *, loc=None, ip=None) -> Int32:
+    """count + 1 where the row's denominator is 0 (every probability underflowed), the row is one of
+    the call's (row < rows) and this is lane 0 of the quad that shares the row, else count."""
+    body = ("{ .reg .pred p, r; .reg .s32 t; setp.eq.f32 p, $2, 0f00000000; setp.lt.s32 r, $3, $4; and.pred p, p, r;\n"
+            "setp.eq.s32 r, $5, 0; and.pred p, p, r; selp.s32 t, 1, 0, p; add.s32 $0, $1, t; }")
+    return Int32(_asm(T.i32(), [Int32(count), Float32(den), Int32(row), Int32(rows), Int32(lane)], body,
+                      "=r,r,f,r,r,r", loc, ip))
+
+
+@dsl_user_op
+def abs_max_nan(acc: Float32, x: Float32, *, loc=None, ip=None) -> Float32:
+    """max(acc, |x|), NaN if either is NaN."""
+    body = "{ .reg .f32 t; abs.f32 t, $2; max.NaN.f32 $0, $1, t; }"
+    return Float32(_asm(T.f32(), [Float32(acc), Float32(x)], body, "=f,f,f", loc, ip))
+
+
+@dsl_user_op
+def not_below(x: Float32, limit: float, *, loc=None, ip=None) -> Int32:
+    """1 where x is NaN or x >= limit (an unordered or greater-equal comparison), else 0."""
+    body = f"{{ .reg .pred p; setp.geu.f32 p, $1, {_f32_hex(limit)}; selp.s32 $0, 1, 0, p; }}"
+    return Int32(_asm(T.i32(), [Float32(x)], body, "=r,f", loc, ip))
+
+
+@dsl_user_op
+def record_range(record: Int64, flag: Int64, call: Int32, saturated: Int32, empty: Int32, nonfinite: Int32,
+                 *, loc=None, ip=None) -> None:
+    """Add one thread's counts to the range record (``fp4vis.backends.range_record``: int32 fields
+    saturated blocks, empty rows, non-finite outputs at byte offsets 0, 4, 8, the first call's number
+    at 12) and store the call's number into the host-visible flag, where any count is non-zero."""
+    body = ("{ .reg .pred p; .reg .s32 t; .reg .u64 a;\n"
+            "add.s32 t, $3, $4;\nadd.s32 t, t, $5;\nsetp.ne.s32 p, t, 0;\n"
+            "@p red.global.add.s32 [$0], $3;\n"
+            "add.u64 a, $0, 4;\n@p red.global.add.s32 [a], $4;\n"
+            "add.u64 a, $0, 8;\n@p red.global.add.s32 [a], $5;\n"
+            "add.u64 a, $0, 12;\n@p red.global.min.s32 [a], $2;\n"
+            "@p st.volatile.global.s32 [$1], $2; }")
+    args = [Int64(record), Int64(flag), Int32(call), Int32(saturated), Int32(empty), Int32(nonfinite)]
+    llvm.inline_asm(None, [a.ir_value(loc=loc, ip=ip) for a in args], body, "l,l,r,r,r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @dsl_user_op

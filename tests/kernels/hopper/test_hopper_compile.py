@@ -31,7 +31,7 @@ VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
             "fast_bf16round", "fast_3wg", "fast_scalar", "fast_none", "fast_timing_scales", "fast_timing_codes",
             "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk", "fast_lane", "fast_fp8qk_lane", "fast_short",
-            "fast_fp8qk_short"}
+            "fast_fp8qk_short", "fast_record", "fast_fp8qk_short_record"}
 SMEM_LIMIT = 227 * 1024     # dynamic shared memory per block on sm_90
 
 
@@ -71,6 +71,23 @@ def test_variant_compiles_clean(name, cfg, nvdisasm):
     else:
         assert rep.setmaxnreg == [("DEALLOC", hf.REGS_PRODUCER), ("TRY_ALLOC", hf.REGS_CONSUMER[cfg.num_wg])], \
             rep.setmaxnreg
+
+
+def test_range_record_costs_the_loop_almost_nothing(nvdisasm, tmp_path):
+    """The range record counts saturated blocks inside the key loop (an exponent compare per (row,
+    block) pair the thread owns) and writes only in the epilogue: the ping-pong loop of the default
+    ``fast`` kernel grows by at most 1 % (measured: 734 -> 739 instructions), and only the record
+    variant has the global reductions that add its counts."""
+    from fp4vis.kernels.hopper.config import DirectPConfig
+    plain = DirectPConfig.from_policy(POLICIES["fast"], 128, "bf16")
+    loops, reds = [], []
+    for i, cfg in enumerate((plain, dataclasses.replace(plain, range_record=True))):
+        rep = compile_check.compile_variant(cfg, keep_dir=str(tmp_path / str(i)))
+        sass = compile_check.sass_text(open(rep.cubin, "rb").read())
+        loops.append(max(len(body) for body in compile_check.innermost_loops(sass)))
+        reds.append(rep.counts.get("REDG", 0) + rep.counts.get("RED", 0) + rep.counts.get("REDUX", 0))
+    assert loops[0] < loops[1] <= 1.01 * loops[0], loops
+    assert reds[0] == 0 < reds[1], reds
 
 
 def _inputs(b, h, sq, skv, d, dtype, seed=0):

@@ -297,8 +297,8 @@ def test_non_finite_inputs(policy, prepass_path, monkeypatch, fp4vis_settings):
     """docs/numerics.md section 6 on the kernel path, on every pre-pass path (fused Triton; folded Q/K through
     fp4vis.formats; all PyTorch): the pre-pass turns NaN/Inf into NaN operands and the kernel
     propagates them (a bad q row gives a NaN output row; a bad k or v entry NaN in that head), so
-    fp4vis.attention raises ValueError naming the tensor; with range_check="off" (no host
-    synchronisation) the NaNs come back, as from SDPA — never a finite number from a quantized Inf."""
+    the range record's check (here fp4vis.check_range) raises ValueError naming the tensor; with
+    range_check="off" the NaNs come back, as from SDPA — never a finite number from a quantized Inf."""
     hp = importlib.import_module("fp4vis.kernels.hopper.prepass")
     if prepass_path == "torch_folded" and fp4vis.get_policy(policy).qk_fp8:
         pytest.skip("FP4VIS_PREPASS_FUSED_FOLDED concerns the NVFP4 folded layout: as the triton case for FP8 Q/K")
@@ -312,8 +312,9 @@ def test_non_finite_inputs(policy, prepass_path, monkeypatch, fp4vis_settings):
         x = bad.clone()
         x[0, 1, 17, 9] = math.inf
         args = {"q": q, "k": k, "v": v, name: x}
+        fp4vis.attention(args["q"], args["k"], args["v"], policy=policy, backend="hopper")
         with pytest.raises(ValueError, match=f"{name}: contains Inf"):
-            fp4vis.attention(args["q"], args["k"], args["v"], policy=policy, backend="hopper")
+            fp4vis.check_range()
     q[0, 0, 5, 3] = math.nan
     k[0, 1, 200, 0] = math.inf
     v[0, 2, 17, 9] = -math.inf
