@@ -167,11 +167,18 @@ def load_classifier(source: str, *, resolution: int | None = None, random_weight
                 config = AutoConfig.from_pretrained(src)
                 model = AutoModelForImageClassification.from_config(config)
             else:
-                model = AutoModelForImageClassification.from_pretrained(src)
+                model, info = AutoModelForImageClassification.from_pretrained(src, output_loading_info=True)
         except Exception as e:
             if not is_local and is_network_error(e):
                 raise hub_error(source, e) from e
             raise
+        # a headless checkpoint (an encoder, a feature extractor) loads with a newly initialised
+        # classifier, which transformers only warns about: its top-1 would measure random guesses
+        new = sorted(info["missing_keys"]) if not random_weights else []
+        if new:
+            raise UsageError(f"--model {source}: the checkpoint has no classification head ({', '.join(new[:4])} "
+                             "would be newly initialised): give an image classifier, or --random-weights to "
+                             "measure the architecture")
         cfg = model.config
         native = int(cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0])
         patch = int(cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0])

@@ -113,6 +113,12 @@ def test_errors(assets, tmp_path):
         run_vit_eval(str(assets["timm"]), tmp_path / "flat", progress=False)
     with pytest.raises(UsageError, match="unknown policy"):
         run_vit_eval(str(assets["timm"]), assets["data_index"], policies="fastest", progress=False)
+    # a headless transformers ViT (an encoder) would get a random classifier: refused before the run
+    from transformers import ViTConfig, ViTModel
+    ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=64)).save_pretrained(tmp_path / "encoder")
+    with pytest.raises(UsageError, match="no classification head .*classifier.weight"):
+        run_vit_eval(str(tmp_path / "encoder"), assets["data_index"], progress=False)
 
 
 def test_sharded_over_two_processes_matches_one(assets, tmp_path):
