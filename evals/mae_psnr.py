@@ -38,6 +38,7 @@ from fp4vis.services import (
     hub_error,
     is_network_error,
     load_guard_plan,
+    plan_for,
     policy_applied,
     require,
     resolve_device,
@@ -241,7 +242,7 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                                               "bf16/masked": masked_psnr(ref_img, x, ref_mask),
                                               "bf16/full": full_psnr(ref_img, x)}
             for p in pols:
-                with policy_applied(mae, p, guard=plan, backend=backend, decoder=decoder):
+                with policy_applied(mae, p, guard=plan_for(plan, p), backend=backend, decoder=decoder):
                     img, mask, pred = reconstruct(mae, x, mean, std, noise, interp)
                 if not torch.equal(mask, ref_mask):  # same noise must give the same mask
                     raise RuntimeError("MAE masks differ between BF16 and FP4 runs")
@@ -278,6 +279,7 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
     for p in pols:
         diff = (g[f"{p.name}/masked"] - g["bf16/masked"]).tolist()
         result["policies"][p.name] = {
+            "guard_plan_applied": plan_for(plan, p) is not None,
             "masked_psnr": stats(g[f"{p.name}/masked"]), "full_psnr": stats(g[f"{p.name}/full"]),
             "masked_psnr_diff_vs_bf16": mean_ci95(diff),
             "recon_psnr_vs_bf16": stats(g[f"{p.name}/vs_bf16"]),

@@ -50,6 +50,7 @@ from fp4vis.services import (
     hub_error,
     is_network_error,
     load_guard_plan,
+    plan_for,
     policy_applied,
     require,
     resolve_device,
@@ -333,7 +334,7 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
             times["bf16"] += t.seconds
             batch: dict[str, torch.Tensor] = {"target": target, "bf16_pred": ref.argmax(-1)}
             for p in pols:
-                with policy_applied(clf.model, p, guard=plan, backend=backend):
+                with policy_applied(clf.model, p, guard=plan_for(plan, p), backend=backend):
                     with Timer() as t:
                         out = clf(x).float()
                     times[p.name] += t.seconds
@@ -379,6 +380,7 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
     for p in pols:
         lc, lr = gathered[f"{p.name}/layer_cos"], gathered[f"{p.name}/layer_rel"]
         result["policies"][p.name] = {
+            "guard_plan_applied": plan_for(plan, p) is not None,
             "top1": top1(gathered[f"{p.name}/pred"]),
             "top1_delta_vs_bf16": (top1(gathered[f"{p.name}/pred"]) - result["bf16"]["top1"]) if has_labels else None,
             "agreement_with_bf16": float(multiclass_accuracy(gathered[f"{p.name}/pred"], gathered["bf16_pred"],

@@ -39,6 +39,7 @@ from fp4vis.services import (
     environment,
     guard_plan_summary,
     load_guard_plan,
+    plan_for,
     resolve_device,
     resolve_policies,
 )
@@ -126,7 +127,7 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
     ref = None
     for pol_name in ["bf16"] + [p.name for p in pols]:
         pol = next((p for p in pols if p.name == pol_name), pol_name)
-        guard = plan if pol_name != "bf16" else None
+        guard = plan_for(plan, pol_name)
         wlog = WarningLog()
         try:
             with wlog:

@@ -139,6 +139,21 @@ def check_output_dir(path: str | os.PathLike, option: str) -> Path:
     return p
 
 
+def plan_for(plan: Any, policy: str | Policy) -> Any:
+    """The guard plan where it was calibrated for ``policy`` (by name), else None: an eval over several
+    policies guards only the one its plan protects (the plan's thresholds are that policy's range)."""
+    if plan is None:
+        return None
+    return plan if get_policy(policy).name == plan.policy.name else None
+
+
+def check_plan_policy(plan: Any, policy: str | Policy, option: str = "--guard-plan") -> None:
+    """A single-policy run (generate) with a plan calibrated for another policy is a user error."""
+    if plan is not None and get_policy(policy).name != plan.policy.name:
+        raise UsageError(f"{option}: the plan was calibrated for policy {plan.policy.name!r}, not "
+                         f"{get_policy(policy).name!r}: pass that policy, or calibrate for this one")
+
+
 def guard_plan_summary(plan: Any) -> Any:
     """A JSON-able view of a guard plan for sidecars and reports."""
     if plan is None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from fp4vis.services import (
     check_backend,
     check_model_source,
     check_output_file,
+    check_plan_policy,
     environment,
     guard_plan_summary,
     hub_error,
@@ -95,7 +95,7 @@ def load_wan_pipeline(model: str, *, device: str | torch.device = "auto", dtype:
         else:
             i2v = "i2v" in src.lower()
     cls = WanImageToVideoPipeline if i2v else WanPipeline
-    kwargs: dict[str, Any] = {"torch_dtype": dt}
+    kwargs: dict[str, Any] = {"dtype": dt}
     if is_local:  # components saved as null (e.g. a pipeline saved without its text encoder)
         for key, val in _model_index(src).items():
             if not key.startswith("_") and (val is None or (isinstance(val, list) and val[0] is None)):
@@ -105,10 +105,8 @@ def load_wan_pipeline(model: str, *, device: str | torch.device = "auto", dtype:
     try:
         from diffusers import AutoencoderKLWan
 
-        with warnings.catch_warnings():  # diffusers >= 0.40 renamed torch_dtype to dtype; older ones need it
-            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            vae = AutoencoderKLWan.from_pretrained(src, subfolder="vae", torch_dtype=vdt)
-            pipe = cls.from_pretrained(src, vae=vae, **kwargs)
+        vae = AutoencoderKLWan.from_pretrained(src, subfolder="vae", dtype=vdt)
+        pipe = cls.from_pretrained(src, vae=vae, **kwargs)
     except Exception as e:
         if not is_local and is_network_error(e):
             raise hub_error(model, e) from e
@@ -155,7 +153,7 @@ def build_random_wan_pipeline(size: str = "1.3B", *, device: str | torch.device 
 
 def keep_fp32(model: torch.nn.Module) -> torch.nn.Module:
     """Put the submodules that diffusers keeps in FP32 (``_keep_in_fp32_modules``: rope, time
-    embedder, norms, modulation tables) back in FP32, as ``from_pretrained(torch_dtype=...)`` does."""
+    embedder, norms, modulation tables) back in FP32, as ``from_pretrained(dtype=...)`` does."""
     names = getattr(model, "_keep_in_fp32_modules", None) or []
     for mod_name, mod in model.named_modules():
         if any(n in mod_name.split(".") for n in names):
@@ -222,9 +220,10 @@ def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> 
 
 @torch.no_grad()
 def calibration_inputs(pipe, prompts: list[str], *, height: int, width: int, frames: int, steps: int,
-                       guidance_scale: float, seed: int) -> list[dict[str, Any]]:
+                       guidance_scale: float, seed: int, image: Any = None) -> list[dict[str, Any]]:
     """Pipeline keyword arguments for ``fp4vis.calibrate``: one short latent-output run per prompt, with
-    the prompt encoded once and seeded initial latents (seed + i for prompt i)."""
+    the prompt encoded once and seeded initial latents (seed + i for prompt i); ``image`` (a PIL
+    image) conditions an image-to-video pipeline, whose image branch is then calibrated too."""
     device = pipe._execution_device
     inputs = []
     for i, prompt in enumerate(prompts):
@@ -232,7 +231,7 @@ def calibration_inputs(pipe, prompts: list[str], *, height: int, width: int, fra
         lat = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed + i)
         inputs.append(dict(prompt_embeds=pe, negative_prompt_embeds=npe, latents=lat.to(device), height=height,
                            width=width, num_frames=frames, num_inference_steps=steps, guidance_scale=guidance_scale,
-                           output_type="latent"))
+                           output_type="latent", **({"image": image} if image is not None else {})))
     return inputs
 
 
@@ -338,6 +337,7 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
     dev = resolve_device(device)
     check_backend(backend, dev)
     plan = load_guard_plan(guard_plan)
+    check_plan_policy(plan, policy, "guard_plan")
     pil = None
     if image is not None:
         if not Path(image).is_file():

@@ -20,8 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p = csub.add_parser(kind, formatter_class=Formatter, help=helptext)
         p.add_argument("--model", required=True, help="Hub id or local folder" + (
             " (vit: also timm:<name>; mae: also config:default)" if kind != "wan" else ""))
-        p.add_argument("--policy", type=policy, default="wan_fast" if kind == "wan" else "fast",
-                       help="the Direct-P policy the plan protects")
+        p.add_argument("--policy", type=policy, default="fast",
+                       help="the Direct-P policy the plan protects (generate's and eval's default too; a plan "
+                            "applies only to its policy)")
         p.add_argument("--out", "-o", default="guard_plan.json", help="where to write the plan")
         p.add_argument("--threshold", type=float, default=None, help="guard when the statistic (log2 units) "
                                                                      "reaches this (default: 0.75 x the limit)")
@@ -34,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--height", type=positive_int, default=480)
             p.add_argument("--width", type=positive_int, default=832)
             p.add_argument("--guidance", type=float, default=5.0)
+            p.add_argument("--image", default=None, help="conditioning image: calibrate an image-to-video (I2V) "
+                                                         "pipeline, its image branch included")
         else:
             p.add_argument("--data", required=True, help="ImageFolder root: ROOT/<class>/<image>")
             p.add_argument("--limit", type=positive_int, default=16, help="calibration images")
@@ -65,15 +68,32 @@ def run(args: argparse.Namespace) -> int:
         from fp4vis.evals.common import check_image_folder
 
         check_image_folder(args.data)
+    image = None
+    if args.calib_kind == "wan" and args.image is not None:
+        from pathlib import Path
+
+        from PIL import Image
+        if not Path(args.image).is_file():
+            raise UsageError(f"--image: file {args.image!r} does not exist")
+        try:
+            image = Image.open(args.image).convert("RGB")
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's
+            raise UsageError(f"--image: {args.image!r} is not an image ({type(exc).__name__})") from None
     dev, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     kw: dict[str, Any] = {"threshold": args.threshold, "fraction": args.fraction, "model_id": args.model}
     if args.calib_kind == "wan":
         from fp4vis.pipelines.wan_video import calibration_inputs, load_wan_pipeline
 
         target = load_wan_pipeline(args.model, device=dev, dtype=dtype)
+        i2v = type(target).__name__ == "WanImageToVideoPipeline"
+        if image is None and i2v:
+            raise UsageError(f"--model: {args.model!r} is an image-to-video model: pass --image")
+        if image is not None and not i2v:
+            raise UsageError(f"--image: {args.model!r} is a text-to-video model ({type(target).__name__}); drop "
+                             "--image, or give an image-to-video checkpoint")
         target.set_progress_bar_config(disable=args.no_progress)
         inputs = calibration_inputs(target, args.prompt, height=args.height, width=args.width, frames=args.frames,
-                                    steps=args.steps, guidance_scale=args.guidance, seed=args.seed)
+                                    steps=args.steps, guidance_scale=args.guidance, seed=args.seed, image=image)
     elif args.calib_kind == "vit":
         from fp4vis.evals.vit_top1 import calibration_inputs, load_classifier
 

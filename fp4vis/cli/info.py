@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
             if key != "available" and value not in ({}, [], None):
                 print(f"  {'':<10}   {key}: {value}")
     print("Policies: " + ", ".join(info["policies"]))
+    installed = [f"{k} {v}" for k, v in info["versions"].items() if v is not None and k != "fp4vis"]
+    print("Libraries: " + ", ".join(installed))
     missing = [k for k, v in info["versions"].items() if v is None]
     if missing:
         print("Not installed: " + ", ".join(missing))

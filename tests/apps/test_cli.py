@@ -51,6 +51,8 @@ def test_every_subcommand_has_help(argv, capsys):
 def test_info_lists_backends_with_reasons(capsys):
     code, out, _ = run(capsys, "info")
     assert code == 0 and "reference  available" in out and "hopper" in out
+    import diffusers
+    assert f"diffusers {diffusers.__version__}" in out and f"torch {torch.__version__}" in out   # the libraries
     if NO_GPU:
         assert "GPU: none visible" in out and "hopper     unavailable:" in out
     code, out, _ = run(capsys, "info", "--json")
@@ -106,14 +108,33 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
     data = json.loads(plan.read_text())
     assert data["format"] == "fp4vis.guard_plan" and len(data["layers"]) == 2 and "guarded layers:" in out
     code, out, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"], "--policies",
-                         "fast", "--guard-plan", plan, "--out-dir", tmp_path, "--no-progress", "--no-per-layer")
+                         "fast,accurate", "--guard-plan", plan, "--out-dir", tmp_path, "--no-progress",
+                         "--no-per-layer")
     assert code == 0, err
-    assert json.loads((tmp_path / "vit_top1.json").read_text())["guard_plan"]["format"] == "fp4vis.guard_plan"
+    report = json.loads((tmp_path / "vit_top1.json").read_text())
+    assert report["guard_plan"]["format"] == "fp4vis.guard_plan" and data["policy"]["name"] == "fast"
+    # calibrate's default policy is generate's and eval's; the plan guards only the policy it was made for
+    assert [report["policies"][p]["guard_plan_applied"] for p in ("fast", "accurate")] == [True, False]
     wplan = tmp_path / "wan_plan.json"
     code, out, err = run(capsys, "calibrate", "wan", "--model", assets["wan"], "--prompt", "a cat", "--frames", 5,
                          "--steps", 1, "--height", 32, "--width", 32, "--out", wplan, "--no-progress")
     assert code == 0, err
     assert len(json.loads(wplan.read_text())["layers"]) == 2
+    code, _, err = run(capsys, "generate", "--model", assets["wan"], "--prompt", "x", "--frames", 5, "--steps", 1,
+                       "--height", 32, "--width", 32, "--policy", "accurate", "--guard-plan", wplan, "--output",
+                       tmp_path / "v.mp4", "--no-progress")
+    assert code == 2 and "calibrated for policy 'fast', not 'accurate'" in err, err
+    # an image-to-video pipeline, its image branch included
+    from fp4vis.evals.tiny import make_tiny_wan_i2v
+    i2v = make_tiny_wan_i2v(tmp_path / "i2v")
+    img = assets["data"] / "0" / "img0.png"
+    code, out, err = run(capsys, "calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--image", img,
+                         "--frames", 5, "--steps", 1, "--height", 32, "--width", 32, "--out", tmp_path / "i2v.json",
+                         "--no-progress")
+    assert code == 0, err
+    assert len(json.loads((tmp_path / "i2v.json").read_text())["layers"]) == 2
+    code, _, err = run(capsys, "calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--out", tmp_path / "x.json")
+    assert code == 2 and "is an image-to-video model: pass --image" in err, err
     code, out, err = run(capsys, "calibrate", "mae", "--model", assets["mae"], "--data", assets["data"],
                          "--limit", 1, "--out", tmp_path / "mae_plan.json")
     assert code == 0, err

@@ -80,3 +80,19 @@ def test_backend_registers_and_explains_cpu():
         assert fp4vis.available_backends()["hopper"] is not None
         with pytest.raises(RuntimeError):
             fp4vis.attention(q, q, q, policy="fast", backend="hopper")
+
+
+def test_import_is_light_and_compile_still_breaks_at_the_reference():
+    """``import fp4vis`` does not import torch._dynamo (seconds: issue 16's newcomer path); the
+    reference still runs eagerly under torch.compile (one graph break, not a trace of every chunk)."""
+    import subprocess
+    import sys
+    code = "import sys, fp4vis; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+    explained = torch._dynamo.explain(lambda q, k, v: fp4vis.attention(q, k, v, policy="fast") * 2)(q, k, v)
+    assert explained.graph_break_count >= 1
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fp4vis.attention(q, k, v, policy="fast") * 2)
+    assert torch.equal(compiled(q, k, v), fp4vis.attention(q, k, v, policy="fast") * 2)
