@@ -26,8 +26,13 @@ Backends (each skipped with a reason in its row when it cannot run here):
                     verification build where the cubins are given, not a product path)
   ``reference``     the fp4vis reference emulation (the only one that runs on the CPU)
 
-Timing: CUDA events around each call after warm-up, median over repetitions, inputs rotated over
-enough copies to exceed the L2 cache. Errors: relative L2 against the reference emulation
+Timing, the same two ways for every backend, so that no backend's host overhead counts for or against
+another: ``ms``, CUDA events around each eager call after warm-up (median over repetitions, inputs
+rotated over enough copies to exceed the L2 cache; a call whose host work outlasts its GPU work is
+timed at the host's pace), and ``graph_ms``, GPU time per call replayed from a CUDA graph of
+``GRAPH_CALLS`` calls (``fp4vis.services.time_graph``: host work excluded; the same inputs each call,
+L2-warm where they fit; ``graph_error`` where a backend cannot be captured). Speedups and geo-means
+are given for both (``speedup_vs_*``, ``graph_speedup_vs_*``). Errors: relative L2 against the reference emulation
 (``backend="reference"``, on a sample of heads and query rows against all keys, since the
 reference is slow) and against BF16 SDPA; for a policy that is not exact to docs/numerics.md (``code_rounding``
 other than "exact", e.g. ``fast_bf16round``) also against the reference of its exact twin
@@ -48,7 +53,7 @@ import torch
 
 from fp4vis.layout import LOG2E
 from fp4vis.policy import get_policy
-from fp4vis.services import atomic_write, environment, time_cpu, time_cuda, write_json
+from fp4vis.services import atomic_write, environment, time_cpu, time_cuda, time_graph, write_json
 
 # (B, S, H) at D = 128: the issue's nine-shape grid plus the large video shapes
 GRID_D128 = [(1, 256, 16), (1, 1024, 16), (4, 4096, 16), (1, 32768, 16), (4, 4096, 32), (1, 4096, 12),
@@ -374,6 +379,12 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
     times = time_cpu(fn, len(sets)) if quick else time_cuda(fn, len(sets), budget_s=budget_s)
     ms = statistics.median(times)
     row.update(ms=round(ms, 5), ms_min=round(min(times), 5), reps=len(times))
+    if not quick:
+        try:
+            row["graph_ms"] = round(time_graph(lambda i: fn(0), budget=min(budget_s, 0.5)), 5)
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot be captured says so
+            row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            torch.cuda.synchronize()
     if not backend.startswith("prepass"):
         row["tflops"] = round(shape_flops / (ms * 1e-3) / 1e12, 2)
     if out0 is not None and check_errors and not quick:
@@ -394,11 +405,14 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """speedup_vs_fa4 / speedup_vs_sdpa_cudnn for every timed row (baseline ms / row ms)."""
-    base = {}
+    """speedup_vs_fa4 / speedup_vs_sdpa_cudnn for every timed row (baseline ms / row ms), and
+    graph_speedup_vs_* from the GPU times (graph_ms) where both rows have one."""
+    base, graph = {}, {}
     for r in rows:
         if r.get("backend") in ("fa4", "sdpa_cudnn") and "ms" in r:
             base[(r["shape"], r["backend"])] = r["ms"]
+            if "graph_ms" in r:
+                graph[(r["shape"], r["backend"])] = r["graph_ms"]
     pre = {(r["shape"], r.get("policy"), r["backend"]): r["ms"] for r in rows
            if r.get("backend") in ("prepass", "prepass_fused") and "ms" in r}
     for r in rows:
@@ -410,6 +424,8 @@ def add_speedups(rows: list[dict]) -> None:
         for b in ("fa4", "sdpa_cudnn"):
             if (r["shape"], b) in base:
                 r[f"speedup_vs_{b}"] = round(base[(r["shape"], b)] / r["ms"], 3)
+            if (r["shape"], b) in graph and "graph_ms" in r:
+                r[f"graph_speedup_vs_{b}"] = round(graph[(r["shape"], b)] / r["graph_ms"], 3)
 
 
 def _row_line(r: dict) -> str:
@@ -423,10 +439,13 @@ def _row_line(r: dict) -> str:
 # ------------------------------------------------------------------------------------------ output
 
 def geo_mean_speedup(rows: list[dict], backend: str = "hopper", policy: str = "fast", baseline: str = "fa4",
-                     min_s: int = 4096, d: int = 128) -> float | None:
-    vals = [r[f"speedup_vs_{baseline}"] for r in rows
+                     min_s: int = 4096, d: int = 128, timing: str = "events") -> float | None:
+    """Geo-mean speedup over ``baseline`` at S >= min_s and head dim d; ``timing="graph"``: of the GPU
+    times (CUDA graphs) instead of the eager per-call times."""
+    key = f"{'graph_' if timing == 'graph' else ''}speedup_vs_{baseline}"
+    vals = [r[key] for r in rows
             if r.get("backend") == backend and r.get("policy") == policy and r.get("s", 0) >= min_s
-            and r.get("d") == d and f"speedup_vs_{baseline}" in r]
+            and r.get("d") == d and key in r]
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
@@ -457,7 +476,9 @@ def summary_table(rows: list[dict]) -> str:
         lines.append("")
     for b, p, gm in gms:
         if gm is not None:
-            lines.append(f"Geo-mean speedup of {b}/{p} over flash-attn-4 at S >= 4096, D = 128: {gm:.3f}x")
+            graph = geo_mean_speedup(rows, b, p, timing="graph")
+            lines.append(f"Geo-mean speedup of {b}/{p} over flash-attn-4 at S >= 4096, D = 128: {gm:.3f}x per eager "
+                         f"call" + (f", {graph:.3f}x in GPU time (CUDA graphs)" if graph is not None else ""))
     return "\n".join(lines)
 
 

@@ -73,3 +73,21 @@ def test_bench_runs_the_blackwell_backend_where_it_exists():
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="backend='blackwell'"):
         kb._blackwell("fast")(q, q, q, 0.125)
+
+
+def test_grid_speedups_and_geo_means_in_both_timings():
+    """Every backend is timed per eager call and in GPU time (graph_ms): the speedups and the
+    geo-mean of the summary are given for both, each from its own timing."""
+    from fp4vis.evals import kernel_bench as kb
+
+    rows = []
+    for s, (fa4, hop, fa4_g, hop_g) in {4096: (1.0, 0.8, 0.9, 0.9), 8192: (4.0, 4.0, 3.6, 3.0)}.items():
+        common = dict(shape=f"B1 S{s}", s=s, d=128)
+        rows += [dict(common, backend="fa4", policy=None, ms=fa4, graph_ms=fa4_g),
+                 dict(common, backend="hopper", policy="fast", ms=hop, graph_ms=hop_g)]
+    kb.add_speedups(rows)
+    hop = [r for r in rows if r["backend"] == "hopper"]
+    assert [r["speedup_vs_fa4"] for r in hop] == [1.25, 1.0] and [r["graph_speedup_vs_fa4"] for r in hop] == [1.0, 1.2]
+    assert kb.geo_mean_speedup(rows) == pytest.approx(math.sqrt(1.25))
+    assert kb.geo_mean_speedup(rows, timing="graph") == pytest.approx(math.sqrt(1.2))
+    assert "1.118x per eager call, 1.095x in GPU time (CUDA graphs)" in kb.summary_table(rows)
