@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp4vis.services import UsageError
+from .datasets import IMAGE_EXTENSIONS, data_layout, image_loader  # noqa: F401 - the evals' one image loader
 
 # --------------------------------------------------------------------------------------------------
 # attention layers and per-layer errors
@@ -94,37 +94,15 @@ def error_metrics() -> tuple[Callable, Callable]:
 # images
 
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
 # photographs that scikit-image ships inside its package (no download); used by the real-config runs
 SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field",
                   "camera", "coins", "moon", "colorwheel")
 
 
 def check_image_folder(root: str | os.PathLike) -> Path:
-    """An ImageFolder root: class sub-folders holding images. Raises a clear UsageError otherwise."""
-    p = Path(os.path.expanduser(str(root)))
-    if not p.is_dir():
-        raise UsageError(f"data: directory {str(root)!r} does not exist")
-    classes = [d for d in p.iterdir() if d.is_dir()]
-    if not classes:
-        raise UsageError(f"data: {str(root)!r} has no class sub-folders; the layout is ImageFolder's: "
-                         "ROOT/<class>/<image>.jpg (put unlabeled images in one folder, e.g. ROOT/images/)")
-    if not any(f.suffix.lower() in IMAGE_EXTENSIONS for d in classes for f in d.iterdir()):
-        raise UsageError(f"data: no images ({', '.join(IMAGE_EXTENSIONS)}) under {str(root)!r}")
-    return p
-
-
-def image_loader(path: str) -> Any:
-    """``torchvision``'s image loader with a clear error: a file with an image extension that is not
-    an image stops the run with one line naming it (not a traceback from inside a DataLoader)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
-        raise UsageError(f"data: {path!r} is not a readable image ({type(exc).__name__}: {exc})") from None
+    """The root of image data in a layout the evals read (``fp4vis.evals.datasets``: an ImageFolder, a
+    folder of images, the CIFAR-10 test set). Raises a clear UsageError otherwise."""
+    return Path(os.path.expanduser(str(root))) if data_layout(root) else Path(root)
 
 
 def export_skimage_photos(dest: str | os.PathLike, names: Sequence[str] = SKIMAGE_PHOTOS,
@@ -155,12 +133,12 @@ def export_skimage_photos(dest: str | os.PathLike, names: Sequence[str] = SKIMAG
     return Path(dest)
 
 
-def image_list(dataset: Any, root: Path, limit: int | None, max_items: int = 100) -> list[str] | None:
-    """The image files an eval uses, relative to the ImageFolder root (None above ``max_items``)."""
-    samples = dataset.samples[: limit if limit is not None else len(dataset.samples)]
-    if len(samples) > max_items:
+def image_list(dataset: Any, indices: Sequence[int], max_items: int = 100) -> list[str] | None:
+    """The images an eval uses (``ImageDataset.names``: files relative to the root; None above
+    ``max_items``)."""
+    if len(indices) > max_items:
         return None
-    return [str(Path(path).relative_to(root)) for path, _ in samples]
+    return [dataset.names[i] for i in indices]
 
 
 def images_markdown(files: list[str] | None) -> str:

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from fp4vis.evals.common import check_image_folder, error_metrics, image_list, image_loader, images_markdown, per_sample
+from fp4vis.evals.common import check_image_folder, error_metrics, image_list, images_markdown, per_sample
+from fp4vis.evals.datasets import open_images, sample_indices
 from fp4vis.evals.report import markdown_table, mean_ci95, write_report
 from fp4vis.services import (
     UsageError,
@@ -156,13 +157,12 @@ def calibration_inputs(model, mean, std, data: str | os.PathLike, *, limit: int,
     """Model inputs for ``fp4vis.calibrate``: the first ``limit`` images of an ImageFolder with the
     eval's seeded masks (image i gets the mask of index i)."""
     from torchvision import transforms as T
-    from torchvision.datasets import ImageFolder
 
     size = model.config.image_size
     native = int(size if isinstance(size, int) else size[0])
     res = resolution or native
     n_patches = (res // int(model.config.patch_size)) ** 2
-    ds = ImageFolder(str(check_image_folder(data)), loader=image_loader,
+    ds = open_images(check_image_folder(data),
                      transform=T.Compose([T.Resize(res), T.CenterCrop(res), T.ToTensor(), T.Normalize(mean, std)]))
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     inputs = []
@@ -179,12 +179,11 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                  device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
                  guard_plan: str | None = None, decoder: bool = False, num_workers: int = 0,
                  out_dir: str | os.PathLike | None = None, name: str = "mae_psnr",
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, sample_seed: int | None = None) -> dict[str, Any]:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, Subset
     from torchmetrics.functional.image import peak_signal_noise_ratio as psnr
     from torchvision import transforms as T
-    from torchvision.datasets import ImageFolder
     from tqdm.auto import tqdm
 
     require("torchvision", what="the MAE eval")
@@ -207,10 +206,11 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
         raise UsageError(f"resolution {res} is not a multiple of the patch size {patch}")
     num_patches = (res // patch) ** 2
     tf = T.Compose([T.Resize(res, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(res), T.ToTensor()])
-    dataset: Any = ImageFolder(str(root), transform=tf, loader=image_loader)
-    files = image_list(dataset, root, limit)
-    if limit is not None:
-        dataset = Subset(dataset, list(range(min(limit, len(dataset)))))
+    dataset: Any = open_images(root, transform=tf)
+    indices = sample_indices(len(dataset), limit, sample_seed)
+    files = image_list(dataset, indices)
+    if len(indices) < len(dataset):
+        dataset = Subset(dataset, indices)
     loader = acc.prepare_data_loader(DataLoader(_Indexed(dataset), batch_size=batch_size, shuffle=False,
                                                 num_workers=num_workers))
     mean = torch.tensor(mean_t, device=acc.device).view(1, 3, 1, 1)

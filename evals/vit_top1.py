@@ -34,10 +34,10 @@ from fp4vis.evals.common import (
     check_image_folder,
     error_metrics,
     image_list,
-    image_loader,
     images_markdown,
     per_sample,
 )
+from fp4vis.evals.datasets import open_images, sample_indices
 from fp4vis.evals.report import markdown_table, write_report
 from fp4vis.services import (
     Timer,
@@ -216,9 +216,7 @@ def build_transform(clf: Classifier):
 def calibration_inputs(clf: Classifier, data: str | os.PathLike, *, limit: int) -> list[Any]:
     """Model inputs for ``fp4vis.calibrate``: the first ``limit`` images of an ImageFolder, one per call,
     transformed as the eval transforms them."""
-    from torchvision.datasets import ImageFolder
-
-    ds = ImageFolder(str(check_image_folder(data)), transform=build_transform(clf), loader=image_loader)
+    ds = open_images(check_image_folder(data), transform=build_transform(clf))
     interp = clf.resolution != clf.native_resolution
     device, dtype = next(clf.model.parameters()).device, next(clf.model.parameters()).dtype
     inputs = []
@@ -287,12 +285,12 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                  dtype: str = "bfloat16", backend: str = "auto", guard_plan: str | None = None,
                  per_layer: bool = True, seed: int = 0, num_workers: int = 0,
                  out_dir: str | os.PathLike | None = None, name: str = "vit_top1",
-                 progress: bool = True) -> dict[str, Any]:
-    """Run the eval; returns the result dict and, with ``out_dir``, writes ``<name>.json``/``.md``."""
+                 progress: bool = True, sample_seed: int | None = None) -> dict[str, Any]:
+    """Run the eval; returns the result dict and, with ``out_dir``, writes ``<name>.json``/``.md``.
+    ``limit`` images: the first ones, or drawn at random with ``sample_seed`` (the protocols' subsets)."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, Subset
     from torchmetrics.functional.classification import multiclass_accuracy
-    from torchvision.datasets import ImageFolder
     from tqdm.auto import tqdm
 
     require("torchvision", what="the ViT eval")
@@ -306,11 +304,12 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
     acc = Accelerator(cpu=dev.type == "cpu")
     clf = load_classifier(model, resolution=resolution, random_weights=random_weights, device=acc.device,
                           dtype=resolve_dtype(dtype), seed=seed)
-    dataset = ImageFolder(str(root), transform=build_transform(clf), loader=image_loader)
-    files = image_list(dataset, root, limit)
-    mapping, label_mode = label_mapping(dataset.classes, clf, labels)
-    if limit is not None:
-        dataset = Subset(dataset, list(range(min(limit, len(dataset)))))
+    dataset = open_images(root, transform=build_transform(clf))
+    indices = sample_indices(len(dataset), limit, sample_seed)
+    files = image_list(dataset, indices)
+    mapping, label_mode = label_mapping(dataset.classes, clf, labels if dataset.classes else "none")
+    if len(indices) < len(dataset):
+        dataset = Subset(dataset, indices)
     loader = acc.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False,
                                                 num_workers=num_workers))
     cosine, rel_l2 = error_metrics()

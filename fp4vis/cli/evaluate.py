@@ -8,6 +8,9 @@ import os
 
 from .options import Formatter, add_runtime, policy_list, positive_int
 
+PROTOCOL_HELP = ("run the method's published protocol (fp4vis.evals.protocols): its model (unless --model), "
+                 "sizes, image counts, seeds and policies, and its published figures beside each row")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     pe = sub.add_parser("eval", formatter_class=Formatter, help="quality/speed evals: vit, mae, wan",
@@ -21,9 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="A timm or transformers classifier on an ImageFolder dataset "
                                     "(ROOT/<class>/<image>). Sharded over GPUs with `accelerate launch -m "
                                     "fp4vis.cli eval vit ...`.")
-    p.add_argument("--model", required=True, help="Hub id (timm/... or a transformers id), local folder, or "
-                                                  "timm:<registry name> (with --random-weights: no download)")
-    p.add_argument("--data", required=True, help="ImageFolder root: ROOT/<class>/<image>")
+    p.add_argument("--model", default=None, help="Hub id (timm/... or a transformers id), local folder, or "
+                                                 "timm:<registry name> (with --random-weights: no download)")
+    p.add_argument("--data", required=True, help="ImageFolder root (ROOT/<class>/<image>) or the CIFAR-10 test set "
+                                                 "(ROOT/cifar-10-batches-py)")
+    p.add_argument("--protocol", choices=["paper"], default=None, help=PROTOCOL_HELP)
     p.add_argument("--resolution", type=positive_int, default=None,
                    help="input size in px (e.g. 1008: ~4k tokens for a /16 ViT); position embeddings are "
                         "interpolated. Default: the model's own")
@@ -46,9 +51,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="Masked-patch and full-image PSNR of ViTMAE reconstructions (same seeded "
                                     "masks for BF16 and FP4), the mean FP4-BF16 difference with its 95 %% "
                                     "t-interval, and FP4-vs-BF16 reconstruction PSNR.")
-    p.add_argument("--model", required=True, help="Hub id (e.g. facebook/vit-mae-base), local folder, or "
-                                                  "config:default (ViTMAEConfig defaults, random weights)")
-    p.add_argument("--data", required=True, help="ImageFolder root: ROOT/<class>/<image>")
+    p.add_argument("--model", default=None, help="Hub id (e.g. facebook/vit-mae-base), local folder, or "
+                                                 "config:default (ViTMAEConfig defaults, random weights)")
+    p.add_argument("--data", required=True, help="a folder of images (e.g. COCO val2017) or an ImageFolder root")
+    p.add_argument("--protocol", choices=["paper"], default=None, help=PROTOCOL_HELP)
     p.add_argument("--resolution", type=positive_int, default=None, help="input size (default: the model's)")
     p.add_argument("--mask-ratio", type=float, default=None, help="default: the model's (0.75)")
     p.add_argument("--decoder", action="store_true", help="also run the MAE decoder in FP4 (default: encoder only)")
@@ -66,10 +72,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         description="BF16 and each policy with identical seed, latents and prompt embeddings: "
                                     "wall times (denoise, VAE decode, text encoding), speedups, final-latent "
                                     "cosine/relL2, per-frame PSNR/SSIM vs BF16.")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="Hub id or local diffusers folder")
     src.add_argument("--speed-only", choices=["1.3B", "14B"],
                      help="the real Wan2.1 architecture with random weights (timings only; labelled so)")
+    p.add_argument("--protocol", choices=["paper"], default=None, help=PROTOCOL_HELP)
     p.add_argument("--policies", type=policy_list, default="wan_fast,fast,accurate")
     p.add_argument("--prompt", default=None, help="default: a fixed test prompt")
     p.add_argument("--negative-prompt", default=None)
@@ -95,12 +102,54 @@ def _main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def _run_protocol(args: argparse.Namespace, common: dict) -> int:
+    """``--protocol paper``: the published protocol's runs and its report beside the published figures."""
+    from fp4vis.evals import protocols
+    from fp4vis.services import UsageError
+
+    if getattr(args, "speed_only", None):
+        raise UsageError("--protocol: needs the real weights (--model), not --speed-only")
+    if args.eval_command == "vit":
+        r = protocols.run_vit_protocol(args.data, model=args.model, **common)
+        for label, run in r["runs"].items():
+            for pol, top1 in run["top1_percent"].items():
+                pub = run["published_top1_percent"].get(pol)
+                print(f"{label} {pol}: top-1 {_fmt(top1)} % (published {_fmt(pub)} %)")
+    elif args.eval_command == "mae":
+        r = protocols.run_mae_protocol(args.data, model=args.model, **common)
+        print(f"bf16: masked PSNR {_fmt(r['bf16_masked_psnr'])} dB (published {r['published_bf16_masked_psnr']})")
+        for pol, v in r["policies"].items():
+            pub = v["published_diff"]
+            print(f"{pol}: FP4-BF16 {_fmt(v['masked_psnr_diff_vs_bf16']['mean'])} dB (published "
+                  f"{pub[0] if pub else '—'} ± {pub[1] if pub else '—'})")
+    else:
+        r = protocols.run_wan_protocol(model=args.model, **common)
+        for steps, pols in r["steps"].items():
+            for pol, v in pols.items():
+                pub = v["published"] or ("—", "—")
+                print(f"{steps} steps {pol}: latent cosine {_fmt(v['latent_cosine'])} (published {pub[0]}), "
+                      f"relL2 {_fmt(v['latent_rel_l2'])} (published {pub[1]})")
+    for kind, path in (r.get("files") or {}).items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _fmt(x) -> str:
+    return "—" if x is None else f"{x:.4g}"
+
+
 def run(args: argparse.Namespace) -> int:
-    from fp4vis.services import check_output_dir
+    from fp4vis.services import UsageError, check_output_dir
 
     args.out_dir = check_output_dir(args.out_dir, "--out-dir")
     common = dict(device=args.device, dtype=args.dtype, backend=args.backend, guard_plan=args.guard_plan,
                   out_dir=args.out_dir, progress=not args.no_progress)
+    if args.protocol is not None:
+        return _run_protocol(args, common)
+    if args.eval_command in ("vit", "mae") and args.model is None:
+        raise UsageError("--model: required (or --protocol paper, which names its model)")
+    if args.eval_command == "wan" and args.model is None and args.speed_only is None:
+        raise UsageError("--model or --speed-only: one is required (or --protocol paper)")
     if args.eval_command == "vit":
         from fp4vis.evals.vit_top1 import run_vit_eval
 

@@ -109,7 +109,7 @@ def test_errors(assets, tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         run_vit_eval(str(assets["timm"]), tmp_path / "no_data", progress=False)
     (tmp_path / "flat").mkdir()
-    with pytest.raises(UsageError, match="class sub-folders"):
+    with pytest.raises(UsageError, match="no images .* give an ImageFolder"):
         run_vit_eval(str(assets["timm"]), tmp_path / "flat", progress=False)
     with pytest.raises(UsageError, match="unknown policy"):
         run_vit_eval(str(assets["timm"]), assets["data_index"], policies="fastest", progress=False)
