@@ -137,8 +137,9 @@ def attention(
     Non-finite inputs raise ValueError naming the tensor (docs/numerics.md section 6). The reference checks
     them first; the Hopper kernel propagates them to the output (NaN or Inf in q row i gives a NaN
     output row i; in k or v, NaN in that head), its range record counts the non-finite outputs and
-    the later check names the tensor where the inputs are still alive then. Kernels without the
-    record (Blackwell) check the output at once (one host synchronisation). With
+    the later check names the tensor where the inputs are still alive then (the Blackwell kernel
+    keeps the same record). A backend without the record has its output checked at once (one host
+    synchronisation). With
     ``range_check="off"``, under torch.compile and in CUDA-graph capture nothing is checked and the
     NaNs are returned, as SDPA does.
     """

@@ -40,6 +40,10 @@ MXFP4_BLOCK = 32
 # docs/numerics.md section 1: MSE candidates for the folded-K64 scale, m = 1.0 first, then the list in order.
 FOLDED_MSE_MULTIPLIERS = (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
 MXFP4_ZERO_AMAX = 1e-38  # blocks at or below this amax get u = 0
+# the smallest float32 magnitudes that round (to nearest even) to Inf in an output dtype: half an ulp
+# above its largest finite value, whose odd significand rounds the tie up (the kernels' range record)
+OVERFLOW_BF16 = 3.3961775292304740e38   # 0x7F7F8000: BF16 max 0x7F7F plus half an ulp
+OVERFLOW_FP16 = 65520.0                  # FP16 max 65504 plus half an ulp (16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,10 @@ block-scaled FP4 MMAs (sm_100a / sm_103a / sm_120a), self-checked on first use.
   once the kernel is compiled and self-checked (make one eager call first).
 * Compiled kernels are cached per ``KernelConfig.key()``; compile/load times are logged (logger
   ``fp4vis.kernels.blackwell``) and kept in ``COMPILE_TIMES``.
-* No range report (``forward`` returns None): rows whose probabilities all underflow give 0.
+* Range checks through the range record (``fp4vis.backends.range_record``), as the Hopper kernel: where
+  ``fp4vis.attention`` passes a record, the call's number goes to the kernel, which counts saturated
+  blocks, empty rows and non-finite outputs into the device's record (``forward`` returns None for
+  the RangeReport). Rows whose probabilities all underflow give 0.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 
 import torch
 
+from fp4vis.backends import range_record
 from fp4vis.backends.base import (
     BLACKWELL,
     BLACKWELL_CAPABILITIES,
@@ -203,10 +207,23 @@ def get_kernel(index: int, cfg: KernelConfig):
 # the op
 # ---------------------------------------------------------------------------------------------
 
+_NO_RECORD: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_record(device: torch.device) -> torch.Tensor:
+    """Int32 words the kernel's record pointers take where a call records nothing (CALL = 0)."""
+    t = _NO_RECORD.get(device)
+    if t is None:
+        t = _NO_RECORD[device] = torch.zeros(range_record.NUM_FIELDS, dtype=torch.int32, device=device)
+    return t
+
+
 def run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
-                  launcher=None) -> torch.Tensor:
+                  launcher=None, call_number: int = 0, record=None) -> torch.Tensor:
     """Pre-pass + kernel of (B, H, S, D) tensors, without the self-check gate (the self-check runs
-    this). ``launcher(cfg, grid, args)``: inject another launch (tests)."""
+    this). ``launcher(cfg, grid, args)``: inject another launch (tests). ``call_number`` > 0: the
+    kernel adds its range counts to ``record`` (a ``fp4vis.backends.range_record.RangeRecord``;
+    default: the device's) under that number."""
     from .kernel import grid, runtime_args
     index = _index(q.device)
     cfg = kernel_config(index, q.shape[-1], q.dtype, native_exp2, anchor > 0)
@@ -215,7 +232,13 @@ def run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor
     out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
     params = dict(s_log2=scale * LOG2E, margin_raw=margin_raw, affine_a=affine_a, affine_b=affine_b, shift=shift,
                   n_anchor=min(anchor, k.shape[-2]))
-    args = runtime_args(ops, out, params)
+    words = None
+    if call_number:
+        rec = record if record is not None else range_record.record_for(q.device)
+        words = (rec.fields, rec.flag, call_number)
+    else:
+        words = (_no_record(q.device), _no_record(q.device), 0)
+    args = runtime_args(ops, out, params, words)
     if launcher is None:
         get_kernel(index, cfg)(grid(cfg, ops), args)
     else:
@@ -225,12 +248,14 @@ def run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor
 
 def blackwell_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, affine_a: float,
                               affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
-                              qk_fmt: str) -> torch.Tensor:
+                              qk_fmt: str, call_number: int = 0) -> torch.Tensor:
     """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Blackwell kernel; refuses
     (SelfCheckError) on a GPU where the kernel failed its self-check. The body of the custom op
-    ``torch.ops.fp4vis.blackwell_attention``."""
+    ``torch.ops.fp4vis.blackwell_attention``. ``call_number``: the range record's number of this call
+    (0: no record)."""
     BACKEND.ensure_verified(q.device)
-    return run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt)
+    return run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
+                         call_number=call_number)
 
 
 blackwell_attention = torch.library.custom_op("fp4vis::blackwell_attention", mutates_args=(),
@@ -238,7 +263,8 @@ blackwell_attention = torch.library.custom_op("fp4vis::blackwell_attention", mut
 
 
 @blackwell_attention.register_fake
-def _blackwell_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt):
+def _blackwell_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
+                              call_number=0):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -260,6 +286,7 @@ class BlackwellBackend(Backend):
     """Direct-P on the Blackwell block-scaled FP4 tensor cores (Triton tl.dot_scaled)."""
 
     name = BLACKWELL
+    records_range = True
 
     def __init__(self):
         self.kernel_fn = None   # tests inject a (q, k, v, policy, scale) -> out to check the gate
@@ -336,7 +363,7 @@ class BlackwellBackend(Backend):
                               for v in selfcheck._VERDICTS.values()}}
 
     # --- the call
-    def forward(self, q, k, v, policy, scale):
+    def forward(self, q, k, v, policy, scale, record=None):
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if self.kernel_fn is not None:  # a test's injected kernel goes through the same gate
             self.ensure_verified(q.device)
@@ -344,7 +371,7 @@ class BlackwellBackend(Backend):
         traced = torch.compiler.is_compiling() or grad
         op = torch.ops.fp4vis.blackwell_attention if traced else blackwell_attention_eager
         out = op(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
-                 **policy_args(policy, q.shape[-1], float(scale)))
+                 **policy_args(policy, q.shape[-1], float(scale)), call_number=record[2] if record else 0)
         return out, None
 
 

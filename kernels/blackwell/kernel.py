@@ -17,12 +17,20 @@ Operand layouts (all contiguous; G = B*H; the pre-pass ``prepass.py`` writes the
   VC (G, D, SKP/2) u8 E2M1 pairs along tokens VS (G, D, SKP/32) E8M0
   OUT (G, SQ, D) bf16/fp16
 SQP / SKP are Sq / Skv padded to whole tiles with zero codes; keys >= NUM_KEYS are masked.
+
+The range record (``fp4vis.backends.range_record``; docs/numerics.md section 8), as the Hopper kernel
+keeps it: each program counts its saturated (row, block) pairs (e + 127 > 254), its empty rows of SQ
+and its outputs of rows of SQ that are NaN or Inf in the output dtype; where CALL > 0 and a count is
+not zero it adds them to REC (int32: saturated, empty, non-finite, first call as a minimum) and stores
+CALL into FLAG (pinned host memory). CALL = 0 records nothing (REC and FLAG may be any int32 memory).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 
 from .config import E8M0_BIAS, KEY_BLOCK, LOG2_1P5, LOG2_6, MAX_EXP_BYTE, NVFP4_BLOCK
 
@@ -33,6 +41,8 @@ _MAX_U = tl.constexpr(MAX_EXP_BYTE)
 _LOG2_6 = tl.constexpr(LOG2_6)
 _ONE_MINUS_LOG2_1P5 = tl.constexpr(1.0 - LOG2_1P5)
 _DEN_N = tl.constexpr(16)   # columns of the denominator MMA (the smallest N the FP4 MMAs take)
+_OVERFLOW_FP16 = tl.constexpr(OVERFLOW_FP16)   # fp4vis.formats: magnitudes that round to Inf in FP16
+_OVERFLOW_BF16 = tl.constexpr(OVERFLOW_BF16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,8 +134,9 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr, NATIVE: tl.constexpr,
               HW_CVT: tl.constexpr):
     """docs/numerics.md section 2 steps 1-6 for one (BLOCK_M, BLOCK_N) score tile: returns the packed P codes
-    (BLOCK_M, BLOCK_N/2) u8 and their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8. (Step 7's
-    denominator is a second block-scaled MMA of the same codes and scales: see the kernel.)
+    (BLOCK_M, BLOCK_N/2) u8, their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8 and the saturated blocks
+    of each row (e + 127 > 254, before the clamp: the range record). (Step 7's denominator is a second
+    block-scaled MMA of the same codes and scales: see the kernel.)
 
     Float32 in the reference's order: d = raw - m first (the reference subtracts m before scaling),
     g = max_B(d)·s, and the code argument as one FMA, y = d·(A s) + (A k + B) with k = log2 6 - ē
@@ -165,7 +176,8 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
     else:
         packed = _e2m1_index(y_lo) | (_e2m1_index(y_hi) << 4)
     sbyte = (ub - shift).to(tl.int32)                                # step 6: >= 1, never subnormal
-    return packed.to(tl.uint8), sbyte.to(tl.uint8)
+    saturated = tl.sum((e + _BIAS > _MAX_U * 1.0).to(tl.int32), axis=1)
+    return packed.to(tl.uint8), sbyte.to(tl.uint8), saturated
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +185,8 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT,
-                 SQ, SQP, SKP, NUM_KEYS, N_ANCHOR, s_log2, margin_raw, affine_a, affine_b, shift,
+def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG,
+                 SQ, SQP, SKP, NUM_KEYS, N_ANCHOR, s_log2, margin_raw, affine_a, affine_b, shift, CALL,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
                  ANCHORED: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -212,11 +224,14 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT,
     ones_s = tl.full((_DEN_N, BLOCK_N // 32), 127, tl.uint8)
     otp = tl.arange(0, BLOCK_N // 2)
     ots = tl.arange(0, BLOCK_N // _KEY_BLOCK)
+    rows = om < SQ
+    n_sat = tl.sum(tl.zeros((BLOCK_M,), tl.int32))   # one scalar: the record adds registers nowhere else
     for j0 in range(0, SKP, BLOCK_N):
         raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
         keys = j0 + tl.arange(0, BLOCK_N)
-        p, ps = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
-                          BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT)
+        p, ps, sat = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
+                               BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT)
+        n_sat += tl.sum(tl.where(rows, sat, 0))
         # step 7 on the tensor cores: l = Σ_B α'_B Σ_j q_j = (P codes with α') x (a column of 1.0s),
         # the same codes and scales P·V consumes; every column of den_acc is l (exact products,
         # float32 sums)
@@ -234,20 +249,37 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT,
     # acc * 0 keeps a NaN from a flagged head's V scales (pre-pass: non-finite input) non-finite
     o = tl.where((den > 0.0)[:, None], o, acc * 0.0)
     optr = OUT + pid_g * SQ * D + om[:, None] * D + od[None, :]
-    tl.store(optr, o.to(OUT.dtype.element_ty), mask=(om < SQ)[:, None])
+    tl.store(optr, o.to(OUT.dtype.element_ty), mask=rows[:, None])
+    if CALL > 0:   # the range record (module docstring)
+        # NaN, or a magnitude that rounds to Inf in the output dtype (half an ulp above its largest value)
+        limit = float("inf")
+        if OUT.dtype.element_ty == tl.float16:
+            limit = _OVERFLOW_FP16
+        elif OUT.dtype.element_ty == tl.bfloat16:
+            limit = _OVERFLOW_BF16
+        n_empty = tl.sum((rows & (den == 0.0)).to(tl.int32))
+        bad = ~(tl.abs(o) < limit) & rows[:, None]
+        n_nonfinite = tl.sum(tl.sum(bad.to(tl.int32), axis=1))
+        if n_sat + n_empty + n_nonfinite > 0:
+            tl.atomic_add(REC, n_sat)
+            tl.atomic_add(REC + 1, n_empty)
+            tl.atomic_add(REC + 2, n_nonfinite)
+            tl.atomic_min(REC + 3, CALL)
+            tl.store(FLAG, CALL)
 
 
 # the kernel's runtime argument list, in order (the cubin launcher builds its ABI from it)
-POINTER_ARGS = ("QC", "QS", "KC", "KS", "VC", "VS", "OUT")
+POINTER_ARGS = ("QC", "QS", "KC", "KS", "VC", "VS", "OUT", "REC", "FLAG")
+ALIGNED_ARGS = POINTER_ARGS[:7]   # the operands (16-byte aligned); the record's words are not
 INT_ARGS = ("SQ", "SQP", "SKP", "NUM_KEYS", "N_ANCHOR")
 FLOAT_ARGS = ("s_log2", "margin_raw", "affine_a", "affine_b")
-INT_TAIL_ARGS = ("shift",)
+INT_TAIL_ARGS = ("shift", "CALL")
 
 
 def signature(out_dtype: str) -> dict:
     """Triton signature of ``direct_p_fwd`` for an output dtype ("bf16"/"fp16")."""
     sig = {"QC": "*u8", "QS": "*fp8e4nv", "KC": "*u8", "KS": "*fp8e4nv", "VC": "*u8", "VS": "*u8",
-           "OUT": f"*{out_dtype}"}
+           "OUT": f"*{out_dtype}", "REC": "*i32", "FLAG": "*i32"}
     sig.update({name: "i32" for name in INT_ARGS})
     sig.update({name: "fp32" for name in FLOAT_ARGS})
     sig.update({name: "i32" for name in INT_TAIL_ARGS})
@@ -268,7 +300,7 @@ def compile_for_target(cfg):
 
     sig = dict(signature(cfg.out_dtype), **{name: "constexpr" for name in constexprs(cfg)})
     # pointers 16-byte aligned (the pre-pass allocates them so), as Triton's JIT specialises them
-    attrs = {(direct_p_fwd.arg_names.index(name),): [["tt.divisibility", 16]] for name in POINTER_ARGS}
+    attrs = {(direct_p_fwd.arg_names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED_ARGS}
     src = ASTSource(fn=direct_p_fwd, signature=sig, constexprs=constexprs(cfg), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", cfg.arch, 32),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -278,13 +310,16 @@ def grid(cfg, ops) -> tuple[int, int]:
     return (ops.rows_q // cfg.block_m, ops.qc.shape[0])
 
 
-def runtime_args(ops, out, params: dict) -> tuple:
-    """The kernel's runtime arguments in signature order, from the pre-pass operands, the output
-    and ``params`` (s_log2, margin_raw, affine_a, affine_b, shift, n_anchor)."""
-    return (ops.qc, ops.qs, ops.kc, ops.ks, ops.vc, ops.vs, out,
+def runtime_args(ops, out, params: dict, record: tuple | None = None) -> tuple:
+    """The kernel's runtime arguments in signature order, from the pre-pass operands, the output,
+    ``params`` (s_log2, margin_raw, affine_a, affine_b, shift, n_anchor) and ``record`` (the range
+    record's (fields, flag, call number) tensors and number; None: record nothing, the output
+    standing in for both words)."""
+    rec, flag, call = record if record is not None else (out, out, 0)
+    return (ops.qc, ops.qs, ops.kc, ops.ks, ops.vc, ops.vs, out, rec, flag,
             ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, int(params["n_anchor"]),
             float(params["s_log2"]), float(params["margin_raw"]), float(params["affine_a"]),
-            float(params["affine_b"]), int(params["shift"]))
+            float(params["affine_b"]), int(params["shift"]), int(call))
 
 
 def launch_jit(cfg, ops, out, params: dict, qk_decode: bool = False) -> None:

@@ -54,10 +54,6 @@ BLOCK_SCALES_MODES = ("quad", "lane")
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # DirectPConfig.eighths: the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS_LOG2 = 3
-# The range record: the smallest float32 magnitudes that round (to nearest even) to Inf in the output
-# dtype: half an ulp above the largest finite value, whose odd significand rounds the tie up
-OVERFLOW_BF16 = 3.3961775292304740e38   # 0x7F7F8000: BF16 max 0x7F7F plus half an ulp
-OVERFLOW_FP16 = 65520.0                  # FP16 max 65504 plus half an ulp (16)
 
 
 

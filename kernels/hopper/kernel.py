@@ -39,13 +39,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.utils import LayoutEnum
 
+from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
+
 from .config import (
     BAR_SCHED,
     DP_BLOCK,
     EIGHTHS_LOG2,
     KV_KEYS_IN_FLIGHT,
-    OVERFLOW_BF16,
-    OVERFLOW_FP16,
     REGS_2CTA,
     REGS_CONSUMER,
     REGS_PRODUCER,

@@ -593,3 +593,11 @@ def test_fp8_pow2_group_max_lands_in_top_binade_and_error_bound():
     assert float(rel.max()) <= 2.0 ** -4
     assert torch.equal(fm.fp8_pow2_qdq(qdq, 32), qdq)   # idempotent
 
+
+
+@pytest.mark.parametrize("dtype, limit", [(torch.bfloat16, fm.OVERFLOW_BF16), (torch.float16, fm.OVERFLOW_FP16)])
+def test_overflow_limits_are_the_first_magnitudes_that_round_to_inf(dtype, limit):
+    """The kernels' range record counts an output as non-finite from these float32 magnitudes on."""
+    x = torch.tensor([limit, -limit], dtype=torch.float32)
+    below = torch.nextafter(x, torch.zeros_like(x))
+    assert torch.isinf(x.to(dtype)).all() and torch.isfinite(below.to(dtype)).all()

@@ -149,6 +149,29 @@ res["fused_prepass_equal"] = fused_ok
 q = torch.full((1, 1, 8, 64), 1.0); k = torch.full((1, 1, 40, 64), -1.0); v = torch.randn(1, 1, 40, 64)
 out = run(q, k, v, POLICIES["fast"], 4.0)
 res["empty_rows_zero"] = bool(torch.equal(out, torch.zeros_like(out)))
+# the range record: the kernel's counts against the reference's report (saturating logits; rows that
+# underflow under an anchored reference; inputs in range)
+from fp4vis.backends.range_record import RangeRecord
+rr = {}
+for name, pol, mult, scale in (("saturated", "fast", 12.0, 0.125), ("underflow", "accurate", 1.0, 6.0),
+                               ("in_range", "fast", 1.0, 0.125)):
+    g = torch.Generator().manual_seed(40)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=g) for n in (64, 160, 160))
+    q, k = q * mult, k * mult
+    if name == "underflow":
+        q[:, :, :16] *= 0.01
+    p = POLICIES[pol]
+    rec = RangeRecord(torch.device("cpu"))
+    out = backend.run_unchecked(q, k, v, scale, launcher=interp_launch, call_number=7, record=rec,
+                                **backend.policy_args(p, 64, scale))
+    flag = int(rec.flag[0])   # read before collect() resets it
+    found = rec.collect()
+    ref_report = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), p, scale)[1]
+    rr[name] = dict(kernel=None if found is None else [found[1], found[2].saturated_blocks, found[2].empty_rows,
+                                                        found[2].nonfinite_outputs],
+                    flag=flag, ref=[ref_report.saturated_blocks, ref_report.empty_rows],
+                    out_nonfinite=int((~torch.isfinite(out)).sum()))
+res["range_record"] = rr
 print("RESULT" + json.dumps(res))
 """
 CASE_IDS = ([f"{name}-{d}-{kind}" for name, d in (("fast", 64), ("wan_fast", 128), ("accurate", 64), ("guard", 128))
@@ -180,6 +203,18 @@ def test_kernel_interpreted_matches_reference(interpreted, case):
 
 def test_kernel_interpreted_empty_rows_give_zero(interpreted):
     assert interpreted["empty_rows_zero"]
+
+
+def test_kernel_interpreted_range_record_counts_what_the_reference_reports(interpreted):
+    """The Blackwell kernel keeps the range record as the Hopper kernel does (docs/numerics.md section 8):
+    its saturated blocks and empty rows are the reference's, its non-finite outputs its own output's,
+    under the call's number; a call in range records nothing."""
+    rr = interpreted["range_record"]
+    sat, under, ok = rr["saturated"], rr["underflow"], rr["in_range"]
+    assert sat["ref"][0] > 0 and sat["kernel"][:3] == [7, *sat["ref"]] and sat["flag"] == 7, sat
+    assert sat["kernel"][3] == sat["out_nonfinite"], sat
+    assert under["ref"][1] > 0 and under["kernel"][1:3] == under["ref"], under
+    assert ok["ref"] == [0, 0] and ok["kernel"] is None and ok["flag"] == 0, ok
 
 
 def test_fused_prepass_bit_equal_interpreted(interpreted):
@@ -358,9 +393,9 @@ def test_cubin_build_and_launch_abi(tmp_path, monkeypatch):
     meta = cubin.build(cfg, str(tmp_path))
     assert cubin.has_cubin(cfg, str(tmp_path)) and (tmp_path / (cfg.tag() + ".cubin")).stat().st_size > 0
     n_user = len(kernel.signature("fp16"))
-    assert meta["n_user"] == n_user == 17 and meta["params"][:7] == ["u64"] * 7
-    assert meta["params"][7:12] == ["u32"] * 5 and meta["params"][12:16] == ["f32"] * 4
-    assert meta["params"][16] == "u32" and meta["params"][17:] == ["u64", "u64"]   # + Triton's scratch pointers
+    assert meta["n_user"] == n_user == 20 and meta["params"][:9] == ["u64"] * 9   # operands, out, the record
+    assert meta["params"][9:14] == ["u32"] * 5 and meta["params"][14:18] == ["f32"] * 4
+    assert meta["params"][18:20] == ["u32"] * 2 and meta["params"][20:] == ["u64", "u64"]   # + Triton's scratch
     calls = []
 
     class Fn:
@@ -390,9 +425,11 @@ def test_cubin_build_and_launch_abi(tmp_path, monkeypatch):
     assert grid == (2, 2, 1) and block == (32 * cfg.num_warps, 1, 1) and shared == meta["shared"]
     assert len(args) == len(meta["params"])
     assert args[0] == np.uint64(ops.qc.data_ptr()) and args[6] == np.uint64(out.data_ptr())
-    assert [int(a) for a in args[7:12]] == [130, 256, 256, 200, 32]
-    assert isinstance(args[12], np.float32) and float(args[13]) == pytest.approx(44.3)
-    assert isinstance(args[16], np.int32) and int(args[16]) == 8 and args[17:] == (np.uint64(0), np.uint64(0))
+    assert args[7] == args[8] == np.uint64(out.data_ptr())   # no record: any int32 words (CALL = 0)
+    assert [int(a) for a in args[9:14]] == [130, 256, 256, 200, 32]
+    assert isinstance(args[14], np.float32) and float(args[15]) == pytest.approx(44.3)
+    assert isinstance(args[18], np.int32) and int(args[18]) == 8 and int(args[19]) == 0
+    assert args[20:] == (np.uint64(0), np.uint64(0))
     with pytest.raises(ValueError, match="arguments"):
         k((1, 1), (1, 2, 3))
 

@@ -10,6 +10,7 @@ replay with new inputs, torch.compile fullgraph, the self-check, bad input."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -149,8 +150,9 @@ def test_torch_compile_fullgraph():
 def test_bad_input_names_tensor():
     q, k, v = make_inputs((1, 2, 64, 64, 64), torch.bfloat16, "gauss", "fast", seed=6, device="cuda")
     k[0, 1, 3, 3] = float("nan")
+    fp4vis.attention(q, k, v, policy="fast", backend="blackwell")   # reported by the range record's check
     with pytest.raises(ValueError, match="k: contains NaN"):
-        fp4vis.attention(q, k, v, policy="fast", backend="blackwell")
+        fp4vis.check_range()
 
 
 def test_auto_never_picks_verification_route_on_sm90():
@@ -161,3 +163,38 @@ def test_auto_never_picks_verification_route_on_sm90():
     q, k, v = make_inputs((1, 1, 64, 64, 128), torch.bfloat16, "gauss", "fast", device="cuda")
     assert select_backend("auto", q, k, v, P["fast"], 0.1).name != "blackwell"
     assert fp4vis.available_backends()["blackwell"] is None
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_range_record_counts_what_the_reference_reports(policy):
+    """The kernel's range record on this GPU (docs/numerics.md section 8): saturating logits (q and k
+    scaled up), rows that underflow (anchored policies at a large scale) and inputs in range; the
+    saturated blocks and empty rows are the reference's, reported by fp4vis.check_range."""
+    from fp4vis.backends import range_record
+    from fp4vis.backends.reference import ReferenceBackend
+    pol = fp4vis.get_policy(policy)
+    fp4vis.check_range()
+    for kind in ("saturated", "underflow", "in_range"):
+        if kind == "underflow" and pol.anchor == 0:
+            continue
+        q, k, v = make_inputs((1, 2, 150, 300, 128), torch.bfloat16, "gauss", policy, seed=5, device="cuda")
+        scale = 6.0 if kind == "underflow" else 1 / math.sqrt(128)
+        if kind == "saturated":
+            q, k = q * 12, k * 12
+        if kind == "underflow":
+            q[:, :, :40] *= 0.01
+        expected = ReferenceBackend().forward(q, k, v, pol, scale)[1]
+        out = fp4vis.attention(q, k, v, policy=policy, scale=scale, backend="blackwell")
+        if expected.ok:
+            assert kind != "saturated" or policy not in ("fast", "wan_fast"), expected
+            fp4vis.check_range()
+            continue
+        with pytest.raises(range_record.DeferredRangeError) as exc:
+            fp4vis.check_range()
+        msg = str(exc.value)
+        assert "blackwell backend" in msg
+        if expected.saturated_blocks:
+            assert f"{expected.saturated_blocks} saturated P blocks" in msg, (msg, expected)
+        if expected.empty_rows:
+            assert f"{expected.empty_rows} rows whose probabilities all underflowed" in msg, (msg, expected)
+        assert out.shape == q.shape
