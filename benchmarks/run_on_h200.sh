@@ -15,7 +15,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu -
 what="${1:-tests}"
 shift || true
 run_tests() {
-  timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout=150 tests/kernels/hopper/test_hopper_kernel.py "$@" \
+  timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout=150 tests/kernels/hopper/test_hopper_kernel.py \
+    tests/kernels/hopper/test_hopper_range.py "$@" \
     >"$OUT/tests.log" 2>&1
   local rc=$?
   grep -E "passed|failed|Error|error|FAILED|relL2" "$OUT/tests.log" | tail -40
