@@ -155,9 +155,8 @@ def test_clear_errors(assets, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "vit", "--model", "m", "--data", "d", "--policies", "fast,nope"])
     assert "unknown policy 'nope'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["eval", "wan"])  # neither --model nor --speed-only
-    assert "one of the arguments --model --speed-only is required" in capsys.readouterr().err
+    code, _, err = run(capsys, "eval", "wan", "--out-dir", tmp_path)   # neither --model nor --speed-only
+    assert code == 2 and "--model or --speed-only: one is required (or --protocol paper)" in err
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the messages given without a GPU")
