@@ -12,6 +12,7 @@ import torch
 
 from fp4vis.backends.registry import select_backend
 from fp4vis.policy import Policy, get_policy
+from fp4vis.reference import RangeReport
 
 Layout = Literal["bhsd", "bshd"]
 RangeCheck = Literal["raise", "warn", "off"]
@@ -133,7 +134,7 @@ def attention(
         raise TypeError(f"backend: expected a name, got {type(backend).__name__}")
     _validate(q, k, v, layout)
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = default_scale(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
     if layout == "bshd":
@@ -152,9 +153,23 @@ def attention(
         out = out + (exact - exact.detach())
     if report is None and range_check != "off" and not _is_tracing():
         _check_kernel_output(out, q, k, v, chosen.name)
+    check_range(report, pol, range_check, stacklevel=2)
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def default_scale(head_dim: int) -> float:
+    """The softmax scale ``attention`` takes when none is given, ``1/sqrt(D)``. One expression for every
+    caller that must give the same bits (``D ** -0.5`` differs in the last bit for some D, e.g. 128)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_range(report: RangeReport | None, policy: Policy, range_check: RangeCheck, *, stacklevel: int = 2) -> None:
+    """What ``range_check`` does with a backend's RangeReport (None: the backend reports none): "raise"
+    RangeExceededError or "warn" when it is not ok, nothing with "off". ``stacklevel`` as for
+    ``warnings.warn``, counted from the caller. Also for callers that assemble attention from the
+    reference's parts (ring attention over key shards: fp4vis.patching.context_parallel)."""
     if report is not None and not report.ok and range_check != "off":
-        message = report.describe(pol)
+        message = report.describe(policy)
         if range_check == "raise":
             raise RangeExceededError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    return out.transpose(1, 2) if layout == "bshd" else out
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
