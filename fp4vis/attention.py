@@ -13,7 +13,7 @@ import torch
 from fp4vis.backends import range_record
 from fp4vis.backends.registry import select_backend
 from fp4vis.policy import Policy, get_policy
-from fp4vis.reference import RangeExceededError
+from fp4vis.reference import RangeExceededError, RangeReport
 
 Layout = Literal["bhsd", "bshd"]
 RangeCheck = Literal["raise", "warn", "off"]
@@ -123,7 +123,7 @@ def attention(
             The reference reports it from this call. The Hopper kernel records it on the GPU and
             the error comes later, without a host synchronisation per call: at the start of the
             next ``fp4vis.attention`` call, at the end of a patched model's forward, or at
-            ``fp4vis.check_range()`` (docs/numerics.md section 9); the message names the call and,
+            ``fp4vis.check_range()`` (docs/numerics.md section 8); the message names the call and,
             in a patched model, the layer. "off": no record and no check at all.
 
     Returns:
@@ -153,7 +153,7 @@ def attention(
         raise TypeError(f"backend: expected a name, got {type(backend).__name__}")
     _validate(q, k, v, layout)
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = default_scale(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
     given = (q, k, v)
@@ -182,9 +182,24 @@ def attention(
         out = out + (exact - exact.detach())
     if report is None and checked:
         _check_kernel_output(out, q, k, v, chosen.name)
+    enforce_range(report, pol, range_check, stacklevel=2)
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def default_scale(head_dim: int) -> float:
+    """The softmax scale ``attention`` takes when none is given, ``1/sqrt(D)``. One expression for every
+    caller that must give the same bits (``D ** -0.5`` differs in the last bit for some D, e.g. 128)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def enforce_range(report: RangeReport | None, policy: Policy, range_check: RangeCheck, *,
+                  stacklevel: int = 2) -> None:
+    """What ``range_check`` does with a backend's RangeReport (None: the backend reports none): "raise"
+    RangeExceededError or "warn" when it is not ok, nothing with "off". ``stacklevel`` as for
+    ``warnings.warn``, counted from the caller. Also for callers that assemble attention from the
+    reference's parts (ring attention over key shards: fp4vis.patching.context_parallel)."""
     if report is not None and not report.ok and range_check != "off":
-        message = report.describe(pol)
+        message = report.describe(policy)
         if range_check == "raise":
             raise RangeExceededError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    return out.transpose(1, 2) if layout == "bshd" else out
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)

@@ -13,7 +13,8 @@ Every kernel is tested against this module. It favours being exactly the specifi
   applied once at the end: ``O = num / (6 l)``.
 Nothing of size S×S is materialised: queries, keys and head groups are processed in chunks of at
 most ``CHUNK_ELEMENTS`` scores, and with a fixed row reference no rescaling between key chunks is
-needed (the point of Direct-P).
+needed (the point of Direct-P). The same property lets ``DirectPAccumulator`` take the keys piece by
+piece (the key shards of ring attention), bit-identical to one call on the whole sequence.
 """
 
 from __future__ import annotations
@@ -122,15 +123,21 @@ def quantize_qk(q: torch.Tensor, k: torch.Tensor, policy: Policy) -> tuple[torch
     scales, and the product of those scales (folded into ``s`` by the callers, once: docs/numerics.md
     section 1). ``fp8_e4m3``: E4M3 with power-of-two scales per query row and per
     32-key block of k (in its physical order), decoded (exact in float32)."""
+    qd, q_scale = quantize_qk_operand(q, policy, "q")
+    kd, k_scale = quantize_qk_operand(k, policy, "k")
+    return qd, kd, q_scale * k_scale
+
+
+def quantize_qk_operand(x: torch.Tensor, policy: Policy, name: str) -> tuple[torch.Tensor, float]:
+    """One operand of ``quantize_qk`` (``name`` "q" or "k"): decoded values without the per-tensor
+    decode scale, and that scale. Without ``qk_global_scale`` every row of q and every 32-key block
+    of k is quantized on its own, so the keys of a sequence can be quantized piece by piece."""
     if policy.qk_fp8:
-        check_no_nan(q, "q")
-        check_no_nan(k, "k")
-        return fp8_pow2_qdq(q, 1), fp8_pow2_qdq(k, KEY_BLOCK), 1.0
-    q, k = pad_last(q, 16), pad_last(k, 16)
-    layout = qk_layout(policy, q.shape[-1])
-    qq = nvfp4_quantize(q, layout, policy.qk_global_scale, name="q")
-    kq = nvfp4_quantize(k, layout, policy.qk_global_scale, name="k")
-    return qq.dequantize(tensor_scale=False), kq.dequantize(tensor_scale=False), qq.tensor_scale * kq.tensor_scale
+        check_no_nan(x, name)
+        return fp8_pow2_qdq(x, 1 if name == "q" else KEY_BLOCK), 1.0
+    x = pad_last(x, 16)
+    xq = nvfp4_quantize(x, qk_layout(policy, x.shape[-1]), policy.qk_global_scale, name=name)
+    return xq.dequantize(tensor_scale=False), xq.tensor_scale
 
 
 def quantize_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
@@ -271,6 +278,144 @@ def direct_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy
             out[g0:g1, q0:q1] = (num.double() / (6.0 * den.unsqueeze(-1))).float()
     report.nonfinite_outputs = int((~torch.isfinite(out)).sum())
     return out, report
+
+
+def key_stream_reason(policy: Policy) -> str | None:
+    """Why Direct-P under ``policy`` cannot take its keys piece by piece (None when it can).
+
+    A fixed row reference is what lets key shards add: with ``m = 0`` every P block depends on its
+    own 32 keys alone, and the numerator and denominator of disjoint key ranges add, with no
+    rescaling. An anchored row reference samples the whole key sequence and moves the samples to
+    the front of the physical key order (so blocks are made of keys from all over the sequence); a
+    per-tensor scale (``qk_global_scale``) needs the amax of every key."""
+    if not policy.is_direct_p:
+        return f"policy {policy.name!r} is not a Direct-P policy (method {policy.method!r})"
+    if policy.anchor > 0:
+        return (f"policy {policy.name!r} anchors each row on {policy.anchor} samples of the whole key sequence, "
+                "placed first in the physical key order")
+    if policy.qk_global_scale:
+        return f"policy {policy.name!r} scales q and k by their amax over the whole tensor (qk_global_scale)"
+    return None
+
+
+class DirectPAccumulator:
+    """Direct-P attention of fixed queries over keys that arrive in order, piece by piece (the key
+    shards of ring attention), for policies with a fixed row reference (``fast``, ``wan_fast``,
+    ``fast_fp8qk``; ``key_stream_reason`` says why others cannot).
+
+    With ``m = 0`` the numerator ``Σ (α'q)(αc)`` and the denominator ``Σ α'·c_B`` of disjoint key
+    ranges add exactly, with no rescaling; only the float32 order of the numerator's sums could
+    differ. To keep that order too, keys are processed in the chunks ``direct_p_attention`` uses
+    (``KEY_CHUNK`` keys from the first key of the whole sequence, so every 32-key P block and MXFP4 V
+    block is the same): a piece that ends inside a chunk waits, at most one chunk of keys, for the
+    next. Fed the whole key sequence in order, in pieces of any sizes, ``result()`` is bit-identical
+    to ``reference_attention`` on the whole sequence.
+
+        acc = DirectPAccumulator(q, policy, scale, num_keys=S)   # q: (G, Sq, D)
+        for k, v in shards:                                       # (G, n, D), (G, n, Dv), in key order
+            acc.add(k, v)
+        out, report = acc.result()                                # q's dtype, a RangeReport
+    """
+
+    def __init__(self, q: torch.Tensor, policy: Policy, scale: float, num_keys: int):
+        reason = key_stream_reason(policy)
+        if reason is not None:
+            raise ValueError(f"DirectPAccumulator: {reason}; attend to the whole key sequence at once")
+        if q.dim() != 3:
+            raise ValueError(f"q: expected (G, Sq, D), got shape {tuple(q.shape)}")
+        if not (isinstance(num_keys, int) and num_keys > 0):
+            raise ValueError(f"num_keys: expected a positive number of keys, got {num_keys!r}")
+        _check_finite(q, "q")
+        self.policy, self.num_keys, self.dtype = policy, num_keys, q.dtype
+        self.q, _ = quantize_qk_operand(q, policy, "q")
+        self.head_dim = q.shape[-1]
+        self.s = scale * LOG2E  # no per-tensor scales (key_stream_reason)
+        self.padded_keys = num_keys + (-num_keys) % KEY_BLOCK
+        groups, sq = q.shape[:2]
+        self.chunks = _chunk_sizes(groups, sq, self.padded_keys, KEY_BLOCK)
+        self.native = native_positions(self.padded_keys, device=q.device) if policy.native_exp2 else None
+        self.numerator: torch.Tensor | None = None      # (G, Sq, Dv) float32, once the first key arrives
+        self.denominator = torch.zeros(groups, sq, dtype=torch.float64, device=q.device)
+        self.saturated_blocks = 0
+        self.keys_added = 0       # keys given to add()
+        self.keys_done = 0        # keys whose partial sums are in numerator / denominator
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # keys added, not yet a whole chunk
+
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The next keys of the sequence, in order: k (G, n, D), v (G, n, Dv)."""
+        g = self.q.shape[0]
+        if k.dim() != 3 or v.dim() != 3 or k.shape[0] != g or v.shape[0] != g or k.shape[1] != v.shape[1]:
+            raise ValueError(f"k, v: expected (G, n, D) and (G, n, Dv) with G = {g}, got shapes "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[-1] != self.head_dim:
+            raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {self.head_dim}")
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            raise TypeError(f"k, v: dtypes {k.dtype}/{v.dtype} differ from q's {self.dtype}")
+        if self.keys_added + k.shape[1] > self.num_keys:
+            raise ValueError(f"k: {self.keys_added + k.shape[1]} keys added, more than num_keys = {self.num_keys}")
+        _check_finite(k, "k")
+        _check_finite(v, "v")
+        self._pending.append((k, v))
+        self.keys_added += k.shape[1]
+        chunk = self.chunks[2]
+        while self.keys_added - self.keys_done >= chunk or (
+                self.keys_added == self.num_keys and self.keys_done < self.num_keys):
+            self._process(min(chunk, self.keys_added - self.keys_done))
+
+    def _process(self, n: int) -> None:
+        """Quantize the next ``n`` pending keys (a whole chunk, or the last keys) and add their sums."""
+        ks, vs, taken = [], [], 0
+        while taken < n:
+            k, v = self._pending[0]
+            use = min(n - taken, k.shape[1])
+            ks.append(k[:, :use])
+            vs.append(v[:, :use])
+            if use == k.shape[1]:
+                self._pending.pop(0)
+            else:
+                self._pending[0] = (k[:, use:], v[:, use:])
+            taken += use
+        k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+        # the same per-row / per-block quantizers as quantize_operands, on whole 32-key blocks
+        kd, _ = quantize_qk_operand(k, self.policy, "k")
+        v6 = mxfp4_quantize(pad_last(v, 2), name="v").dequantize(times_six=True)[..., : v.shape[-1]]
+        k0 = self.keys_done
+        pad = (-n) % KEY_BLOCK
+        if pad:   # only the last keys: pad to a whole block, as quantize_operands pads the sequence
+            kd, v6 = F.pad(kd, (0, 0, 0, pad)), F.pad(v6, (0, 0, 0, pad))
+        k1 = k0 + n + pad
+        valid = torch.arange(k0, k1, device=kd.device) < self.num_keys
+        native = None if self.native is None else self.native[k0:k1]
+        groups, sq = self.q.shape[:2]
+        if self.numerator is None:
+            self.numerator = torch.zeros(groups, sq, v6.shape[-1], dtype=torch.float32, device=kd.device)
+        cg, cq, _ = self.chunks
+        for g0, g1 in _chunks(groups, cg):
+            for q0, q1 in _chunks(sq, cq):
+                qc = self.q[g0:g1, q0:q1]
+                m = torch.zeros(g1 - g0, q1 - q0, 1, dtype=torch.float64, device=kd.device)
+                blk = direct_p_block(qc @ kd[g0:g1].mT, m, self.s, self.policy, valid, native)
+                self.numerator[g0:g1, q0:q1] += blk.p_scaled @ v6[g0:g1]
+                self.denominator[g0:g1, q0:q1] += blk.weighted_sum
+                self.saturated_blocks += blk.saturated_blocks
+        self.keys_done += n
+
+    def result(self) -> tuple[torch.Tensor, RangeReport]:
+        """``O = num / (6 l)`` in q's dtype and the RangeReport, once every key has been added."""
+        if self.keys_done != self.num_keys:
+            raise RuntimeError(f"DirectPAccumulator: {self.keys_added} of {self.num_keys} keys added; add the "
+                               "rest before result()")
+        report = RangeReport(saturated_blocks=self.saturated_blocks,
+                             empty_rows=int((self.denominator == 0).sum()))
+        out = (self.numerator.double() / (6.0 * self.denominator.unsqueeze(-1))).float().to(self.dtype)
+        report.nonfinite_outputs = int((~torch.isfinite(out)).sum())
+        return out, report
+
+
+def _check_finite(t: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(t).all()):
+        bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+        raise ValueError(f"{name}: contains {bad}; attention inputs must be finite")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ initial latents from a CPU generator seeded with ``seed`` (identical on every de
 policy), and applies the policy with ``fp4vis.patch`` only for the duration of the call. ``bf16``
 is the pipeline's own attention. ``run_generate`` is the ``fp4vis generate`` command: it also writes
 the MP4 (imageio-ffmpeg) and a JSON sidecar (model, prompt, seed, frames, steps, policy, guard
-plan, timings, versions, GPU).
+plan, timings, versions, GPU); with ``cp="ulysses=2"`` (or ``ring``, or both) under torchrun it spreads
+each transformer pass over the ranks (``fp4vis.pipelines.context_parallel``) and rank 0 writes.
 
 ``build_random_wan_pipeline("1.3B" | "14B")`` builds the real Wan2.1 architectures with seeded random
 weights and no text encoder, for speed measurements on machines without the checkpoints.
@@ -330,11 +331,37 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
                  guard_plan: str | None = None, seed: int = 0, height: int = 480, width: int = 832,
                  frames: int = 81, steps: int = 50, guidance_scale: float = 5.0, fps: int = 16,
                  device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
-                 exact_steps: tuple[int, ...] | None = None, progress: bool = True) -> dict[str, Any]:
-    """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json)."""
+                 exact_steps: tuple[int, ...] | None = None, progress: bool = True,
+                 cp: Any = None) -> dict[str, Any]:
+    """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json).
+
+    ``cp`` (``"ulysses=2"``, ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context
+    parallelism over the processes of a torchrun launch (``fp4vis.pipelines.context_parallel``);
+    every rank denoises, rank 0 alone decodes and writes (the others return ``video`` None)."""
     if policy not in GENERATE_POLICIES:
         get_policy(policy)  # raises the standard message for unknown names
-    dev = resolve_device(device)
+    if cp is None:
+        return _run_generate(model, prompt, output=output, negative_prompt=negative_prompt, image=image,
+                             policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
+                             frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps,
+                             dev=resolve_device(device), dtype=dtype, backend=backend, exact_steps=exact_steps,
+                             progress=progress)
+    from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
+
+    cp = cp if isinstance(cp, ContextParallel) else parse_cp(cp)
+    with distributed(cp, device) as session:
+        return _run_generate(model, prompt, output=output, negative_prompt=negative_prompt, image=image,
+                             policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
+                             frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps, dev=session.device,
+                             dtype=dtype, backend=backend, exact_steps=exact_steps,
+                             progress=progress and session.is_main, cp=cp, main=session.is_main)
+
+
+def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negative_prompt: str | None,
+                  image: str | None, policy: str, guard_plan: str | None, seed: int, height: int, width: int,
+                  frames: int, steps: int, guidance_scale: float, fps: int, dev: torch.device, dtype: str,
+                  backend: str, exact_steps: tuple[int, ...] | None, progress: bool, cp: Any = None,
+                  main: bool = True) -> dict[str, Any]:
     check_backend(backend, dev)
     plan = load_guard_plan(guard_plan)
     check_plan_policy(plan, policy, "guard_plan")
@@ -345,7 +372,15 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
         from PIL import Image
 
         pil = Image.open(image).convert("RGB")
-    output = check_output_file(output, "output")
+    if cp is None:
+        output = check_output_file(output, "output")
+    else:  # rank 0 alone touches the output folder; every rank stops on its error
+        from fp4vis.pipelines.context_parallel import agree, check_exact_under_ring
+
+        output = agree(lambda: check_output_file(output, "output"))
+        exact = ("--policy bf16" if get_policy(policy).method == "exact"
+                 else "--exact-steps" if exact_steps else None)
+        check_exact_under_ring(cp, dev, resolve_dtype(dtype), exact)
     src, is_local = check_model_source(model)
     if pil is not None and is_local and "ImageToVideo" not in str(_model_index(src).get("_class_name", "")):
         raise UsageError(f"image: {model!r} is a text-to-video model ({_model_index(src).get('_class_name')}); "
@@ -354,9 +389,17 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
         pipe = load_wan_pipeline(model, device=dev, dtype=dtype, i2v=True if pil is not None else None)
     if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
         raise UsageError(f"{model!r} is an image-to-video model: pass --image")
+    if cp is not None:
+        from fp4vis.pipelines.context_parallel import check_tokens, enable_context_parallel
+
+        check_tokens(tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames), cp)
+        enable_context_parallel(pipe.transformer, cp)
     res = generate(pipe, prompt=prompt, negative_prompt=negative_prompt, image=pil, height=height, width=width,
                    frames=frames, steps=steps, guidance_scale=guidance_scale, seed=seed, policy=policy,
-                   guard=plan, backend=backend, progress=progress, exact_steps=exact_steps)
+                   guard=plan, backend=backend, progress=progress, exact_steps=exact_steps, decode=main)
+    timings = {"load_s": tload.seconds, **res.timings}
+    if not main:
+        return {"video": None, "sidecar": None, "timings": timings, "result": res}
     out = save_mp4(res.frames, output, fps=fps)
     sidecar = {
         "model": model, "pipeline": type(pipe).__name__, "prompt": prompt, "negative_prompt": negative_prompt,
@@ -364,8 +407,8 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
         "guidance_scale": guidance_scale, "fps": fps, "policy": get_policy(policy).name, "backend": backend,
         "dtype": str(resolve_dtype(dtype)).replace("torch.", ""), "guard_plan": guard_plan,
         "guard_plan_content": guard_plan_summary(plan), "exact_steps": res.info["exact_steps"],
-        "tokens": res.info["tokens"],
-        "timings": {"load_s": tload.seconds, **res.timings}, "video": str(out), "environment": environment(),
+        "tokens": res.info["tokens"], "context_parallel": cp.to_dict() if cp is not None else None,
+        "timings": timings, "video": str(out), "environment": environment(),
     }
     side = write_json(out.with_suffix(".json"), sidecar)
     return {"video": out, "sidecar": side, "timings": sidecar["timings"], "result": res}

@@ -5,6 +5,7 @@ guard plans, and say which attention backends work on this machine.
     fp4vis info
     fp4vis bench --quick
     fp4vis generate --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "a red fox in the snow" --policy fast
+    torchrun --nproc-per-node 2 -m fp4vis.cli generate --model ... --prompt ... --cp ulysses=2
     fp4vis eval vit --model timm/vit_base_patch16_224.augreg2_in21k_ft_in1k --data ~/imagenet/val --resolution 1008
     fp4vis eval mae --model facebook/vit-mae-base --data ~/photos
     fp4vis eval wan --speed-only 1.3B --steps 2

@@ -28,6 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-steps", type=int_list, default=None, metavar="I,J",
                    help="denoising steps that run exact attention, e.g. 0,-1 (first and last)")
     p.add_argument("--output", "-o", default="video.mp4", help="MP4 path (the sidecar gets the same name, .json)")
+    p.add_argument("--cp", default=None, metavar="ulysses=N,ring=M",
+                   help="context parallelism over the processes of a torchrun launch (ulysses=N, ring=N or both; "
+                        "N x M processes): torchrun --nproc-per-node 2 -m fp4vis.cli generate ... --cp ulysses=2; "
+                        "rank 0 writes the video")
     add_runtime(p)
 
 
@@ -35,13 +39,21 @@ def run(args: argparse.Namespace) -> int:
     from fp4vis.pipelines.wan_video import run_generate
     from fp4vis.services import check_output_file
 
-    args.output = check_output_file(args.output, "--output")
+    cp = None
+    if args.cp is not None:
+        from fp4vis.pipelines.context_parallel import parse_cp
+
+        cp = parse_cp(args.cp)   # the output is checked by rank 0 alone, once the ranks are up
+    else:
+        args.output = check_output_file(args.output, "--output")
 
     out = run_generate(args.model, args.prompt, output=args.output, negative_prompt=args.negative_prompt,
                        image=args.image, policy=args.policy, guard_plan=args.guard_plan, seed=args.seed,
                        height=args.height, width=args.width, frames=args.frames, steps=args.steps,
                        guidance_scale=args.guidance, fps=args.fps, device=args.device, dtype=args.dtype,
-                       backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress)
+                       backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress, cp=cp)
+    if out["video"] is None:  # a rank other than 0 of a --cp run: rank 0 reports
+        return 0
     t = out["timings"]
     print(f"video: {out['video']}\nsidecar: {out['sidecar']}\n"
           f"timings: load {t['load_s']:.2f} s, text {t['text_encode_s']:.2f} s, denoise {t['denoise_s']:.2f} s, "

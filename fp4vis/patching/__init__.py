@@ -4,13 +4,15 @@
 * ``handle``: ``PatchHandle`` and the installer; ``discovery``: which layers a model has;
 * ``layer``: ``LayerSpec`` / ``LayerState`` and the fallback rules;
 * ``guard``: calibration statistics, ``GuardPlan``, ``calibrate``;
-* one module per library: ``wan`` (diffusers), ``timm_vit`` (timm), ``hf_vit`` (transformers).
+* one module per library: ``wan`` (diffusers), ``timm_vit`` (timm), ``hf_vit`` (transformers);
+* ``context_parallel``: FP4 attention of the Wan layers under diffusers' context parallelism.
 """
 
 from .api import patch
+from .context_parallel import ContextParallelError
 from .guard import GuardPlan, GuardPlanError, GuardRule, calibrate
 from .handle import PatchHandle, unpatch
 from .layer import FallbackError, FallbackWarning, LayerSpec, LayerState
 
-__all__ = ["FallbackError", "FallbackWarning", "GuardPlan", "GuardPlanError", "GuardRule", "LayerSpec", "LayerState",
-           "PatchHandle", "calibrate", "patch", "unpatch"]
+__all__ = ["ContextParallelError", "FallbackError", "FallbackWarning", "GuardPlan", "GuardPlanError", "GuardRule",
+           "LayerSpec", "LayerState", "PatchHandle", "calibrate", "patch", "unpatch"]

@@ -5,8 +5,9 @@ every call (``LayerState``), and the rules for when it keeps the model's exact a
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,16 +119,25 @@ class LayerState:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *,
                   layout: str = "bhsd", scale: float | None = None) -> torch.Tensor:
-        from fp4vis.attention import RangeExceededError
         from fp4vis.attention import attention as fp4_attention
+        with self.fp4_call():
+            return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
+                                 range_check=self.range_check)
+
+    @contextlib.contextmanager
+    def fp4_call(self) -> Iterator[None]:
+        """One FP4 call of this layer (counted, and named for the range record: ``call_label``); errors
+        raised in it (range, bad input) start with the layer's name: a model has dozens. An earlier
+        call's deferred range error passes unchanged: its message names that call's layer.
+        ``attention`` and the context-parallel paths run inside it."""
+        from fp4vis.attention import RangeExceededError
         self.calls += 1
         token = range_record.call_label.set(self.name)
         try:
-            return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
-                                 range_check=self.range_check)
+            yield
         except (range_record.DeferredRangeError, range_record.DeferredInputError):
-            raise   # an earlier call's: its message names that call's layer
-        except (RangeExceededError, ValueError, RuntimeError) as exc:   # say which layer: a model has dozens
+            raise
+        except (RangeExceededError, ValueError, RuntimeError) as exc:
             exc.args = (f"layer {self.name!r}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
             raise
         finally:

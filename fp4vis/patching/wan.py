@@ -7,6 +7,11 @@ embedding, the I2V image branch) and hands them to ``fp4vis.attention`` (layout 
 layer runs exact attention (its policy, a per-step override, or a fallback) it calls the original
 processor, or diffusers' ``dispatch_attention_fn`` with the original's backend settings.
 
+Context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(...))``, before or
+after patching): the settings land on the original processor, self-attention runs its FP4 path
+through ``fp4vis.patching.context_parallel`` (Ulysses, ring, both) and its exact path through
+diffusers' own CP attention; cross-attention is local (every rank holds the whole text context).
+
 Layers: ``attn1`` (self-attention, group ``"self"``) of every block is a default layer; ``attn2``
 (cross-attention, group ``"cross"``) only with ``cross_attention=True`` or a name pattern such as
 ``"*attn2"``. The layer index is the block index.
@@ -35,6 +40,7 @@ from diffusers.models.transformers.transformer_wan import (
     _get_qkv_projections,
 )
 
+from . import context_parallel
 from .layer import LayerSpec, LayerState, resolve_policy
 
 __all__ = ["FP4WanAttnProcessor", "StepPolicyCallback", "exact_steps", "find_layers", "install", "uninstall"]
@@ -127,12 +133,19 @@ class FP4WanAttnProcessor:
         self.original._parallel_config = value
 
     def _attend(self, query, key, value, *, parallel_config) -> torch.Tensor:
+        """Attention of (B, S, H, D) tensors: fp4vis with the layer's policy, or exact through diffusers.
+        Under context parallelism (``parallel_config`` of self-attention) the FP4 path does its own
+        collectives (``context_parallel``) and the exact path is diffusers' own CP attention."""
         st = self.state
-        reason = "context parallelism (diffusers parallel_config)" if parallel_config is not None else None
-        pol = st.select(query, key, value, layout="bshd", scale=None, extra_reason=reason)
+        groups = context_parallel.groups_of(parallel_config)
+        if groups is not None:  # before any work: every rank raises the same error
+            context_parallel.check_layer(st, groups, query.shape[2])
+        pol = st.select(query, key, value, layout="bshd", scale=None)
         if pol is None:
             return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          backend=self._attention_backend, parallel_config=parallel_config)
+        if groups is not None:
+            return context_parallel.attention(st, query, key, value, pol, groups)
         return st.attention(query, key, value, pol, layout="bshd")
 
     def __call__(self, attn: WanAttention, hidden_states: torch.Tensor,

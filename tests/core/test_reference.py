@@ -212,6 +212,52 @@ def test_chunking_does_not_change_results(monkeypatch):
         assert torch.allclose(full, chunked, rtol=1e-5, atol=1e-6), policy
 
 
+@pytest.mark.parametrize("policy", ["fast", "fast_fp8qk", Policy("fast_native", native_exp2=True)])
+def test_key_shards_added_in_order_are_bit_identical_to_the_whole_sequence(policy, monkeypatch):
+    """DirectPAccumulator (ring attention's key shards): with a fixed row reference the partial sums of
+    key shards add, and cutting keys at the whole sequence's chunks keeps one call's float32 order,
+    whatever the shard boundaries (here not multiples of 32, and inside the 96-key chunks)."""
+    monkeypatch.setattr(ref, "KEY_CHUNK", 96)
+    pol = fp4vis.get_policy(policy)
+    q, k, v = gaussian(2, 40, 32, seed=1), gaussian(2, 301, 32, seed=2), gaussian(2, 301, 32, seed=3)
+    whole, report = ref.reference_attention(q, k, v, pol, 0.125)
+    for cuts in ([301], [150, 151], [1, 37, 40, 223], [96, 96, 96, 13]):
+        acc = ref.DirectPAccumulator(q, pol, 0.125, num_keys=301)
+        start = 0
+        for n in cuts:
+            acc.add(k[:, start:start + n], v[:, start:start + n])
+            start += n
+        out, rep = acc.result()
+        assert torch.equal(out, whole), cuts
+        assert rep == report and acc.keys_done == 301
+    # the partial sums are Direct-P's: num / (6 l) of a prefix is attention over that prefix of keys
+    acc = ref.DirectPAccumulator(q, pol, 0.125, num_keys=301)
+    acc.add(k[:, :192], v[:, :192])
+    prefix = ref.reference_attention(q, k[:, :192], v[:, :192], pol, 0.125)[0]
+    assert torch.allclose((acc.numerator.double() / (6 * acc.denominator.unsqueeze(-1))).float(), prefix)
+
+
+def test_key_shards_need_a_fixed_row_reference():
+    q, k, v = gaussian(2, 8, 32, seed=1), gaussian(2, 40, 32, seed=2), gaussian(2, 40, 32, seed=3)
+    for name, why in (("accurate", "anchors each row on 32 samples of the whole key sequence"),
+                      ("nv_fp8", "is not a Direct-P policy"), ("bf16", "is not a Direct-P policy")):
+        assert why in ref.key_stream_reason(POLICIES[name])
+        with pytest.raises(ValueError, match=why):
+            ref.DirectPAccumulator(q, POLICIES[name], 0.1, num_keys=40)
+    assert "qk_global_scale" in ref.key_stream_reason(Policy("g", qk_global_scale=True))
+    assert ref.key_stream_reason(POLICIES["fast_fp8qk"]) is None
+    acc = ref.DirectPAccumulator(q, POLICIES["fast"], 0.1, num_keys=40)
+    acc.add(k[:, :30], v[:, :30])
+    with pytest.raises(RuntimeError, match="30 of 40 keys added"):
+        acc.result()
+    with pytest.raises(ValueError, match="more than num_keys = 40"):
+        acc.add(k[:, :11], v[:, :11])
+    with pytest.raises(ValueError, match="k: contains NaN"):
+        acc.add(torch.full_like(k[:, :5], math.nan), v[:, :5])
+    with pytest.raises(ValueError, match="G = 2"):
+        acc.add(k[:1, :5], v[:1, :5])
+
+
 def test_chunks_bound_memory_for_long_sequences():
     cg, cq, ck = ref._chunk_sizes(24, 32768, 32768, 32)
     assert cg * cq * ck <= ref.CHUNK_ELEMENTS and ck % 32 == 0
