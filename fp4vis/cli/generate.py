@@ -6,25 +6,30 @@ import argparse
 
 from .options import POLICY_HELP, Formatter, add_runtime, int_list, policy, positive_int
 
+DEFAULT = " (default: the model's; see above)"
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", formatter_class=Formatter, help="generate a video with Wan2.1 (T2V or I2V)",
                        description="Generate a video with a Wan2.1 pipeline under an attention policy; write an "
                                    "MP4 and a JSON sidecar (model, prompt, seed, frames, steps, policy, guard "
-                                   "plan, timings, versions, GPU).")
-    p.add_argument("--model", required=True, help="Hub id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) or local "
-                                                  "diffusers folder")
+                                   "plan, timings, versions, GPU). Size, frames, steps, guidance and fps default "
+                                   "to the model's: a shipped model's own (fp4vis:digits-wan: 64x64, 13 frames), "
+                                   "Wan2.1's 480p settings for any other (480x832, 81 frames, 50 steps, guidance 5, "
+                                   "16 fps).")
+    p.add_argument("--model", required=True, help="Hub id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers), local "
+                                                  "diffusers folder, or fp4vis:digits-wan (shipped)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--image", default=None, help="conditioning image for image-to-video (I2V) models")
     p.add_argument("--policy", type=policy, default="fast", help=f"one of {POLICY_HELP}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--frames", type=positive_int, default=81, help="number of frames (4k+1)")
-    p.add_argument("--steps", type=positive_int, default=50, help="denoising steps")
-    p.add_argument("--height", type=positive_int, default=480)
-    p.add_argument("--width", type=positive_int, default=832)
-    p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
-    p.add_argument("--fps", type=positive_int, default=16)
+    p.add_argument("--frames", type=positive_int, default=None, help="number of frames (4k+1)" + DEFAULT)
+    p.add_argument("--steps", type=positive_int, default=None, help="denoising steps" + DEFAULT)
+    p.add_argument("--height", type=positive_int, default=None, help=DEFAULT.strip())
+    p.add_argument("--width", type=positive_int, default=None, help=DEFAULT.strip())
+    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale" + DEFAULT)
+    p.add_argument("--fps", type=positive_int, default=None, help=DEFAULT.strip())
     p.add_argument("--exact-steps", type=int_list, default=None, metavar="I,J",
                    help="denoising steps that run exact attention, e.g. 0,-1 (first and last)")
     p.add_argument("--output", "-o", default="video.mp4", help="MP4 path (the sidecar gets the same name, .json)")

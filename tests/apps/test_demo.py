@@ -1,5 +1,6 @@
-"""``fp4vis demo`` end to end on a few shipped digits (CPU, reference backend): the files it writes,
-what they say (the video model is not there yet), and its option errors."""
+"""``fp4vis demo`` end to end on a few shipped digits (CPU, reference backend) and on a smoke-trained
+video model (the shipped one's weights come from a GPU run): the files it writes, what they say, and
+its option errors."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
+def demo_run(tmp_path_factory, digits_wan_smoke):
     out = tmp_path_factory.mktemp("demo") / "out"
-    args = _args("--out-dir", str(out), "--limit", "20", "--policies", "fast,accurate", "--no-progress")
+    args = _args("--out-dir", str(out), "--limit", "20", "--policies", "fast,accurate", "--no-progress",
+                 "--video-model", str(digits_wan_smoke))
     return out, args
 
 
@@ -31,12 +33,12 @@ def test_demo_writes_its_files(demo_run, capsys):
     assert demo_cmd.run(args) == 0
     printed = capsys.readouterr().out
     for name in ("demo.json", "demo.md", "demo.png", "demo_vit_top1.json", "demo_vit_top1.md", "demo_mae_psnr.json",
-                 "demo_mae_psnr.md"):
+                 "demo_mae_psnr.md", "demo_frames.png", "demo_wan.json", "demo_wan.md", "demo_wan_bf16.mp4",
+                 "demo_wan_fast.mp4", "demo_wan_accurate.mp4"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = json.loads((out / "demo.json").read_text())
     assert r["images"] == 20 and r["backend"] == "reference" and r["policy_names"] == ["bf16", "fast", "accurate"]
-    assert r["video"]["status"] == "not shipped"
     bf16, fast = r["policies"]["bf16"], r["policies"]["fast"]
     assert bf16["vit_attention_rel_l2"] == 0.0 and bf16["mae_masked_psnr_diff_vs_bf16"] is None
     for name in ("fast", "accurate"):
@@ -50,10 +52,41 @@ def test_demo_writes_its_files(demo_run, capsys):
         assert d["n"] == 20 and d["ci95_low"] <= d["mean"] <= d["ci95_high"]
     assert fast["mae_masked_psnr"]["n"] == 20
     md = (out / "demo.md").read_text()
-    assert "not shipped yet" in md and "fp4vis:digits-vit" in md and "demo.png" in md
-    assert "not shipped yet" in printed
-    for name in ("bf16", "fast", "accurate", "ViT top-1 %"):
+    assert "fp4vis:digits-vit" in md and "demo.png" in md and "demo_frames.png" in md and "demo_wan_fast.mp4" in md
+    for name in ("bf16", "fast", "accurate", "ViT top-1 %", "cos @1", "frames PSNR dB"):
         assert name in printed
+
+
+def test_demo_video_figures(demo_run):
+    out, _ = demo_run
+    r = json.loads((out / "demo.json").read_text())
+    v = r["video"]
+    assert v["status"] == "measured" and v["latent_steps"] == [1, 4] and v["tokens"] == 32   # smoke model: 4 steps
+    bf16 = r["policies"]["bf16"]
+    assert bf16["video_latent_cosine_after"] == {"1": 1.0, "4": 1.0} and bf16["video_attention_rel_l2"] == 0.0
+    for name in ("fast", "accurate"):
+        p = r["policies"][name]
+        cos, rel = p["video_latent_cosine_after"], p["video_latent_rel_l2_after"]
+        assert set(cos) == {"1", "4"} and all(0.9 < c < 1.0 for c in cos.values())   # FP4 ran and stayed close
+        assert all(0 < e < 0.2 for e in rel.values()) and rel["1"] <= rel["4"]           # the error grows with steps
+        assert 0 < p["video_attention_rel_l2"] < 0.5 and len(p["video_attention_rel_l2_per_layer"]) == 2
+        assert 20 < p["video_psnr_db"] < 200 and 0.5 < p["video_ssim"] <= 1.0 + 1e-5
+        assert p["video_read_direction"] in (*("left", "right", "up", "down"), "still")
+    wan = json.loads((out / "demo_wan.json").read_text())
+    assert wan["runs"]["fast"]["attention_rel_l2"]["steps"] == 2 and wan["frames"] == 5   # after 1 and 4 steps
+    assert (out / "demo_frames.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_without_the_video_weights_says_so(tmp_path, monkeypatch):
+    from fp4vis.evals import demo
+
+    assert demo.check_video_model(None) is None
+    monkeypatch.setattr("fp4vis.zoo.is_available", lambda name: False)
+    assert demo.check_video_model(demo.VIDEO_MODEL) is None
+    v = demo.run_video(demo.VIDEO_MODEL, None, ["bf16", "fast"], tmp_path, progress=False, say=print)
+    assert v["status"] == "missing" and "train_digits_video.py" in v["note"]
+    with pytest.raises(UsageError, match="--video-model"):
+        demo.check_video_model(str(tmp_path))
 
 
 def test_policies_bf16_first_and_unknown_names_rejected():

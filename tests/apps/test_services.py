@@ -52,6 +52,24 @@ def test_atomic_write_gives_the_mode_of_a_plain_write(tmp_path):
     assert plain.stat().st_mode & 0o777 == 0o640 and plain.read_text() == "y"
 
 
+def test_atomic_folder_is_the_old_folder_or_the_whole_new_one(tmp_path):
+    model = tmp_path / "model"
+    with files.atomic_folder(model) as tmp:
+        (tmp / "weights").write_text("v1")
+        assert not model.exists()              # nothing there until the block ends
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert (model / "weights").read_text() == "v1" and model.stat().st_mode == plain.stat().st_mode
+    with pytest.raises(RuntimeError, match="training failed"), files.atomic_folder(model) as tmp:
+        (tmp / "weights").write_text("half of v2")
+        raise RuntimeError("training failed")
+    assert (model / "weights").read_text() == "v1"
+    with files.atomic_folder(model) as tmp:
+        (tmp / "other").write_text("v2")
+    assert sorted(p.name for p in model.iterdir()) == ["other"]   # replaced whole, not merged
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "plain"]
+
+
 def test_atomic_path_removes_the_partial_file_on_an_exception(tmp_path):
     path = tmp_path / "v.mp4"
     with pytest.raises(RuntimeError, match="mid-write"), files.atomic_path(path) as tmp:
