@@ -339,8 +339,11 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
     video = None
     timings["decode_s"] = 0.0
     if decode:
-        with Timer() as t:
+        from tqdm.auto import tqdm
+
+        with Timer() as t, tqdm(total=1, desc=f"VAE decode ({frames} frames)", disable=not progress) as bar:
             video = decode_latents(pipe, final)
+            bar.update(1)
         timings["decode_s"] = t.seconds
     timings["total_s"] = timings["text_encode_s"] + timings["denoise_s"] + timings["decode_s"]
     info = {"policy": pol.name, "height": height, "width": width, "frames": frames, "steps": steps,
@@ -375,10 +378,12 @@ def mp4_unavailable() -> str | None:
     return None
 
 
-def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path:
+def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16, progress: bool = False) -> Path:
     """Write (F, H, W, 3) frames in [0, 1] (or diffusers' batched (1, F, H, W, 3)) as an H.264 MP4 through
-    imageio-ffmpeg, atomically: a failed write leaves no partial file under ``path``."""
+    imageio-ffmpeg, atomically: a failed write leaves no partial file under ``path``. ``progress``: a bar
+    over the frames written."""
     import imageio.v2 as imageio
+    from tqdm.auto import tqdm
 
     frames = np.asarray(frames)
     if frames.ndim == 5 and frames.shape[0] == 1:   # diffusers' batched output (1, F, H, W, 3)
@@ -394,7 +399,7 @@ def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16) -> Path
     with atomic_path(path) as tmp, imageio.get_writer(str(tmp), format="FFMPEG", mode="I", fps=fps,
                                                       codec="libx264", macro_block_size=1, quality=8,
                                                       pixelformat="yuv420p") as writer:
-        for f in u8:
+        for f in tqdm(u8, desc=f"write {path.name}", unit="frame", disable=not progress):
             writer.append_data(f)
     return path
 
@@ -466,6 +471,9 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
         pipe = load_wan_pipeline(model, device=dev, dtype=dtype, i2v=True if pil is not None else None)
     if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
         raise UsageError(f"{model!r} is an image-to-video model: pass --image")
+    if dev.type == "cpu":
+        warn_if_impractical_on_cpu(pipe, policy, height=height, width=width, frames=frames, steps=steps,
+                                   guidance_scale=guidance_scale)
     if cp is not None:
         from fp4vis.pipelines.context_parallel import check_tokens, enable_context_parallel
 
@@ -477,7 +485,7 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
     timings = {"load_s": tload.seconds, **res.timings}
     if not main:
         return {"video": None, "sidecar": None, "timings": timings, "result": res}
-    out = save_mp4(res.frames, output, fps=fps)
+    out = save_mp4(res.frames, output, fps=fps, progress=progress)
     sidecar = {
         "model": model, "pipeline": type(pipe).__name__, "prompt": prompt, "negative_prompt": negative_prompt,
         "image": image, "seed": seed, "frames": frames, "height": height, "width": width, "steps": steps,
@@ -489,3 +497,38 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
     }
     side = write_json(out.with_suffix(".json"), sidecar)
     return {"video": out, "sidecar": side, "timings": sidecar["timings"], "result": res}
+
+
+CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence, generate on the CPU warns (hours)
+_CPU_PROBE_TOKENS = 1024
+
+
+def warn_if_impractical_on_cpu(pipe, policy: str, *, height: int, width: int, frames: int, steps: int,
+                               guidance_scale: float) -> float | None:
+    """Sizes made for a GPU (81 frames at 480x832: 32760 tokens) take hours or days on a CPU: warn, with
+    an estimate measured here and the options that make a CPU run practical. The estimate is attention
+    alone, a lower bound: one call of the policy at ``_CPU_PROBE_TOKENS`` tokens timed on this CPU, scaled
+    by the square of the sequence, the layers, the steps and the CFG passes. Returns it (seconds), or None
+    below ``CPU_PRACTICAL_TOKENS``."""
+    import time
+    import warnings
+
+    from fp4vis.attention import attention
+
+    tokens = tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)
+    if tokens <= CPU_PRACTICAL_TOKENS:
+        return None
+    cfg = pipe.transformer.config
+    heads, head_dim = int(cfg.num_attention_heads), int(cfg.attention_head_dim)
+    q = torch.randn(1, heads, _CPU_PROBE_TOKENS, head_dim)
+    t0 = time.perf_counter()
+    attention(q, q, q, policy=policy, backend="reference", range_check="off")
+    probe = time.perf_counter() - t0
+    passes = steps * (2 if guidance_scale > 1.0 else 1) * int(cfg.num_layers)
+    estimate = probe * (tokens / _CPU_PROBE_TOKENS) ** 2 * passes
+    warnings.warn(f"generate on the CPU: {frames} frames at {height}x{width} are {tokens} tokens per sequence; "
+                  f"{steps} steps would take at least {estimate / 3600:.1f} h of attention alone here (one "
+                  f"{_CPU_PROBE_TOKENS}-token call of {policy!r} took {probe:.2f} s). Sizes made for a GPU: use "
+                  "--device cuda, or e.g. --frames 9 --height 128 --width 128 --steps 8 on the CPU",
+                  UserWarning, stacklevel=3)
+    return estimate

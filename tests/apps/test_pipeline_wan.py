@@ -120,3 +120,19 @@ def test_image_to_video(tmp_path):
     with pytest.raises(UsageError, match="image-to-video model: pass --image"):
         wv.run_generate(str(path), "a cat", output=tmp_path / "x.mp4", height=32, width=32, frames=5, steps=1,
                         device="cpu", progress=False)
+
+
+def test_gpu_sized_generation_on_the_cpu_warns_with_an_estimate(tiny_wan):
+    """81 frames at 480x832 on a CPU: a warning with a measured estimate and the options that help;
+    a CPU-sized request says nothing."""
+    import warnings
+
+    pipe = wv.load_wan_pipeline(str(tiny_wan), device="cpu", dtype="float32")
+    with pytest.warns(UserWarning, match=r"32760 tokens per sequence; 50 steps would take at least .* --frames 9"):
+        estimate = wv.warn_if_impractical_on_cpu(pipe, "fast", height=480, width=832, frames=81, steps=50,
+                                                 guidance_scale=5.0)
+    assert estimate > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert wv.warn_if_impractical_on_cpu(pipe, "fast", height=32, width=32, frames=5, steps=2,
+                                             guidance_scale=5.0) is None
