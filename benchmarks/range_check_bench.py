@@ -27,6 +27,7 @@ import time
 import traceback
 
 import torch
+from short_seq_bench import parse_shapes  # the same B,S,H,D;... option (this folder is on sys.path)
 
 import fp4vis
 from fp4vis.services import environment, input_copies, time_events, time_graph, time_host, write_json
@@ -35,17 +36,6 @@ SHAPES = [(64, 197, 12, 64), (1, 4096, 24, 128)]
 POLICIES = ("fast", "fast_fp8qk", "guard")
 MODES = ("raise", "off")
 REPEATS = 3
-
-
-def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
-    out = []
-    for part in text.split(";"):
-        if part.strip():
-            dims = tuple(int(x) for x in part.split(","))
-            if len(dims) != 4 or min(dims) < 1:
-                raise ValueError(f"--shapes: {part!r}: B,S,H,D expected")
-            out.append(dims)
-    return out
 
 
 def measure(shape, policy: str) -> dict:
