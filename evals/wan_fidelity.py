@@ -293,5 +293,8 @@ def wan_markdown(r: dict[str, Any]) -> str:
         lines += ["", "Peak GPU memory (GiB): " + ", ".join(f"{n} {v:.1f}" for n, v in mem.items()) + "."]
     lines += ["", f"Text encoding (once, shared by all runs): {text:.3f} s. End-to-end = text encoding + denoising "
               "+ VAE decode. PSNR/SSIM: per frame (torchmetrics, [0, 1] RGB, data_range 1.0), then the mean over "
-              "frames."]
+              "frames. Denoising time: the wall time of the pipeline's loop, every policy measured the same way "
+              "(launches back to back, one wait at the end, and for fp4vis' kernels one per transformer forward "
+              "for the range check); at Wan2.1's own sizes a step is seconds of GPU work, which host overhead "
+              "does not change."]
     return "\n".join(lines)
