@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .datasets import IMAGE_EXTENSIONS, data_layout, image_loader  # noqa: F401 - the evals' one image loader
+from .datasets import data_layout
 
 # --------------------------------------------------------------------------------------------------
 # attention layers and per-layer errors
@@ -113,7 +113,8 @@ SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemis
 def check_image_folder(root: str | os.PathLike) -> Path:
     """The root of image data in a layout the evals read (``fp4vis.evals.datasets``: an ImageFolder, a
     folder of images, the CIFAR-10 test set). Raises a clear UsageError otherwise."""
-    return Path(os.path.expanduser(str(root))) if data_layout(root) else Path(root)
+    data_layout(root)
+    return Path(os.path.expanduser(str(root)))
 
 
 def export_skimage_photos(dest: str | os.PathLike, names: Sequence[str] = SKIMAGE_PHOTOS,

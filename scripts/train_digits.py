@@ -127,6 +127,13 @@ def normalise(x01: torch.Tensor) -> torch.Tensor:
     return (x01 - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
 
 
+def epoch_batches(n: int, batch_size: int, g: torch.Generator):
+    """The index batches of one epoch: a seeded permutation of the n examples, in batch_size slices."""
+    perm = torch.randperm(n, generator=g)
+    for i in range(0, n, batch_size):
+        yield perm[i:i + batch_size]
+
+
 def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -169,10 +176,8 @@ def train_vit(args: argparse.Namespace) -> None:
     t0 = time.time()
     for epoch in range(args.epochs):
         model.train()
-        perm = torch.randperm(len(x_tr), generator=g)
         loss_sum = correct = 0.0
-        for i in range(0, len(perm), args.batch_size):
-            idx = perm[i:i + args.batch_size]
+        for idx in epoch_batches(len(x_tr), args.batch_size, g):
             xb, yb = normalise(shifted(x_tr[idx], g, args.max_shift)), y_tr[idx]
             for group in opt.param_groups:
                 group["lr"] = cosine_lr(step, total, args.lr, warmup=steps_per_epoch)
@@ -276,10 +281,8 @@ def train_mae(args: argparse.Namespace) -> None:
     t0 = time.time()
     for epoch in range(args.epochs):
         model.train()
-        perm = torch.randperm(len(x_tr), generator=g)
         loss_sum = 0.0
-        for i in range(0, len(perm), args.batch_size):
-            idx = perm[i:i + args.batch_size]
+        for idx in epoch_batches(len(x_tr), args.batch_size, g):
             xb = normalise(shifted(x_tr[idx], g, args.max_shift))
             for group in opt.param_groups:
                 group["lr"] = cosine_lr(step, total, args.lr, warmup=steps_per_epoch)

@@ -31,14 +31,12 @@ which the kernels propagate to the output: named where the inputs are still aliv
 from __future__ import annotations
 
 import collections
-import contextlib
 import contextvars
 import itertools
 import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -118,11 +116,6 @@ class RangeRecord:
     def last_number(self) -> int | None:
         """The number of the most recent recorded call (None before any)."""
         return self.calls[-1][0] if self.calls else None
-
-    @property
-    def raised(self) -> bool:
-        """True once a finished kernel stored a call number into the flag (no synchronisation)."""
-        return bool(self._flag[0])
 
     def collect(self) -> tuple[CallInfo | None, int, RangeReport] | None:
         """Wait for the device, read and reset the record: (the earliest reporting call's CallInfo,
@@ -232,13 +225,3 @@ def _nonfinite_input(info: CallInfo | None) -> str | None:
         if t is not None and not bool(torch.isfinite(t).all()):
             return f"{name}: contains {'NaN' if bool(torch.isnan(t).any()) else 'Inf'}"
     return None
-
-
-@contextlib.contextmanager
-def labelled(label: str | None) -> Any:
-    """Name the layer of the calls made inside (``call_label``)."""
-    token = call_label.set(label)
-    try:
-        yield
-    finally:
-        call_label.reset(token)

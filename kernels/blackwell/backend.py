@@ -232,7 +232,6 @@ def run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor
     out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
     params = dict(s_log2=scale * LOG2E, margin_raw=margin_raw, affine_a=affine_a, affine_b=affine_b, shift=shift,
                   n_anchor=min(anchor, k.shape[-2]))
-    words = None
     if call_number:
         rec = record if record is not None else range_record.record_for(q.device)
         words = (rec.fields, rec.flag, call_number)

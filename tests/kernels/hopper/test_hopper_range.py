@@ -1,7 +1,7 @@
 """The Hopper kernel's range record (docs/numerics.md section 9), on an sm_90 GPU (skipped elsewhere).
 
 For every policy the kernel runs, on inputs that stay in range and on inputs that leave it (Student-t(3)
-q and k, whose logits reach |z| ~ 250-1000: saturated P blocks; with a huge V also non-finite
+q and k, twice scaled, whose logits reach |z| of a few hundred: saturated P blocks; with a huge V also non-finite
 outputs; anchored policies at a large softmax scale: rows whose probabilities all underflow), the
 record's counts are the reference's: the same saturated blocks and empty rows (bit-exact policies;
 for the FP8 Q/K policy, whose scores differ slightly, the same verdict), and as many non-finite
