@@ -219,6 +219,32 @@ class WarningLog:
                     print(f"warning: {msg}", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def loading_bars(enabled: bool) -> Iterator[None]:
+    """The loading and download bars of transformers, diffusers and huggingface_hub on or off, through their
+    own switches, and restored after (``--no-progress`` hides them with fp4vis' own bars)."""
+    if enabled:
+        yield
+        return
+    import diffusers.utils.logging as diffusers_logging
+    import huggingface_hub.utils as hub_utils
+    import transformers.utils.logging as transformers_logging
+
+    was = (transformers_logging.is_progress_bar_enabled(), diffusers_logging.is_progress_bar_enabled(),
+           not hub_utils.are_progress_bars_disabled())
+    transformers_logging.disable_progress_bar()
+    diffusers_logging.disable_progress_bar()
+    hub_utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        for on, lib in zip(was, (transformers_logging, diffusers_logging)):
+            if on:
+                lib.enable_progress_bar()
+        if was[2]:
+            hub_utils.enable_progress_bars()
+
+
 def require(module: str, pip_name: str | None = None, what: str = "this command") -> None:
     """Import check with an install hint (optional dependencies: torchvision, matplotlib, skimage)."""
     import importlib

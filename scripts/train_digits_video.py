@@ -89,10 +89,11 @@ class Config:
     scheduler_shift: float = 3.0
     vae_frames: int = 9          # VAE training clips (1 + 2 x 4 frames: the first frame and the cached chunks)
     vae_batch: int = 32
-    vae_lr: float = 1e-3
+    vae_lr: float = 3e-3
     kl_weight: float = 1e-4      # on the mean KL per latent element, beside the mean L1 + MSE per pixel
-    vae_share: float = 0.3       # of the training time
-    vae_log_every: int = 100     # steps
+    ink_weight: float = 9.0      # pixels weigh 1 + ink_weight x their brightness: a blank canvas is no optimum
+    vae_share: float = 0.35      # of the training time
+    vae_log_every: int = 250     # steps
     batch: int = 128
     reuse: int = 2               # passes over each epoch's encoded clips (encoding costs about what a pass does)
     lr: float = 5e-4
@@ -104,11 +105,11 @@ class Config:
     heldout_clips: int = 100
     stats_clips: int = 512
     reserve_share: float = 0.1   # of the budget, for saving and the final measurements
-    # the final check: every prompt once, at the demo's setting and at a stronger one
-    checks: tuple[tuple[int, float], ...] = ((8, 1.0), (30, 3.0))
+    # the final check, every prompt once: without guidance, at the demo's setting (generation) and a stronger one
+    checks: tuple[tuple[int, float], ...] = ((8, 1.0), (12, 3.0), (30, 3.0))
     generation: dict[str, Any] = field(default_factory=lambda: dict(
-        prompt="digit 3 moving right", height=md.CANVAS, width=md.CANVAS, frames=md.FRAMES, steps=8,
-        guidance_scale=1.0, fps=8))
+        prompt="digit 3 moving right", height=md.CANVAS, width=md.CANVAS, frames=md.FRAMES, steps=12,
+        guidance_scale=3.0, fps=8))
 
 
 def smoke_config() -> Config:
@@ -225,24 +226,33 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
 
 class Budget:
     """The step count of a phase: given, or planned from a wall-clock budget once ``plan_at`` steps have run
-    (the end of the warm-up, whose learning rates do not depend on it), so that the schedule is a function of
-    the step alone and ``--vae-steps`` / ``--steps`` replay it. A time budget still stops the phase at its
-    end if the plan was too long."""
+    (from the rate of the steps since ``plan_at // 2``: the first ones carry cuDNN's autotuning). The
+    learning rate does not depend on the plan before ``plan_at`` (warm-up, then the peak) and decays over
+    the planned steps after it, so that the schedule is a function of the step alone and ``--vae-steps`` /
+    ``--steps`` replay it. A time budget still stops the phase at its end if the plan was too long."""
 
     def __init__(self, seconds: float, steps: int | None, plan_at: int):
         self.seconds, self.planned, self.plan_at, self.t0 = seconds, steps, plan_at, time.time()
         self.given = steps is not None
         self.stopped_by = "steps"
+        self.t_half = 0.0
+        self.seconds_used: float | None = None   # set when the phase ends
 
     def elapsed(self) -> float:
         return time.time() - self.t0
 
     def progress(self, step: int) -> float:
-        return step / self.planned if self.planned else 0.0
+        if not self.planned or step <= self.plan_at:
+            return 0.0
+        return (step - self.plan_at) / max(1, self.planned - self.plan_at)
 
     def done(self, step: int) -> bool:
+        if self.planned is None and step == self.plan_at // 2:
+            self.t_half = self.elapsed()
         if self.planned is None and step >= self.plan_at:
-            self.planned = max(step + 1, int(step * self.seconds / max(self.elapsed(), 1e-6)))
+            now = self.elapsed()
+            rate = (step - self.plan_at // 2) / max(now - self.t_half, 1e-6)
+            self.planned = max(step + 1, step + int((self.seconds - now) * rate))
         if self.planned is not None and step >= self.planned:
             return True
         if not self.given and self.elapsed() >= self.seconds:
@@ -250,9 +260,12 @@ class Budget:
             return True
         return False
 
+    def finish(self) -> None:
+        self.seconds_used = self.elapsed()
+
     def record(self, step: int) -> dict[str, Any]:
         return {"steps": step, "planned_steps": self.planned, "stopped_by": self.stopped_by,
-                "seconds": round(self.elapsed(), 1)}
+                "seconds": round(self.seconds_used if self.seconds_used is not None else self.elapsed(), 1)}
 
 
 def autocast(device: torch.device):
@@ -286,6 +299,22 @@ def vae_heldout_psnr(vae, clips: torch.Tensor, device: torch.device, batch: int 
     return float(torch.cat(out).mean())
 
 
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """``vae.decode(z)`` before its final clamp to [-1, 1], read through a forward hook on the decoder
+    (which the VAE runs once per latent frame). The background's target is -1 itself, and the clamp has
+    no gradient past it: trained on the clamped output, a decoder that drifts below -1 everywhere stops
+    learning at the blank canvas (the first H200 run's VAE: 17.44 dB at step 100 and at step 173)."""
+    if vae.config.patch_size is not None:
+        raise ValueError("decode_unclamped: a patched VAE (config.patch_size) is not what this script trains")
+    chunks: list[torch.Tensor] = []
+    hook = vae.decoder.register_forward_hook(lambda _m, _a, out: chunks.append(out))
+    try:
+        vae.decode(z)
+    finally:
+        hook.remove()
+    return torch.cat(chunks, 2)
+
+
 def train_vae(cfg: Config, digits: torch.Tensor, budget: Budget, device: torch.device, seed: int, held: torch.Tensor,
               log: list[dict[str, Any]]):
     from diffusers import AutoencoderKLWan
@@ -308,10 +337,11 @@ def train_vae(cfg: Config, digits: torch.Tensor, budget: Budget, device: torch.d
         with autocast(device):
             post = vae.encode(x).latent_dist
             z = post.mean + post.std * torch.randn(post.mean.shape, generator=gz, device=device)
-            xr = vae.decode(z).sample
-        xr = xr.float()
+            xr = decode_unclamped(vae, z)
+        d = xr.float() - x
         kl = 0.5 * (post.mean.float() ** 2 + post.var.float() - 1.0 - post.logvar.float()).mean()
-        loss = (xr - x).abs().mean() + ((xr - x) ** 2).mean() + cfg.kl_weight * kl
+        weight = 1.0 + cfg.ink_weight * (x + 1.0) / 2.0
+        loss = (weight * (d.abs() + d * d)).mean() / weight.mean() + cfg.kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -324,6 +354,7 @@ def train_vae(cfg: Config, digits: torch.Tensor, budget: Budget, device: torch.d
             log.append(row)
             print(json.dumps({"vae": row}), flush=True)
             acc, n_acc = 0.0, 0
+    budget.finish()
     return vae.eval(), step
 
 
@@ -381,6 +412,12 @@ def heldout_flow_loss(model, z_held: torch.Tensor, emb: torch.Tensor, prompts: t
     return sum(losses) / len(losses)
 
 
+def wrong_prompts(prompts: torch.Tensor) -> torch.Tensor:
+    """Every prompt with another digit (+ 3) and the opposite direction."""
+    digit, direction = prompts // len(md.DIRECTIONS), prompts % len(md.DIRECTIONS)
+    return ((digit + 3) % 10) * len(md.DIRECTIONS) + (direction ^ 1)
+
+
 def train_transformer(cfg: Config, vae, latents_mean, latents_std, digits, labels, emb, budget: Budget,
                       device: torch.device, seed: int, z_held, p_held, log: list[dict[str, Any]]):
     from diffusers import WanTransformer3DModel
@@ -431,10 +468,14 @@ def train_transformer(cfg: Config, vae, latents_mean, latents_std, digits, label
             break
         row = {"epoch": epoch, "steps": step, "train_loss": float(loss_sum) / seen,
                "heldout_flow_loss_ema": heldout_flow_loss(ema, z_held, emb, p_held, device, seed),
+               # the same clips under other prompts: the gap is what the model reads from its prompt
+               "heldout_flow_loss_ema_wrong_prompt": heldout_flow_loss(ema, z_held, emb, wrong_prompts(p_held),
+                                                                       device, seed),
                "lr": opt.param_groups[0]["lr"], "encode_seconds": round(t_enc, 1),
                "seconds": round(budget.elapsed(), 1)}
         log.append(row)
         print(json.dumps({"transformer": row}), flush=True)
+    budget.finish()
     return ema.eval(), step, epoch
 
 
@@ -459,6 +500,31 @@ def build_pipeline(cfg: Config, vae, transformer, tok, enc):
 
 
 @torch.no_grad()
+def generation_checks(pipe, cfg: Config, checks, prompts_to_check: list[int], reader, device: torch.device,
+                      seed: int) -> list[dict[str, Any]]:
+    """Clips generated from ``prompts_to_check`` (indices into PROMPTS, one clip each, one seeded generator)
+    at every (steps, guidance) of ``checks``, read back: how often the prompted digit and direction."""
+    names = [md.PROMPTS[i] for i in prompts_to_check]
+    rows = []
+    for steps, guidance in checks:
+        t0 = time.time()
+        frames = pipe(prompt=names, negative_prompt=[""] * len(names), height=cfg.canvas, width=cfg.canvas,
+                      num_frames=cfg.frames, num_inference_steps=steps, guidance_scale=guidance,
+                      generator=torch.Generator(device).manual_seed(seed), output_type="np").frames
+        scores = md.reading_scores(md.read_clips(md.from_frames(frames), reader, min_travel=min_travel(cfg)),
+                                   prompts_to_check)
+        rows.append({"steps": steps, "guidance_scale": guidance, **scores, "seconds": round(time.time() - t0, 1)})
+        print(json.dumps({"generated": rows[-1]}), flush=True)
+    return rows
+
+
+def check_prompts(n: int) -> list[int]:
+    """Every prompt once (n = 40), or n of them spread over the digits and directions."""
+    return [md.prompt_index(d, (d + k) % len(md.DIRECTIONS)) for k in range(len(md.DIRECTIONS))
+            for d in range(10)][:n]
+
+
+@torch.no_grad()
 def measure(cfg: Config, folder: Path, device: torch.device, seed: int, held_vae, held_clips, held_prompts, emb,
             prompts_to_check: list[int]) -> dict[str, Any]:
     """The final metrics, on the saved folder loaded back as users load it."""
@@ -472,8 +538,13 @@ def measure(cfg: Config, folder: Path, device: torch.device, seed: int, held_vae
     z_held = (encode(vae, held_clips, device, cfg.encode_batch) - mean) / std
     reader = md.load_reader(device)
     real = md.reading_scores(md.read_clips(held_clips, reader, min_travel=min_travel(cfg)), held_prompts)
+    with autocast(device):
+        recon = torch.cat([vae_decode01(vae, z_held[i:i + 16] * std + mean).cpu() for i in range(0, len(z_held), 16)])
+    reconstructed = md.reading_scores(md.read_clips(recon, reader, min_travel=min_travel(cfg)), held_prompts)
     final: dict[str, Any] = {
         "vae_heldout_psnr_db": vae_heldout_psnr(vae, held_vae, device),
+        "blank_canvas_psnr_db": float(psnr_db(torch.zeros_like(held_vae), held_vae).mean()),
+        "reader_on_vae_reconstructions": reconstructed,
         "heldout_flow_loss": heldout_flow_loss(pipe.transformer, z_held, emb, held_prompts.to(device), device, seed,
                                                dtype=torch.bfloat16),
         "heldout_flow_loss_of_predicting_zero": float(sum(
@@ -482,20 +553,14 @@ def measure(cfg: Config, folder: Path, device: torch.device, seed: int, held_vae
             for s in (0.1, 0.3, 0.5, 0.7, 0.9)) / 5),
         "heldout_clips": len(held_clips),
         "reader_on_real_heldout_clips": real,
-        "generated": [],
     }
-    names = [md.PROMPTS[i] for i in prompts_to_check]
-    for steps, guidance in cfg.checks:
-        t0 = time.time()
-        frames = pipe(prompt=names, negative_prompt=[""] * len(names), height=cfg.canvas, width=cfg.canvas,
-                      num_frames=cfg.frames, num_inference_steps=steps, guidance_scale=guidance,
-                      generator=torch.Generator(device).manual_seed(seed), output_type="np").frames
-        scores = md.reading_scores(md.read_clips(md.from_frames(frames), reader, min_travel=min_travel(cfg)),
-                                   prompts_to_check)
-        final["generated"].append({"steps": steps, "guidance_scale": guidance, **scores,
-                                   "seconds": round(time.time() - t0, 1)})
-        print(json.dumps({"generated": final["generated"][-1]}), flush=True)
+    final["generated"] = generation_checks(pipe, cfg, cfg.checks, prompts_to_check, reader, device, seed)
     return final
+
+
+def schedule_text(cfg: Config) -> str:
+    return (f"{cfg.warmup_steps} steps linear warm-up, the peak to step {2 * cfg.warmup_steps}, then cosine to 10 % "
+            "over the planned steps")
 
 
 def tokens(cfg: Config) -> int:
@@ -545,7 +610,7 @@ def train(args: argparse.Namespace) -> int:
 
     vae_log: list[dict[str, Any]] = []
     vae_steps = args.vae_steps or (6 if args.smoke else None)
-    vae_budget = Budget(train_s * cfg.vae_share, vae_steps, cfg.warmup_steps)
+    vae_budget = Budget(train_s * cfg.vae_share, vae_steps, 2 * cfg.warmup_steps)
     vae, vae_steps_done = train_vae(cfg, digits, vae_budget, device, args.seed, held_vae, vae_log)
     latents_mean, latents_std = latent_stats(cfg, vae, digits, device, args.seed)
     vae.register_to_config(latents_mean=latents_mean, latents_std=latents_std)
@@ -555,16 +620,14 @@ def train(args: argparse.Namespace) -> int:
 
     dit_log: list[dict[str, Any]] = []
     steps = args.steps or (20 if args.smoke else None)
-    dit_budget = Budget(max(1.0, train_s - (time.time() - t_start)), steps, cfg.warmup_steps)
+    dit_budget = Budget(max(1.0, train_s - (time.time() - t_start)), steps, 2 * cfg.warmup_steps)
     transformer, steps_done, epochs = train_transformer(cfg, vae, latents_mean, latents_std, digits,
                                                         labels.to(device), emb, dit_budget, device, args.seed, z_held,
                                                         held_prompts.to(device), dit_log)
 
     out = Path(args.out)
-    # every prompt once, or n of them spread over the digits and directions
     n_check = args.check_prompts or (4 if args.smoke else len(md.PROMPTS))
-    prompts_to_check = [md.prompt_index(d, (d + k) % len(md.DIRECTIONS)) for k in range(len(md.DIRECTIONS))
-                        for d in range(10)][:n_check]
+    prompts_to_check = check_prompts(n_check)
     with atomic_folder(out) as tmp:
         build_pipeline(cfg, vae, transformer, tok, enc).save_pretrained(str(tmp), safe_serialization=True)
         final = measure(cfg, tmp, device, args.seed, held_vae, held_clips, held_prompts, emb, prompts_to_check)
@@ -589,14 +652,16 @@ def train(args: argparse.Namespace) -> int:
                 else "float32", "budget_minutes": args.minutes,
                 "vae": {**vae_budget.record(vae_steps_done), "batch": cfg.vae_batch,
                         "clip_frames": cfg.vae_frames, "optimizer": "AdamW (0.9, 0.99)", "lr": cfg.vae_lr,
-                        "loss": f"mean L1 + mean MSE ([-1, 1] pixels) + {cfg.kl_weight} x mean KL per latent element",
-                        "schedule": f"{cfg.warmup_steps} steps linear warm-up, cosine to 10 %"},
+                        "loss": "L1 + MSE per pixel ([-1, 1], before the decoder's clamp), weighted "
+                                f"1 + {cfg.ink_weight} x brightness and normalised by the mean weight, "
+                                f"+ {cfg.kl_weight} x mean KL per latent element",
+                        "schedule": schedule_text(cfg)},
                 "latents": {"mean": latents_mean, "std": latents_std, "clips": cfg.stats_clips,
                             "how": "per-channel mean and std of the posterior means of training clips"},
                 "transformer": {**dit_budget.record(steps_done), "epochs": epochs,
                                 "batch": cfg.batch, "optimizer": "AdamW (0.9, 0.99), weight decay 0.01",
                                 "epoch": f"fresh clips of every training digit, encoded once, {cfg.reuse} passes",
-                                "lr": cfg.lr, "schedule": f"{cfg.warmup_steps} steps linear warm-up, cosine to 10 %",
+                                "lr": cfg.lr, "schedule": schedule_text(cfg),
                                 "objective": "flow matching: predict noise - x0 at timestep 1000 s, "
                                              f"s = shifted logit-normal (shift {cfg.scheduler_shift})",
                                 "prompt_dropout": cfg.p_uncond, "ema_decay": cfg.ema_decay, "ships": "EMA, bf16"},
@@ -616,6 +681,31 @@ def train(args: argparse.Namespace) -> int:
     print(json.dumps({"out": str(out), "pipeline_mib": round(size / 2**20, 2), "final": {
         k: v for k, v in final.items() if k != "reader_on_real_heldout_clips"}, "seconds": record["train_seconds"]}),
         flush=True)
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
+    """Generation checks of a saved pipeline (the shipped one by default) at other settings, as ``train``
+    measures its own: every prompt once, one seeded generator, the clips read back by ``fp4vis:digits-vit``."""
+    from fp4vis.pipelines.wan_video import load_wan_pipeline
+    from fp4vis.zoo import resolve_source
+
+    folder = Path(resolve_source(args.model, "--model"))
+    record = json.loads((folder / TRAINING_FILE).read_text())
+    cfg = replace(Config(), canvas=record["config"]["canvas"], frames=record["config"]["frames"])
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    pipe = load_wan_pipeline(str(folder), device=device, dtype=args.dtype)
+    pipe.set_progress_bar_config(disable=True)
+    rows = generation_checks(pipe, cfg, args.checks or cfg.checks, check_prompts(args.check_prompts or
+                                                                                  len(md.PROMPTS)),
+                             md.load_reader(device), device, args.seed)
+    result = {"command": " ".join(sys.argv), "model": args.model, "weights_sha256": weight_checksums(folder),
+              "device": str(device), "dtype": args.dtype, "seed": args.seed, "generated": rows,
+              "environment": environment()}
+    if args.out:
+        write_json(Path(args.out), result)
     return 0
 
 
@@ -652,7 +742,20 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs)")
     t.add_argument("--smoke", action="store_true", help="a tiny configuration (32 px, 5 frames) and a few steps, "
                                                         "for tests: < 1 min on a CPU; never shipped")
+    c = sub.add_parser("check", help="generation checks of a saved pipeline at other settings")
+    c.add_argument("--model", default="fp4vis:digits-wan", help="fp4vis:digits-wan or a folder `train` wrote")
+    c.add_argument("--checks", type=_checks, default=None, metavar="STEPS:GUIDANCE,...",
+                   help="the settings (default: those of train)")
+    c.add_argument("--check-prompts", type=int, default=None, help="prompts (default: all 40)")
+    c.add_argument("--device", default="auto")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the transformer's dtype (bfloat16: as shipped; float32 is faster on a CPU)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--threads", type=int, default=2, help="CPU threads (CPU runs)")
+    c.add_argument("--out", default=None, help="a JSON file for the result")
     args = p.parse_args(argv)
+    if args.what == "check":
+        return check(args)
     if args.what == "data":
         print(json.dumps(write_data(Path(args.out)), indent=1))
         return 0

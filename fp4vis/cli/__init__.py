@@ -19,14 +19,13 @@ a machine without a GPU, and shows progress bars on long work (``--no-progress``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from collections.abc import Sequence
 
 from fp4vis.attention import RangeExceededError
 from fp4vis.patching import GuardPlanError
-from fp4vis.services import UsageError, fp4vis_version
+from fp4vis.services import UsageError, fp4vis_version, loading_bars
 
 from . import bench, calibrate, demo, evaluate, generate, info, selfcheck
 from .options import EPILOG, Formatter, fill_help
@@ -62,16 +61,8 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    saved_tqdm = os.environ.get("TQDM_DISABLE")
-    if getattr(args, "no_progress", False):
-        os.environ["TQDM_DISABLE"] = "1"
-    try:
+    with loading_bars(not getattr(args, "no_progress", False)):
         return _run(args)
-    finally:
-        if saved_tqdm is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = saved_tqdm
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -119,6 +119,12 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
     code, out, err = run(capsys, "calibrate", "wan", "--model", assets["wan"], "--prompt", "a cat", "--frames", 5,
                          "--steps", 1, "--height", 32, "--width", 32, "--out", wplan, "--no-progress")
     assert code == 0, err
+    # --no-progress hides the libraries' loading bars too, and gives their switches back afterwards
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    assert "Loading" not in err and "it/s" not in err, err
+    assert transformers_logging.is_progress_bar_enabled() and diffusers_logging.is_progress_bar_enabled()
     assert len(json.loads(wplan.read_text())["layers"]) == 2
     code, _, err = run(capsys, "generate", "--model", assets["wan"], "--prompt", "x", "--frames", 5, "--steps", 1,
                        "--height", 32, "--width", 32, "--policy", "accurate", "--guard-plan", wplan, "--output",
