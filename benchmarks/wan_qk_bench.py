@@ -298,6 +298,7 @@ def _call_policy(policy: str, raw: list, tr, copies: int) -> dict:
     return r
 
 
+@torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
