@@ -448,6 +448,25 @@ def test_qk_transform_folded_into_prepass_bit_identical_interpreted():
     _run_interpreted(_CHECK_QK_TRANSFORM)
 
 
+@pytest.mark.parametrize("rope_dtype", ["fp32", "bf16"])
+def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
+    """The pre-pass kernels with the q/k transform folded in (NORM, ROPE; float32 or BF16 rotary tables)
+    and the rstd launch compile for sm_90 to a cubin without a GPU."""
+    pytest.importorskip("triton")
+    from fp4vis.kernels.hopper import prepass_triton as tpt
+
+    consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=True, NORM=True,
+                  ROPE=True)
+    assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts).get("cubin")
+    consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True)
+    assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, rope_dtype=rope_dtype), consts).get(
+        "cubin")
+    sig = dict(XQ="*bf16", XK="*bf16", RQ="*fp32", RK="*fp32", eps_q="fp32", eps_k="fp32",
+               **dict.fromkeys(("NQT", "NKT", "TQ", "SQ", "SK", "QSB", "QSS", "KSB", "KSS", "N"), "i32"))
+    consts = dict(BLOCK_T=tpt.RMS_BLOCK_T, THREADS=tpt.RMS_THREADS, NCHUNK=3)
+    assert _compile_sm90(tpt._rms_rstd_kernel, sig, consts).get("cubin")
+
+
 @pytest.mark.parametrize("dtype,has_perm,d", [("bf16", True, 128), ("fp16", False, 128), ("bf16", False, 64)],
                          ids=["bf16-perm", "fp16", "bf16-d64"])
 def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
