@@ -1,6 +1,8 @@
 """The Wan layer's q/k transform folded into the Hopper pre-pass: GPU bit checks and timings (one H200 run).
 
-    python3 benchmarks/wan_qk_bench.py --out $OUT/wan_qk.json [--skip checks,prepass,calls]
+    python3 benchmarks/wan_qk_bench.py --out $OUT/wan_qk.json [--skip checks,layer,prepass,calls]
+
+(``layer`` and ``calls`` need diffusers and the CuTe DSL kernel; the rest only Triton.)
 
 Sections (each a key of the JSON, written after every section):
 
@@ -58,7 +60,7 @@ def _ndiff(a, b) -> int:
     return int((_bits(a) != _bits(b)).sum())
 
 
-def checks() -> dict:
+def checks(layer: bool = True) -> dict:
     from fp4vis.kernels.hopper import prepass_triton as tp
     from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
     from fp4vis.qk_transform import QKTransform, apply_rotary_emb
@@ -101,7 +103,8 @@ def checks() -> dict:
                         fused, plain = tp.prepass(q, k, v, layout, perm, qk=tr), tp.prepass(qn, kn, vc, layout, perm)
                     out["operands"].append(dict(heads=h, rope=str(rope_dtype), anchor=anchor, layout=layout,
                                                 differing=[_ndiff(a, c) for a, c in zip(fused, plain)]))
-    out["layer"] = _layer_checks(dev)
+    if layer:
+        out["layer"] = _layer_checks(dev)
     return out
 
 
@@ -306,7 +309,8 @@ def main() -> None:
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     res: dict = {"env": environment(), "walls_s": {}}
-    for name, fn in (("checks", checks), ("prepass", prepass_times), ("calls", call_times)):
+    sections = (("checks", lambda: checks("layer" not in skip)), ("prepass", prepass_times), ("calls", call_times))
+    for name, fn in sections:
         if name in skip:
             continue
         t0 = time.perf_counter()

@@ -120,8 +120,9 @@ def _with_transform(q: torch.Tensor, k: torch.Tensor, qk, tp) -> tuple[torch.Ten
     """(q, k, the transform left for the Triton pre-pass): ``qk`` (a ``fp4vis.qk_transform.QKTransform``
     of raw (B, H, S, D) projections, or None) stays for the pre-pass where it folds into it
     (``prepass_triton.fusable_transform``); otherwise it is applied here, in PyTorch, as the
-    unpatched layer applies it, and the pre-pass gets ordinary q and k."""
-    if qk is None or (tp is not None and tp.fusable_transform(q, k, qk) is None):
+    unpatched layer applies it, and the pre-pass gets ordinary q and k (also with FP4VIS_PREPASS_FUSED_QK=0)."""
+    if qk is None or (tp is not None and cached_setting("FP4VIS_PREPASS_FUSED_QK")
+                      and tp.fusable_transform(q, k, qk) is None):
         return q, k, qk
     qn, kn = qk.apply(q.transpose(1, 2), k.transpose(1, 2))
     return qn.transpose(1, 2), kn.transpose(1, 2), None
