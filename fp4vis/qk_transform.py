@@ -55,14 +55,16 @@ class QKTransform:
     @classmethod
     def from_norms(cls, norm_q: torch.nn.Module, norm_k: torch.nn.Module,
                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> QKTransform | None:
-        """The transform of a layer whose norms are ``torch.nn.RMSNorm`` (with weights) or identities;
-        None where a norm is of another kind (the layer then computes q and k itself)."""
+        """The transform of a layer whose norms are ``torch.nn.RMSNorm`` over one dimension (with weights)
+        or identities; None where a norm is of another kind, subclasses included (the layer then computes
+        q and k itself)."""
         weights, eps = [], []
         for norm in (norm_q, norm_k):
             if isinstance(norm, torch.nn.Identity):
                 weights.append(None)
                 eps.append(0.0)
-            elif isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None:
+            elif (type(norm) is torch.nn.RMSNorm and norm.weight is not None
+                  and tuple(norm.normalized_shape) == (norm.weight.numel(),)):
                 weights.append(norm.weight)
                 eps.append(rms_eps(norm))
             else:

@@ -134,7 +134,7 @@ class FP4WanAttnProcessor:
     def _attend(self, query, key, value, *, parallel_config, transform: QKTransform | None = None) -> torch.Tensor:
         """Attention of (B, S, H, D) tensors: fp4vis with the layer's policy, or exact through diffusers.
         ``transform``: query and key are raw projections and it makes the attention's q and k (never
-        together with ``parallel_config``). Under context parallelism (``parallel_config`` of
+        under context parallelism: the caller checks). Under context parallelism (``parallel_config`` of
         self-attention) the FP4 path does its own collectives (``context_parallel``) and the exact
         path is diffusers' own CP attention."""
         st = self.state
@@ -176,7 +176,7 @@ class FP4WanAttnProcessor:
         if transform is not None:
             # the raw projections and the transform: the backend makes q and k (module doc)
             hidden_states = self._attend(query.unflatten(2, (attn.heads, -1)), key.unflatten(2, (attn.heads, -1)),
-                                         value.unflatten(2, (attn.heads, -1)), parallel_config=None,
+                                         value.unflatten(2, (attn.heads, -1)), parallel_config=parallel_config,
                                          transform=transform)
             return self._output(attn, hidden_states.flatten(2, 3).type_as(query))
         query = attn.norm_q(query)
