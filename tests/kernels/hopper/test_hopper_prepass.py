@@ -398,7 +398,7 @@ for h, d, sq, sk, rope_dtype, anchor in ((3, 64, 37, 37, torch.float32, 0), (5, 
     kscale = torch.exp2(torch.randint(-6, 6, (b, sk, 1), generator=g).float())
     kp = (torch.randn(b, sk, h * d, generator=g) * kscale).bfloat16()
     vp = torch.randn(b, sk, h * d, generator=g).bfloat16()
-    qp[1, 3] = 0.0                                          # a zero token: rstd = 1 / sqrt(eps)
+    qp[-1, 3] = 0.0                                          # a zero token: rstd = 1 / sqrt(eps)
     wq, wk = ((1 + 0.3 * torch.randn(h * d, generator=g)).bfloat16() for _ in range(2))
     rope = None
     if rope_dtype is not None:
@@ -428,6 +428,17 @@ for h, d, sq, sk, rope_dtype, anchor in ((3, 64, 37, 37, torch.float32, 0), (5, 
     plain = tp.fp8_prepass(qn, kn, vc, perm)
     for a, c in zip(fused, plain):
         assert torch.equal(bits(a), bits(c)), (h, d, "fp8")
+    n_cases += 1
+# the dispatch (prepare_kernel_operands): a transform the pre-pass cannot fold (float32 weights) is
+# applied in PyTorch first, a foldable one is folded; both give the operands of the made q and k
+from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
+tr32 = QKTransform(wq.float(), wk.float(), 1e-6, 1e-5, None)
+assert tp.fusable_transform(q, k, tr32) is not None
+qa, ka = tr32.apply(q.transpose(1, 2), k.transpose(1, 2))
+for t, (qm, km) in ((tr32, (qa, ka)), (tr, (qn.transpose(1, 2), kn.transpose(1, 2)))):
+    got = prepare_kernel_operands(q, k, v, "block16", 0, fused=True, qk=t)
+    ref = prepare_kernel_operands(qm.transpose(1, 2), km.transpose(1, 2), v, "block16", 0, fused=True)
+    assert all(a is None and c is None or torch.equal(bits(a), bits(c)) for a, c in zip(got, ref))
     n_cases += 1
 # the values of QKTransform.apply (the unfused path) are diffusers' arithmetic on the CPU too
 layer = torch.nn.RMSNorm(h * d, eps=1e-6)
