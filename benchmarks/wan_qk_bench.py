@@ -187,23 +187,30 @@ def _policy_layout(policy: str) -> str:
     return qk_layout(get_policy(policy), 128)
 
 
-def prepass_times() -> list:
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(2)
+def _rows(make_row, seed: int) -> list:
+    """make_row(h, d, s, norm weights, generator) over the timed shapes (the 14B width at S = 32760 only)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
     for h, d in WIDTHS:
-        norms = tuple(torch.nn.RMSNorm(h * d, eps=1e-6).to(dev, torch.bfloat16) for _ in range(2))
+        weights = tuple((1 + 0.2 * torch.randn(h * d, generator=g, device="cuda")).bfloat16() for _ in range(2))
         for s in SEQS:
             if not (h == 40 and s == 4096):
-                rows.append(_prepass_row(h, d, s, norms, g))
+                rows.append(make_row(h, d, s, weights, g))
                 print(rows[-1], flush=True)
     return rows
 
 
-def _prepass_row(h: int, d: int, s: int, norms, g) -> dict:
+def prepass_times() -> list:
+    return _rows(_prepass_row, 2)
+
+
+def _prepass_row(h: int, d: int, s: int, weights, g) -> dict:
     from fp4vis.kernels.hopper import prepass_triton as tp
     from fp4vis.qk_transform import QKTransform
     n, dev = h * d, "cuda"
+    norms = tuple(torch.nn.RMSNorm(n, eps=1e-6).to(dev, torch.bfloat16).requires_grad_(False) for _ in range(2))
+    for norm, w in zip(norms, weights):
+        norm.weight.copy_(w)
     nbytes = 3 * s * n * 2
     copies = input_copies(nbytes)
     raw = [tuple(_proj(1, s, n, dev, g) for _ in range(3)) for _ in range(copies)]
@@ -244,16 +251,7 @@ def _prepass_policy(fmt: str, raw: list, h: int, norms, rope, tr, copies: int) -
 
 
 def call_times() -> list:
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(3)
-    rows = []
-    for h, d in WIDTHS:
-        weights = tuple((1 + 0.2 * torch.randn(h * d, generator=g, device=dev)).bfloat16() for _ in range(2))
-        for s in SEQS:
-            if not (h == 40 and s == 4096):
-                rows.append(_call_row(h, d, s, weights, g))
-                print(rows[-1], flush=True)
-    return rows
+    return _rows(_call_row, 3)
 
 
 def _call_row(h: int, d: int, s: int, weights, g) -> dict:
