@@ -5,7 +5,11 @@ Same numbers as ``fp4vis.formats`` (``nvfp4_qdq`` / ``mxfp4_qdq``; the PyTorch s
 with its 12-candidate MSE scale search), MXFP4 ``alpha * c`` of V, the anchor permutation of K and
 V folded into the loads (``perm[p]`` is the logical key at physical position p). One program grid
 covers the three tensors: programs ``[0, tq)`` quantize Q rows, ``[tq, tq + tk)`` K rows, the rest
-one 32-token V block each; the three outputs live in one buffer.
+one 32-token V block each; the three outputs live in one buffer. Inputs are (B, H, S, D) views with any
+strides (unit stride along D), read in place. With a layer's q/k transform
+(``fp4vis.qk_transform.QKTransform``; NORM/ROPE) Q and K are the raw projections, normalised with
+the per-token rstd of a first, small launch (``_rms_rstd_kernel``: torch's CUDA rms_norm sum order)
+and rotated in registers as they are loaded (``_qk_values``).
 
 FP8 Q/K operands (``fp8_prepass``, policy ``fast_fp8qk``; ``fp4vis.formats.fp8_pow2_quantize``): a
 second kernel, also one launch: programs ``[0, tq)`` turn ``FP8_BLOCK_Q`` query rows each into E4M3
