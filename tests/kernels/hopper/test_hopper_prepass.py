@@ -440,6 +440,12 @@ for t, (qm, km) in ((tr32, (qa, ka)), (tr, (qn.transpose(1, 2), kn.transpose(1, 
     ref = prepare_kernel_operands(qm.transpose(1, 2), km.transpose(1, 2), v, "block16", 0, fused=True)
     assert all(a is None and c is None or torch.equal(bits(a), bits(c)) for a, c in zip(got, ref))
     n_cases += 1
+# timm's fused qkv projection, (B, N, 3, H, D) permuted to three (B, H, N, D) views: read in place
+qkv = torch.randn(2, 19, 3, 2, 64, generator=g).bfloat16().permute(2, 0, 3, 1, 4)
+for fused, plain in ((tp.prepass(*qkv, "block16"), tp.prepass(*(t.contiguous() for t in qkv), "block16")),
+                     (tp.fp8_prepass(*qkv), tp.fp8_prepass(*(t.contiguous() for t in qkv)))):
+    assert all(torch.equal(bits(a), bits(c)) for a, c in zip(fused, plain))
+    n_cases += 1
 # the values of QKTransform.apply (the unfused path) are diffusers' arithmetic on the CPU too
 layer = torch.nn.RMSNorm(h * d, eps=1e-6)
 assert torch.equal(QKTransform(wq, wk, 1e-6, 1e-6).apply_one(q.transpose(1, 2), wq, 1e-6),
@@ -455,7 +461,8 @@ def test_qk_transform_folded_into_prepass_bit_identical_interpreted():
     the rstd is torch's CUDA rms_norm sum order written out in PyTorch, bit for bit; the NVFP4 (both
     layouts) and FP8 operands and MXFP4 V equal today's pre-pass fed with the normed and rotated values
     (float32 and BF16 rotary tables, the anchor permutation, a zero token, Sq != Skv without rotary
-    embedding, strided V). The GPU test checks the same against torch's own rms_norm."""
+    embedding, strided V); a transform the pre-pass cannot fold is applied first; timm's permuted qkv
+    views are read in place. The GPU test checks the same against torch's own rms_norm."""
     _run_interpreted(_CHECK_QK_TRANSFORM)
 
 
