@@ -245,7 +245,7 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     for head dim ``d``."""
     from . import prepass_triton as tp
     consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.BLOCK_R, BLOCK_D=min(d, 64), CODES_F16=codes_f16,
-                  NORM=False, ROPE=False)
+                  NORM=False, ROPE=False, PRUNE=False)
     asm = compile_triton_sm90(tp._prepass_kernel, tp.compile_signature(False), consts,
                               num_warps or tp.default_warps(d))
     # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to

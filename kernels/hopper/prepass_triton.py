@@ -238,26 +238,52 @@ def _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16: tl.constexpr):
 
 
 @triton.jit
-def _best_scale(alo, ahi, alo2, ahi2, base, WIDE: tl.constexpr, CODES_F16: tl.constexpr):
+def _ruled_out(amax64, s2, sc, best_err):
+    """Whether candidate scale sc cannot beat the best so far, per group (a bound, no per-value work):
+    its total error sum (c sc - |x|)^2 is at least (amax - 6 sc)^2 (the group maximum saturates at code
+    6), and the best's total error is best_err + sum x^2 (best_err in the units of ``_cand_err``, exact;
+    s2 = sum x^2 in float64, within 2^-46 relative). The float64 rounding of the bound, of s2 and of the
+    sum is far inside the margin (s2 + |t|) 2^-40, so ``True`` proves err(sc) >= err(best): sc would
+    not be strictly better, and skipping it keeps the first least-error candidate."""
+    d = tl.maximum(amax64 - (6.0 * sc).to(tl.float64), 0.0)            # exact: few significant bits
+    t = best_err + s2
+    return d * d * (1.0 - 2.0 ** -50) >= t + (s2 + tl.abs(t)) * 2.0 ** -40
+
+
+@triton.jit
+def _best_scale(alo, ahi, alo2, ahi2, base, amax, WIDE: tl.constexpr, CODES_F16: tl.constexpr,
+                PRUNE: tl.constexpr):
     """The first folded-K64 candidate scale with the least error (a later one wins only when
     strictly better), errors from ``_cand_err`` (exact integer units) or, WIDE, ``_cand_err64``
     (float64). A loop, not unrolled (keeps the code small); candidate 9, the second m = 1.0, gives
-    the first's scale and can never be strictly better: skipped."""
+    the first's scale and can never be strictly better: skipped. PRUNE (integer branch only): a
+    candidate that ``_ruled_out`` proves no better in every group of the tile is not evaluated (the
+    same choice; a tile-wide branch, so one group that needs it evaluates it for all)."""
     best_sc = _e4m3(base * 1.0)
     if WIDE:
         best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc, CODES_F16)
     else:
         best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc, CODES_F16)
+    if PRUNE:
+        a64 = alo.to(tl.float64)
+        h64 = ahi.to(tl.float64)
+        s2 = tl.sum(a64 * a64, axis=2) + tl.sum(h64 * h64, axis=2)    # squares exact in float64
+        amax64 = amax.to(tl.float64)
     for i in range(1, 12):
         if i != 9:
             sc = _e4m3(base * _mult_rt(i))
-            if WIDE:
-                err = _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16)
+            if PRUNE:
+                needed = tl.max((~_ruled_out(amax64, s2, sc, best_err)).to(tl.int32)) > 0
             else:
-                err = _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16)
-            better = err < best_err
-            best_err = tl.where(better, err, best_err)
-            best_sc = tl.where(better, sc, best_sc)
+                needed = True
+            if needed:
+                if WIDE:
+                    err = _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16)
+                else:
+                    err = _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16)
+                better = err < best_err
+                best_err = tl.where(better, err, best_err)
+                best_sc = tl.where(better, sc, best_sc)
     return best_sc
 
 
@@ -317,7 +343,7 @@ def _qk_values(X, off, col, m, R, tok, W, woff, COS, SIN, foff, NORM: tl.constex
 
 
 @triton.jit
-def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr):
+def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, PRUNE: tl.constexpr):
     """Decoded folded-K64 NVFP4 of (R, D/32, 16) halves lo, hi (column j*16 + t and that + D/2: one
     64-value group per j), the scale of each group chosen by the exact MSE search."""
     alo = tl.abs(lo)
@@ -326,13 +352,13 @@ def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr):
     base = tl.math.div_rn(amax, 6.0)
     # exact integer path unless a candidate scale saturates E4M3 somewhere in the tile
     if tl.max((base * 1.25 > 448.0).to(tl.int32)) == 0:
-        best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, False, CODES_F16)
+        best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, amax, False, CODES_F16, PRUNE)
     else:
         # a candidate saturates E4M3: the float64 sums of fp4vis.formats (exact unless the group
         # is huge), then the huge groups' rule
         ax64 = alo.to(tl.float64)
         ahx64 = ahi.to(tl.float64)
-        best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, True, CODES_F16)
+        best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, amax, True, CODES_F16, False)
         # huge group (amax >= 48 * the largest candidate, E4M3(base * 1.25): the rounding is
         # monotonic): the error decreases strictly with the scale, the largest scale wins
         sc_max = _e4m3(base * 1.25)
@@ -356,7 +382,7 @@ def _nvfp4_block16(x, CODES_F16: tl.constexpr):
 @triton.jit
 def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
                 FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, CODES_F16: tl.constexpr,
-                NORM: tl.constexpr, ROPE: tl.constexpr):
+                NORM: tl.constexpr, ROPE: tl.constexpr, PRUNE: tl.constexpr):
     """BLOCK_R rows of one NVFP4 operand: rows (g, s) of the (B, H, S, D) view X (strides sb, sh,
     ss, 1; N = B*H*S rows) -> decoded BF16 rows g * S + s in Y; rows gathered by PERM where HAS_PERM
     and the runtime flag use_perm (the K part) are set; values as ``_qk_values``."""
@@ -379,7 +405,7 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN,
         col = tl.arange(0, NB2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]   # (1, NB2, 16)
         lo = _qk_values(X, src, col, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
         hi = _qk_values(X, src, col + D // 2, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
-        out_lo, out_hi = _nvfp4_folded(lo, hi, CODES_F16)
+        out_lo, out_hi = _nvfp4_folded(lo, hi, CODES_F16, PRUNE)
         tl.store(Y + dst + col, out_lo.to(tl.bfloat16), mask=m3)
         tl.store(Y + dst + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
@@ -443,7 +469,8 @@ _RUNTIME_INTS = ["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB", "NKB", "H", "QSB", "
 def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, NK, SK, TQ, TK, NVB, H,
                     QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
+                    BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                    PRUNE: tl.constexpr):
     """Programs [0, TQ): Q row tiles; [TQ, TQ + TK): K row tiles (rows gathered by PERM);
     the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM). Q, K, V: (B, H, S, D)
     views with the given strides; with NORM/ROPE, Q and K are the raw projections and ``_qk_values``
@@ -456,7 +483,7 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ,
         else:
             X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = K, YK, pid - TQ, NK, SK, True, RK, WK, KSB, KSH, KSS
         _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D, FOLDED, HAS_PERM, BLOCK_R,
-                    CODES_F16, NORM, ROPE)
+                    CODES_F16, NORM, ROPE, PRUNE)
     else:
         vid = pid - TQ - TK
         g = vid // NVB
@@ -613,6 +640,12 @@ def default_warps(d: int) -> int:
 def f16_codes_default() -> bool:
     """The E2M1 code form used where a call does not name one."""
     return cached_setting("FP4VIS_PREPASS_F16_CODES") and not _interpreting()
+
+
+def prune_default() -> bool:
+    """Whether the NVFP4 pre-pass skips folded-K64 candidates that a bound rules out
+    (FP4VIS_PREPASS_PRUNE; the same bits either way)."""
+    return cached_setting("FP4VIS_PREPASS_PRUNE")
 
 
 @functools.cache
@@ -774,7 +807,7 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm)) + (ref,) * 6
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     return _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
-                                    perm is not None, block_r, min(d, 64), f16, False, False,
+                                    perm is not None, block_r, min(d, 64), f16, False, False, prune_default(),
                                     num_warps=num_warps or default_warps(d), enable_fp_fusion=False)
 
 
@@ -812,17 +845,20 @@ def _aligned(inputs: tuple) -> bool:
 
 
 def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
-            block_r: int | None = None, num_warps: int | None = None, f16_codes: bool | None = None, qk=None):
+            block_r: int | None = None, num_warps: int | None = None, f16_codes: bool | None = None, qk=None,
+            prune: bool | None = None):
     """(q_hat, k_hat, v6) of (B, H, S, D) views q, k, v (unit stride along D, any other strides) in
     one launch; BF16, contiguous, views of one buffer. ``perm`` (int32, length Skv) gathers the rows
     of K and V (anchor permutation). ``f16_codes``: the E2M1 code form (None: ``f16_codes_default()``;
     the same bits either way). ``qk``: a ``fp4vis.qk_transform.QKTransform`` that
     ``fusable_transform`` accepts; q and k are then the raw projections, normed and rotated on the
-    way in (one more, small launch for the rstd)."""
+    way in (one more, small launch for the rstd). ``prune``: the bound that skips folded-K64 candidates
+    (``_ruled_out``; None: ``prune_default()``; the same bits either way)."""
     _check_views(q, k, v)
     f16 = f16_codes_default() if f16_codes is None else f16_codes
+    prune = prune_default() if prune is None else prune
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, layout,
-           perm is not None, block_r, num_warps, f16, q.device, _transform_key(qk))
+           perm is not None, block_r, num_warps, f16, prune, q.device, _transform_key(qk))
     meta = _META.get(key)
     qk_ptrs, flags = _transform_args(q, k, qk)
     if meta is None:
@@ -831,7 +867,8 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         same = q.shape == k.shape == v.shape
         br = block_r or BLOCK_R
         grid, ints = _geometry(nq // d, q.shape[-2], nk // d, k.shape[-2], v.numel() // (d * k.shape[-2]), d, br)
-        tail = ints + _view_ints(q, k, v) + (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags
+        consts = (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags + (prune,)
+        tail = ints + _view_ints(q, k, v) + consts
         meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, None]
         _META[key] = meta
     alloc, same, grid, tail, _ = meta

@@ -43,7 +43,8 @@ for dtype, d, layout, kind, anchor in cases:
         k[0, 0, 3, :5] = 3000.0   # a saturating group
         q[0, 1, 2] = -0.0
     perm = cached_anchor_permutation(sk, anchor, q.device, torch.int32) if anchor else None
-    yq, yk, yv = tp.prepass(q, k, v, layout, perm)
+    # the BF16 cases skip the candidates the bound rules out, the FP16 ones evaluate every candidate
+    yq, yk, yv = tp.prepass(q, k, v, layout, perm, prune=dtype == torch.bfloat16)
     kk, vv = (k[:, :, perm.long()], v[:, :, perm.long()]) if anchor else (k, v)
     ref = (nvfp4_qdq(q, layout), nvfp4_qdq(kk, layout), mxfp4_qdq(vv, times_six=True))
     for name, a, r in zip("qkv", (yq, yk, yv), ref):
@@ -70,6 +71,8 @@ def _run_interpreted(script: str) -> None:
 
 
 def test_triton_prepass_bit_identical_to_formats_interpreted():
+    """The module docstring's cases; the BF16 ones with the folded-K64 candidates that the bound rules
+    out skipped (``prune=True``), the FP16 ones with every candidate evaluated."""
     _run_interpreted(_CHECK)
 
 
@@ -152,7 +155,7 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
     consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=f16,
-                  NORM=False, ROPE=False)
+                  NORM=False, ROPE=False, PRUNE=f16)
     cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, tpt.default_warps(d)).get("cubin")
     assert cubin
     sass = importlib.import_module("fp4vis.kernels.hopper.compile_check").sass_text(cubin)
@@ -474,7 +477,7 @@ def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
     consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=True, NORM=True,
-                  ROPE=True)
+                  ROPE=True, PRUNE=True)
     assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts).get("cubin")
     consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True)
     assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, rope_dtype=rope_dtype), consts).get(
