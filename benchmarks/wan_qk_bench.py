@@ -21,7 +21,10 @@ Sections (each a key of the JSON, written after every section):
 2. ``prepass``: per shape (B=1, D=128), CUDA events, median, inputs rotated past the L2:
    ``today_ms`` (norm_q, norm_k, the two rotary embeddings and the pre-pass, as the processor ran
    them), ``fused_ms`` (rstd launch + fused pre-pass), ``copy_floor_ms`` (a device copy of the bytes
-   the fused pre-pass must move: q, k, v read once, the operands written once), per policy layout.
+   the fused pre-pass must move: q, k, v read once, the operands written once), per policy layout;
+   for the folded layout also the pre-pass with and without the candidate bound
+   (``prepass_pruned_ms`` / ``prepass_unpruned_ms``, ``fused_pruned_ms``; the checks section counts
+   the pruned operands' differing values too).
 3. ``calls``: per shape, the whole patched-layer attention call (``fp4vis.attention`` with the
    transform, range check as a patched layer runs it) against the kernel alone on prepared operands,
    both CUDA events over back-to-back calls and from a CUDA graph (GPU time, no host overhead).
@@ -97,12 +100,16 @@ def checks(layer: bool = True) -> dict:
             for anchor in (0, 32):
                 perm = cached_anchor_permutation(s, anchor, q.device, torch.int32) if anchor else None
                 for layout in ("folded64_mse", "block16", "fp8"):
+                    row = dict(heads=h, rope=str(rope_dtype), anchor=anchor, layout=layout)
                     if layout == "fp8":
                         fused, plain = tp.fp8_prepass(q, k, v, perm, qk=tr), tp.fp8_prepass(qn, kn, vc, perm)
                     else:
-                        fused, plain = tp.prepass(q, k, v, layout, perm, qk=tr), tp.prepass(qn, kn, vc, layout, perm)
-                    out["operands"].append(dict(heads=h, rope=str(rope_dtype), anchor=anchor, layout=layout,
-                                                differing=[_ndiff(a, c) for a, c in zip(fused, plain)]))
+                        fused = tp.prepass(q, k, v, layout, perm, qk=tr, prune=False)
+                        plain = tp.prepass(qn, kn, vc, layout, perm, prune=False)
+                        pruned = tp.prepass(q, k, v, layout, perm, qk=tr, prune=True)
+                        row["pruned_differing"] = [_ndiff(a, c) for a, c in zip(pruned, plain)]
+                    row["differing"] = [_ndiff(a, c) for a, c in zip(fused, plain)]
+                    out["operands"].append(row)
     if layer:
         out["layer"] = _layer_checks(dev)
     return out
@@ -233,6 +240,7 @@ def _views(projections, h: int) -> tuple:
 
 
 def _prepass_policy(fmt: str, raw: list, h: int, norms, rope, tr, copies: int) -> dict:
+    from fp4vis.kernels.hopper import prepass_triton as tp
     from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
     from fp4vis.qk_transform import apply_rotary_emb
 
@@ -247,6 +255,10 @@ def _prepass_policy(fmt: str, raw: list, h: int, norms, rope, tr, copies: int) -
              prepass_no_transform_ms=time_events(lambda i: prepare_kernel_operands(*_views(raw[i], h), fmt, 0),
                                                  copies))
     r["today_over_fused"] = r["today_ms"] / r["fused_ms"]
+    if fmt == "folded64_mse":   # the candidate bound (FP4VIS_PREPASS_PRUNE) side by side
+        r["prepass_unpruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, prune=False), copies)
+        r["prepass_pruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, prune=True), copies)
+        r["fused_pruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, qk=tr, prune=True), copies)
     return r
 
 
