@@ -919,6 +919,13 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool,
     return [nbytes, parts, tq + g * nkb, tail, None]
 
 
+def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
+                 num_warps: int | None = None, qk=None) -> tuple:
+    """The key under which ``fp8_prepass`` keeps its launch state (``_FP8_META``) for these arguments."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            perm is not None, num_warps, q.device, _transform_key(qk))
+
+
 def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
                 num_warps: int | None = None, qk=None):
     """(q8, k8, v6, q_scale, k_scale) of (B, H, S, D) views q, k, v (unit stride along D; v shaped
@@ -926,8 +933,7 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     views of one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor
     permutation). ``qk`` as in ``prepass``."""
     _check_views(q, k, v)
-    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-           perm is not None, num_warps, q.device, _transform_key(qk))
+    key = fp8_meta_key(q, k, v, perm, num_warps, qk)
     qk_ptrs, flags = _transform_args(q, k, qk)
     meta = _FP8_META.get(key)
     if meta is None:
