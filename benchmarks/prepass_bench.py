@@ -240,8 +240,11 @@ def _fp8_formats_ref(q, kk, vv):
             mxfp4_qdq(vv, times_six=True).to(torch.bfloat16), qs.squeeze(-1).contiguous(), ks.contiguous())
 
 
-def _fp8_meta_key(q, k, v, perm) -> tuple:
-    """The key under which ``fp8_prepass`` keeps its launch state for these inputs (default warps)."""
+def _fp8_meta_key(tp, q, k, v, perm) -> tuple:
+    """The key under which ``fp8_prepass`` keeps its launch state for these inputs (default warps): the
+    module's own ``fp8_meta_key`` where it has one (an ``--old`` module may not)."""
+    if hasattr(tp, "fp8_meta_key"):
+        return tp.fp8_meta_key(q, k, v, perm)
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, perm is not None, None, q.device)
 
 
@@ -251,7 +254,7 @@ def _fp8_calls(tp, q, k, v, perm, n_calls=2):
     dropped first); per call (outputs, launch path, LAUNCH_STATE after the call). The path is
     "unknown" where the module keeps its state under another key than ``_fp8_meta_key``."""
     metas = getattr(tp, "_FP8_META", {})
-    key = _fp8_meta_key(q, k, v, perm)
+    key = _fp8_meta_key(tp, q, k, v, perm)
     metas.pop(key, None)
     out = []
     for _ in range(n_calls):

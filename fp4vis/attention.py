@@ -13,6 +13,7 @@ import torch
 from fp4vis.backends import range_record
 from fp4vis.backends.registry import select_backend
 from fp4vis.policy import Policy, get_policy
+from fp4vis.qk_transform import QKTransform
 from fp4vis.reference import RangeExceededError, RangeReport
 
 Layout = Literal["bhsd", "bshd"]
@@ -107,6 +108,7 @@ def attention(
     layout: Layout = "bhsd",
     backend: str = "auto",
     range_check: RangeCheck = "raise",
+    qk_transform: QKTransform | None = None,
 ) -> torch.Tensor:
     """FP4 attention (non-causal, no mask), SDPA-compatible.
 
@@ -125,6 +127,10 @@ def attention(
             next ``fp4vis.attention`` call, at the end of a patched model's forward, or at
             ``fp4vis.check_range()`` (docs/numerics.md section 8); the message names the call and,
             in a patched model, the layer. "off": no record and no check at all.
+        qk_transform: q and k are a layer's raw projections and this ``QKTransform`` (RMS norms
+            across heads, rotary embedding) makes the attention's q and k from them. A backend that
+            fuses it (the Hopper kernel's pre-pass) reads the projections and never writes the
+            normed q and k; every other path applies it first (``QKTransform.apply``: the same values).
 
     Returns:
         The attention output, q's dtype, in ``layout``.
@@ -156,6 +162,12 @@ def attention(
         scale = default_scale(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
+    if qk_transform is not None and not isinstance(qk_transform, QKTransform):
+        raise TypeError(f"qk_transform: expected a QKTransform, got {type(qk_transform).__name__}")
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if qk_transform is not None and (pol.method == "exact" or grad):
+        q, k = _transformed(q, k, qk_transform, layout)
+        qk_transform = None
     given = (q, k, v)
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -163,19 +175,25 @@ def attention(
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         return out.transpose(1, 2) if layout == "bshd" else out
     grad_inputs = None
-    if pol.method != "exact" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if pol.method != "exact" and grad:
         _warn_straight_through(pol)
         grad_inputs, (q, k, v) = (q, k, v), (q.detach(), k.detach(), v.detach())
     chosen = select_backend(backend, q, k, v, pol, float(scale))
+    fused = {}
+    if qk_transform is not None:
+        if chosen.fuses_qk_transform:
+            fused = {"qk_transform": qk_transform}
+        else:
+            q, k = _transformed(q, k, qk_transform, "bhsd")
     checked = range_check != "off"
     # the record works in CUDA-graph capture too (a replay reports as the captured call), not under
     # torch.compile, whose graphs would specialise on the call's number
     if chosen.records_range and checked and not torch.compiler.is_compiling():
         record = range_record.record_for(q.device).start_call(chosen.name, pol, range_check, layout, given)
-        out, report = chosen.forward(q, k, v, pol, float(scale), record=record)
+        out, report = chosen.forward(q, k, v, pol, float(scale), record=record, **fused)
         checked = False   # reported by the record
     else:
-        out, report = chosen.forward(q, k, v, pol, float(scale))
+        out, report = chosen.forward(q, k, v, pol, float(scale), **fused)
         checked = checked and not _is_tracing()
     if grad_inputs is not None:
         exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, scale=float(scale))
@@ -184,6 +202,14 @@ def attention(
         _check_kernel_output(out, q, k, v, chosen.name)
     enforce_range(report, pol, range_check, stacklevel=2)
     return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def _transformed(q: torch.Tensor, k: torch.Tensor, qk: QKTransform, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk.apply`` (which takes (B, S, H, D)) of q and k in ``layout``."""
+    if layout == "bshd":
+        return qk.apply(q, k)
+    qn, kn = qk.apply(q.transpose(1, 2), k.transpose(1, 2))
+    return qn.transpose(1, 2), kn.transpose(1, 2)
 
 
 def default_scale(head_dim: int) -> float:

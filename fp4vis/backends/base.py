@@ -29,6 +29,9 @@ class Backend:
     #: True where ``forward`` takes ``record=`` (the range record's launch arguments,
     #: ``fp4vis.backends.range_record``): the kernel reports its range on the device
     records_range: bool = False
+    #: True where ``forward`` takes ``qk_transform=`` (a ``fp4vis.qk_transform.QKTransform``: q and k
+    #: are then raw projections that the backend normalises and rotates itself, e.g. in its pre-pass)
+    fuses_qk_transform: bool = False
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can run on this machine at all, else why not."""

@@ -118,11 +118,13 @@ class LayerState:
             warnings.warn(msg, FallbackWarning, stacklevel=3)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *,
-                  layout: str = "bhsd", scale: float | None = None) -> torch.Tensor:
+                  layout: str = "bhsd", scale: float | None = None, qk_transform: Any = None) -> torch.Tensor:
+        """``fp4vis.attention`` with the layer's backend and range check; ``qk_transform``: q and k are
+        raw projections (``fp4vis.attention``'s argument)."""
         from fp4vis.attention import attention as fp4_attention
         with self.fp4_call():
             return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
-                                 range_check=self.range_check)
+                                 range_check=self.range_check, qk_transform=qk_transform)
 
     @contextlib.contextmanager
     def fp4_call(self) -> Iterator[None]:

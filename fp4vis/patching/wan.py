@@ -2,10 +2,18 @@
 
 ``fp4vis.patch`` installs one :class:`FP4WanAttnProcessor` per patched layer with
 ``attn.set_processor`` and restores the previous processor object on ``remove()``. The processor
-computes q, k, v exactly as diffusers' ``WanAttnProcessor`` does (projections, RMS norms, rotary
-embedding, the I2V image branch) and hands them to ``fp4vis.attention`` (layout ``bshd``); when the
-layer runs exact attention (its policy, a per-step override, or a fallback) it calls the original
-processor, or diffusers' ``dispatch_attention_fn`` with the original's backend settings.
+computes q, k, v as diffusers' ``WanAttnProcessor`` does (projections, RMS norms, rotary embedding,
+the I2V image branch) and hands them to ``fp4vis.attention`` (layout ``bshd``); when the layer runs
+exact attention (its policy, a per-step override, or a fallback) it calls the original processor, or
+diffusers' ``dispatch_attention_fn`` with the original's backend settings.
+
+The norms and the rotary embedding are handed over as data where they can be: ``fp4vis.attention``
+gets the raw projections and a ``fp4vis.qk_transform.QKTransform`` (the layer's ``norm_q`` /
+``norm_k`` weights and eps, the rotary tables), and the Hopper backend folds both into its
+pre-pass (the normed and rotated BF16 q and k are never written); every other path applies the
+transform first, with diffusers' arithmetic. The layer computes q and k itself (the transform
+unused) for the I2V image branch (q serves two attention calls), under context parallelism, and
+while calibration or the automatic guard reads them.
 
 Context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(...))``, before or
 after patching): the settings land on the original processor, self-attention runs its FP4 path
@@ -39,6 +47,8 @@ from diffusers.models.transformers.transformer_wan import (
     _get_added_kv_projections,
     _get_qkv_projections,
 )
+
+from fp4vis.qk_transform import QKTransform, apply_rotary_emb
 
 from . import context_parallel
 from .layer import LayerSpec, LayerState, resolve_policy
@@ -95,17 +105,6 @@ def uninstall(spec: LayerSpec, state: LayerState, original: Any) -> None:
         attn.set_processor(original)
 
 
-def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor):
-    # as in diffusers 0.42 WanAttnProcessor
-    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(hidden_states)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(hidden_states)
-
-
 class FP4WanAttnProcessor:
     """Attention processor of one patched ``WanAttention``: fp4vis attention with the layer's
     policy, everything else as diffusers' ``WanAttnProcessor``. ``original`` is the processor it
@@ -132,21 +131,25 @@ class FP4WanAttnProcessor:
     def _parallel_config(self, value):
         self.original._parallel_config = value
 
-    def _attend(self, query, key, value, *, parallel_config) -> torch.Tensor:
+    def _attend(self, query, key, value, *, parallel_config, transform: QKTransform | None = None) -> torch.Tensor:
         """Attention of (B, S, H, D) tensors: fp4vis with the layer's policy, or exact through diffusers.
-        Under context parallelism (``parallel_config`` of self-attention) the FP4 path does its own
-        collectives (``context_parallel``) and the exact path is diffusers' own CP attention."""
+        ``transform``: query and key are raw projections and it makes the attention's q and k (never
+        under context parallelism: the caller checks). Under context parallelism (``parallel_config`` of
+        self-attention) the FP4 path does its own collectives (``context_parallel``) and the exact
+        path is diffusers' own CP attention."""
         st = self.state
         groups = context_parallel.groups_of(parallel_config)
         if groups is not None:  # before any work: every rank raises the same error
             context_parallel.check_layer(st, groups, query.shape[2])
         pol = st.select(query, key, value, layout="bshd", scale=None)
         if pol is None:
+            if transform is not None:
+                query, key = transform.apply(query, key)
             return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          backend=self._attention_backend, parallel_config=parallel_config)
         if groups is not None:
             return context_parallel.attention(st, query, key, value, pol, groups)
-        return st.attention(query, key, value, pol, layout="bshd")
+        return st.attention(query, key, value, pol, layout="bshd", qk_transform=transform)
 
     def __call__(self, attn: WanAttention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -165,14 +168,25 @@ class FP4WanAttnProcessor:
             encoder_hidden_states = encoder_hidden_states[:, image_context_length:]
 
         query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        parallel_config = self._parallel_config if encoder_hidden_states is None else None
+        transform = None
+        if (encoder_hidden_states_img is None and st.recorder is None and st.auto is None
+                and context_parallel.groups_of(parallel_config) is None):
+            transform = QKTransform.from_norms(attn.norm_q, attn.norm_k, rotary_emb)
+        if transform is not None:
+            # the raw projections and the transform: the backend makes q and k (module doc)
+            hidden_states = self._attend(query.unflatten(2, (attn.heads, -1)), key.unflatten(2, (attn.heads, -1)),
+                                         value.unflatten(2, (attn.heads, -1)), parallel_config=parallel_config,
+                                         transform=transform)
+            return self._output(attn, hidden_states.flatten(2, 3).type_as(query))
         query = attn.norm_q(query)
         key = attn.norm_k(key)
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
-            query = _apply_rotary_emb(query, *rotary_emb)
-            key = _apply_rotary_emb(key, *rotary_emb)
+            query = apply_rotary_emb(query, *rotary_emb)
+            key = apply_rotary_emb(key, *rotary_emb)
 
         hidden_states_img = None
         if encoder_hidden_states_img is not None:
@@ -183,14 +197,17 @@ class FP4WanAttnProcessor:
             hidden_states_img = self._attend(query, key_img, value_img, parallel_config=None)
             hidden_states_img = hidden_states_img.flatten(2, 3).type_as(query)
 
-        parallel_config = self._parallel_config if encoder_hidden_states is None else None
         hidden_states = self._attend(query, key, value, parallel_config=parallel_config)
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         if hidden_states_img is not None:
             hidden_states = hidden_states + hidden_states_img
+        return self._output(attn, hidden_states)
+
+    @staticmethod
+    def _output(attn: WanAttention, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer's output projection (and its dropout), as diffusers."""
         hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        return hidden_states
+        return attn.to_out[1](hidden_states)
 
     def __repr__(self) -> str:
         return f"FP4WanAttnProcessor({self.state!r})"

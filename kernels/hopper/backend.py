@@ -230,7 +230,17 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     This plain function is the body of the custom op ``torch.ops.fp4vis.hopper_attention``;
     ``HopperBackend`` calls it directly outside torch.compile, which saves the dispatcher's
     30-85 us per call (H200, benchmarks/results/20261129b_h200_prepass.json)."""
-    ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor)
+    return _attention(q, k, v, None, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
+                      schedule, p_path, num_wg, code_rounding, block_scales, ctas_per_sm, record_fields, record_flag,
+                      call_number)
+
+
+def _attention(q, k, v, qk, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt, schedule,
+               p_path, num_wg, code_rounding, block_scales, ctas_per_sm, record_fields, record_flag,
+               call_number) -> torch.Tensor:
+    """``hopper_attention_eager`` with ``qk``: None, or the ``fp4vis.qk_transform.QKTransform`` that
+    makes the attention's q and k from the raw projections q, k (folded into the pre-pass)."""
+    ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor, qk=qk)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = kernel_config(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
                         shift, native_exp2, anchor, schedule, p_path, num_wg, code_rounding, qk_fmt == QK_FP8,
@@ -266,6 +276,7 @@ class HopperBackend(Backend):
 
     name = HOPPER
     records_range = True
+    fuses_qk_transform = True
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
@@ -284,15 +295,25 @@ class HopperBackend(Backend):
             _policy_reason(policy),
             _cutlass_import_error())
 
-    def forward(self, q, k, v, policy, scale, record=None):
+    def forward(self, q, k, v, policy, scale, record=None, qk_transform=None):
         # the custom op under torch.compile (one graph node) and where autograd would need it (it has
-        # no backward: it then fails at backward, not silently); the same function, undispatched,
-        # otherwise
+        # no backward: it then fails at backward, not silently), with q and k made by PyTorch; the same
+        # function, undispatched, otherwise, where the pre-pass reads the (B, H, S, D) views in place
+        # and folds the q/k transform in
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        op = torch.ops.fp4vis.hopper_attention if torch.compiler.is_compiling() or grad else hopper_attention_eager
         rec = {} if record is None else dict(zip(("record_fields", "record_flag", "call_number"), record))
-        out = op(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
-                 **policy_args(policy, q.shape[-1], float(scale)), **rec)
+        args = dict(policy_args(policy, q.shape[-1], float(scale)), **rec)
+        if torch.compiler.is_compiling() or grad:
+            if qk_transform is not None:
+                qn, kn = qk_transform.apply(q.transpose(1, 2), k.transpose(1, 2))
+                q, k = qn.transpose(1, 2), kn.transpose(1, 2)
+            out = torch.ops.fp4vis.hopper_attention(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
+                                                    **args)
+            return out, None
+        defaults = dict(schedule="", p_path="", num_wg=0, block_scales="", ctas_per_sm=0, record_fields=0,
+                        record_flag=0, call_number=0)
+        defaults.update(args)
+        out = _attention(q, k, v, qk_transform, float(scale), **defaults)
         return out, None
 
 

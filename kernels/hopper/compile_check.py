@@ -244,10 +244,10 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     permutation; the exact-integer branch, not the saturating tiles' float64 one) in the sm_90 build
     for head dim ``d``."""
     from . import prepass_triton as tp
-    sig = {name: "*bf16" for name in ("Q", "K", "V", "YQ", "YK", "YV")}
-    sig.update(PERM="*i32", **{name: "i32" for name in ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")})
-    consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.BLOCK_R, BLOCK_D=min(d, 64), CODES_F16=codes_f16)
-    asm = compile_triton_sm90(tp._prepass_kernel, sig, consts, num_warps or tp.default_warps(d))
+    consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.BLOCK_R, BLOCK_D=min(d, 64), CODES_F16=codes_f16,
+                  NORM=False, ROPE=False, PRUNE=False)
+    asm = compile_triton_sm90(tp._prepass_kernel, tp.compile_signature(False), consts,
+                              num_warps or tp.default_warps(d))
     # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to
     # itself) that ends the listing
     loops = [body for body in innermost_loops(sass_text(asm["cubin"]))

@@ -111,11 +111,27 @@ def _fused_module(x: torch.Tensor, fused: bool | None):
     return tp
 
 
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t as the Triton pre-pass reads it: any (B, H, S, D) view whose D values are adjacent."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str,
-                     anchor: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q_hat, k_hat, v6), BF16, (B, H, S, D) contiguous, from (B, H, S, D) inputs.
+def _with_transform(q: torch.Tensor, k: torch.Tensor, qk, tp) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(q, k, the transform left for the Triton pre-pass): ``qk`` (a ``fp4vis.qk_transform.QKTransform``
+    of raw (B, H, S, D) projections, or None) stays for the pre-pass where it folds into it
+    (``prepass_triton.fusable_transform``); otherwise it is applied here, in PyTorch, as the
+    unpatched layer applies it, and the pre-pass gets ordinary q and k (also with FP4VIS_PREPASS_FUSED_QK=0)."""
+    if qk is None or (tp is not None and cached_setting("FP4VIS_PREPASS_FUSED_QK")
+                      and tp.fusable_transform(q, k, qk) is None):
+        return q, k, qk
+    qn, kn = qk.apply(q.transpose(1, 2), k.transpose(1, 2))
+    return qn.transpose(1, 2), kn.transpose(1, 2), None
+
+
+def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, anchor: int,
+                     fused: bool | None = None, qk=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_hat, k_hat, v6), BF16, (B, H, S, D) contiguous, from (B, H, S, D) inputs (views: the fused
+    path reads them in place). ``qk``: see ``_with_transform``.
 
     ``fused`` (default: on CUDA tensors when Triton imports) runs the Triton pre-pass of
     ``prepass_triton``: one launch for Q, K and V, the three operands views of one buffer;
@@ -123,11 +139,14 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layou
     only when ``fused`` is True or FP4VIS_PREPASS_FUSED_FOLDED is on (the default; 0 sends the folded
     layout through ``fp4vis.formats``: the same bits, slow)."""
     tp = _fused_module(q, fused)
+    one_launch = tp is not None and (qk_layout == "block16" or fused or cached_setting("FP4VIS_PREPASS_FUSED_FOLDED"))
+    q, k, qk = _with_transform(q, k, qk, tp if one_launch else None)
     if tp is not None:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
         perm = _int32_permutation(k, anchor)
-        if qk_layout == "block16" or fused or cached_setting("FP4VIS_PREPASS_FUSED_FOLDED"):
-            return tp.prepass(q, k, v, qk_layout, perm)
+        if one_launch:
+            return tp.prepass(q, k, v, qk_layout, perm, qk=qk)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         v6 = tp.mxfp4_v6(v, perm)
         if anchor > 0:
             k = k.index_select(-2, cached_anchor_permutation(k.shape[-2], anchor, k.device))
@@ -144,7 +163,7 @@ def _fp8_fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prepare_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchor: int,
-                         fused: bool | None = None):
+                         fused: bool | None = None, qk=None):
     """(q8, k8, v6, q_scale, k_scale) for ``qk_format="fp8_e4m3"`` from (B, H, S, D) inputs (Sq may
     differ from Skv), all contiguous:
 
@@ -157,16 +176,17 @@ def prepare_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anch
     NaN or Inf in q or k gives NaN in q8 / k8 at that position (the scales are then unspecified).
     ``fused`` as in ``prepare_operands`` (the Triton pre-pass where D is a power of two and V is
     shaped like K; the PyTorch formulation otherwise, through ``fp4vis.formats.fp8_pow2_quantize``).
-    No host synchronisation on either path (CUDA-graph capture)."""
+    No host synchronisation on either path (CUDA-graph capture). ``qk``: see ``_with_transform``."""
     tp = _fused_module(q, fused)
     if tp is not None and not _fp8_fusable(q, k, v):
         if fused:
             raise ValueError(f"fused FP8 pre-pass: needs one head dim, a power of two, and v shaped like k; "
                              f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         tp = None
+    q, k, qk = _with_transform(q, k, qk, tp)
     if tp is not None:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return tp.fp8_prepass(q, k, v, _int32_permutation(k, anchor))
+        q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+        return tp.fp8_prepass(q, k, v, _int32_permutation(k, anchor), qk=qk)
     k, v = _physical_keys(k, v, anchor)
     q8, q_scale = _fp8_values(q, 1)
     k8, k_scale = _fp8_values(k, FP8_KEY_GROUP)
@@ -176,10 +196,11 @@ def prepare_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anch
 
 
 def prepare_kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_fmt: str, anchor: int,
-                            fused: bool | None = None):
+                            fused: bool | None = None, qk=None):
     """(q_hat, k_hat, v6, q_scale, k_scale) for the kernel, whichever the Q/K format: the FP8 operands
     of ``prepare_fp8_operands`` for ``"fp8_e4m3"``, else ``prepare_operands`` with both scales None
-    (the NVFP4 operands are decoded values: the kernel reads no scales)."""
+    (the NVFP4 operands are decoded values: the kernel reads no scales). ``qk``: a
+    ``fp4vis.qk_transform.QKTransform`` of raw projections q, k (``_with_transform``)."""
     if qk_fmt == QK_FP8:
-        return prepare_fp8_operands(q, k, v, anchor, fused)
-    return (*prepare_operands(q, k, v, qk_fmt, anchor, fused), None, None)
+        return prepare_fp8_operands(q, k, v, anchor, fused, qk)
+    return (*prepare_operands(q, k, v, qk_fmt, anchor, fused, qk), None, None)

@@ -5,7 +5,11 @@ Same numbers as ``fp4vis.formats`` (``nvfp4_qdq`` / ``mxfp4_qdq``; the PyTorch s
 with its 12-candidate MSE scale search), MXFP4 ``alpha * c`` of V, the anchor permutation of K and
 V folded into the loads (``perm[p]`` is the logical key at physical position p). One program grid
 covers the three tensors: programs ``[0, tq)`` quantize Q rows, ``[tq, tq + tk)`` K rows, the rest
-one 32-token V block each; the three outputs live in one buffer.
+one 32-token V block each; the three outputs live in one buffer. Inputs are (B, H, S, D) views with any
+strides (unit stride along D), read in place. With a layer's q/k transform
+(``fp4vis.qk_transform.QKTransform``; NORM/ROPE) Q and K are the raw projections, normalised with
+the per-token rstd of a first, small launch (``_rms_rstd_kernel``: torch's CUDA rms_norm sum order)
+and rotated in registers as they are loaded (``_qk_values``).
 
 FP8 Q/K operands (``fp8_prepass``, policy ``fast_fp8qk``; ``fp4vis.formats.fp8_pow2_quantize``): a
 second kernel, also one launch: programs ``[0, tq)`` turn ``FP8_BLOCK_Q`` query rows each into E4M3
@@ -234,26 +238,52 @@ def _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16: tl.constexpr):
 
 
 @triton.jit
-def _best_scale(alo, ahi, alo2, ahi2, base, WIDE: tl.constexpr, CODES_F16: tl.constexpr):
+def _ruled_out(amax64, s2, sc, best_err):
+    """Whether candidate scale sc cannot beat the best so far, per group (a bound, no per-value work):
+    its total error sum (c sc - |x|)^2 is at least (amax - 6 sc)^2 (the group maximum saturates at code
+    6), and the best's total error is best_err + sum x^2 (best_err in the units of ``_cand_err``, exact;
+    s2 = sum x^2 in float64, within 2^-46 relative). The float64 rounding of the bound, of s2 and of the
+    sum is far inside the margin (s2 + |t|) 2^-40, so ``True`` proves err(sc) >= err(best): sc would
+    not be strictly better, and skipping it keeps the first least-error candidate."""
+    d = tl.maximum(amax64 - (6.0 * sc).to(tl.float64), 0.0)            # exact: few significant bits
+    t = best_err + s2
+    return d * d * (1.0 - 2.0 ** -50) >= t + (s2 + tl.abs(t)) * 2.0 ** -40
+
+
+@triton.jit
+def _best_scale(alo, ahi, alo2, ahi2, base, amax, WIDE: tl.constexpr, CODES_F16: tl.constexpr,
+                PRUNE: tl.constexpr):
     """The first folded-K64 candidate scale with the least error (a later one wins only when
     strictly better), errors from ``_cand_err`` (exact integer units) or, WIDE, ``_cand_err64``
     (float64). A loop, not unrolled (keeps the code small); candidate 9, the second m = 1.0, gives
-    the first's scale and can never be strictly better: skipped."""
+    the first's scale and can never be strictly better: skipped. PRUNE (integer branch only): a
+    candidate that ``_ruled_out`` proves no better in every group of the tile is not evaluated (the
+    same choice; a tile-wide branch, so one group that needs it evaluates it for all)."""
     best_sc = _e4m3(base * 1.0)
     if WIDE:
         best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc, CODES_F16)
     else:
         best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc, CODES_F16)
+    if PRUNE:
+        a64 = alo.to(tl.float64)
+        h64 = ahi.to(tl.float64)
+        s2 = tl.sum(a64 * a64, axis=2) + tl.sum(h64 * h64, axis=2)    # squares exact in float64
+        amax64 = amax.to(tl.float64)
     for i in range(1, 12):
         if i != 9:
             sc = _e4m3(base * _mult_rt(i))
-            if WIDE:
-                err = _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16)
+            if PRUNE:
+                needed = tl.max((~_ruled_out(amax64, s2, sc, best_err)).to(tl.int32)) > 0
             else:
-                err = _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16)
-            better = err < best_err
-            best_err = tl.where(better, err, best_err)
-            best_sc = tl.where(better, sc, best_sc)
+                needed = True
+            if needed:
+                if WIDE:
+                    err = _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16)
+                else:
+                    err = _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16)
+                better = err < best_err
+                best_err = tl.where(better, err, best_err)
+                best_sc = tl.where(better, sc, best_sc)
     return best_sc
 
 
@@ -265,63 +295,124 @@ def _nan_if_not_finite(out, mag):
 
 
 @triton.jit
-def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D: tl.constexpr, FOLDED: tl.constexpr,
-                HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, CODES_F16: tl.constexpr):
-    """BLOCK_R rows of one NVFP4 operand: X (N = G*S rows of D) -> decoded BF16 rows in Y; rows
-    gathered by PERM where HAS_PERM and the runtime flag use_perm (the K part) are set."""
+def _src_offsets(g, s, H, sb, sh, ss):
+    """Element offsets of rows (head group g = b * H + h, token s) of a (B, H, S, D) view with strides
+    (sb, sh, ss, 1), and their token index b * S + s is left to the caller: returns (offsets, b, h)."""
+    b = g // H
+    h = g - b * H
+    return b.to(tl.int64) * sb + h.to(tl.int64) * sh + s.to(tl.int64) * ss, b, h
+
+
+@triton.jit
+def _normed(X, off, m, r, W, woff):
+    """BF16 RMS-normed values, in float32, of the BF16 projection at X + off: ``w * (rstd * x)``
+    rounded to BF16, as torch's CUDA rms_norm (float32 products in that order, one rounding)."""
+    x = _f32(tl.load(X + off, mask=m, other=0.0))
+    return _bf16_round((x * r) * _f32(tl.load(W + woff)))
+
+
+@triton.jit
+def _qk_values(X, off, col, m, R, tok, W, woff, COS, SIN, foff, NORM: tl.constexpr, ROPE: tl.constexpr,
+               TO_BF16: tl.constexpr):
+    """float32 values of q or k at X + off + col: the input itself (rounded to BF16 first where
+    TO_BF16, as the NVFP4 quantizer of fp4vis.formats takes it), or
+    (NORM) RMS-normed with the token's rstd R[tok] and the weights W[woff + col], then (ROPE)
+    rotated as ``fp4vis.qk_transform.apply_rotary_emb``: the pair of column c is c ^ 1, the even
+    column of a pair takes ``x cos[c] - x' sin[c + 1]``, the odd one ``x' sin[c] + x cos[c - 1]``
+    (float32 tables: float32 products and sum; BF16 tables: each product and the sum rounded to
+    BF16, as torch's BF16 ops do), rounded to BF16 once at the end."""
+    if NORM:
+        r = tl.load(R + tok, mask=m, other=0.0)
+        x = _normed(X, off + col, m, r, W, woff + col)
+        if ROPE:
+            pair = col ^ 1
+            xp = _normed(X, off + pair, m, r, W, woff + pair)
+            ce = _f32(tl.load(COS + foff + (col & -2), mask=m, other=0.0))
+            so = _f32(tl.load(SIN + foff + (col | 1), mask=m, other=0.0))
+            t1 = x * ce
+            t2 = xp * so
+            if COS.dtype.element_ty == tl.bfloat16:
+                t1 = _bf16_round(t1)
+                t2 = _bf16_round(t2)
+            x = _bf16_round(tl.where((col & 1) != 0, t1 + t2, t1 - t2))
+    elif TO_BF16:
+        x = _bf16_round(tl.load(X + off + col, mask=m, other=0.0).to(tl.float32))
+    else:
+        x = _f32(tl.load(X + off + col, mask=m, other=0.0))
+    return x
+
+
+@triton.jit
+def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, PRUNE: tl.constexpr):
+    """Decoded folded-K64 NVFP4 of (R, D/32, 16) halves lo, hi (column j*16 + t and that + D/2: one
+    64-value group per j), the scale of each group chosen by the exact MSE search."""
+    alo = tl.abs(lo)
+    ahi = tl.abs(hi)
+    amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))   # (R, NB2)
+    base = tl.math.div_rn(amax, 6.0)
+    # exact integer path unless a candidate scale saturates E4M3 somewhere in the tile
+    if tl.max((base * 1.25 > 448.0).to(tl.int32)) == 0:
+        best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, amax, False, CODES_F16, PRUNE)
+    else:
+        # a candidate saturates E4M3: the float64 sums of fp4vis.formats (exact unless the group
+        # is huge), then the huge groups' rule
+        ax64 = alo.to(tl.float64)
+        ahx64 = ahi.to(tl.float64)
+        best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, amax, True, CODES_F16, False)
+        # huge group (amax >= 48 * the largest candidate, E4M3(base * 1.25): the rounding is
+        # monotonic): the error decreases strictly with the scale, the largest scale wins
+        sc_max = _e4m3(base * 1.25)
+        best_sc = tl.where(amax >= 48.0 * sc_max, sc_max, best_sc)
+    sc3 = best_sc[:, :, None]
+    r3 = _rcp(best_sc)[:, :, None]
+    out_lo = _nan_if_not_finite(_signed(_code(alo, r3, CODES_F16) * sc3, lo, sc3), alo)
+    out_hi = _nan_if_not_finite(_signed(_code(ahi, r3, CODES_F16) * sc3, hi, sc3), ahi)
+    return out_lo, out_hi
+
+
+@triton.jit
+def _nvfp4_block16(x, CODES_F16: tl.constexpr):
+    """Decoded block16 NVFP4 of (R, D/16, 16) x (one group per middle index)."""
+    ax = tl.abs(x)
+    sc = _e4m3(tl.math.div_rn(tl.max(ax, axis=2), 6.0))
+    sc3 = sc[:, :, None]
+    return _nan_if_not_finite(_signed(_code(ax, _rcp(sc)[:, :, None], CODES_F16) * sc3, x, sc3), ax)
+
+
+@triton.jit
+def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
+                FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, CODES_F16: tl.constexpr,
+                NORM: tl.constexpr, ROPE: tl.constexpr, PRUNE: tl.constexpr):
+    """BLOCK_R rows of one NVFP4 operand: rows (g, s) of the (B, H, S, D) view X (strides sb, sh,
+    ss, 1; N = B*H*S rows) -> decoded BF16 rows g * S + s in Y; rows gathered by PERM where HAS_PERM
+    and the runtime flag use_perm (the K part) are set; values as ``_qk_values``."""
     rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)          # global row = g * S + s (physical)
     rmask = rows < N
     rows = tl.where(rmask, rows, 0)
+    g = rows // S
+    s = rows - g * S
     if HAS_PERM:
-        g = rows // S
-        s = rows - g * S
-        src_rows = tl.where(use_perm, g * S + tl.load(PERM + s, mask=rmask & use_perm, other=0), rows)
-    else:
-        src_rows = rows
-    src = src_rows.to(tl.int64) * D
-    dst = rows.to(tl.int64) * D
+        s = tl.where(use_perm, tl.load(PERM + s, mask=rmask & use_perm, other=0), s)
+    src, b, h = _src_offsets(g, s, H, sb, sh, ss)
+    tok = (b * S + s)[:, None, None]
+    woff = (h * D)[:, None, None]
+    foff = (s.to(tl.int64) * D)[:, None, None]
+    src = src[:, None, None]
+    dst = (rows.to(tl.int64) * D)[:, None, None]
     m3 = rmask[:, None, None]
     if FOLDED:
         NB2: tl.constexpr = D // 32
-        j = tl.arange(0, NB2)
-        t = tl.arange(0, 16)
-        col = j[None, :, None] * 16 + t[None, None, :]    # (1, NB2, 16)
-        lo = _bf16_round(tl.load(X + src[:, None, None] + col, mask=m3, other=0.0).to(tl.float32))
-        hi = _bf16_round(tl.load(X + src[:, None, None] + col + D // 2, mask=m3, other=0.0).to(tl.float32))
-        alo = tl.abs(lo)
-        ahi = tl.abs(hi)
-        amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))   # (R, NB2)
-        base = tl.math.div_rn(amax, 6.0)
-        # exact integer path unless a candidate scale saturates E4M3 somewhere in the tile
-        if tl.max((base * 1.25 > 448.0).to(tl.int32)) == 0:
-            best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, False, CODES_F16)
-        else:
-            # a candidate saturates E4M3: the float64 sums of fp4vis.formats (exact unless the group
-            # is huge), then the huge groups' rule
-            ax64 = alo.to(tl.float64)
-            ahx64 = ahi.to(tl.float64)
-            best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, True, CODES_F16)
-            # huge group (amax >= 48 * the largest candidate, E4M3(base * 1.25): the rounding is
-            # monotonic): the error decreases strictly with the scale, the largest scale wins
-            sc_max = _e4m3(base * 1.25)
-            best_sc = tl.where(amax >= 48.0 * sc_max, sc_max, best_sc)
-        sc3 = best_sc[:, :, None]
-        r3 = _rcp(best_sc)[:, :, None]
-        out_lo = _nan_if_not_finite(_signed(_code(alo, r3, CODES_F16) * sc3, lo, sc3), alo)
-        out_hi = _nan_if_not_finite(_signed(_code(ahi, r3, CODES_F16) * sc3, hi, sc3), ahi)
-        tl.store(Y + dst[:, None, None] + col, out_lo.to(tl.bfloat16), mask=m3)
-        tl.store(Y + dst[:, None, None] + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
+        col = tl.arange(0, NB2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]   # (1, NB2, 16)
+        lo = _qk_values(X, src, col, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
+        hi = _qk_values(X, src, col + D // 2, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
+        out_lo, out_hi = _nvfp4_folded(lo, hi, CODES_F16, PRUNE)
+        tl.store(Y + dst + col, out_lo.to(tl.bfloat16), mask=m3)
+        tl.store(Y + dst + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
         NB: tl.constexpr = D // 16
-        j = tl.arange(0, NB)
-        t = tl.arange(0, 16)
-        col = j[None, :, None] * 16 + t[None, None, :]
-        x = _bf16_round(tl.load(X + src[:, None, None] + col, mask=m3, other=0.0).to(tl.float32))
-        ax = tl.abs(x)
-        sc = _e4m3(tl.math.div_rn(tl.max(ax, axis=2), 6.0))
-        sc3 = sc[:, :, None]
-        out = _nan_if_not_finite(_signed(_code(ax, _rcp(sc)[:, :, None], CODES_F16) * sc3, x, sc3), ax)
-        tl.store(Y + dst[:, None, None] + col, out.to(tl.bfloat16), mask=m3)
+        col = tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        x = _qk_values(X, src, col, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
+        tl.store(Y + dst + col, _nvfp4_block16(x, CODES_F16).to(tl.bfloat16), mask=m3)
 
 
 @triton.jit
@@ -333,23 +424,25 @@ def _pow2(e):
 
 @triton.jit
 def _key_block_rows(PERM, blk, g, S, HAS_PERM: tl.constexpr):
-    """(valid, src, dst) of the 32 physical keys of block blk in head group g: the int64 rows read
-    (``perm[p]``, the logical key at physical position p, where HAS_PERM) and written (p). Shared
-    by the K and V blocks, which must agree on the physical order."""
+    """(valid, s, dst) of the 32 physical keys of block blk in head group g: the logical keys read
+    (``perm[p]``, the logical key at physical position p, where HAS_PERM) and the int64 rows
+    written (g * S + p). Shared by the K and V blocks, which must agree on the physical order."""
     p = blk * 32 + tl.arange(0, 32)
     valid = p < S
     if HAS_PERM:
         src_s = tl.load(PERM + p, mask=valid, other=0)
     else:
         src_s = p
-    return valid, (g * S + src_s).to(tl.int64), (g * S + p).to(tl.int64)
+    return valid, src_s, (g * S + p).to(tl.int64)
 
 
 @triton.jit
-def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One 32-token block of V (head group g) -> alpha * c in BF16."""
-    valid, src, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
-    src = src * D
+def _mxfp4_block(V, Y, PERM, blk, g, S, H, sb, sh, ss, D: tl.constexpr, HAS_PERM: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """One 32-token block of V (head group g; a (B, H, S, D) view with strides sb, sh, ss, 1) ->
+    alpha * c in BF16."""
+    valid, s, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
+    src, _b, _h = _src_offsets(g, s, H, sb, sh, ss)
     dst = dst * D
     for d0 in tl.static_range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
@@ -367,24 +460,34 @@ def _mxfp4_block(V, Y, PERM, blk, g, S, D: tl.constexpr, HAS_PERM: tl.constexpr,
         tl.store(Y + dst[:, None] + dcol[None, :], _bf16_exact(out), mask=valid[:, None])
 
 
-@triton.jit(do_not_specialize=["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB"])
-def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, NQ, SQ, NK, SK, TQ, TK, NVB,
+# runtime integers of both pre-pass kernels (not specialised: one compile serves every shape)
+_RUNTIME_INTS = ["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB", "NKB", "H", "QSB", "QSH", "QSS", "KSB", "KSH", "KSS",
+                 "VSB", "VSH", "VSS"]
+
+
+@triton.jit(do_not_specialize=[n for n in _RUNTIME_INTS if n != "NKB"])
+def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, NK, SK, TQ, TK, NVB, H,
+                    QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr):
+                    BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                    PRUNE: tl.constexpr):
     """Programs [0, TQ): Q row tiles; [TQ, TQ + TK): K row tiles (rows gathered by PERM);
-    the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM)."""
+    the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM). Q, K, V: (B, H, S, D)
+    views with the given strides; with NORM/ROPE, Q and K are the raw projections and ``_qk_values``
+    normalises (rstd RQ/RK, weights WQ/WK) and rotates (COS, SIN) them on the way in."""
     pid = tl.program_id(0)
     if pid < TQ + TK:
         # Q and K share one copy of the (large) quantizer code: pick the part's pointers and sizes
         if pid < TQ:
-            X, Y, tile, N, S, use_perm = Q, YQ, pid, NQ, SQ, False
+            X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = Q, YQ, pid, NQ, SQ, False, RQ, WQ, QSB, QSH, QSS
         else:
-            X, Y, tile, N, S, use_perm = K, YK, pid - TQ, NK, SK, True
-        _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, D, FOLDED, HAS_PERM, BLOCK_R, CODES_F16)
+            X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = K, YK, pid - TQ, NK, SK, True, RK, WK, KSB, KSH, KSS
+        _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D, FOLDED, HAS_PERM, BLOCK_R,
+                    CODES_F16, NORM, ROPE, PRUNE)
     else:
         vid = pid - TQ - TK
         g = vid // NVB
-        _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, D, HAS_PERM, BLOCK_D)
+        _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D)
 
 
 @triton.jit
@@ -409,46 +512,112 @@ def _fp8_e4m3(x, e):
 
 
 @triton.jit
-def _fp8_query_rows(Q, Q8, QS, tile, NQ, D: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """BLOCK_Q rows of Q (NQ rows of D in all), one scale per row: E4M3 in Q8, 2^E in QS."""
+def _fp8_query_rows(Q, Q8, QS, tile, NQ, S, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
+    """BLOCK_Q rows of Q (NQ rows (g, s) of a (B, H, S, D) view in all), one scale per row: E4M3 in
+    Q8, 2^E in QS; values as ``_qk_values``."""
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     rmask = rows < NQ
-    off = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
-    x = _f32(tl.load(Q + off, mask=rmask[:, None], other=0.0))
+    rows = tl.where(rmask, rows, 0)
+    g = rows // S
+    s = rows - g * S
+    src, b, h = _src_offsets(g, s, H, sb, sh, ss)
+    col = tl.arange(0, D)[None, :]
+    x = _qk_values(Q, src[:, None], col, rmask[:, None], R, (b * S + s)[:, None], W, (h * D)[:, None], COS, SIN,
+                   (s.to(tl.int64) * D)[:, None], NORM, ROPE, False)
     e = _fp8_group_exponent(tl.max(tl.abs(x), axis=1))
-    tl.store(Q8 + off, _fp8_e4m3(x, e[:, None]), mask=rmask[:, None])
+    tl.store(Q8 + rows.to(tl.int64)[:, None] * D + col, _fp8_e4m3(x, e[:, None]), mask=rmask[:, None])
     tl.store(QS + rows, _pow2(e), mask=rmask)
 
 
 @triton.jit
-def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, D: tl.constexpr, HAS_PERM: tl.constexpr):
+def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
+                   HAS_PERM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
     """Physical 32-key block blk of head group g, one scale for the block (its valid keys only):
     E4M3 in K8, 2^E in KS (NKB entries per head group; blocks past the sequence, which pad the
-    scales to whole kernel tiles, get 1.0)."""
-    valid, src, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
+    scales to whole kernel tiles, get 1.0); values as ``_qk_values``."""
+    valid, s, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
+    src, b, h = _src_offsets(g, s, H, sb, sh, ss)
     col = tl.arange(0, D)[None, :]
-    x = _f32(tl.load(K + src[:, None] * D + col, mask=valid[:, None], other=0.0))
+    x = _qk_values(K, src[:, None], col, valid[:, None], R, (b * S + s)[:, None], W, (h * D)[:, None], COS, SIN,
+                   (s.to(tl.int64) * D)[:, None], NORM, ROPE, False)
     e = _fp8_group_exponent(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
     tl.store(K8 + dst[:, None] * D + col, _fp8_e4m3(x, e), mask=valid[:, None])
     tl.store(KS + g * NKB + blk, tl.where(blk * 32 < S, _pow2(e), 1.0))
 
 
-@triton.jit(do_not_specialize=["NQ", "TQ", "SK", "NKB", "NVB"])
-def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, NQ, TQ, SK, NKB, NVB,
-                        D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=[n for n in _RUNTIME_INTS if n not in ("NK", "TK")])
+def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, TQ, SK, NKB, NVB, H,
+                        QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
+                        D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                        NORM: tl.constexpr, ROPE: tl.constexpr):
     """Programs [0, TQ): Q row tiles; the rest one (head group, 32-key block) each, NKB blocks per
     group (scales padded to whole kernel tiles): the K block and, for the NVB blocks that hold keys,
-    the V block at the same physical keys (both gathered by PERM)."""
+    the V block at the same physical keys (both gathered by PERM). Views and NORM/ROPE as
+    ``_prepass_kernel``."""
     pid = tl.program_id(0)
     if pid < TQ:
-        _fp8_query_rows(Q, Q8, QS, pid, NQ, D, BLOCK_Q)
+        _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D, BLOCK_Q, NORM, ROPE)
     else:
         kid = pid - TQ
         g = kid // NKB
         blk = kid - g * NKB
-        _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, D, HAS_PERM)
+        _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, H, KSB, KSH, KSS, RK, WK, COS, SIN, D, HAS_PERM, NORM, ROPE)
         if blk < NVB:
-            _mxfp4_block(V, V6, PERM, blk, g, SK, D, HAS_PERM, BLOCK_D)
+            _mxfp4_block(V, V6, PERM, blk, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D)
+
+
+@triton.jit
+def _rms_rstd_rows(X, R, tile, NT, S, sb, ss, N, eps, BLOCK_T: tl.constexpr, THREADS: tl.constexpr,
+                   NCHUNK: tl.constexpr):
+    """rstd of BLOCK_T tokens (b * S + s < NT) of a (B, S, N) projection (strides sb, ss, 1) in the
+    order of torch's vectorized CUDA rms_norm (a block of THREADS threads, 32-lane warps, one row):
+    thread t sums x^2 over its 4-value vectors t, t + THREADS, ... in turn, value by value, then a
+    shuffle-down tree over the 32 lanes (lane i + lane i + 16, then + 8, ...) and one over the warps
+    (warp i + warp i + W/2, ...); the sum over N (a correctly rounded division), + eps, rsqrt. Every
+    addition of two partial sums is one float32 rounding, so the same tree gives the same bits; x^2
+    of a BF16/FP16 value is exact; padding adds exact zeros."""
+    tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < NT
+    tok = tl.where(tmask, tok, 0)
+    b = tok // S
+    base = (b.to(tl.int64) * sb + (tok - b * S).to(tl.int64) * ss)[:, None]
+    acc = tl.zeros((BLOCK_T, THREADS), tl.float32)
+    for j in tl.static_range(NCHUNK):
+        col = j * THREADS * 4 + tl.arange(0, THREADS * 4)
+        x = _f32(tl.load(X + base + col[None, :], mask=tmask[:, None] & (col < N)[None, :], other=0.0))
+        even, odd = tl.split(tl.reshape(x, (BLOCK_T, THREADS, 2, 2)))   # vector values 0, 2 / 1, 3
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        acc = acc + x0 * x0
+        acc = acc + x1 * x1
+        acc = acc + x2 * x2
+        acc = acc + x3 * x3
+    WARPS: tl.constexpr = THREADS // 32
+    lanes = tl.reshape(acc, (BLOCK_T, WARPS, 32))
+    lanes = tl.sum(tl.reshape(lanes, (BLOCK_T, WARPS, 2, 16)), axis=2)
+    lanes = tl.sum(tl.reshape(lanes, (BLOCK_T, WARPS, 2, 8)), axis=2)
+    lanes = tl.sum(tl.reshape(lanes, (BLOCK_T, WARPS, 2, 4)), axis=2)
+    lanes = tl.sum(tl.reshape(lanes, (BLOCK_T, WARPS, 2, 2)), axis=2)
+    warps = tl.sum(lanes, axis=2)                                       # (BLOCK_T, WARPS)
+    if WARPS >= 8:
+        warps = tl.sum(tl.reshape(warps, (BLOCK_T, 2, WARPS // 2)), axis=1)
+    if WARPS >= 4:
+        warps = tl.sum(tl.reshape(warps, (BLOCK_T, 2, 2)), axis=1)
+    total = tl.sum(warps, axis=1)
+    rstd = tl.math.rsqrt(tl.math.div_rn(total, N.to(tl.float32)) + eps)
+    tl.store(R + tok, rstd, mask=tmask)
+
+
+@triton.jit(do_not_specialize=["NQT", "NKT", "TQ", "SQ", "SK", "QSB", "QSS", "KSB", "KSS"])
+def _rms_rstd_kernel(XQ, XK, RQ, RK, NQT, NKT, TQ, SQ, SK, QSB, QSS, KSB, KSS, N, eps_q, eps_k,
+                     BLOCK_T: tl.constexpr, THREADS: tl.constexpr, NCHUNK: tl.constexpr):
+    """Programs [0, TQ): rstd of q's tokens; the rest k's (``_rms_rstd_rows``)."""
+    pid = tl.program_id(0)
+    if pid < TQ:
+        _rms_rstd_rows(XQ, RQ, pid, NQT, SQ, QSB, QSS, N, eps_q, BLOCK_T, THREADS, NCHUNK)
+    else:
+        _rms_rstd_rows(XK, RK, pid - TQ, NKT, SK, KSB, KSS, N, eps_k, BLOCK_T, THREADS, NCHUNK)
 
 
 BLOCK_R = 16
@@ -471,6 +640,12 @@ def default_warps(d: int) -> int:
 def f16_codes_default() -> bool:
     """The E2M1 code form used where a call does not name one."""
     return cached_setting("FP4VIS_PREPASS_F16_CODES") and not _interpreting()
+
+
+def prune_default() -> bool:
+    """Whether the NVFP4 pre-pass skips folded-K64 candidates that a bound rules out
+    (FP4VIS_PREPASS_PRUNE; the same bits either way)."""
+    return cached_setting("FP4VIS_PREPASS_PRUNE")
 
 
 @functools.cache
@@ -509,6 +684,18 @@ def _hooks_clear() -> bool:
     return all(h is None or (isinstance(getattr(h, "calls", None), list) and not h.calls) for h in hooks)
 
 
+def compile_signature(fp8: bool, dtype: str = "bf16", rope_dtype: str = "fp32") -> dict:
+    """The pointer and integer types of ``_prepass_kernel`` (``fp8``: ``_fp8_prepass_kernel``) for
+    ``dtype`` inputs, as ``compile_check.compile_triton_sm90`` takes them (the GPU build without a GPU)."""
+    outs = (("Q8", "*fp8e4nv"), ("K8", "*fp8e4nv"), ("V6", "*bf16"), ("QS", "*fp32"), ("KS", "*fp32")) if fp8 else \
+        (("YQ", "*bf16"), ("YK", "*bf16"), ("YV", "*bf16"))
+    sig = dict.fromkeys(("Q", "K", "V"), f"*{dtype}") | dict(outs) | {"PERM": "*i32", "RQ": "*fp32", "RK": "*fp32",
+                                                                       "WQ": f"*{dtype}", "WK": f"*{dtype}",
+                                                                       "COS": f"*{rope_dtype}", "SIN": f"*{rope_dtype}"}
+    ints = ("NQ", "SQ", "TQ", "SK", "NKB", "NVB") if fp8 else ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")
+    return sig | dict.fromkeys(ints + tuple(n for n in _RUNTIME_INTS if n.startswith(("H", "QS", "KS", "VS"))), "i32")
+
+
 def _geometry(nq: int, sq: int, nk: int, sk: int, g_v: int, d: int, block_r: int) -> tuple[int, tuple]:
     """(grid, integer arguments) for nq Q rows (sequence sq), nk K rows and g_v V head groups
     (sequence sk)."""
@@ -516,6 +703,91 @@ def _geometry(nq: int, sq: int, nk: int, sk: int, g_v: int, d: int, block_r: int
     tk = -(-nk // block_r)
     nvb = -(-sk // 32)
     return tq + tk + nvb * g_v, (nq, sq, nk, sk, tq, tk, nvb)
+
+
+def _view_ints(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """(H, then the batch, head and token strides of q, k and v): the kernels read (B, H, S, D) views
+    with any such strides (the last one 1: ``_check_views``)."""
+    return (q.shape[1],) + tuple(q.stride()[:3]) + tuple(k.stride()[:3]) + tuple(v.stride()[:3])
+
+
+def _check_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4 or t.stride(-1) != 1:
+            raise ValueError(f"{name}: the Triton pre-pass reads (B, H, S, D) views with unit stride along D; "
+                             f"got shape {tuple(t.shape)}, strides {t.stride()}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer's q/k transform (fp4vis.qk_transform.QKTransform) folded into the pre-pass: a first,
+# small launch computes each token's rstd (``_rms_rstd_kernel``, torch's reduction order); the
+# pre-pass then reads the raw projections and normalises and rotates them in registers.
+
+RMS_THREADS = 128     # threads of torch's vectorized CUDA rms_norm block (32 x 4 warps): its sum order
+RMS_BLOCK_T = 8       # tokens per program of the rstd launch
+_RMS_META: dict[tuple, list] = {}
+
+
+def fusable_transform(q: torch.Tensor, k: torch.Tensor, qk) -> str | None:
+    """None where ``qk`` (a QKTransform) folds into the pre-pass for (B, H, S, D) views q, k of the raw
+    projections, else why not (the caller then applies it in PyTorch first): BF16 projections whose
+    tokens are contiguous rows of H*D values (torch's vectorized rms_norm, whose order the rstd
+    launch reproduces), both norms with BF16 weights of H*D values, and a rotary table pair shaped
+    (1, S, 1, D), contiguous, float32 or BF16, for q and k of one sequence."""
+    h, d = q.shape[1], q.shape[-1]
+    if qk.q_weight is None or qk.k_weight is None:
+        return "a q/k transform without both RMS norms"
+    for name, t in (("q", q), ("k", k)):
+        if t.dtype != torch.bfloat16:
+            return f"{name}: dtype {t.dtype} (the fused norm takes BF16)"
+        if t.stride(1) != d or t.stride(-1) != 1 or (h * d) % 4 or t.data_ptr() % 8:
+            return f"{name}: not rows of H*D contiguous, 8-byte aligned values per token"
+    for w in (qk.q_weight, qk.k_weight):
+        if w.dtype != torch.bfloat16 or w.numel() != h * d or not w.is_contiguous() or w.data_ptr() % 8:
+            return "norm weights: not contiguous BF16 of H*D values"
+    if qk.rope is not None:
+        if q.shape[2] != k.shape[2]:
+            return "a rotary embedding with different q and k sequences"
+        for t in qk.rope:
+            if (tuple(t.shape) != (1, q.shape[2], 1, d) or not t.is_contiguous()
+                    or t.dtype not in (torch.float32, torch.bfloat16)):
+                return f"rotary table {tuple(t.shape)} {t.dtype} (expected (1, S, 1, D), float32 or BF16)"
+    return None
+
+
+def rms_rstd(q: torch.Tensor, k: torch.Tensor, q_eps: float, k_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rstd (float32, B * S each) of the raw q and k projections, (B, H, S, D) views of
+    rows of H*D values, one launch, in the order of torch's CUDA rms_norm (``_rms_rstd_rows``)."""
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    n = h * d
+    key = (q.shape, k.shape, q.stride(), k.stride(), q_eps, k_eps, q.device)
+    meta = _RMS_META.get(key)
+    if meta is None:
+        tq = -(-(b * sq) // RMS_BLOCK_T)
+        grid = tq + -(-(b * sk) // RMS_BLOCK_T)
+        tail = (b * sq, b * sk, tq, sq, sk, q.stride(0), q.stride(2), k.stride(0), k.stride(2), n, q_eps, k_eps,
+                RMS_BLOCK_T, RMS_THREADS, -(-n // (4 * RMS_THREADS)))
+        meta = _RMS_META[key] = [grid, tail, None]
+    grid, tail, _ = meta
+    out = torch.empty(b * (sq + sk), dtype=torch.float32, device=q.device)
+    rq, rk = out[:b * sq], out[b * sq:]
+    _run(_rms_rstd_kernel, meta, grid, (q, k, rq, rk), tail, (q, k), NUM_WARPS)
+    return rq, rk
+
+
+def _transform_args(q: torch.Tensor, k: torch.Tensor, qk) -> tuple[tuple, tuple]:
+    """(the kernels' RQ, RK, WQ, WK, COS, SIN pointers; NORM, ROPE) for ``qk`` (None: no transform,
+    placeholders)."""
+    if qk is None:
+        return (q,) * 6, (False, False)
+    rq, rk = rms_rstd(q, k, qk.q_eps, qk.k_eps)
+    cos, sin = qk.rope if qk.rope is not None else (q, q)
+    return (rq, rk, qk.q_weight, qk.k_weight, cos, sin), (True, qk.rope is not None)
+
+
+def _transform_key(qk) -> tuple:
+    return () if qk is None else (qk.rope is not None, qk.rope[0].dtype if qk.rope is not None else None)
 
 
 def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, num_warps: int | None = None,
@@ -531,10 +803,12 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
                            v.numel() // (d * sk) if v is not None else 0, d, block_r)
     if grid == 0:
         return None
-    ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm))
+    qv, kv, vv = (ref if t is None else t for t in (q, k, v))
+    ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm)) + (ref,) * 6
     f16 = f16_codes_default() if f16_codes is None else f16_codes
-    return _prepass_kernel[(grid,)](*ptrs, *ints, d, layout == "folded64_mse", perm is not None, block_r,
-                                    min(d, 64), f16, num_warps=num_warps or default_warps(d), enable_fp_fusion=False)
+    return _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
+                                    perm is not None, block_r, min(d, 64), f16, False, False, prune_default(),
+                                    num_warps=num_warps or default_warps(d), enable_fp_fusion=False)
 
 
 def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple, num_warps: int):
@@ -571,21 +845,30 @@ def _aligned(inputs: tuple) -> bool:
 
 
 def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
-            block_r: int | None = None, num_warps: int | None = None, f16_codes: bool | None = None):
-    """(q_hat, k_hat, v6) of contiguous (B, H, S, D) q, k, v in one launch; BF16, contiguous, views of
-    one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor permutation).
-    ``f16_codes``: the E2M1 code form (None: ``f16_codes_default()``; the same bits either way)."""
+            block_r: int | None = None, num_warps: int | None = None, f16_codes: bool | None = None, qk=None,
+            prune: bool | None = None):
+    """(q_hat, k_hat, v6) of (B, H, S, D) views q, k, v (unit stride along D, any other strides) in
+    one launch; BF16, contiguous, views of one buffer. ``perm`` (int32, length Skv) gathers the rows
+    of K and V (anchor permutation). ``f16_codes``: the E2M1 code form (None: ``f16_codes_default()``;
+    the same bits either way). ``qk``: a ``fp4vis.qk_transform.QKTransform`` that
+    ``fusable_transform`` accepts; q and k are then the raw projections, normed and rotated on the
+    way in (one more, small launch for the rstd). ``prune``: the bound that skips folded-K64 candidates
+    (``_ruled_out``; None: ``prune_default()``; the same bits either way)."""
+    _check_views(q, k, v)
     f16 = f16_codes_default() if f16_codes is None else f16_codes
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, layout, perm is not None, block_r, num_warps,
-           f16, q.device)
+    prune = prune_default() if prune is None else prune
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, layout,
+           perm is not None, block_r, num_warps, f16, prune, q.device, _transform_key(qk))
     meta = _META.get(key)
+    qk_ptrs, flags = _transform_args(q, k, qk)
     if meta is None:
         d = q.shape[-1]
         nq, nk = q.numel(), k.numel()
         same = q.shape == k.shape == v.shape
         br = block_r or BLOCK_R
         grid, ints = _geometry(nq // d, q.shape[-2], nk // d, k.shape[-2], v.numel() // (d * k.shape[-2]), d, br)
-        tail = ints + (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16)
+        consts = (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags + (prune,)
+        tail = ints + _view_ints(q, k, v) + consts
         meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, None]
         _META[key] = meta
     alloc, same, grid, tail, _ = meta
@@ -595,8 +878,8 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     else:
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
-    ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm)
-    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v), num_warps or default_warps(q.shape[-1]))
+    ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs
+    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, num_warps or default_warps(q.shape[-1]))
     return yq, yk, yv
 
 
@@ -614,7 +897,7 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def _fp8_plan(q: torch.Tensor, k: torch.Tensor, has_perm: bool) -> list:
+def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool, flags: tuple) -> list:
     """What ``fp8_prepass`` keeps per input signature: [buffer bytes, the five outputs as (dtype,
     shape, strides, element offset) in the order returned, grid, kernel arguments after the
     pointers, compiled kernel (None)]. The outputs are 128-byte aligned slices of one uint8 buffer."""
@@ -631,26 +914,38 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, has_perm: bool) -> list:
         nbytes += -(-math.prod(shape) * item // _FP8_ALIGN) * _FP8_ALIGN
     nq = q.numel() // d
     tq = -(-nq // FP8_BLOCK_Q)
-    tail = (nq, tq, sk, nkb, -(-sk // 32), d, has_perm, FP8_BLOCK_Q, min(d, 64))
+    tail = (nq, q.shape[-2], tq, sk, nkb, -(-sk // 32)) + _view_ints(q, k, v) + (d, has_perm, FP8_BLOCK_Q,
+                                                                                 min(d, 64)) + flags
     return [nbytes, parts, tq + g * nkb, tail, None]
 
 
+def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
+                 num_warps: int | None = None, qk=None) -> tuple:
+    """The key under which ``fp8_prepass`` keeps its launch state (``_FP8_META``) for these arguments."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            perm is not None, num_warps, q.device, _transform_key(qk))
+
+
 def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
-                num_warps: int | None = None):
-    """(q8, k8, v6, q_scale, k_scale) of contiguous (B, H, S, D) q, k, v (v shaped like k, D a power
-    of two) in one launch (see ``prepass.prepare_fp8_operands`` for what they are); views of
-    one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor permutation)."""
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, perm is not None, num_warps, q.device)
+                num_warps: int | None = None, qk=None):
+    """(q8, k8, v6, q_scale, k_scale) of (B, H, S, D) views q, k, v (unit stride along D; v shaped
+    like k, D a power of two) in one launch (see ``prepass.prepare_fp8_operands`` for what they are);
+    views of one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor
+    permutation). ``qk`` as in ``prepass``."""
+    _check_views(q, k, v)
+    key = fp8_meta_key(q, k, v, perm, num_warps, qk)
+    qk_ptrs, flags = _transform_args(q, k, qk)
     meta = _FP8_META.get(key)
     if meta is None:
-        meta = _FP8_META[key] = _fp8_plan(q, k, perm is not None)
+        meta = _FP8_META[key] = _fp8_plan(q, k, v, perm is not None, flags)
     nbytes, parts, grid, tail, _ = meta
     buf = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
     typed = {dtype: buf.view(dtype) for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)}
     outs = tuple(typed[dtype].as_strided(shape, strides, off) for dtype, shape, strides, off in parts)
     if grid:
-        ptrs = (q, k, v) + outs + (q if perm is None else perm,)
-        _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v), num_warps or default_warps(q.shape[-1]))
+        ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs
+        _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs,
+             num_warps or default_warps(q.shape[-1]))
     return outs
 
 

@@ -228,3 +228,60 @@ def test_wan_i2v_pipeline_end_to_end(tmp_path):
         assert len(h.states) == 6  # the CLIP image encoder is not a denoiser: not patched
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
     assert torch.equal(run(), ref)
+
+
+@pytest.mark.gpu(capability=(9, 0))
+@torch.no_grad()
+def test_fused_qk_transform_gives_the_unpatched_values_on_gpu():
+    """On the H200 the patched layer hands the Hopper backend the raw projections and its q/k
+    transform: the rstd equals torch's own CUDA rms_norm's (its sum order), the fused pre-pass's
+    operands (NVFP4 both layouts, FP8) equal today's pre-pass fed with diffusers' norm_q/norm_k and
+    rotary output, and the patched self- and cross-attention layers' outputs equal today's path
+    (diffusers' q, k, v, then fp4vis.attention, then to_out) bit for bit."""
+    from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
+
+    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.patching.layer import LayerSpec, LayerState
+    from fp4vis.policy import get_policy
+    from fp4vis.qk_transform import QKTransform, apply_rotary_emb
+
+    torch.manual_seed(0)
+    h, d, s, dev = 12, 128, 1500, "cuda"
+    ang = torch.rand(1, s, 1, d // 2, device=dev).repeat_interleave(2, -1) * 50
+    rope = (ang.cos(), ang.sin())
+    x = torch.randn(1, s, h * d, device=dev).bfloat16()
+    ctx = torch.randn(1, 77, h * d, device=dev).bfloat16()
+    bits = lambda t: t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])  # noqa: E731
+    for kind in ("self", "cross"):
+        attn = WanAttention(dim=h * d, heads=h, dim_head=d, eps=1e-6,
+                            cross_attention_dim_head=d if kind == "cross" else None).to(dev, torch.bfloat16)
+        for p in attn.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.02)
+        r, c = (rope, None) if kind == "self" else (None, ctx)
+        qp, kp, vp = attn.to_q(x), attn.to_k(x if c is None else c), attn.to_v(x if c is None else c)
+        q, k, v = (t.unflatten(2, (h, -1)) for t in (attn.norm_q(qp), attn.norm_k(kp), vp))
+        if r is not None:
+            q, k = apply_rotary_emb(q, *r), apply_rotary_emb(k, *r)
+        if kind == "self":
+            rq, rk = tp.rms_rstd(qp.unflatten(2, (h, -1)).transpose(1, 2), kp.unflatten(2, (h, -1)).transpose(1, 2),
+                                 1e-6, 1e-6)
+            assert torch.equal(bits(rq), bits(torch.ops.aten._fused_rms_norm(qp, [h * d], attn.norm_q.weight,
+                                                                             1e-6)[1].view(-1)))
+            tr = QKTransform.from_norms(attn.norm_q, attn.norm_k, r)
+            raw = tuple(t.unflatten(2, (h, -1)).transpose(1, 2) for t in (qp, kp, vp))
+            plain = tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
+            for layout in ("folded64_mse", "block16", "fp8"):
+                fused = tp.fp8_prepass(*raw, qk=tr) if layout == "fp8" else tp.prepass(*raw, layout, qk=tr)
+                ref = tp.fp8_prepass(*plain) if layout == "fp8" else tp.prepass(*plain, layout)
+                assert all(torch.equal(bits(a), bits(b)) for a, b in zip(fused, ref)), layout
+        for policy in ("fast", "fast_fp8qk"):
+            spec = LayerSpec(name=kind, module=attn, index=0, group=kind, default=True, patcher="wan", num_heads=h,
+                             head_dim=d)
+            st = LayerState(spec, get_policy(policy), backend="hopper", range_check="raise", strict=True, handle=None)
+            got = FP4WanAttnProcessor(st, WanAttnProcessor())(attn, x, c, None, r)
+            o = fp4vis.attention(q, k, v, policy=policy, layout="bshd", backend="hopper")
+            assert torch.equal(bits(got), bits(attn.to_out[0](o.flatten(2, 3)))), (kind, policy)
+    fp4vis.check_range()

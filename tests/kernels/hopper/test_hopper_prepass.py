@@ -43,7 +43,8 @@ for dtype, d, layout, kind, anchor in cases:
         k[0, 0, 3, :5] = 3000.0   # a saturating group
         q[0, 1, 2] = -0.0
     perm = cached_anchor_permutation(sk, anchor, q.device, torch.int32) if anchor else None
-    yq, yk, yv = tp.prepass(q, k, v, layout, perm)
+    # the BF16 cases skip the candidates the bound rules out, the FP16 ones evaluate every candidate
+    yq, yk, yv = tp.prepass(q, k, v, layout, perm, prune=dtype == torch.bfloat16)
     kk, vv = (k[:, :, perm.long()], v[:, :, perm.long()]) if anchor else (k, v)
     ref = (nvfp4_qdq(q, layout), nvfp4_qdq(kk, layout), mxfp4_qdq(vv, times_six=True))
     for name, a, r in zip("qkv", (yq, yk, yv), ref):
@@ -70,6 +71,8 @@ def _run_interpreted(script: str) -> None:
 
 
 def test_triton_prepass_bit_identical_to_formats_interpreted():
+    """The module docstring's cases; the BF16 ones with the folded-K64 candidates that the bound rules
+    out skipped (``prune=True``), the FP16 ones with every candidate evaluated."""
     _run_interpreted(_CHECK)
 
 
@@ -151,10 +154,9 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    sig = {name: "*bf16" for name in ("Q", "K", "V", "YQ", "YK", "YV")}
-    sig.update(PERM="*i32", **{name: "i32" for name in ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")})
-    consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=f16)
-    cubin = _compile_sm90(tpt._prepass_kernel, sig, consts, tpt.default_warps(d)).get("cubin")
+    consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=f16,
+                  NORM=False, ROPE=False, PRUNE=f16)
+    cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, tpt.default_warps(d)).get("cubin")
     assert cubin
     sass = importlib.import_module("fp4vis.kernels.hopper.compile_check").sass_text(cubin)
     assert ("HMNMX2" in sass) == f16 and ("F2FP.F16.F32.PACK_AB" in sass) == f16
@@ -355,6 +357,137 @@ def test_fp8_prepass_non_finite_inputs_give_nan_interpreted():
     _run_interpreted(_CHECK_FP8_NON_FINITE)
 
 
+_CHECK_QK_TRANSFORM = r"""
+import numpy as np
+import torch
+from fp4vis.qk_transform import QKTransform, apply_rotary_emb
+from fp4vis.kernels.hopper import prepass_triton as tp
+from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
+
+def rstd_torch_order(x, eps, threads=tp.RMS_THREADS):
+    # torch's vectorized CUDA rms_norm sum order (prepass_triton._rms_rstd_rows), written in PyTorch
+    t, n = x.shape
+    chunk = 4 * threads
+    nchunk = -(-n // chunk)
+    xf = torch.nn.functional.pad(x.float(), (0, nchunk * chunk - n)).view(t, nchunk, threads, 4)
+    acc = torch.zeros(t, threads)
+    for j in range(nchunk):
+        for ii in range(4):
+            acc = acc + xf[:, j, :, ii] * xf[:, j, :, ii]
+    lanes = acc.view(t, threads // 32, 32)
+    for half in (16, 8, 4, 2, 1):
+        lanes = lanes[..., :half] + lanes[..., half:2 * half]
+    warps = lanes[..., 0]
+    while warps.shape[1] > 1:
+        half = warps.shape[1] // 2
+        warps = warps[:, :half] + warps[:, half:]
+    # float32 division, + eps, sqrt and 1 / sqrt, each correctly rounded (as numpy, and Triton's
+    # interpreter, compute rsqrt; the GPU's rsqrt.approx is the GPU test's business)
+    mean = (warps[:, 0] / float(n)).numpy()
+    return torch.from_numpy(np.float32(1) / np.sqrt(mean + np.float32(eps)))
+
+def normed(x, r, w):
+    return ((x.float() * r[:, None]) * w.float()).bfloat16()
+
+def bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+g = torch.Generator().manual_seed(3)
+n_cases = 0
+for h, d, sq, sk, rope_dtype, anchor in ((3, 64, 37, 37, torch.float32, 0), (5, 128, 19, 19, torch.bfloat16, 16),
+                                        (2, 64, 21, 45, None, 0)):
+    b = 2 if rope_dtype is None else 1
+    qp = (torch.randn(b, sq, h * d, generator=g) * 3).bfloat16()
+    kscale = torch.exp2(torch.randint(-6, 6, (b, sk, 1), generator=g).float())
+    kp = (torch.randn(b, sk, h * d, generator=g) * kscale).bfloat16()
+    vp = torch.randn(b, sk, h * d, generator=g).bfloat16()
+    qp[-1, 3] = 0.0                                          # a zero token: rstd = 1 / sqrt(eps)
+    wq, wk = ((1 + 0.3 * torch.randn(h * d, generator=g)).bfloat16() for _ in range(2))
+    rope = None
+    if rope_dtype is not None:
+        ang = torch.randn(1, sq, 1, d, generator=g) * 4
+        rope = (ang.cos().to(rope_dtype), ang.sin().to(rope_dtype))
+    tr = QKTransform(wq, wk, 1e-6, 1e-5, rope)
+    q, k, v = (t.view(b, t.shape[1], h, d).transpose(1, 2) for t in (qp, kp, vp))   # (B, H, S, D) views
+    assert tp.fusable_transform(q, k, tr) is None
+    rq, rk = tp.rms_rstd(q, k, 1e-6, 1e-5)
+    assert torch.equal(bits(rq), bits(rstd_torch_order(qp.view(-1, h * d), 1e-6)))
+    assert torch.equal(bits(rk), bits(rstd_torch_order(kp.view(-1, h * d), 1e-5)))
+    # the normed and rotated q, k the fused path must see (PyTorch, the same rstd)
+    qn = normed(qp.view(-1, h * d), rq, wq).view(b, sq, h, d)
+    kn = normed(kp.view(-1, h * d), rk, wk).view(b, sk, h, d)
+    if rope is not None:
+        qn, kn = apply_rotary_emb(qn, *rope), apply_rotary_emb(kn, *rope)
+    qn, kn = qn.transpose(1, 2).contiguous(), kn.transpose(1, 2).contiguous()
+    vc = v.contiguous()
+    perm = cached_anchor_permutation(sk, anchor, q.device, torch.int32) if anchor else None
+    for layout in ("folded64_mse", "block16"):
+        fused = tp.prepass(q, k, v, layout, perm, qk=tr)
+        plain = tp.prepass(qn, kn, vc, layout, perm)
+        for a, c in zip(fused, plain):
+            assert torch.equal(bits(a), bits(c)), (h, d, layout)
+        n_cases += 1
+    fused = tp.fp8_prepass(q, k, v, perm, qk=tr)
+    plain = tp.fp8_prepass(qn, kn, vc, perm)
+    for a, c in zip(fused, plain):
+        assert torch.equal(bits(a), bits(c)), (h, d, "fp8")
+    n_cases += 1
+# the dispatch (prepare_kernel_operands): a transform the pre-pass cannot fold (float32 weights) is
+# applied in PyTorch first, a foldable one is folded; both give the operands of the made q and k
+from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
+tr32 = QKTransform(wq.float(), wk.float(), 1e-6, 1e-5, None)
+assert tp.fusable_transform(q, k, tr32) is not None
+qa, ka = tr32.apply(q.transpose(1, 2), k.transpose(1, 2))
+for t, (qm, km) in ((tr32, (qa, ka)), (tr, (qn.transpose(1, 2), kn.transpose(1, 2)))):
+    got = prepare_kernel_operands(q, k, v, "block16", 0, fused=True, qk=t)
+    ref = prepare_kernel_operands(qm.transpose(1, 2), km.transpose(1, 2), v, "block16", 0, fused=True)
+    assert all(a is None and c is None or torch.equal(bits(a), bits(c)) for a, c in zip(got, ref))
+    n_cases += 1
+# timm's fused qkv projection, (B, N, 3, H, D) permuted to three (B, H, N, D) views: read in place
+qkv = torch.randn(2, 19, 3, 2, 64, generator=g).bfloat16().permute(2, 0, 3, 1, 4)
+for fused, plain in ((tp.prepass(*qkv, "block16"), tp.prepass(*(t.contiguous() for t in qkv), "block16")),
+                     (tp.fp8_prepass(*qkv), tp.fp8_prepass(*(t.contiguous() for t in qkv)))):
+    assert all(torch.equal(bits(a), bits(c)) for a, c in zip(fused, plain))
+    n_cases += 1
+# the values of QKTransform.apply (the unfused path) are diffusers' arithmetic on the CPU too
+layer = torch.nn.RMSNorm(h * d, eps=1e-6)
+assert torch.equal(QKTransform(wq, wk, 1e-6, 1e-6).apply_one(q.transpose(1, 2), wq, 1e-6),
+                   torch.nn.functional.rms_norm(qp, (h * d,), wq, 1e-6).view(b, sq, h, d))
+print("cases", n_cases)
+print("OK")
+"""
+
+
+def test_qk_transform_folded_into_prepass_bit_identical_interpreted():
+    """The q/k transform folded into the pre-pass (raw (B, S, H*D) projections read through
+    (B, H, S, D) views, RMS norm, rotary embedding, quantization in one pass, plus the rstd launch):
+    the rstd is torch's CUDA rms_norm sum order written out in PyTorch, bit for bit; the NVFP4 (both
+    layouts) and FP8 operands and MXFP4 V equal today's pre-pass fed with the normed and rotated values
+    (float32 and BF16 rotary tables, the anchor permutation, a zero token, Sq != Skv without rotary
+    embedding, strided V); a transform the pre-pass cannot fold is applied first; timm's permuted qkv
+    views are read in place. The GPU test checks the same against torch's own rms_norm."""
+    _run_interpreted(_CHECK_QK_TRANSFORM)
+
+
+@pytest.mark.parametrize("rope_dtype", ["fp32", "bf16"])
+def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
+    """The pre-pass kernels with the q/k transform folded in (NORM, ROPE; float32 or BF16 rotary tables)
+    and the rstd launch compile for sm_90 to a cubin without a GPU."""
+    pytest.importorskip("triton")
+    from fp4vis.kernels.hopper import prepass_triton as tpt
+
+    consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=True, NORM=True,
+                  ROPE=True, PRUNE=True)
+    assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts).get("cubin")
+    consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True)
+    assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, rope_dtype=rope_dtype), consts).get(
+        "cubin")
+    sig = dict(XQ="*bf16", XK="*bf16", RQ="*fp32", RK="*fp32", eps_q="fp32", eps_k="fp32",
+               **dict.fromkeys(("NQT", "NKT", "TQ", "SQ", "SK", "QSB", "QSS", "KSB", "KSS", "N"), "i32"))
+    consts = dict(BLOCK_T=tpt.RMS_BLOCK_T, THREADS=tpt.RMS_THREADS, NCHUNK=3)
+    assert _compile_sm90(tpt._rms_rstd_kernel, sig, consts).get("cubin")
+
+
 @pytest.mark.parametrize("dtype,has_perm,d", [("bf16", True, 128), ("fp16", False, 128), ("bf16", False, 64)],
                          ids=["bf16-perm", "fp16", "bf16-d64"])
 def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
@@ -363,10 +496,9 @@ def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    sig = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Q8="*fp8e4nv", K8="*fp8e4nv", V6="*bf16", QS="*fp32",
-               KS="*fp32", PERM="*i32", **dict.fromkeys(("NQ", "TQ", "SK", "NKB", "NVB"), "i32"))
-    consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64)
-    assert _compile_sm90(tpt._fp8_prepass_kernel, sig, consts, tpt.default_warps(d)).get("cubin")
+    consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=False, ROPE=False)
+    assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, dtype), consts,
+                         tpt.default_warps(d)).get("cubin")
 
 
 @pytest.mark.gpu
