@@ -4,10 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# the tests' cross-check library, in its own folder: on the tests' path, never the runtime's (pyproject.toml)
-export FP4VIS_CROSSCHECK_PATH="$PWD/.venv/crosscheck"
-if [ ! -d "$FP4VIS_CROSSCHECK_PATH/torchao" ]; then
-  .venv/bin/python -m pip install -q --no-deps --target "$FP4VIS_CROSSCHECK_PATH" "torchao>=0.12"
+# the tests' cross-check library, in its own folder (tests/conftest.py puts it on the tests' path, never the
+# runtime's: pyproject.toml)
+if [ ! -d .venv/crosscheck/torchao ]; then
+  .venv/bin/python -m pip install -q --no-deps --target .venv/crosscheck "torchao>=0.12"
 fi
 .venv/bin/ruff check .
 export CUTE_DSL_NO_CACHE=1

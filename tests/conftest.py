@@ -6,21 +6,23 @@
   ``tiny_wan``, ``tiny_mae``, ``image_folder``; ``digits_wan_smoke``: a Wan pipeline of moving digits
   trained for a few steps by ``scripts/train_digits_video.py --smoke`` (about 20 s on a CPU).
 * Hypothesis examples are derandomised in CI so that a run is reproducible.
-* ``FP4VIS_CROSSCHECK_PATH`` (set by scripts/test.sh): the folder of the tests' cross-check library
-  (torchao), put on the tests' path only (pyproject.toml, ``crosscheck``).
+* ``.venv/crosscheck``, where scripts/test.sh installs the tests' cross-check library (torchao), is put
+  on the tests' path only (pyproject.toml, ``crosscheck``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
 
-if os.environ.get("FP4VIS_CROSSCHECK_PATH"):
-    sys.path.append(os.environ["FP4VIS_CROSSCHECK_PATH"])
+CROSSCHECK = Path(__file__).resolve().parents[1] / ".venv" / "crosscheck"
+if CROSSCHECK.is_dir():
+    sys.path.append(str(CROSSCHECK))
 
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
