@@ -451,8 +451,9 @@ def quality_error_plot(r: dict[str, Any], path: str | os.PathLike) -> Path:
     ax_mae.axhline(0.0, color="grey", lw=0.8, zorder=1)
     if video:
         axes[2].set_title(f"{r['video']['model']}: \"{r['video']['prompt']}\"", fontsize=9)
-        axes[2].set_xlabel("self-attention output relL2 vs BF16 (mean over layers and steps)")
-        axes[2].set_ylabel("decoded frames PSNR vs BF16 (dB, mean over frames)")
+        axes[2].set_xlabel("self-attention relL2 vs BF16 (mean over layers, steps)")
+        axes[2].set_ylabel("frames' PSNR vs BF16 (dB, mean)")
+        axes[2].set_xlim(0, axes[2].get_xlim()[1] * 1.1)   # from zero, as the other panels: close errors stay close
     for ax in axes:
         ax.grid(True, alpha=0.3, zorder=0)
     note = "" if video else f"; video: {r['video']['note']}"
