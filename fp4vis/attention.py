@@ -166,7 +166,7 @@ def attention(
         raise TypeError(f"qk_transform: expected a QKTransform, got {type(qk_transform).__name__}")
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if qk_transform is not None and (pol.method == "exact" or grad):
-        q, k = _transformed(q, k, qk_transform, layout)
+        q, k = qk_transform.apply(q, k, layout)
         qk_transform = None
     given = (q, k, v)
     if layout == "bshd":
@@ -184,7 +184,7 @@ def attention(
         if chosen.fuses_qk_transform:
             fused = {"qk_transform": qk_transform}
         else:
-            q, k = _transformed(q, k, qk_transform, "bhsd")
+            q, k = qk_transform.apply(q, k, "bhsd")
     checked = range_check != "off"
     # the record works in CUDA-graph capture too (a replay reports as the captured call), not under
     # torch.compile, whose graphs would specialise on the call's number
@@ -202,14 +202,6 @@ def attention(
         _check_kernel_output(out, q, k, v, chosen.name)
     enforce_range(report, pol, range_check, stacklevel=2)
     return out.transpose(1, 2) if layout == "bshd" else out
-
-
-def _transformed(q: torch.Tensor, k: torch.Tensor, qk: QKTransform, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``qk.apply`` (which takes (B, S, H, D)) of q and k in ``layout``."""
-    if layout == "bshd":
-        return qk.apply(q, k)
-    qn, kn = qk.apply(q.transpose(1, 2), k.transpose(1, 2))
-    return qn.transpose(1, 2), kn.transpose(1, 2)
 
 
 def default_scale(head_dim: int) -> float:

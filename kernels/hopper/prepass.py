@@ -124,8 +124,7 @@ def _with_transform(q: torch.Tensor, k: torch.Tensor, qk, tp) -> tuple[torch.Ten
     if qk is None or (tp is not None and cached_setting("FP4VIS_PREPASS_FUSED_QK")
                       and tp.fusable_transform(q, k, qk) is None):
         return q, k, qk
-    qn, kn = qk.apply(q.transpose(1, 2), k.transpose(1, 2))
-    return qn.transpose(1, 2), kn.transpose(1, 2), None
+    return (*qk.apply(q, k, "bhsd"), None)
 
 
 def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, anchor: int,
