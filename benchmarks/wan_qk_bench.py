@@ -24,7 +24,9 @@ Sections (each a key of the JSON, written after every section):
    the fused pre-pass must move: q, k, v read once, the operands written once), per policy layout;
    for the folded layout also the pre-pass with and without the candidate bound
    (``prepass_pruned_ms`` / ``prepass_unpruned_ms``, ``fused_pruned_ms``; the checks section counts
-   the pruned operands' differing values too).
+   the pruned operands' differing values too); for FP8 the pre-pass (no transform) of the Q rows
+   alone and of the K/V blocks alone (``prepass_q_rows_ms``, ``prepass_kv_blocks_ms``: the other part
+   cut to 32 tokens), the most that quantizing Q inside the kernel could take off the pre-pass.
 3. ``calls``: per shape, the whole patched-layer attention call (``fp4vis.attention`` with the
    transform, range check as a patched layer runs it) against the kernel alone on prepared operands,
    both CUDA events over back-to-back calls and from a CUDA graph (GPU time, no host overhead).
@@ -259,6 +261,12 @@ def _prepass_policy(fmt: str, raw: list, h: int, norms, rope, tr, copies: int) -
         r["prepass_unpruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, prune=False), copies)
         r["prepass_pruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, prune=True), copies)
         r["fused_pruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, qk=tr, prune=True), copies)
+    else:   # the Q rows' share of the FP8 pre-pass: what quantizing Q inside the kernel could save (issue 17, item 3)
+        def part(i, q_rows: bool):
+            q, k, v = _views(raw[i], h)
+            return tp.fp8_prepass(q, k[:, :, :32], v[:, :, :32]) if q_rows else tp.fp8_prepass(q[:, :, :32], k, v)
+        r["prepass_q_rows_ms"] = time_events(lambda i: part(i, True), copies)
+        r["prepass_kv_blocks_ms"] = time_events(lambda i: part(i, False), copies)
     return r
 
 

@@ -18,6 +18,7 @@ per head dim, warps and E2M1 code form (``prepass_candidate_loop``).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import glob
 import io
@@ -216,6 +217,12 @@ def compile_triton_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -
                           options={"num_warps": num_warps, "enable_fp_fusion": False}).asm
 
 
+def global_loads(ptx: str) -> collections.Counter:
+    """The global-memory load instructions of a PTX listing, by kind (``ld.global.v4.b32``: a 16-byte
+    vector; ``ld.global.b16``: one BF16 value)."""
+    return collections.Counter(re.findall(r"\bld\.global(?:\.[a-z0-9]+)+", ptx))
+
+
 def sass_text(cubin: bytes) -> str:
     """nvdisasm of a cubin given as bytes (``find_nvdisasm``, else Triton's bundled copy)."""
     nvd = find_nvdisasm()
@@ -245,7 +252,7 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     for head dim ``d``."""
     from . import prepass_triton as tp
     consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.BLOCK_R, BLOCK_D=min(d, 64), CODES_F16=codes_f16,
-                  NORM=False, ROPE=False, PRUNE=False)
+                  NORM=False, ROPE=False, PRUNE=False, ROW_ALIGN=8)
     asm = compile_triton_sm90(tp._prepass_kernel, tp.compile_signature(False), consts,
                               num_warps or tp.default_warps(d))
     # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to

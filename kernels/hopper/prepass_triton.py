@@ -295,12 +295,14 @@ def _nan_if_not_finite(out, mag):
 
 
 @triton.jit
-def _src_offsets(g, s, H, sb, sh, ss):
+def _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN: tl.constexpr):
     """Element offsets of rows (head group g = b * H + h, token s) of a (B, H, S, D) view with strides
-    (sb, sh, ss, 1), and their token index b * S + s is left to the caller: returns (offsets, b, h)."""
+    (sb, sh, ss, 1), and their token index b * S + s is left to the caller: returns (offsets, b, h).
+    ROW_ALIGN: a number of elements that divides every stride (``row_align``): the strides are runtime
+    integers, so without this hint Triton cannot prove a row's start aligned and loads it value by value."""
     b = g // H
     h = g - b * H
-    return b.to(tl.int64) * sb + h.to(tl.int64) * sh + s.to(tl.int64) * ss, b, h
+    return tl.multiple_of(b.to(tl.int64) * sb + h.to(tl.int64) * sh + s.to(tl.int64) * ss, ROW_ALIGN), b, h
 
 
 @triton.jit
@@ -312,29 +314,48 @@ def _normed(X, off, m, r, W, woff):
 
 
 @triton.jit
+def _pairs(x):
+    """(even, odd) elements along the last dimension of x (its size even)."""
+    return tl.split(tl.reshape(x, x.shape[:-1] + [x.shape[-1] // 2, 2]))
+
+
+@triton.jit
+def _interleaved(even, odd):
+    """The inverse of ``_pairs``."""
+    j = tl.join(even, odd)
+    return tl.reshape(j, j.shape[:-2] + [j.shape[-2] * 2])
+
+
+@triton.jit
 def _qk_values(X, off, col, m, R, tok, W, woff, COS, SIN, foff, NORM: tl.constexpr, ROPE: tl.constexpr,
                TO_BF16: tl.constexpr):
-    """float32 values of q or k at X + off + col: the input itself (rounded to BF16 first where
+    """float32 values of q or k at X + off + col (col: runs of contiguous columns along the last
+    dimension, each starting at an even column): the input itself (rounded to BF16 first where
     TO_BF16, as the NVFP4 quantizer of fp4vis.formats takes it), or
     (NORM) RMS-normed with the token's rstd R[tok] and the weights W[woff + col], then (ROPE)
     rotated as ``fp4vis.qk_transform.apply_rotary_emb``: the pair of column c is c ^ 1, the even
     column of a pair takes ``x cos[c] - x' sin[c + 1]``, the odd one ``x' sin[c] + x cos[c - 1]``
     (float32 tables: float32 products and sum; BF16 tables: each product and the sum rounded to
-    BF16, as torch's BF16 ops do), rounded to BF16 once at the end."""
+    BF16, as torch's BF16 ops do), rounded to BF16 once at the end. Every tensor is loaded in
+    contiguous rows (vector loads) and the pairs are split in registers (``_pairs``): loading the
+    partner column and the table entries by gathered indices costs a scalar load per value each."""
     if NORM:
         r = tl.load(R + tok, mask=m, other=0.0)
         x = _normed(X, off + col, m, r, W, woff + col)
         if ROPE:
-            pair = col ^ 1
-            xp = _normed(X, off + pair, m, r, W, woff + pair)
-            ce = _f32(tl.load(COS + foff + (col & -2), mask=m, other=0.0))
-            so = _f32(tl.load(SIN + foff + (col | 1), mask=m, other=0.0))
-            t1 = x * ce
-            t2 = xp * so
+            xe, xo = _pairs(x)
+            ce, _co = _pairs(_f32(tl.load(COS + foff + col, mask=m, other=0.0)))
+            _se, so = _pairs(_f32(tl.load(SIN + foff + col, mask=m, other=0.0)))
+            t1e = xe * ce     # even column: x cos[c] - x' sin[c + 1]
+            t2e = xo * so
+            t1o = xo * ce     # odd column: x cos[c - 1] + x' sin[c]
+            t2o = xe * so
             if COS.dtype.element_ty == tl.bfloat16:
-                t1 = _bf16_round(t1)
-                t2 = _bf16_round(t2)
-            x = _bf16_round(tl.where((col & 1) != 0, t1 + t2, t1 - t2))
+                t1e = _bf16_round(t1e)
+                t2e = _bf16_round(t2e)
+                t1o = _bf16_round(t1o)
+                t2o = _bf16_round(t2o)
+            x = _interleaved(_bf16_round(t1e - t2e), _bf16_round(t1o + t2o))
     elif TO_BF16:
         x = _bf16_round(tl.load(X + off + col, mask=m, other=0.0).to(tl.float32))
     else:
@@ -382,7 +403,7 @@ def _nvfp4_block16(x, CODES_F16: tl.constexpr):
 @triton.jit
 def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
                 FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, CODES_F16: tl.constexpr,
-                NORM: tl.constexpr, ROPE: tl.constexpr, PRUNE: tl.constexpr):
+                NORM: tl.constexpr, ROPE: tl.constexpr, PRUNE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """BLOCK_R rows of one NVFP4 operand: rows (g, s) of the (B, H, S, D) view X (strides sb, sh,
     ss, 1; N = B*H*S rows) -> decoded BF16 rows g * S + s in Y; rows gathered by PERM where HAS_PERM
     and the runtime flag use_perm (the K part) are set; values as ``_qk_values``."""
@@ -393,7 +414,7 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN,
     s = rows - g * S
     if HAS_PERM:
         s = tl.where(use_perm, tl.load(PERM + s, mask=rmask & use_perm, other=0), s)
-    src, b, h = _src_offsets(g, s, H, sb, sh, ss)
+    src, b, h = _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN)
     tok = (b * S + s)[:, None, None]
     woff = (h * D)[:, None, None]
     foff = (s.to(tl.int64) * D)[:, None, None]
@@ -438,11 +459,11 @@ def _key_block_rows(PERM, blk, g, S, HAS_PERM: tl.constexpr):
 
 @triton.jit
 def _mxfp4_block(V, Y, PERM, blk, g, S, H, sb, sh, ss, D: tl.constexpr, HAS_PERM: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """One 32-token block of V (head group g; a (B, H, S, D) view with strides sb, sh, ss, 1) ->
     alpha * c in BF16."""
     valid, s, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
-    src, _b, _h = _src_offsets(g, s, H, sb, sh, ss)
+    src, _b, _h = _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN)
     dst = dst * D
     for d0 in tl.static_range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
@@ -470,7 +491,7 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ,
                     QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                    PRUNE: tl.constexpr):
+                    PRUNE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): Q row tiles; [TQ, TQ + TK): K row tiles (rows gathered by PERM);
     the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM). Q, K, V: (B, H, S, D)
     views with the given strides; with NORM/ROPE, Q and K are the raw projections and ``_qk_values``
@@ -483,11 +504,11 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ,
         else:
             X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = K, YK, pid - TQ, NK, SK, True, RK, WK, KSB, KSH, KSS
         _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D, FOLDED, HAS_PERM, BLOCK_R,
-                    CODES_F16, NORM, ROPE, PRUNE)
+                    CODES_F16, NORM, ROPE, PRUNE, ROW_ALIGN)
     else:
         vid = pid - TQ - TK
         g = vid // NVB
-        _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D)
+        _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D, ROW_ALIGN)
 
 
 @triton.jit
@@ -513,7 +534,7 @@ def _fp8_e4m3(x, e):
 
 @triton.jit
 def _fp8_query_rows(Q, Q8, QS, tile, NQ, S, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """BLOCK_Q rows of Q (NQ rows (g, s) of a (B, H, S, D) view in all), one scale per row: E4M3 in
     Q8, 2^E in QS; values as ``_qk_values``."""
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -521,7 +542,7 @@ def _fp8_query_rows(Q, Q8, QS, tile, NQ, S, H, sb, sh, ss, R, W, COS, SIN, D: tl
     rows = tl.where(rmask, rows, 0)
     g = rows // S
     s = rows - g * S
-    src, b, h = _src_offsets(g, s, H, sb, sh, ss)
+    src, b, h = _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN)
     col = tl.arange(0, D)[None, :]
     x = _qk_values(Q, src[:, None], col, rmask[:, None], R, (b * S + s)[:, None], W, (h * D)[:, None], COS, SIN,
                    (s.to(tl.int64) * D)[:, None], NORM, ROPE, False)
@@ -532,12 +553,12 @@ def _fp8_query_rows(Q, Q8, QS, tile, NQ, S, H, sb, sh, ss, R, W, COS, SIN, D: tl
 
 @triton.jit
 def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
-                   HAS_PERM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
+                   HAS_PERM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Physical 32-key block blk of head group g, one scale for the block (its valid keys only):
     E4M3 in K8, 2^E in KS (NKB entries per head group; blocks past the sequence, which pad the
     scales to whole kernel tiles, get 1.0); values as ``_qk_values``."""
     valid, s, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
-    src, b, h = _src_offsets(g, s, H, sb, sh, ss)
+    src, b, h = _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN)
     col = tl.arange(0, D)[None, :]
     x = _qk_values(K, src[:, None], col, valid[:, None], R, (b * S + s)[:, None], W, (h * D)[:, None], COS, SIN,
                    (s.to(tl.int64) * D)[:, None], NORM, ROPE, False)
@@ -550,26 +571,27 @@ def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, H, sb, sh, ss, R, W, COS, SI
 def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, TQ, SK, NKB, NVB, H,
                         QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                         D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                        NORM: tl.constexpr, ROPE: tl.constexpr):
+                        NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): Q row tiles; the rest one (head group, 32-key block) each, NKB blocks per
     group (scales padded to whole kernel tiles): the K block and, for the NVB blocks that hold keys,
     the V block at the same physical keys (both gathered by PERM). Views and NORM/ROPE as
     ``_prepass_kernel``."""
     pid = tl.program_id(0)
     if pid < TQ:
-        _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D, BLOCK_Q, NORM, ROPE)
+        _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D, BLOCK_Q, NORM, ROPE, ROW_ALIGN)
     else:
         kid = pid - TQ
         g = kid // NKB
         blk = kid - g * NKB
-        _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, H, KSB, KSH, KSS, RK, WK, COS, SIN, D, HAS_PERM, NORM, ROPE)
+        _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, H, KSB, KSH, KSS, RK, WK, COS, SIN, D, HAS_PERM, NORM, ROPE,
+                       ROW_ALIGN)
         if blk < NVB:
-            _mxfp4_block(V, V6, PERM, blk, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D)
+            _mxfp4_block(V, V6, PERM, blk, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D, ROW_ALIGN)
 
 
 @triton.jit
 def _rms_rstd_rows(X, R, tile, NT, S, sb, ss, N, eps, BLOCK_T: tl.constexpr, THREADS: tl.constexpr,
-                   NCHUNK: tl.constexpr):
+                   NCHUNK: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """rstd of BLOCK_T tokens (b * S + s < NT) of a (B, S, N) projection (strides sb, ss, 1) in the
     order of torch's vectorized CUDA rms_norm (a block of THREADS threads, 32-lane warps, one row):
     thread t sums x^2 over its 4-value vectors t, t + THREADS, ... in turn, value by value, then a
@@ -581,7 +603,7 @@ def _rms_rstd_rows(X, R, tile, NT, S, sb, ss, N, eps, BLOCK_T: tl.constexpr, THR
     tmask = tok < NT
     tok = tl.where(tmask, tok, 0)
     b = tok // S
-    base = (b.to(tl.int64) * sb + (tok - b * S).to(tl.int64) * ss)[:, None]
+    base = tl.multiple_of(b.to(tl.int64) * sb + (tok - b * S).to(tl.int64) * ss, ROW_ALIGN)[:, None]
     acc = tl.zeros((BLOCK_T, THREADS), tl.float32)
     for j in tl.static_range(NCHUNK):
         col = j * THREADS * 4 + tl.arange(0, THREADS * 4)
@@ -611,13 +633,13 @@ def _rms_rstd_rows(X, R, tile, NT, S, sb, ss, N, eps, BLOCK_T: tl.constexpr, THR
 
 @triton.jit(do_not_specialize=["NQT", "NKT", "TQ", "SQ", "SK", "QSB", "QSS", "KSB", "KSS"])
 def _rms_rstd_kernel(XQ, XK, RQ, RK, NQT, NKT, TQ, SQ, SK, QSB, QSS, KSB, KSS, N, eps_q, eps_k,
-                     BLOCK_T: tl.constexpr, THREADS: tl.constexpr, NCHUNK: tl.constexpr):
+                     BLOCK_T: tl.constexpr, THREADS: tl.constexpr, NCHUNK: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): rstd of q's tokens; the rest k's (``_rms_rstd_rows``)."""
     pid = tl.program_id(0)
     if pid < TQ:
-        _rms_rstd_rows(XQ, RQ, pid, NQT, SQ, QSB, QSS, N, eps_q, BLOCK_T, THREADS, NCHUNK)
+        _rms_rstd_rows(XQ, RQ, pid, NQT, SQ, QSB, QSS, N, eps_q, BLOCK_T, THREADS, NCHUNK, ROW_ALIGN)
     else:
-        _rms_rstd_rows(XK, RK, pid - TQ, NKT, SK, KSB, KSS, N, eps_k, BLOCK_T, THREADS, NCHUNK)
+        _rms_rstd_rows(XK, RK, pid - TQ, NKT, SK, KSB, KSS, N, eps_k, BLOCK_T, THREADS, NCHUNK, ROW_ALIGN)
 
 
 BLOCK_R = 16
@@ -711,6 +733,18 @@ def _view_ints(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return (q.shape[1],) + tuple(q.stride()[:3]) + tuple(k.stride()[:3]) + tuple(v.stride()[:3])
 
 
+def row_align(*tensors: torch.Tensor) -> int:
+    """The largest of 8, 4, 2, 1 elements that divides every stride but the last of every tensor: the
+    kernels' ROW_ALIGN (``_src_offsets``). 8 BF16 values are one 16-byte vector load; with the
+    pointers' own 16-byte alignment (Triton specialises on it) every row then starts on a vector."""
+    align = 8
+    for t in tensors:
+        for st in t.stride()[:-1]:
+            while st % align:
+                align //= 2
+    return align
+
+
 def _check_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4 or t.stride(-1) != 1:
@@ -767,7 +801,7 @@ def rms_rstd(q: torch.Tensor, k: torch.Tensor, q_eps: float, k_eps: float) -> tu
         tq = -(-(b * sq) // RMS_BLOCK_T)
         grid = tq + -(-(b * sk) // RMS_BLOCK_T)
         tail = (b * sq, b * sk, tq, sq, sk, q.stride(0), q.stride(2), k.stride(0), k.stride(2), n, q_eps, k_eps,
-                RMS_BLOCK_T, RMS_THREADS, -(-n // (4 * RMS_THREADS)))
+                RMS_BLOCK_T, RMS_THREADS, -(-n // (4 * RMS_THREADS)), row_align(q, k))
         meta = _RMS_META[key] = [grid, tail, None]
     grid, tail, _ = meta
     out = torch.empty(b * (sq + sk), dtype=torch.float32, device=q.device)
@@ -808,7 +842,8 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     return _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
                                     perm is not None, block_r, min(d, 64), f16, False, False, prune_default(),
-                                    num_warps=num_warps or default_warps(d), enable_fp_fusion=False)
+                                    row_align(qv, kv, vv), num_warps=num_warps or default_warps(d),
+                                    enable_fp_fusion=False)
 
 
 def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple, num_warps: int):
@@ -867,7 +902,8 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         same = q.shape == k.shape == v.shape
         br = block_r or BLOCK_R
         grid, ints = _geometry(nq // d, q.shape[-2], nk // d, k.shape[-2], v.numel() // (d * k.shape[-2]), d, br)
-        consts = (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags + (prune,)
+        consts = (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags + (prune,
+                                                                                            row_align(q, k, v))
         tail = ints + _view_ints(q, k, v) + consts
         meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, None]
         _META[key] = meta
@@ -915,7 +951,8 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool,
     nq = q.numel() // d
     tq = -(-nq // FP8_BLOCK_Q)
     tail = (nq, q.shape[-2], tq, sk, nkb, -(-sk // 32)) + _view_ints(q, k, v) + (d, has_perm, FP8_BLOCK_Q,
-                                                                                 min(d, 64)) + flags
+                                                                                 min(d, 64)) + flags + (
+        row_align(q, k, v),)
     return [nbytes, parts, tq + g * nkb, tail, None]
 
 

@@ -155,7 +155,7 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
     consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=f16,
-                  NORM=False, ROPE=False, PRUNE=f16)
+                  NORM=False, ROPE=False, PRUNE=f16, ROW_ALIGN=8)
     cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, tpt.default_warps(d)).get("cubin")
     assert cubin
     sass = importlib.import_module("fp4vis.kernels.hopper.compile_check").sass_text(cubin)
@@ -477,15 +477,36 @@ def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
     consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=True, NORM=True,
-                  ROPE=True, PRUNE=True)
+                  ROPE=True, PRUNE=True, ROW_ALIGN=8)
     assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts).get("cubin")
-    consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True)
+    consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True, ROW_ALIGN=8)
     assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, rope_dtype=rope_dtype), consts).get(
         "cubin")
     sig = dict(XQ="*bf16", XK="*bf16", RQ="*fp32", RK="*fp32", eps_q="fp32", eps_k="fp32",
                **dict.fromkeys(("NQT", "NKT", "TQ", "SQ", "SK", "QSB", "QSS", "KSB", "KSS", "N"), "i32"))
-    consts = dict(BLOCK_T=tpt.RMS_BLOCK_T, THREADS=tpt.RMS_THREADS, NCHUNK=3)
+    consts = dict(BLOCK_T=tpt.RMS_BLOCK_T, THREADS=tpt.RMS_THREADS, NCHUNK=3, ROW_ALIGN=8)
     assert _compile_sm90(tpt._rms_rstd_kernel, sig, consts).get("cubin")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["nvfp4", "fp8"])
+def test_prepass_loads_rows_as_vectors(fp8):
+    """With ROW_ALIGN (every stride a multiple of 8 values, as a Wan projection's, timm's qkv and
+    contiguous tensors are) the sm_90 build loads q, k, v, the norm weights and the rotary tables in
+    16-byte vectors, the transform folded in or not: the rotary pairs are split in registers, not
+    gathered. Without the hint (strides are runtime integers) every BF16 value is a scalar load."""
+    pytest.importorskip("triton")
+    from fp4vis.kernels.hopper import prepass_triton as tpt
+    from fp4vis.kernels.hopper.compile_check import global_loads
+
+    fn = tpt._fp8_prepass_kernel if fp8 else tpt._prepass_kernel
+    base = (dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64) if fp8 else
+            dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=True, PRUNE=False))
+    for fold in (False, True):
+        loads = {align: global_loads(_compile_sm90(fn, tpt.compile_signature(fp8), dict(
+            base, NORM=fold, ROPE=fold, ROW_ALIGN=align)).get("ptx")) for align in (1, 8)}
+        assert loads[1].get("ld.global.b16", 0) >= 32, loads[1]         # value by value
+        assert loads[8].get("ld.global.b16", 0) <= 1, loads[8]          # (one 128-value weight row)
+        assert loads[8].get("ld.global.v4.b32", 0) > 0, loads[8]
 
 
 @pytest.mark.parametrize("dtype,has_perm,d", [("bf16", True, 128), ("fp16", False, 128), ("bf16", False, 64)],
@@ -496,7 +517,7 @@ def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=False, ROPE=False)
+    consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=False, ROPE=False, ROW_ALIGN=8)
     assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, dtype), consts,
                          tpt.default_warps(d)).get("cubin")
 
