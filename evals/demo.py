@@ -163,7 +163,7 @@ def run_video(video_model: str | None, source: str | None, names: Sequence[str],
                      backend=BACKEND, warmup=False, save_videos=True, out_dir=out, name=f"{NAME}_wan",
                      progress=progress, latent_steps=VIDEO_LATENT_STEPS, operator_error=True,
                      operator_error_steps=(*VIDEO_LATENT_STEPS, gen["steps"]), fps=gen.get("fps", 8),
-                     frames_sink=frames)
+                     frames_sink=frames, baselines="none")   # the BF16 baselines are GPU speed figures
     target = md.PROMPTS.index(gen["prompt"]) if gen["prompt"] in md.PROMPTS else None
     reader = md.load_reader()
     reading = {}

@@ -22,6 +22,7 @@ Backends (each skipped with a reason in its row when it cannot run here):
   ``sdpa_cudnn``    torch SDPA with the cuDNN backend
   ``sdpa_flash``    torch SDPA with the flash backend
   ``sage``          SageAttention (``sageattention.sageattn``), when importable
+                    (these four BF16 baselines: ``fp4vis.evals.baselines``, in layout bhsd here)
   ``blackwell``     fp4vis Blackwell kernel, whole call (sm_100/103/120; on the H200 its sm_90
                     verification build where the cubins are given, not a product path)
   ``reference``     the fp4vis reference emulation (the only one that runs on the CPU)
@@ -51,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from fp4vis.evals.baselines import BASELINES, attention_function, unavailable
 from fp4vis.layout import LOG2E
 from fp4vis.policy import get_policy
 from fp4vis.services import atomic_write, environment, time_cpu, time_cuda, time_graph, write_json
@@ -97,34 +99,6 @@ def as_shapes(shapes: Iterable, d: int = 128) -> list[Shape]:
 # ------------------------------------------------------------------------------------------ timing
 
 # ---------------------------------------------------------------------------------------- backends
-
-def _fa4():
-    from flash_attn.cute import flash_attn_func
-
-    def call(q, k, v, scale):  # bhsd in -> bshd for FA4
-        r = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                            causal=False)
-        return (r[0] if isinstance(r, tuple) else r).transpose(1, 2)
-    return call
-
-
-def _sdpa(kind: str):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kind]
-
-    def call(q, k, v, scale):
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-    return call
-
-
-def _sage():
-    from sageattention import sageattn
-
-    def call(q, k, v, scale):
-        return sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=scale)
-    return call
-
 
 def _kmod(name: str):
     """A module of fp4vis.kernels (imported lazily: it needs nvidia-cutlass-dsl)."""
@@ -292,14 +266,9 @@ def available(backend: str) -> str | None:
         if backend == "blackwell":
             import fp4vis
             return fp4vis.available_backends().get("blackwell")
-        if backend == "fa4":
-            _fa4()
-        elif backend == "sage":
-            _sage()
-        elif backend.startswith("sdpa_"):
-            _sdpa(backend[5:])
-        else:
-            return f"unknown backend {backend!r}"
+        if backend in BASELINES:   # fa4, sage, sdpa_cudnn, sdpa_flash (fp4vis.evals.baselines)
+            return unavailable(backend)
+        return f"unknown backend {backend!r}"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -326,7 +295,7 @@ def run_grid(shapes: Sequence = GRID_D128, backends: Sequence[str] = ("hopper", 
         bf16_out = None
         if not quick and check_errors:
             try:
-                bf16_out = _sdpa("cudnn")(*sets[0], scale)
+                bf16_out = attention_function("sdpa_cudnn")(*sets[0], scale)
             except Exception:
                 bf16_out = None
         for backend in backends:
@@ -367,13 +336,12 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
             fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
             out0 = ker(ops[0], sets[0][0], scale)
     else:
-        call = {"hopper": lambda: _hopper(pol, **variant),
-                "hopper_plain": lambda: _hopper(pol, schedule="serial"),
-                "hopper_overlap": lambda: _hopper(pol, schedule="overlap"),
-                "hopper_fused": lambda: _hopper(pol),   # the default since the fused folded pre-pass
-                "fa4": _fa4, "sdpa_cudnn": lambda: _sdpa("cudnn"),
-                "sdpa_flash": lambda: _sdpa("flash"), "sage": _sage,
-                "reference": lambda: _reference(pol), "blackwell": lambda: _blackwell(pol)}[base]()
+        fp4vis_calls = {"hopper": lambda: _hopper(pol, **variant),
+                        "hopper_plain": lambda: _hopper(pol, schedule="serial"),
+                        "hopper_overlap": lambda: _hopper(pol, schedule="overlap"),
+                        "hopper_fused": lambda: _hopper(pol),   # the default since the fused folded pre-pass
+                        "reference": lambda: _reference(pol), "blackwell": lambda: _blackwell(pol)}
+        call = attention_function(base, "bhsd") if base in BASELINES else fp4vis_calls[base]()
         fn = lambda i: call(*sets[i], scale)  # noqa: E731
         out0 = call(*sets[0], scale)
     times = time_cpu(fn, len(sets)) if quick else time_cuda(fn, len(sets), budget_s=budget_s)

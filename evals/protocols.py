@@ -166,7 +166,8 @@ def mae_protocol_markdown(r: dict) -> str:
 def run_wan_protocol(*, model: str | None = None, protocol: WanProtocol = PAPER["wan"],
                      out_dir: str | os.PathLike | None = None, name: str = "wan_paper", **common: Any) -> dict:
     """The Wan protocol: one run of each length (``fp4vis.evals.wan_fidelity.run_wan_eval``, latents only)
-    and the final latents' cosine / relL2 against BF16 beside the published ones of that model size."""
+    and the final latents' cosine / relL2 against BF16 beside the published ones of that model size.
+    Fidelity only: no BF16 attention baselines (they are speed figures, and not the published protocol's)."""
     from .wan_fidelity import DEFAULT_PROMPT, run_wan_eval
 
     model = model or protocol.model
@@ -180,7 +181,7 @@ def run_wan_protocol(*, model: str | None = None, protocol: WanProtocol = PAPER[
         r = run_wan_eval(model, policies=list(protocol.policies), prompt=DEFAULT_PROMPT, height=protocol.height,
                          width=protocol.width, frames=protocol.frames, steps=steps,
                          guidance_scale=protocol.guidance_scale, seed=protocol.seed, decode=False, warmup=False,
-                         out_dir=out_dir, name=f"{name}_{steps}steps", **common)
+                         baselines="none", out_dir=out_dir, name=f"{name}_{steps}steps", **common)
         result["steps"][steps] = {
             p: {"latent_cosine": run.get("latent_cosine"), "latent_rel_l2": run.get("latent_rel_l2"),
                 "published": published.get(p, {}).get(steps), "error": run.get("error")}

@@ -12,6 +12,15 @@ of every denoising step each self-attention layer is re-run under the policy on 
 that step's last transformer call, and its output's relative L2 against the BF16 output is averaged
 over steps and layers.
 
+BF16 attention baselines (``baselines``): besides BF16 (diffusers' default attention, the reference of
+every metric), each baseline runs as a policy does (same warm-up, seed, latents, prompt embeddings and
+timing) with a BF16 attention library as the attention of every self-attention layer (``attn1``), through
+``fp4vis.patching.wan.attention_function_applied``: ``fa4`` (flash-attn-4, what a user who wants speed
+switches to) and ``sage`` (SageAttention), from ``fp4vis.evals.baselines``; run ``attn1=<name>``, after
+BF16 and before the policies. ``"auto"`` (the default) runs those of them that can run here and records
+why the others were skipped (``baselines_skipped``; on the CPU: all). Every run carries ``speedup_vs``,
+its denoising-loop speedup (per step the same ratio) against BF16 and against every baseline that ran.
+
 Speed-only mode (``speed_only="1.3B"`` or ``"14B"``) builds the real Wan2.1 architecture with seeded
 RANDOM weights and random prompt embeddings (nothing is downloaded; the report says so): the timings
 are real, the fidelity numbers describe random weights only. A warm-up generation (1 step, not
@@ -21,12 +30,15 @@ timed) precedes each timed run so that kernel compilation is not counted.
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
+from fp4vis.evals.baselines import BASELINES, attention_function, select_baselines
 from fp4vis.evals.common import AttentionRecorder, error_metrics
 from fp4vis.evals.report import fmt, markdown_table, write_report
+from fp4vis.patching.wan import attention_function_applied
 from fp4vis.pipelines.wan_video import (
     build_random_wan_pipeline,
     encode_prompt,
@@ -53,6 +65,28 @@ from fp4vis.services import (
 )
 
 DEFAULT_PROMPT = "A red fox trotting through fresh snow in a birch forest, morning light, cinematic"
+BASELINE_LAYERS = "attn1"   # the layers a baseline replaces: self-attention, where a video model's time goes
+
+
+def baseline_run(name: str) -> str:
+    """The run name of BF16 baseline ``name``: ``attn1=fa4``."""
+    return f"{BASELINE_LAYERS}={name}"
+
+
+def _baseline_attention(pipe, baseline: str | None) -> AbstractContextManager:
+    """The block of a run: ``baseline``'s attention in the ``attn1`` layers, or the model as it is (None)."""
+    if baseline is None:
+        return nullcontext()
+    return attention_function_applied(pipe, attention_function(baseline, "bshd"), select=BASELINE_LAYERS)
+
+
+def add_speedups_vs(runs: dict[str, Any], references: list[str]) -> None:
+    """``speedup_vs`` of every timed run: {reference run: its denoise_s / this run's denoise_s} for each
+    reference run (BF16, the baselines) that has finished."""
+    done = {ref: runs[ref]["timings"]["denoise_s"] for ref in references if "timings" in runs.get(ref, {})}
+    for run in runs.values():
+        if "timings" in run:
+            run["speedup_vs"] = {ref: s / run["timings"]["denoise_s"] for ref, s in done.items()}
 
 
 def _video_metrics(frames, ref) -> dict[str, Any]:
@@ -117,16 +151,19 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                  out_dir: str | os.PathLike | None = None, name: str | None = None,
                  progress: bool = True, latent_steps: tuple[int, ...] = (), operator_error: bool = False,
                  operator_error_steps: tuple[int, ...] | None = None, fps: int = 16,
-                 frames_sink: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run BF16 and every policy; returns the result dict, and writes JSON/Markdown to ``out_dir``.
-    ``latent_steps``: latent metrics after these numbers of steps too; ``operator_error``: see the
-    module docstring (after every step, or after ``operator_error_steps``); ``frames_sink``: a dict that
-    receives each run's decoded frames, by policy."""
+                 frames_sink: dict[str, Any] | None = None, baselines: str | list[str] | None = "auto"
+                 ) -> dict[str, Any]:
+    """Run BF16, the BF16 baselines and every policy; returns the result dict, and writes JSON/Markdown to
+    ``out_dir``. ``latent_steps``: latent metrics after these numbers of steps too; ``operator_error``: see
+    the module docstring (after every step, or after ``operator_error_steps``); ``frames_sink``: a dict
+    that receives each run's decoded frames, by run name; ``baselines``: "auto", "none" (or "" / None),
+    or names (``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a UsageError)."""
     if (model is None) == (speed_only is None):
         raise UsageError("give either a model (Hub id or local path) or speed_only='1.3B' / '14B'")
     dev = resolve_device(device)
     check_backend(backend, dev)
     pols = resolve_policies(policies, allow_bf16=False)
+    baseline_names, baselines_skipped = select_baselines(baselines, dev)
     plan = load_guard_plan(guard_plan)
     cosine, rel_l2 = error_metrics()
     random_weights = speed_only is not None
@@ -163,6 +200,7 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         "transformer": {"num_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
                         "attention_head_dim": cfg.attention_head_dim, "ffn_dim": cfg.ffn_dim},
         "latent_steps": sorted({int(k) for k in latent_steps if 0 < int(k) < steps} | {steps}),
+        "baselines": baseline_names, "baselines_skipped": baselines_skipped, "baseline_layers": BASELINE_LAYERS,
         "runs": runs, "complete": False, "warnings": [],
     }
     mp4_skip = mp4_unavailable() if save_videos and decode and out_dir is not None else None
@@ -186,42 +224,49 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
             files = write_report(out_dir, name, result, wan_markdown(result))
             result["files"] = {k: str(v) for k, v in files.items()}
 
+    # (run name, policy, baseline): BF16 first (the reference of every metric), then the baselines, the policies
+    schedule = ([("bf16", "bf16", None)] + [(baseline_run(b), "bf16", b) for b in baseline_names]
+                + [(p.name, p, None) for p in pols])
+    references = ["bf16"] + [baseline_run(b) for b in baseline_names]
     ref = None
-    for pol_name in ["bf16"] + [p.name for p in pols]:
-        pol = next((p for p in pols if p.name == pol_name), pol_name)
-        guard = plan_for(plan, pol_name)
+    for run_name, pol, baseline in schedule:
+        guard = plan_for(plan, pol)
         wlog = WarningLog()
+        measure_op = run_name == "bf16" and op_error is not None
         try:
-            with wlog:
+            with wlog, _baseline_attention(pipe, baseline):
                 if warmup:
                     generate(pipe, policy=pol, guard=guard, steps=1, decode=False, **common)
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
-                if pol_name == "bf16" and op_error is not None:
+                if measure_op:
                     with op_error.recorder:
                         res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
                                        callbacks=(op_error,), **common)
                 else:
                     res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
                                    **common)
-        except Exception as e:  # one failing policy (e.g. an unavailable kernel) does not lose the others
-            if pol_name == "bf16":
+        except Exception as e:  # one failing run (e.g. an unavailable kernel) does not lose the others
+            if run_name == "bf16":
                 raise
-            runs[pol_name] = {"error": f"{type(e).__name__}: {e}"}
+            runs[run_name] = {"error": f"{type(e).__name__}: {e}"}
             write()
             continue
         finally:
-            result["warnings"] += [f"[{pol_name}] {w}" for w in wlog.messages]
+            result["warnings"] += [f"[{run_name}] {w}" for w in wlog.messages]
         t = dict(res.timings)
-        if pol_name == "bf16" and op_error is not None:   # the re-runs ran inside the timed BF16 loop
+        if measure_op:   # the re-runs ran inside the timed BF16 loop
             t["denoise_s"] -= op_error.seconds
             t["operator_error_s"] = op_error.seconds
         t["text_encode_s"] = text_s
         t["total_s"] = text_s + t["denoise_s"] + t["decode_s"]
         run: dict[str, Any] = {"timings": t, "step_s": t["denoise_s"] / steps}
+        if baseline is not None:
+            run["baseline"] = {"name": baseline, "attention": BASELINES[baseline].description,
+                               "layers": BASELINE_LAYERS}
         if dev.type == "cuda":
             run["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-        if pol_name == "bf16":
+        if run_name == "bf16":
             ref = res
         else:
             rt = runs["bf16"]["timings"]
@@ -234,13 +279,15 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                                           for k, (a, b) in after.items()]
             if decode:
                 run["video"] = _video_metrics(res.frames, ref.frames)
-            if op_error is not None:
-                run["attention_rel_l2"] = op_error.summary()[pol_name]
+            if op_error is not None and run_name in op_error.errors:
+                run["attention_rel_l2"] = op_error.summary()[run_name]
         if save_videos and decode and out_dir is not None and not mp4_skip:
-            run["mp4"] = str(save_mp4(res.frames, os.path.join(out_dir, f"{name}_{pol_name}.mp4"), fps=fps))
+            clip = os.path.join(out_dir, f"{name}_{run_name.replace('=', '-')}.mp4")
+            run["mp4"] = str(save_mp4(res.frames, clip, fps=fps))
         if frames_sink is not None and res.frames is not None:
-            frames_sink[pol_name] = res.frames
-        runs[pol_name] = run
+            frames_sink[run_name] = res.frames
+        runs[run_name] = run
+        add_speedups_vs(runs, references)
         del res
         write()  # partial results survive an interrupted run
 
@@ -256,7 +303,7 @@ def wan_markdown(r: dict[str, Any]) -> str:
             "random prompt embeddings; no checkpoint was loaded. Timings are real; the fidelity columns "
             "describe random weights and say nothing about video quality.\n" if r["random_weights"] else "")
     partial = ("" if r.get("complete", True) else
-               "\n**Partial results**: the run was interrupted; only the policies listed below finished.\n")
+               "\n**Partial results**: the run was interrupted; only the runs listed below finished.\n")
     lines = [f"# Wan2.1 fidelity and speed: {r['model']}", warn + partial,
              f"{r['width']}x{r['height']}, {r['frames']} frames ({r['latent_frames']} latent frames, {r['tokens']} "
              f"tokens per self-attention), {r['steps']} steps, guidance {r['guidance_scale']}, seed {r['seed']}, "
@@ -272,14 +319,15 @@ def wan_markdown(r: dict[str, Any]) -> str:
         rows.append([name, t["denoise_s"], run["step_s"], t["decode_s"] if r["decode"] else None, t["total_s"],
                      run.get("speedup_denoise"), run.get("speedup_end_to_end"), run.get("latent_cosine"),
                      run.get("latent_rel_l2"), v.get("psnr_mean"), v.get("ssim_mean")])
-    lines.append(markdown_table(["policy", "denoise (s)", "per step (s)", "VAE decode (s)", "end-to-end (s)",
+    lines.append(markdown_table(["run", "denoise (s)", "per step (s)", "VAE decode (s)", "end-to-end (s)",
                                  "speedup (denoise)", "speedup (e2e)", "latent cosine", "latent relL2",
                                  "PSNR vs BF16 (dB)", "SSIM vs BF16"], rows))
+    lines += _baselines_markdown(r)
     steps_rows = [[name] + [f"{fmt(a['cosine'], 6)} / {fmt(a['rel_l2'], 4)}" for a in run["latents_after_steps"]]
                   for name, run in r["runs"].items() if "latents_after_steps" in run]
     if steps_rows and len(r.get("latent_steps", [])) > 1:
         lines += ["", "Latent cosine / relL2 against BF16 after k denoising steps (same initial noise):", "",
-                  markdown_table(["policy"] + [f"after {k} step{'s' if k > 1 else ''}" for k in r["latent_steps"]],
+                  markdown_table(["run"] + [f"after {k} step{'s' if k > 1 else ''}" for k in r["latent_steps"]],
                                  steps_rows)]
     op_rows = [[name, run["attention_rel_l2"]["rel_l2_mean"], run["attention_rel_l2"]["steps"]]
                for name, run in r["runs"].items() if "attention_rel_l2" in run]
@@ -293,8 +341,34 @@ def wan_markdown(r: dict[str, Any]) -> str:
         lines += ["", "Peak GPU memory (GiB): " + ", ".join(f"{n} {v:.1f}" for n, v in mem.items()) + "."]
     lines += ["", f"Text encoding (once, shared by all runs): {text:.3f} s. End-to-end = text encoding + denoising "
               "+ VAE decode. PSNR/SSIM: per frame (torchmetrics, [0, 1] RGB, data_range 1.0), then the mean over "
-              "frames. Denoising time: the wall time of the pipeline's loop, every policy measured the same way "
+              "frames. Denoising time: the wall time of the pipeline's loop, every run measured the same way "
               "(launches back to back, one wait at the end, and for fp4vis' kernels one per transformer forward "
               "for the range check); at Wan2.1's own sizes a step is seconds of GPU work, which host overhead "
               "does not change."]
     return "\n".join(lines)
+
+
+def _baselines_markdown(r: dict[str, Any]) -> list[str]:
+    """What the BF16 baselines are, why any were skipped, and every run's denoising speedup against BF16
+    and each baseline that ran (the table only where one ran: else it repeats the speedup column)."""
+    ran = r.get("baselines") or []
+    skipped = r.get("baselines_skipped") or {}
+    if not ran and not skipped:
+        return []
+    layers = r.get("baseline_layers", BASELINE_LAYERS)
+    lines = [""]
+    if ran:
+        what = "; ".join(f"`{baseline_run(b)}`: {BASELINES[b].description if b in BASELINES else b}" for b in ran)
+        lines.append(f"BF16 baselines: a BF16 attention library as the attention of every `{layers}` layer "
+                     f"(self-attention; cross-attention stays diffusers' default), diffusers' math around it: "
+                     f"{what}. `bf16` is diffusers' default attention, the reference of every fidelity column.")
+    if skipped:
+        lines.append("Baselines skipped: " + "; ".join(f"`{b}` ({why})" for b, why in skipped.items()) + ".")
+    refs = ["bf16"] + [baseline_run(b) for b in ran]
+    rows = [[name] + [run.get("speedup_vs", {}).get(ref) for ref in refs]
+            for name, run in r["runs"].items() if "speedup_vs" in run]
+    if ran and rows:
+        lines += ["", "Speedup of the denoising loop (per step: the same ratio) against BF16 and each baseline "
+                  "(its denoise time / the run's):", "",
+                  markdown_table(["run"] + [f"vs {ref}" for ref in refs], rows, digits=3)]
+    return lines

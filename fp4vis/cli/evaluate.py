@@ -69,17 +69,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_runtime(p)
 
     p = esub.add_parser("wan", formatter_class=Formatter, help="Wan2.1 fidelity vs BF16 and end-to-end speed",
-                        description="BF16 and each policy with identical seed, latents and prompt embeddings: "
-                                    "wall times (denoise, VAE decode, text encoding), speedups, final-latent "
-                                    "cosine/relL2, per-frame PSNR/SSIM vs BF16. Size, frames and guidance default "
-                                    "to the model's (fp4vis:digits-wan: its own; any other: 480x832, 81 frames, "
-                                    "guidance 5).")
+                        description="BF16 (diffusers' default attention), the BF16 attention baselines and each "
+                                    "policy with identical seed, latents and prompt embeddings: wall times "
+                                    "(denoise, VAE decode, text encoding), speedups against BF16 and each "
+                                    "baseline, final-latent cosine/relL2, per-frame PSNR/SSIM vs BF16. Size, "
+                                    "frames and guidance default to the model's (fp4vis:digits-wan: its own; any "
+                                    "other: 480x832, 81 frames, guidance 5).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="Hub id, local diffusers folder, or fp4vis:digits-wan (shipped)")
     src.add_argument("--speed-only", choices=["1.3B", "14B"],
                      help="the real Wan2.1 architecture with random weights (timings only; labelled so)")
     p.add_argument("--protocol", choices=["paper"], default=None, help=PROTOCOL_HELP)
     p.add_argument("--policies", type=policy_list, default="wan_fast,fast,accurate")
+    p.add_argument("--baselines", default="auto", metavar="auto|none|NAMES",
+                   help="BF16 attention libraries run as the attention of every self-attention layer (attn1), "
+                        "each a run attn1=NAME timed as the policies are: fa4 (flash-attn-4), sage "
+                        "(SageAttention), sdpa_cudnn, sdpa_flash (torch SDPA), comma-separated; auto: fa4 and "
+                        "sage where they can run here (the report says why not), none: no baselines")
     p.add_argument("--prompt", default=None, help="default: a fixed test prompt")
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -140,6 +146,17 @@ def _run_protocol(args: argparse.Namespace, common: dict) -> int:
     return 0
 
 
+def _wan_run_line(name: str, run: dict) -> str:
+    """One run of the Wan eval: its denoising time, speedups against BF16 and each baseline, latent cosine."""
+    if "error" in run:
+        return f"{name}: FAILED {run['error']}"
+    speedups = ", ".join(f"{x:.2f}x vs {ref}" for ref, x in run.get("speedup_vs", {}).items() if ref != name)
+    extra = f", speedup {speedups}" if speedups else ""
+    if "latent_cosine" in run:
+        extra += f", latent cosine {run['latent_cosine']:.5f}"
+    return f"{name}: denoise {run['timings']['denoise_s']:.3f} s{extra}"
+
+
 def _fmt(x) -> str:
     return "—" if x is None else f"{x:.4g}"
 
@@ -194,14 +211,11 @@ def run(args: argparse.Namespace) -> int:
                          guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance,
                          seed=args.seed, decode=args.decode, warmup=not args.no_warmup, save_videos=args.save_videos,
                          name=args.name, latent_steps=args.latent_steps, operator_error=args.operator_error,
-                         fps=gen["fps"], **common)
-        for pol, run in r["runs"].items():
-            if "error" in run:
-                print(f"{pol}: FAILED {run['error']}")
-                continue
-            extra = (f", speedup {run['speedup_denoise']:.2f}x, latent cosine {run['latent_cosine']:.5f}"
-                     if "speedup_denoise" in run else "")
-            print(f"{pol}: denoise {run['timings']['denoise_s']:.3f} s{extra}")
+                         fps=gen["fps"], baselines=args.baselines, **common)
+        for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
+            print(f"baseline skipped, {why}")
+        for name, run in r["runs"].items():
+            print(_wan_run_line(name, run))
     for kind, path in (r.get("files") or {}).items():
         print(f"{kind}: {path}")
     return 0

@@ -20,6 +20,15 @@ after patching): the settings land on the original processor, self-attention run
 through ``fp4vis.patching.context_parallel`` (Ulysses, ring, both) and its exact path through
 diffusers' own CP attention; cross-attention is local (every rank holds the whole text context).
 
+Another attention function in the model: ``attention_function_applied(pipe, fn)`` sets a
+:class:`WanFunctionAttnProcessor` on every ``attn1`` (``select``: other layers) for the duration of a
+``with`` block, whose attention is ``fn(q, k, v)`` on (B, S, H, D) tensors and everything else diffusers'
+math (both processors share it: :class:`WanProcessorBase`); the Wan eval runs its BF16 baselines so
+(flash-attn-4, SageAttention: ``fp4vis.evals.baselines``)::
+
+    with attention_function_applied(pipe, flash_attn_bshd):
+        video = pipe(...).frames
+
 Layers: ``attn1`` (self-attention, group ``"self"``) of every block is a default layer; ``attn2``
 (cross-attention, group ``"cross"``) only with ``cross_attention=True`` or a name pattern such as
 ``"*attn2"``. The layer index is the block index.
@@ -34,8 +43,10 @@ the first and last denoising steps::
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -53,7 +64,8 @@ from fp4vis.qk_transform import QKTransform, apply_rotary_emb
 from . import context_parallel
 from .layer import LayerSpec, LayerState, resolve_policy
 
-__all__ = ["FP4WanAttnProcessor", "StepPolicyCallback", "exact_steps", "find_layers", "install", "uninstall"]
+__all__ = ["FP4WanAttnProcessor", "StepPolicyCallback", "WanFunctionAttnProcessor", "WanProcessorBase",
+           "attention_function_applied", "exact_steps", "find_layers", "install", "uninstall"]
 
 TEXT_CONTEXT = 512  # diffusers' WanAttnProcessor: "the context length of the text encoder, hardcoded"
 
@@ -105,16 +117,15 @@ def uninstall(spec: LayerSpec, state: LayerState, original: Any) -> None:
         attn.set_processor(original)
 
 
-class FP4WanAttnProcessor:
-    """Attention processor of one patched ``WanAttention``: fp4vis attention with the layer's
-    policy, everything else as diffusers' ``WanAttnProcessor``. ``original`` is the processor it
-    replaced (restored by ``remove()``, used for exact attention)."""
+class WanProcessorBase:
+    """diffusers' ``WanAttnProcessor`` with its attention calls left to the subclass (``_attend``):
+    projections, RMS norms, rotary embedding, the I2V image branch and the output projection, as
+    diffusers computes them. ``original`` is the processor it replaced; the attention-backend and
+    context-parallel settings that diffusers sets on a layer's processor land on it."""
 
-    def __init__(self, state: LayerState, original: Any):
-        self.state = state
+    def __init__(self, original: Any):
         self.original = original
 
-    # set_attention_backend / context-parallel settings land on the original processor
     @property
     def _attention_backend(self):
         return getattr(self.original, "_attention_backend", None)
@@ -131,36 +142,33 @@ class FP4WanAttnProcessor:
     def _parallel_config(self, value):
         self.original._parallel_config = value
 
-    def _attend(self, query, key, value, *, parallel_config, transform: QKTransform | None = None) -> torch.Tensor:
-        """Attention of (B, S, H, D) tensors: fp4vis with the layer's policy, or exact through diffusers.
-        ``transform``: query and key are raw projections and it makes the attention's q and k (never
-        under context parallelism: the caller checks). Under context parallelism (``parallel_config`` of
-        self-attention) the FP4 path does its own collectives (``context_parallel``) and the exact
-        path is diffusers' own CP attention."""
-        st = self.state
-        groups = context_parallel.groups_of(parallel_config)
-        if groups is not None:  # before any work: every rank raises the same error
-            context_parallel.check_layer(st, groups, query.shape[2])
-        pol = st.select(query, key, value, layout="bshd", scale=None)
-        if pol is None:
-            if transform is not None:
-                query, key = transform.apply(query, key)
-            return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                         backend=self._attention_backend, parallel_config=parallel_config)
-        if groups is not None:
-            return context_parallel.attention(st, query, key, value, pol, groups)
-        return st.attention(query, key, value, pol, layout="bshd", qk_transform=transform)
-
     def __call__(self, attn: WanAttention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
-        st = self.state
-        if not st.needs_qkv() or attention_mask is not None or kwargs:
-            if st.active_policy() is not None:
-                st.fallback("attention mask given" if attention_mask is not None
-                            else f"unexpected processor arguments {sorted(kwargs)}")
+        if self._passes_to_original(attention_mask, kwargs):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        return self._wan_attention(attn, hidden_states, encoder_hidden_states, rotary_emb)
 
+    def _passes_to_original(self, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
+        """Whether the original processor computes this call: one with an attention mask or arguments
+        that diffusers' Wan math here does not take (diffusers passes neither to Wan layers)."""
+        return attention_mask is not None or bool(kwargs)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, parallel_config: Any
+                ) -> torch.Tensor:
+        """Attention of (B, S, H, D) q, k, v (normed and rotated) -> (B, S, H, D); ``parallel_config``:
+        the context-parallel settings of self-attention, None for cross-attention and the image branch."""
+        raise NotImplementedError
+
+    def _attend_projections(self, attn: WanAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            rotary_emb: Any, parallel_config: Any) -> torch.Tensor | None:
+        """The attention (B, S, H*D) from the raw (B, S, H*D) projections of a layer without an image
+        branch, or None: the norms and the rotary embedding are applied here first (the default)."""
+        return None
+
+    def _wan_attention(self, attn: WanAttention, hidden_states: torch.Tensor,
+                       encoder_hidden_states: torch.Tensor | None, rotary_emb: Any) -> torch.Tensor:
+        """The layer's output, as diffusers' ``WanAttnProcessor`` (without an attention mask)."""
         encoder_hidden_states_img = None
         if attn.add_k_proj is not None:
             image_context_length = encoder_hidden_states.shape[1] - TEXT_CONTEXT
@@ -169,16 +177,10 @@ class FP4WanAttnProcessor:
 
         query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
         parallel_config = self._parallel_config if encoder_hidden_states is None else None
-        transform = None
-        if (encoder_hidden_states_img is None and st.recorder is None and st.auto is None
-                and context_parallel.groups_of(parallel_config) is None):
-            transform = QKTransform.from_norms(attn.norm_q, attn.norm_k, rotary_emb)
-        if transform is not None:
-            # the raw projections and the transform: the backend makes q and k (module doc)
-            hidden_states = self._attend(query.unflatten(2, (attn.heads, -1)), key.unflatten(2, (attn.heads, -1)),
-                                         value.unflatten(2, (attn.heads, -1)), parallel_config=parallel_config,
-                                         transform=transform)
-            return self._output(attn, hidden_states.flatten(2, 3).type_as(query))
+        if encoder_hidden_states_img is None:
+            hidden_states = self._attend_projections(attn, query, key, value, rotary_emb, parallel_config)
+            if hidden_states is not None:
+                return self._output(attn, hidden_states.type_as(query))
         query = attn.norm_q(query)
         key = attn.norm_k(key)
         query = query.unflatten(2, (attn.heads, -1))
@@ -209,8 +211,130 @@ class FP4WanAttnProcessor:
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
 
+
+class FP4WanAttnProcessor(WanProcessorBase):
+    """Attention processor of one patched ``WanAttention``: fp4vis attention with the layer's
+    policy, everything else as diffusers' ``WanAttnProcessor``. ``original`` is the processor it
+    replaced (restored by ``remove()``, used for exact attention)."""
+
+    def __init__(self, state: LayerState, original: Any):
+        super().__init__(original)
+        self.state = state
+
+    def _attend(self, query, key, value, *, parallel_config, transform: QKTransform | None = None) -> torch.Tensor:
+        """Attention of (B, S, H, D) tensors: fp4vis with the layer's policy, or exact through diffusers.
+        ``transform``: query and key are raw projections and it makes the attention's q and k (never
+        under context parallelism: the caller checks). Under context parallelism (``parallel_config`` of
+        self-attention) the FP4 path does its own collectives (``context_parallel``) and the exact
+        path is diffusers' own CP attention."""
+        st = self.state
+        groups = context_parallel.groups_of(parallel_config)
+        if groups is not None:  # before any work: every rank raises the same error
+            context_parallel.check_layer(st, groups, query.shape[2])
+        pol = st.select(query, key, value, layout="bshd", scale=None)
+        if pol is None:
+            if transform is not None:
+                query, key = transform.apply(query, key)
+            return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         backend=self._attention_backend, parallel_config=parallel_config)
+        if groups is not None:
+            return context_parallel.attention(st, query, key, value, pol, groups)
+        return st.attention(query, key, value, pol, layout="bshd", qk_transform=transform)
+
+    def _attend_projections(self, attn, query, key, value, rotary_emb, parallel_config):
+        """The raw projections and the norms/rotary as a QKTransform: the backend makes q and k (module
+        doc); not while calibration or the automatic guard reads q and k, nor under context parallelism."""
+        st = self.state
+        if st.recorder is not None or st.auto is not None or context_parallel.groups_of(parallel_config) is not None:
+            return None
+        transform = QKTransform.from_norms(attn.norm_q, attn.norm_k, rotary_emb)
+        if transform is None:
+            return None
+        hidden_states = self._attend(query.unflatten(2, (attn.heads, -1)), key.unflatten(2, (attn.heads, -1)),
+                                     value.unflatten(2, (attn.heads, -1)), parallel_config=parallel_config,
+                                     transform=transform)
+        return hidden_states.flatten(2, 3)
+
+    def _passes_to_original(self, attention_mask, kwargs) -> bool:
+        """Also when the layer runs exact attention and nothing reads its q, k, v; a call the layer's
+        policy cannot serve says so (``LayerState.fallback``)."""
+        st = self.state
+        if st.needs_qkv() and attention_mask is None and not kwargs:
+            return False
+        if st.active_policy() is not None:
+            st.fallback("attention mask given" if attention_mask is not None
+                        else f"unexpected processor arguments {sorted(kwargs)}")
+        return True
+
     def __repr__(self) -> str:
         return f"FP4WanAttnProcessor({self.state!r})"
+
+
+class WanFunctionAttnProcessor(WanProcessorBase):
+    """Attention processor of a ``WanAttention`` whose attention is ``fn(q, k, v)`` on (B, S, H, D)
+    tensors (normed and rotated as diffusers does), everything else as diffusers' ``WanAttnProcessor``:
+    a BF16 attention library in the model (``attention_function_applied``). ``original`` is the
+    processor it replaced; calls it cannot serve (an attention mask, other arguments) go to it."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], original: Any):
+        super().__init__(original)
+        self.fn = fn
+
+    def _attend(self, query, key, value, *, parallel_config):
+        if context_parallel.groups_of(parallel_config) is not None:
+            raise NotImplementedError("an attention function in a Wan layer under context parallelism: "
+                                      "the function would see this rank's shard of the sequence only")
+        return self.fn(query, key, value)
+
+    def __repr__(self) -> str:
+        return f"WanFunctionAttnProcessor({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def _modules_of(model: Any) -> list[torch.nn.Module]:
+    """A module itself, or every torch module among a diffusers pipeline's components."""
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    comps = getattr(model, "components", None) or {}
+    return [m for m in comps.values() if isinstance(m, torch.nn.Module)]
+
+
+def _function_layers(model: Any, select: str) -> list[WanAttention]:
+    """The ``WanAttention`` layers of ``model`` whose name matches ``select`` (an fnmatch pattern over
+    the layer names; one without a dot is matched against their last part, e.g. "attn1")."""
+    layers = []
+    for root in _modules_of(model):
+        for name, m in root.named_modules():
+            part = name.rpartition(".")[2] if "." not in select else name
+            if isinstance(m, WanAttention) and fnmatch.fnmatchcase(part, select):
+                layers.append(m)
+    if not layers:
+        raise ValueError(f"attention_function_applied: no WanAttention layer of {type(model).__name__} "
+                         f"matches {select!r}")
+    return layers
+
+
+@contextlib.contextmanager
+def attention_function_applied(model: Any, fn: Callable[..., torch.Tensor], select: str = "attn1"
+                               ) -> Iterator[list[WanAttention]]:
+    """Run a block with the attention of ``model``'s Wan layers named ``select`` (default: every block's
+    self-attention) computed by ``fn(q, k, v)`` on (B, S, H, D) tensors, e.g. a BF16 attention library
+    (``fp4vis.evals.baselines``). ``model``: a ``WanTransformer3DModel`` (or any module holding
+    ``WanAttention`` layers) or a diffusers pipeline. The processors are set with ``attn.set_processor``
+    and the previous processor objects are set back on exit, also after an exception; yields the
+    layers. A layer patched by fp4vis is refused (remove its handle first)."""
+    layers = _function_layers(model, select)
+    patched = [m for m in layers if isinstance(m.processor, FP4WanAttnProcessor)]
+    if patched:
+        raise RuntimeError("attention_function_applied: a selected layer has an fp4vis processor; remove the "
+                           "patch handle first")
+    originals = [m.processor for m in layers]
+    try:
+        for m, original in zip(layers, originals):
+            m.set_processor(WanFunctionAttnProcessor(fn, original))
+        yield layers
+    finally:
+        for m, original in zip(layers, originals):
+            m.set_processor(original)
 
 
 class StepPolicyCallback(PipelineCallback):

@@ -238,6 +238,9 @@ def _bad_cases(a, b):
                                                 b["root"] / "v.mp4"], "image:.*text-to-video model"),
         "eval mae on a ViT classifier": (["eval", "mae", "--model", b["hf_vit"], "--data", a["data"]],
                                          "is a 'vit' model, not a ViTMAE"),
+        "eval wan with an unknown baseline": (["eval", "wan", "--speed-only", "1.3B", "--baselines", "fa4,nope",
+                                               "--device", "cpu", "--out-dir", b["root"], "--no-progress"],
+                                              "baselines: unknown baseline 'nope'"),
         "calibrate mae on a ViT classifier": (["calibrate", "mae", "--model", b["hf_vit"], "--data", a["data"],
                                                "--out", b["root"] / "m.json"], "is a 'vit' model, not a ViTMAE"),
     }

@@ -75,6 +75,27 @@ def test_bench_runs_the_blackwell_backend_where_it_exists():
         kb._blackwell("fast")(q, q, q, 0.125)
 
 
+def test_bench_baselines_resolve_through_the_shared_module():
+    """kernel_bench's BF16 baselines (fa4, sage, sdpa_*) are fp4vis.evals.baselines' functions in layout
+    bhsd; the bshd ones give the same values (torch SDPA's flash backend also runs on the CPU)."""
+    import torch
+
+    from fp4vis.evals import baselines
+    from fp4vis.evals import kernel_bench as kb
+
+    assert baselines.unavailable("sdpa_nope") == "unknown baseline 'sdpa_nope'"
+    if not torch.cuda.is_available():
+        assert {b: kb.available(b) for b in ("fa4", "sage", "sdpa_cudnn")} == dict.fromkeys(
+            ("fa4", "sage", "sdpa_cudnn"), "no CUDA device")
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    bhsd = baselines.attention_function("sdpa_flash", "bhsd")(q, k, v, 0.25)
+    bshd = baselines.attention_function("sdpa_flash", "bshd")(q.transpose(1, 2), k.transpose(1, 2),
+                                                                v.transpose(1, 2), 0.25)
+    assert torch.equal(bshd.transpose(1, 2), bhsd)
+    with pytest.raises(ValueError, match="layout"):
+        baselines.attention_function("sdpa_flash", "bsd")
+
+
 def test_grid_speedups_and_geo_means_in_both_timings():
     """Every backend is timed per eager call and in GPU time (graph_ms): the speedups and the
     geo-mean of the summary are given for both, each from its own timing."""

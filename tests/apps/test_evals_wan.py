@@ -71,3 +71,58 @@ def test_argument_errors(tiny):
         run_wan_eval(None, **KW)
     with pytest.raises(UsageError, match="either a model"):
         run_wan_eval(str(tiny), speed_only="1.3B", **KW)
+
+
+def test_auto_baselines_are_skipped_with_reasons_on_the_cpu(tiny, tmp_path):
+    r = run_wan_eval(str(tiny), policies="fast", baselines="auto", device="cpu", warmup=False, decode=False,
+                     out_dir=tmp_path, **KW)
+    assert r["complete"] and r["baselines"] == [] and list(r["runs"]) == ["bf16", "fast"]
+    assert set(r["baselines_skipped"]) == {"fa4", "sage"} and all(r["baselines_skipped"].values())
+    fast = r["runs"]["fast"]
+    assert fast["speedup_vs"] == {"bf16": pytest.approx(fast["speedup_denoise"])}
+    md = (tmp_path / "wan_fidelity.md").read_text()
+    assert "Baselines skipped: `fa4` (" in md and "vs bf16 |" not in md   # no speedup table without a baseline
+
+
+def test_a_baseline_runs_in_attn1_through_the_processor(tiny, tmp_path, monkeypatch):
+    """A baseline registered for the test (torch SDPA, CPU) runs as attn1's attention: its own run after
+    BF16 and before the policies, speedups of every run against BF16 and it, its table in the report."""
+    from fp4vis.evals import baselines
+
+    layouts, seen = [], []
+
+    def build(layout):
+        layouts.append(layout)
+
+        def call(q, k, v, scale=None):
+            seen.append(tuple(q.shape))
+            return baselines.attention_function("sdpa_flash", layout)(q, k, v, scale)
+        return call
+
+    monkeypatch.setitem(baselines.BASELINES, "cpu_sdpa",
+                        baselines.Baseline("cpu_sdpa", "torch SDPA (a test's)", build, needs_cuda=False))
+    r = run_wan_eval(str(tiny), policies="fast", baselines="cpu_sdpa", warmup=False, decode=False,
+                     out_dir=tmp_path, backend="reference", **KW)
+    assert r["baselines"] == ["cpu_sdpa"] and r["baselines_skipped"] == {}
+    assert list(r["runs"]) == ["bf16", "attn1=cpu_sdpa", "fast"]
+    assert layouts[-1] == "bshd"   # the Wan processor's layout (an availability check builds one first)
+    assert seen and all(len(s) == 4 and s[1] == r["tokens"] for s in seen)   # (B, S, H, D), attn1 only
+    base = r["runs"]["attn1=cpu_sdpa"]
+    assert base["baseline"]["layers"] == "attn1" and base["latent_cosine"] > 0.9999
+    denoise = {n: run["timings"]["denoise_s"] for n, run in r["runs"].items()}
+    for name, run in r["runs"].items():
+        assert run["speedup_vs"] == {ref: pytest.approx(denoise[ref] / denoise[name])
+                                     for ref in ("bf16", "attn1=cpu_sdpa")}
+    md = (tmp_path / "wan_fidelity.md").read_text()
+    assert "| run | vs bf16 | vs attn1=cpu_sdpa |" in md and "| attn1=cpu_sdpa |" in md
+    assert "`attn1=cpu_sdpa`: torch SDPA (a test's)" in md
+    assert json.loads((tmp_path / "wan_fidelity.json").read_text())["baselines"] == ["cpu_sdpa"]
+
+
+def test_baseline_errors_come_before_any_work(tmp_path):
+    missing = str(tmp_path / "no_such_model")   # never loaded: the option is checked first
+    with pytest.raises(UsageError, match="baselines: unknown baseline 'nope'"):
+        run_wan_eval(missing, baselines="fa4,nope", device="cpu", **KW)
+    with pytest.raises(UsageError, match="baselines: 'fa4' cannot run here: "):
+        run_wan_eval(missing, baselines=["fa4"], device="cpu", **KW)
+    assert run_wan_eval.__kwdefaults__["baselines"] == "auto"

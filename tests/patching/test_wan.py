@@ -15,7 +15,13 @@ from diffusers import (  # noqa: E402
 from diffusers.models.transformers import transformer_wan  # noqa: E402
 
 import fp4vis  # noqa: E402
-from fp4vis.patching.wan import FP4WanAttnProcessor, StepPolicyCallback, exact_steps  # noqa: E402
+from fp4vis.patching.wan import (  # noqa: E402
+    FP4WanAttnProcessor,
+    StepPolicyCallback,
+    WanFunctionAttnProcessor,
+    attention_function_applied,
+    exact_steps,
+)
 
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
             text_dim=32, freq_dim=32, ffn_dim=32, num_layers=3, cross_attn_norm=True,
@@ -43,6 +49,10 @@ def _inputs(seed=0, text=8):
 
 def _attn_names(model, which):
     return [f"blocks.{i}.{which}" for i in range(len(model.blocks))]
+
+
+def _all_attn(model):
+    return _attn_names(model, "attn1") + _attn_names(model, "attn2")
 
 
 @torch.no_grad()
@@ -106,8 +116,8 @@ def test_cross_attention_and_per_layer_maps(transformer):
         assert transformer.blocks[2].attn1.processor.__class__.__name__ == "WanAttnProcessor"
 
 
-@torch.no_grad()
-def test_i2v_transformer_with_image_branch(tmp_path):
+def _i2v(tmp_path):
+    """A tiny I2V transformer (its attn2 has the image branch) and its inputs."""
     torch.manual_seed(0)
     WanTransformer3DModel(**dict(TINY, in_channels=36, image_dim=16, added_kv_proj_dim=32)).save_pretrained(tmp_path)
     model = WanTransformer3DModel.from_pretrained(tmp_path).eval()
@@ -116,6 +126,12 @@ def test_i2v_transformer_with_image_branch(tmp_path):
     inp = dict(hidden_states=torch.randn(1, 36, 2, 8, 8, generator=g), timestep=torch.tensor([500]),
                encoder_hidden_states=torch.randn(1, 512, 32, generator=g),
                encoder_hidden_states_image=torch.randn(1, 4, 16, generator=g), return_dict=False)
+    return model, inp
+
+
+@torch.no_grad()
+def test_i2v_transformer_with_image_branch(tmp_path):
+    model, inp = _i2v(tmp_path)
     ref = model(**inp)[0]
     with fp4vis.patch(model, "wan_fast", cross_attention=True) as h:
         out = model(**inp)[0]
@@ -124,6 +140,61 @@ def test_i2v_transformer_with_image_branch(tmp_path):
             **{f"blocks.{i}.attn1": 1 for i in range(3)}, **{f"blocks.{i}.attn2": 2 for i in range(3)}}
     assert torch.isfinite(out).all() and fp4vis.cosine(out, ref) > 0.9
     assert torch.equal(model(**inp)[0], ref)
+
+
+def _sdpa_bshd(q, k, v):
+    """torch SDPA on (B, S, H, D) tensors, as diffusers' native attention backend calls it."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+@torch.no_grad()
+def test_function_processor_is_diffusers_math_bit_for_bit_and_restores(transformer):
+    """attn1 computed by an attention function through WanFunctionAttnProcessor: with torch SDPA the
+    model's output is bit-identical to diffusers' own processor (float32, CPU); the processor objects
+    are back on exit, also after an exception in the block."""
+    inp = _inputs()
+    ref = transformer(**inp)[0]
+    originals = {n: transformer.get_submodule(n).processor for n in _all_attn(transformer)}
+    shapes = []
+
+    def fn(q, k, v):
+        shapes.append(tuple(q.shape))
+        return _sdpa_bshd(q, k, v)
+
+    with attention_function_applied(transformer, fn) as layers:
+        assert layers == [transformer.get_submodule(n) for n in _attn_names(transformer, "attn1")]
+        assert all(isinstance(m.processor, WanFunctionAttnProcessor) for m in layers)
+        assert all(transformer.get_submodule(n).processor is originals[n] for n in _attn_names(transformer, "attn2"))
+        out = transformer(**inp)[0]
+    assert shapes == [(1, 32, 2, 16)] * 3   # (B, S, H, D): 2 frames x 4 x 4 patches, one call per block
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert {n: transformer.get_submodule(n).processor for n in originals} == originals
+
+    def boom(q, k, v):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"), attention_function_applied(transformer, boom):
+        transformer(**inp)
+    assert all(transformer.get_submodule(n).processor is p for n, p in originals.items())
+    with pytest.raises(ValueError, match="no WanAttention layer"), attention_function_applied(transformer, fn,
+                                                                                              select="attn9"):
+        pass
+    with fp4vis.patch(transformer, "wan_fast"), pytest.raises(RuntimeError, match="fp4vis processor"), \
+            attention_function_applied(transformer, fn):
+        pass
+
+
+@torch.no_grad()
+def test_function_processor_runs_the_i2v_image_branch_as_diffusers(tmp_path):
+    model, inp = _i2v(tmp_path)
+    ref = model(**inp)[0]
+    calls = []
+    with attention_function_applied(model, lambda q, k, v: calls.append(k.shape[1]) or _sdpa_bshd(q, k, v),
+                                    select="attn2"):
+        out = model(**inp)[0]
+    assert calls == [4, 512] * 3   # per block: the image context, then the text context
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def _pipe(t2v_dir):

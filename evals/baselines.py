@@ -1,0 +1,148 @@
+"""BF16 attention baselines: the attention functions fp4vis is timed against (``kernel_bench``, the Wan eval).
+
+Each baseline builds an attention function ``fn(q, k, v, scale=None)`` (``scale=None``: 1/sqrt(D)) over
+tensors in one layout: ``"bhsd"`` (B, H, S, D: the kernel benchmark's) or ``"bshd"`` (B, S, H, D: the
+Wan attention processor's, and flash-attn-4's own, so no transposes there). Its library is imported
+when the function is built, so that this module imports everywhere:
+
+* ``fa4``: flash-attn-4 (``flash_attn.cute.flash_attn_func``), BF16 forward, non-causal;
+* ``sage``: SageAttention (``sageattention.sageattn``, ``tensor_layout`` "HND" / "NHD" for the layout);
+* ``sdpa_cudnn`` / ``sdpa_flash``: torch SDPA under ``torch.nn.attention.sdpa_kernel`` with the cuDNN /
+  flash backend.
+
+diffusers' own attention backends do not serve as these baselines: its flash-attn-4 backend loads the
+kernel from the Hub (``flash_4_hub``) and its ``sage`` backend needs sageattention >= 2.1.1, so fp4vis
+calls the libraries itself. ``unavailable(name)`` says why a baseline cannot run here (None: it can);
+``select_baselines`` turns the Wan eval's ``baselines`` option into the names to run and the reasons
+the others were skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fp4vis.services import UsageError
+
+LAYOUTS = ("bhsd", "bshd")
+AttentionFn = Callable[..., torch.Tensor]   # fn(q, k, v, scale=None) -> out, in the layout it was built for
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
+def _fa4(layout: str) -> AttentionFn:
+    from flash_attn.cute import flash_attn_func
+
+    def call(q, k, v, scale=None):
+        if layout == "bhsd":   # FA4 takes bshd
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=False)
+        out = out[0] if isinstance(out, tuple) else out   # some versions also return the LSE
+        return out.transpose(1, 2) if layout == "bhsd" else out
+    return call
+
+
+def _sage(layout: str) -> AttentionFn:
+    from sageattention import sageattn
+
+    tensor_layout = "HND" if layout == "bhsd" else "NHD"
+
+    def call(q, k, v, scale=None):
+        return sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=False, sm_scale=scale)
+    return call
+
+
+def _sdpa(kind: str) -> Callable[[str], AttentionFn]:
+    def build(layout: str) -> AttentionFn:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kind]
+
+        def call(q, k, v, scale=None):
+            if layout == "bshd":   # SDPA takes bhsd
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+            return out.transpose(1, 2) if layout == "bshd" else out
+        return call
+    return build
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A named BF16 attention: ``build(layout)`` imports its library and returns the function."""
+
+    name: str
+    description: str
+    build: Callable[[str], AttentionFn]
+    needs_cuda: bool = True
+
+
+BASELINES: dict[str, Baseline] = {b.name: b for b in (
+    Baseline("fa4", "flash-attn-4 (flash_attn.cute.flash_attn_func)", _fa4),
+    Baseline("sage", "SageAttention (sageattention.sageattn)", _sage),
+    Baseline("sdpa_cudnn", "torch SDPA, cuDNN backend", _sdpa("cudnn")),
+    Baseline("sdpa_flash", "torch SDPA, flash backend", _sdpa("flash")),
+)}
+# what the Wan eval runs by default, where it can: what a user who wants speed switches attn1 to
+AUTO_BASELINES = ("fa4", "sage")
+
+
+def attention_function(name: str, layout: str = "bhsd") -> AttentionFn:
+    """The attention function of baseline ``name`` over ``layout`` tensors (imports its library)."""
+    _check_layout(layout)
+    if name not in BASELINES:
+        raise KeyError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
+    return BASELINES[name].build(layout)
+
+
+def unavailable(name: str, device: torch.device | str | None = None) -> str | None:
+    """Why baseline ``name`` cannot run on ``device`` (default: this machine's CUDA device), or None
+    when it can: a CUDA device is there (for the baselines that need one) and its library imports."""
+    baseline = BASELINES.get(name)
+    if baseline is None:
+        return f"unknown baseline {name!r}"
+    if baseline.needs_cuda:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        if device is not None and torch.device(device).type != "cuda":
+            return f"needs a CUDA device (device here: {device})"
+    try:
+        baseline.build("bhsd")
+    except Exception as exc:   # ImportError, or a library that fails at import on this machine
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _names(spec: str | Sequence[str]) -> list[str]:
+    """A comma-separated string or a list -> names, stripped, in order, each once."""
+    items = spec.split(",") if isinstance(spec, str) else spec
+    return list(dict.fromkeys(n.strip() for n in items if n.strip()))
+
+
+def select_baselines(spec: str | Sequence[str] | None, device: torch.device | str | None = None
+                     ) -> tuple[list[str], dict[str, str]]:
+    """The Wan eval's ``baselines`` option -> (names to run, {name: why skipped}). ``"auto"``: each of
+    AUTO_BASELINES that can run on ``device``, the others skipped with their reason; ``None``, ``""`` or
+    ``"none"``: none; names (a list or a comma-separated string): those, where an unknown name or one
+    that cannot run here is a UsageError (before any work)."""
+    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "none")):
+        return [], {}
+    if isinstance(spec, str) and spec.strip() == "auto":
+        reasons = {n: unavailable(n, device) for n in AUTO_BASELINES}
+        return [n for n, why in reasons.items() if why is None], {n: why for n, why in reasons.items() if why}
+    names = _names(spec)
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise UsageError(f"baselines: unknown baseline {unknown[0]!r}; use auto, none, or some of "
+                         f"{', '.join(BASELINES)} (comma-separated)")
+    for n in names:
+        why = unavailable(n, device)
+        if why is not None:
+            raise UsageError(f"baselines: {n!r} cannot run here: {why}")
+    return names, {}
