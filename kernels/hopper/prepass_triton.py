@@ -327,32 +327,6 @@ def _interleaved(even, odd):
 
 
 @triton.jit
-def _rope_tables(COS, SIN, foff, col, m):
-    """(cos at the even columns, sin at the odd columns) of the rotary tables' token rows at foff:
-    what ``_rotated`` reads of them (loaded whole, as vectors, and split in registers)."""
-    ce, _co = _pairs(_f32(tl.load(COS + foff + col, mask=m, other=0.0)))
-    _se, so = _pairs(_f32(tl.load(SIN + foff + col, mask=m, other=0.0)))
-    return ce, so
-
-
-@triton.jit
-def _rotated(x, ce, so, BF16_TABLES: tl.constexpr):
-    """x (normed, float32, BF16 values) rotated as ``fp4vis.qk_transform.apply_rotary_emb`` (see
-    ``_qk_values``), rounded to BF16; ce, so from ``_rope_tables``."""
-    xe, xo = _pairs(x)
-    t1e = xe * ce     # even column: x cos[c] - x' sin[c + 1]
-    t2e = xo * so
-    t1o = xo * ce     # odd column: x cos[c - 1] + x' sin[c]
-    t2o = xe * so
-    if BF16_TABLES:
-        t1e = _bf16_round(t1e)
-        t2e = _bf16_round(t2e)
-        t1o = _bf16_round(t1o)
-        t2o = _bf16_round(t2o)
-    return _interleaved(_bf16_round(t1e - t2e), _bf16_round(t1o + t2o))
-
-
-@triton.jit
 def _qk_values(X, off, col, m, R, tok, W, woff, COS, SIN, foff, NORM: tl.constexpr, ROPE: tl.constexpr,
                TO_BF16: tl.constexpr):
     """float32 values of q or k at X + off + col (col: runs of contiguous columns along the last
@@ -369,8 +343,19 @@ def _qk_values(X, off, col, m, R, tok, W, woff, COS, SIN, foff, NORM: tl.constex
         r = tl.load(R + tok, mask=m, other=0.0)
         x = _normed(X, off + col, m, r, W, woff + col)
         if ROPE:
-            ce, so = _rope_tables(COS, SIN, foff, col, m)
-            x = _rotated(x, ce, so, COS.dtype.element_ty == tl.bfloat16)
+            xe, xo = _pairs(x)
+            ce, _co = _pairs(_f32(tl.load(COS + foff + col, mask=m, other=0.0)))
+            _se, so = _pairs(_f32(tl.load(SIN + foff + col, mask=m, other=0.0)))
+            t1e = xe * ce     # even column: x cos[c] - x' sin[c + 1]
+            t2e = xo * so
+            t1o = xo * ce     # odd column: x cos[c - 1] + x' sin[c]
+            t2o = xe * so
+            if COS.dtype.element_ty == tl.bfloat16:
+                t1e = _bf16_round(t1e)
+                t2e = _bf16_round(t2e)
+                t1o = _bf16_round(t1o)
+                t2o = _bf16_round(t2o)
+            x = _interleaved(_bf16_round(t1e - t2e), _bf16_round(t1o + t2o))
     elif TO_BF16:
         x = _bf16_round(tl.load(X + off + col, mask=m, other=0.0).to(tl.float32))
     else:
@@ -497,11 +482,11 @@ def _mxfp4_block(V, Y, PERM, blk, g, S, H, sb, sh, ss, D: tl.constexpr, HAS_PERM
 
 
 # runtime integers of both pre-pass kernels (not specialised: one compile serves every shape)
-_RUNTIME_INTS = ["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB", "NKB", "NHB", "H", "QSB", "QSH", "QSS", "KSB", "KSH", "KSS",
+_RUNTIME_INTS = ["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB", "NKB", "H", "QSB", "QSH", "QSS", "KSB", "KSH", "KSS",
                  "VSB", "VSH", "VSS"]
 
 
-@triton.jit(do_not_specialize=[n for n in _RUNTIME_INTS if n not in ("NKB", "NHB")])
+@triton.jit(do_not_specialize=[n for n in _RUNTIME_INTS if n != "NKB"])
 def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, NK, SK, TQ, TK, NVB, H,
                     QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -582,85 +567,17 @@ def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, H, sb, sh, ss, R, W, COS, SI
     tl.store(KS + g * NKB + blk, tl.where(blk * 32 < S, _pow2(e), 1.0))
 
 
-@triton.jit
-def _fp8_query_heads(Q, Q8, QS, tile, S, H, NHB, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, HEADS: tl.constexpr, ROW_ALIGN: tl.constexpr):
-    """With the rotary transform: BLOCK_Q tokens of one batch element in HEADS heads (NHB such head
-    groups per token block), as ``_fp8_query_rows`` row for row, the token's rstd and rotary table
-    rows loaded once for all HEADS (per head they were most of the bytes read, from L2)."""
-    hb = tile % NHB
-    rest = tile // NHB
-    nsb = tl.cdiv(S, BLOCK_Q)
-    b = rest // nsb
-    s = (rest - b * nsb) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    smask = s < S
-    s = tl.where(smask, s, 0)
-    col = tl.arange(0, D)[None, :]
-    r = tl.load(R + b * S + s, mask=smask, other=0.0)[:, None]
-    ce, so = _rope_tables(COS, SIN, (s.to(tl.int64) * D)[:, None], col, smask[:, None])
-    for j in tl.static_range(HEADS):
-        h = hb * HEADS + j
-        hmask = smask & (h < H)
-        h = tl.minimum(h, H - 1)                     # a group's last heads past H: loads in range, no stores
-        src = tl.multiple_of(b.to(tl.int64) * sb + h.to(tl.int64) * sh + s.to(tl.int64) * ss, ROW_ALIGN)[:, None]
-        x = _rotated(_normed(Q, src + col, hmask[:, None], r, W, h * D + col), ce, so,
-                     COS.dtype.element_ty == tl.bfloat16)
-        e = _fp8_group_exponent(tl.max(tl.abs(x), axis=1))
-        rows = (b * H + h).to(tl.int64) * S + s
-        tl.store(Q8 + rows[:, None] * D + col, _fp8_e4m3(x, e[:, None]), mask=hmask[:, None])
-        tl.store(QS + rows, _pow2(e), mask=hmask)
-
-
-@triton.jit
-def _fp8_key_heads(K, K8, KS, V, V6, PERM, blk, gb, S, NKB, NVB, H, NHB, sb, sh, ss, vsb, vsh, vss, R, W, COS, SIN,
-                   D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
-                   ROW_ALIGN: tl.constexpr):
-    """With the rotary transform: physical 32-key block blk of one batch element in HEADS heads
-    (gb = b * NHB + the head group), K as ``_fp8_key_block`` and V as ``_mxfp4_block`` head for head,
-    the keys' rstd and rotary table rows loaded once for all HEADS."""
-    b = gb // NHB
-    hb = gb - b * NHB
-    valid, s, _dst = _key_block_rows(PERM, blk, 0, S, HAS_PERM)
-    p = blk * 32 + tl.arange(0, 32)
-    col = tl.arange(0, D)[None, :]
-    r = tl.load(R + b * S + s, mask=valid, other=0.0)[:, None]
-    ce, so = _rope_tables(COS, SIN, (s.to(tl.int64) * D)[:, None], col, valid[:, None])
-    for j in tl.static_range(HEADS):
-        h = hb * HEADS + j
-        if h < H:
-            src = tl.multiple_of(b.to(tl.int64) * sb + h.to(tl.int64) * sh + s.to(tl.int64) * ss,
-                                 ROW_ALIGN)[:, None]
-            x = _rotated(_normed(K, src + col, valid[:, None], r, W, h * D + col), ce, so,
-                         COS.dtype.element_ty == tl.bfloat16)
-            e = _fp8_group_exponent(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-            g = b * H + h
-            tl.store(K8 + (g.to(tl.int64) * S + p)[:, None] * D + col, _fp8_e4m3(x, e), mask=valid[:, None])
-            tl.store(KS + g * NKB + blk, tl.where(blk * 32 < S, _pow2(e), 1.0))
-            if blk < NVB:
-                _mxfp4_block(V, V6, PERM, blk, g, S, H, vsb, vsh, vss, D, HAS_PERM, BLOCK_D, ROW_ALIGN)
-
-
 @triton.jit(do_not_specialize=[n for n in _RUNTIME_INTS if n not in ("NK", "TK")])
-def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, TQ, SK, NKB, NVB, NHB, H,
+def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, TQ, SK, NKB, NVB, H,
                         QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                         D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                        NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr, HEADS: tl.constexpr):
+                        NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): Q row tiles; the rest one (head group, 32-key block) each, NKB blocks per
     group (scales padded to whole kernel tiles): the K block and, for the NVB blocks that hold keys,
     the V block at the same physical keys (both gathered by PERM). Views and NORM/ROPE as
-    ``_prepass_kernel``. With ROPE a program covers HEADS heads of its tokens instead of one
-    (``_fp8_query_heads``, ``_fp8_key_heads``; NHB groups of HEADS heads per batch element)."""
+    ``_prepass_kernel``."""
     pid = tl.program_id(0)
-    if ROPE:
-        if pid < TQ:
-            _fp8_query_heads(Q, Q8, QS, pid, SQ, H, NHB, QSB, QSH, QSS, RQ, WQ, COS, SIN, D, BLOCK_Q, HEADS,
-                             ROW_ALIGN)
-        else:
-            kid = pid - TQ
-            gb = kid // NKB
-            _fp8_key_heads(K, K8, KS, V, V6, PERM, kid - gb * NKB, gb, SK, NKB, NVB, H, NHB, KSB, KSH, KSS, VSB, VSH,
-                           VSS, RK, WK, COS, SIN, D, HAS_PERM, BLOCK_D, HEADS, ROW_ALIGN)
-    elif pid < TQ:
+    if pid < TQ:
         _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D, BLOCK_Q, NORM, ROPE, ROW_ALIGN)
     else:
         kid = pid - TQ
@@ -797,7 +714,7 @@ def compile_signature(fp8: bool, dtype: str = "bf16", rope_dtype: str = "fp32") 
     sig = dict.fromkeys(("Q", "K", "V"), f"*{dtype}") | dict(outs) | {"PERM": "*i32", "RQ": "*fp32", "RK": "*fp32",
                                                                        "WQ": f"*{dtype}", "WK": f"*{dtype}",
                                                                        "COS": f"*{rope_dtype}", "SIN": f"*{rope_dtype}"}
-    ints = ("NQ", "SQ", "TQ", "SK", "NKB", "NVB", "NHB") if fp8 else ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")
+    ints = ("NQ", "SQ", "TQ", "SK", "NKB", "NVB") if fp8 else ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")
     return sig | dict.fromkeys(ints + tuple(n for n in _RUNTIME_INTS if n.startswith(("H", "QS", "KS", "VS"))), "i32")
 
 
@@ -1003,9 +920,6 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
 
 
 FP8_BLOCK_Q = 32     # query rows per program of the FP8 pre-pass (as many values as a 32-key block)
-# heads per program of the FP8 pre-pass with the rotary transform: each token's rstd and rotary table
-# rows are loaded once for them (read per head, the float32 tables were 4x the bytes of q and k, from L2)
-FP8_HEADS = 4
 _FP8_ALIGN = 128     # byte alignment of each operand inside the FP8 pre-pass's one buffer
 _FP8_META: dict[tuple, list] = {}
 
@@ -1035,15 +949,11 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool,
         parts.append((dtype, shape, _contiguous_strides(shape), nbytes // item))
         nbytes += -(-math.prod(shape) * item // _FP8_ALIGN) * _FP8_ALIGN
     nq = q.numel() // d
-    if flags[1]:   # the rotary transform: a program per FP8_HEADS heads of its tokens (_fp8_query_heads)
-        nhb = -(-q.shape[1] // FP8_HEADS)
-        tq = q.shape[0] * -(-q.shape[-2] // FP8_BLOCK_Q) * nhb
-        groups = k.shape[0] * nhb
-    else:
-        nhb, tq, groups = 1, -(-nq // FP8_BLOCK_Q), g
-    tail = (nq, q.shape[-2], tq, sk, nkb, -(-sk // 32), nhb) + _view_ints(q, k, v) + (
-        d, has_perm, FP8_BLOCK_Q, min(d, 64)) + flags + (row_align(q, k, v), FP8_HEADS)
-    return [nbytes, parts, tq + groups * nkb, tail, None]
+    tq = -(-nq // FP8_BLOCK_Q)
+    tail = (nq, q.shape[-2], tq, sk, nkb, -(-sk // 32)) + _view_ints(q, k, v) + (d, has_perm, FP8_BLOCK_Q,
+                                                                                 min(d, 64)) + flags + (
+        row_align(q, k, v),)
+    return [nbytes, parts, tq + g * nkb, tail, None]
 
 
 def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
