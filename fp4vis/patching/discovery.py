@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .layer import LayerSpec
+from .roots import roots
 
 
 def patcher_modules() -> list[Any]:
@@ -27,23 +28,6 @@ def patcher_modules() -> list[Any]:
         from fp4vis.patching import hf_vit
         mods.append(hf_vit)
     return mods
-
-
-_DENOISER_COMPONENTS = ("transformer", "transformer_2", "unet")
-
-
-def roots(obj: Any) -> list[tuple[str, torch.nn.Module]]:
-    """(component name, module) pairs to search: a module itself, or a pipeline's denoisers."""
-    if isinstance(obj, torch.nn.Module):
-        return [("", obj)]
-    comps = getattr(obj, "components", None)
-    if isinstance(comps, Mapping):
-        roots = [(n, m) for n, m in comps.items() if n in _DENOISER_COMPONENTS and isinstance(m, torch.nn.Module)]
-        if roots:
-            return roots
-        raise TypeError(f"fp4vis.patch: pipeline {type(obj).__name__} has no denoiser component "
-                        f"({', '.join(_DENOISER_COMPONENTS)}) holding a torch module")
-    raise TypeError(f"fp4vis.patch: expected a torch.nn.Module or a diffusers pipeline, got {type(obj).__name__}")
 
 
 def _looks_like_attention(module: torch.nn.Module) -> bool:

@@ -10,8 +10,9 @@ from typing import Any
 from fp4vis.backends import range_record
 from fp4vis.policy import Policy
 
-from .discovery import patcher_modules, roots
+from .discovery import patcher_modules
 from .layer import STATE_ATTR, UNSET, LayerSpec, LayerState, resolve_policy
+from .roots import roots
 
 
 @dataclass(eq=False)

@@ -63,6 +63,7 @@ from fp4vis.qk_transform import QKTransform, apply_rotary_emb
 
 from . import context_parallel
 from .layer import LayerSpec, LayerState, resolve_policy
+from .roots import roots
 
 __all__ = ["FP4WanAttnProcessor", "StepPolicyCallback", "WanFunctionAttnProcessor", "WanProcessorBase",
            "attention_function_applied", "exact_steps", "find_layers", "install", "uninstall"]
@@ -290,19 +291,11 @@ class WanFunctionAttnProcessor(WanProcessorBase):
         return f"WanFunctionAttnProcessor({getattr(self.fn, '__name__', self.fn)!r})"
 
 
-def _modules_of(model: Any) -> list[torch.nn.Module]:
-    """A module itself, or every torch module among a diffusers pipeline's components."""
-    if isinstance(model, torch.nn.Module):
-        return [model]
-    comps = getattr(model, "components", None) or {}
-    return [m for m in comps.values() if isinstance(m, torch.nn.Module)]
-
-
 def _function_layers(model: Any, select: str) -> list[WanAttention]:
     """The ``WanAttention`` layers of ``model`` whose name matches ``select`` (an fnmatch pattern over
     the layer names; one without a dot is matched against their last part, e.g. "attn1")."""
     layers = []
-    for root in _modules_of(model):
+    for _, root in roots(model, "attention_function_applied"):
         for name, m in root.named_modules():
             part = name.rpartition(".")[2] if "." not in select else name
             if isinstance(m, WanAttention) and fnmatch.fnmatchcase(part, select):
