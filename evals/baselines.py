@@ -35,6 +35,27 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
 
 
+_OPS: dict[str, object] = {}
+
+
+def _one_graph_node(name: str, layout: str, call: AttentionFn) -> AttentionFn:
+    """``call`` itself when eager; under torch.compile the custom op ``fp4vis_baselines::<name>_<layout>``
+    around it: the library's launcher (CuTe DSL, Triton) is Python that Dynamo cannot trace, and a graph
+    break per layer would cost the speed being measured (diffusers wraps flash-attn-3 the same way)."""
+    qualname = f"fp4vis_baselines::{name}_{layout}"
+    op = _OPS.get(qualname)
+    if op is None:
+        op = torch.library.custom_op(qualname, mutates_args=(),
+                                     schema="(Tensor q, Tensor k, Tensor v, float? scale) -> Tensor")(
+            lambda q, k, v, scale: call(q, k, v, scale).contiguous())
+        op.register_fake(lambda q, k, v, scale: q.new_empty(q.shape[:-1] + v.shape[-1:]))
+        _OPS[qualname] = op
+
+    def fn(q, k, v, scale=None):
+        return op(q, k, v, scale) if torch.compiler.is_compiling() else call(q, k, v, scale)
+    return fn
+
+
 def _fa4(layout: str) -> AttentionFn:
     from flash_attn.cute import flash_attn_func
 
@@ -44,7 +65,7 @@ def _fa4(layout: str) -> AttentionFn:
         out = flash_attn_func(q, k, v, softmax_scale=scale, causal=False)
         out = out[0] if isinstance(out, tuple) else out   # some versions also return the LSE
         return out.transpose(1, 2) if layout == "bhsd" else out
-    return call
+    return _one_graph_node("fa4", layout, call)
 
 
 def _sage(layout: str) -> AttentionFn:
@@ -54,7 +75,7 @@ def _sage(layout: str) -> AttentionFn:
 
     def call(q, k, v, scale=None):
         return sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=False, sm_scale=scale)
-    return call
+    return _one_graph_node("sage", layout, call)
 
 
 def _sdpa(kind: str) -> Callable[[str], AttentionFn]:

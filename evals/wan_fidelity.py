@@ -41,6 +41,7 @@ from fp4vis.evals.report import fmt, markdown_table, write_report
 from fp4vis.patching.wan import attention_function_applied
 from fp4vis.pipelines.wan_video import (
     build_random_wan_pipeline,
+    compile_transformers,
     encode_prompt,
     generate,
     initial_latents,
@@ -51,6 +52,7 @@ from fp4vis.pipelines.wan_video import (
     tokens_per_frame_sequence,
 )
 from fp4vis.services import (
+    COMPILE_MODES,
     Timer,
     UsageError,
     WarningLog,
@@ -151,15 +153,21 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                  out_dir: str | os.PathLike | None = None, name: str | None = None,
                  progress: bool = True, latent_steps: tuple[int, ...] = (), operator_error: bool = False,
                  operator_error_steps: tuple[int, ...] | None = None, fps: int = 16,
-                 frames_sink: dict[str, Any] | None = None, baselines: str | list[str] | None = "auto"
-                 ) -> dict[str, Any]:
+                 frames_sink: dict[str, Any] | None = None, baselines: str | list[str] | None = "auto",
+                 compile: str | None = None) -> dict[str, Any]:
     """Run BF16, the BF16 baselines and every policy; returns the result dict, and writes JSON/Markdown to
     ``out_dir``. ``latent_steps``: latent metrics after these numbers of steps too; ``operator_error``: see
     the module docstring (after every step, or after ``operator_error_steps``); ``frames_sink``: a dict
     that receives each run's decoded frames, by run name; ``baselines``: "auto", "none" (or "" / None),
-    or names (``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a UsageError)."""
+    or names (``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a UsageError);
+    ``compile``: every run with the transformer compiled (``compile_transformers``: "regional" or "full"),
+    each compiled afresh in its warm-up, whose time (``warmup_s``) the run reports apart."""
     if (model is None) == (speed_only is None):
         raise UsageError("give either a model (Hub id or local path) or speed_only='1.3B' / '14B'")
+    if compile is not None and compile not in COMPILE_MODES:
+        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+    if compile is not None and not warmup:
+        raise UsageError("compile: needs the warm-up run (each run compiles there, outside its timing)")
     dev = resolve_device(device)
     check_backend(backend, dev)
     pols = resolve_policies(policies, allow_bf16=False)
@@ -183,6 +191,8 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
             pe, npe = random_prompt_embeds(seed, dim=dim, length=64)
             prompt = None
         prompt_used = prompt
+    if compile is not None:
+        compile_transformers(pipe, compile)
     latents = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed)
     tokens = tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)
     common = dict(prompt_embeds=pe, negative_prompt_embeds=npe, height=height, width=width, frames=frames,
@@ -196,7 +206,8 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         "prompt": prompt_used, "negative_prompt": negative_prompt, "height": height, "width": width,
         "frames": frames, "latent_frames": int(latents.shape[2]), "tokens": tokens, "steps": steps,
         "guidance_scale": guidance_scale, "seed": seed, "dtype": str(pipe.transformer.dtype).replace("torch.", ""),
-        "backend": backend, "decode": decode, "warmup": warmup, "guard_plan": guard_plan_summary(plan),
+        "backend": backend, "decode": decode, "warmup": warmup, "compile": compile,
+        "guard_plan": guard_plan_summary(plan),
         "transformer": {"num_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
                         "attention_head_dim": cfg.attention_head_dim, "ffn_dim": cfg.ffn_dim},
         "latent_steps": sorted({int(k) for k in latent_steps if 0 < int(k) < steps} | {steps}),
@@ -235,8 +246,13 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         measure_op = run_name == "bf16" and op_error is not None
         try:
             with wlog, _baseline_attention(pipe, baseline):
+                warmup_s = None
                 if warmup:
-                    generate(pipe, policy=pol, guard=guard, steps=1, decode=False, **common)
+                    if compile is not None:
+                        torch._dynamo.reset()   # this run's attention compiles afresh, in its warm-up
+                    with Timer() as tw:
+                        generate(pipe, policy=pol, guard=guard, steps=1, decode=False, **common)
+                    warmup_s = tw.seconds
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
                 if measure_op:
@@ -260,6 +276,7 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
             t["operator_error_s"] = op_error.seconds
         t["text_encode_s"] = text_s
         t["total_s"] = text_s + t["denoise_s"] + t["decode_s"]
+        t["warmup_s"] = warmup_s
         run: dict[str, Any] = {"timings": t, "step_s": t["denoise_s"] / steps}
         if baseline is not None:
             run["baseline"] = {"name": baseline, "attention": BASELINES[baseline].description,
@@ -298,6 +315,14 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
     return result
 
 
+def _compiled_note(mode: str | None) -> str:
+    if mode is None:
+        return ", eager (not compiled)"
+    how = {"regional": "compile_repeated_blocks", "full": "compile"}[mode]
+    return (f", **compiled** (`transformer.{how}(fullgraph=True)`, every run: the BF16 baselines too; each run "
+            "compiles in its warm-up)")
+
+
 def wan_markdown(r: dict[str, Any]) -> str:
     warn = ("\n**Random weights (speed only)**: the real Wan2.1 architecture with seeded random weights and "
             "random prompt embeddings; no checkpoint was loaded. Timings are real; the fidelity columns "
@@ -307,12 +332,13 @@ def wan_markdown(r: dict[str, Any]) -> str:
     lines = [f"# Wan2.1 fidelity and speed: {r['model']}", warn + partial,
              f"{r['width']}x{r['height']}, {r['frames']} frames ({r['latent_frames']} latent frames, {r['tokens']} "
              f"tokens per self-attention), {r['steps']} steps, guidance {r['guidance_scale']}, seed {r['seed']}, "
-             f"{r['dtype']} transformer, backend `{r['backend']}`; same seed, latents and prompt embeddings for "
-             f"every run; {'warm-up run before each timed run' if r['warmup'] else 'no warm-up'}.", ""]
+             f"{r['dtype']} transformer, backend `{r['backend']}`{_compiled_note(r.get('compile'))}; same seed, "
+             f"latents and prompt embeddings for every run; "
+             f"{'warm-up run before each timed run' if r['warmup'] else 'no warm-up'}.", ""]
     rows = []
     for name, run in r["runs"].items():
         if "error" in run:
-            rows.append([name, "failed: " + run["error"][:120]] + [None] * 9)
+            rows.append([name, "failed: " + run["error"].splitlines()[0][:120]] + [None] * 9)
             continue
         t = run["timings"]
         v = run.get("video") or {}

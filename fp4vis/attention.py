@@ -14,7 +14,7 @@ from fp4vis.backends import range_record
 from fp4vis.backends.registry import select_backend
 from fp4vis.policy import Policy, get_policy
 from fp4vis.qk_transform import QKTransform
-from fp4vis.reference import RangeExceededError, RangeReport
+from fp4vis.reference import RangeExceededError, enforce_range
 
 Layout = Literal["bhsd", "bshd"]
 RangeCheck = Literal["raise", "warn", "off"]
@@ -24,11 +24,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = ["RangeExceededError", "attention", "check_range"]
 
 
-def _is_tracing() -> bool:
-    """True under CUDA-graph capture or torch.compile tracing, where data-dependent host checks
-    (which synchronise) are not allowed."""
-    if torch.compiler.is_compiling():
-        return True
+def _capturing() -> bool:
+    """True under CUDA-graph capture, where data-dependent host checks (which synchronise) are not allowed."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -109,6 +106,7 @@ def attention(
     backend: str = "auto",
     range_check: RangeCheck = "raise",
     qk_transform: QKTransform | None = None,
+    label: str | None = None,
 ) -> torch.Tensor:
     """FP4 attention (non-causal, no mask), SDPA-compatible.
 
@@ -122,15 +120,20 @@ def attention(
             warning), "reference" or "hopper" (these raise when they cannot run).
         range_check: when a Direct-P policy is driven past its range (saturated P blocks, rows
             that underflow, non-finite output): "raise" RangeExceededError, "warn", or "off".
-            The reference reports it from this call. The Hopper kernel records it on the GPU and
+            The reference reports it from this call. The GPU kernels record it on the device and
             the error comes later, without a host synchronisation per call: at the start of the
             next ``fp4vis.attention`` call, at the end of a patched model's forward, or at
             ``fp4vis.check_range()`` (docs/numerics.md section 8); the message names the call and,
-            in a patched model, the layer. "off": no record and no check at all.
+            in a patched model, the layer. "off": no record and no check at all. Under
+            torch.compile (``fullgraph=True`` works) the same holds: the backend's op polls and
+            records at run time; in CUDA-graph replays only ``fp4vis.check_range()`` or the next
+            eager call reads the record.
         qk_transform: q and k are a layer's raw projections and this ``QKTransform`` (RMS norms
             across heads, rotary embedding) makes the attention's q and k from them. A backend that
             fuses it (the Hopper kernel's pre-pass) reads the projections and never writes the
             normed q and k; every other path applies it first (``QKTransform.apply``: the same values).
+        label: the layer this call belongs to, named in its range errors (``fp4vis.patch`` passes each
+            layer's name).
 
     Returns:
         The attention output, q's dtype, in ``layout``.
@@ -146,10 +149,11 @@ def attention(
     the later check names the tensor where the inputs are still alive then (the Blackwell kernel
     keeps the same record). A backend without the record has its output checked at once (one host
     synchronisation). With
-    ``range_check="off"``, under torch.compile and in CUDA-graph capture nothing is checked and the
-    NaNs are returned, as SDPA does.
+    ``range_check="off"`` and in CUDA-graph capture nothing is checked and the NaNs are returned, as
+    SDPA does.
     """
-    range_record.poll()
+    if not torch.compiler.is_compiling():   # compiled calls poll in their backend's op (range_record)
+        range_record.poll()
     pol = get_policy(policy)
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout: must be 'bhsd' or 'bshd', got {layout!r}")
@@ -162,6 +166,8 @@ def attention(
         scale = default_scale(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
+    if label is not None and not isinstance(label, str):
+        raise TypeError(f"label: expected a str or None, got {type(label).__name__}")
     if qk_transform is not None and not isinstance(qk_transform, QKTransform):
         raise TypeError(f"qk_transform: expected a QKTransform, got {type(qk_transform).__name__}")
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -186,15 +192,19 @@ def attention(
         else:
             q, k = qk_transform.apply(q, k, "bhsd")
     checked = range_check != "off"
-    # the record works in CUDA-graph capture too (a replay reports as the captured call), not under
-    # torch.compile, whose graphs would specialise on the call's number
-    if chosen.records_range and checked and not torch.compiler.is_compiling():
-        record = range_record.record_for(q.device).start_call(chosen.name, pol, range_check, layout, given)
+    if torch.compiler.is_compiling():
+        # every backend's op reports the call's range itself, at run time (range_record: call sites)
+        site = range_record.call_site(chosen.name, pol, range_check, layout, label)
+        out, report = chosen.forward(q, k, v, pol, float(scale), record_site=site, **fused)
+        checked = False
+    elif chosen.records_range and checked:
+        # the record works in CUDA-graph capture too: a replay reports as the captured call
+        record = range_record.record_for(q.device).start_call(chosen.name, pol, range_check, layout, given, label)
         out, report = chosen.forward(q, k, v, pol, float(scale), record=record, **fused)
         checked = False   # reported by the record
     else:
         out, report = chosen.forward(q, k, v, pol, float(scale), **fused)
-        checked = checked and not _is_tracing()
+        checked = checked and not _capturing()
     if grad_inputs is not None:
         exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, scale=float(scale))
         out = out + (exact - exact.detach())
@@ -208,16 +218,3 @@ def default_scale(head_dim: int) -> float:
     """The softmax scale ``attention`` takes when none is given, ``1/sqrt(D)``. One expression for every
     caller that must give the same bits (``D ** -0.5`` differs in the last bit for some D, e.g. 128)."""
     return 1.0 / math.sqrt(head_dim)
-
-
-def enforce_range(report: RangeReport | None, policy: Policy, range_check: RangeCheck, *,
-                  stacklevel: int = 2) -> None:
-    """What ``range_check`` does with a backend's RangeReport (None: the backend reports none): "raise"
-    RangeExceededError or "warn" when it is not ok, nothing with "off". ``stacklevel`` as for
-    ``warnings.warn``, counted from the caller. Also for callers that assemble attention from the
-    reference's parts (ring attention over key shards: fp4vis.patching.context_parallel)."""
-    if report is not None and not report.ok and range_check != "off":
-        message = report.describe(policy)
-        if range_check == "raise":
-            raise RangeExceededError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)

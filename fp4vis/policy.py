@@ -140,6 +140,12 @@ class Policy:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def values(self) -> tuple:
+        """The fields in order, plain values: ``Policy(*p.values()) == p``. What torch.compile can pass as
+        constants (Dynamo traces this; it cannot take the object itself as one in every torch release)."""
+        return (self.name, self.method, self.affine_a, self.affine_b, self.native_exp2, self.anchor, self.margin,
+                self.margin_units, self.shift, self.qk_format, self.qk_global_scale, self.code_rounding)
+
 
 def guard_policy(margin: float = 110, shift: int = 16, name: str | None = None) -> Policy:
     """The guard policy with margin M and stored shift L (docs/numerics.md sections 3 and 4)."""

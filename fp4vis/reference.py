@@ -20,6 +20,7 @@ piece (the key shards of ring attention), bit-identical to one call on the whole
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,19 @@ class RangeReport:
                       "float32, or use policy='bf16' for this layer")
         return (f"policy {policy.name!r} went past its representable range: {'; '.join(parts)}. "
                 f"{advice[0].upper() + advice[1:]}; or range_check='warn'/'off' to accept the result.")
+
+
+def enforce_range(report: RangeReport | None, policy: Policy, range_check: str, *, stacklevel: int = 2) -> None:
+    """What ``range_check`` does with a backend's RangeReport (None: the backend reports none): "raise"
+    RangeExceededError or "warn" when it is not ok, nothing with "off". ``stacklevel`` as for
+    ``warnings.warn``, counted from the caller. For ``fp4vis.attention``, the reference's op under
+    torch.compile, and callers that assemble attention from the reference's parts (ring attention over
+    key shards: fp4vis.patching.context_parallel)."""
+    if report is not None and not report.ok and range_check != "off":
+        message = report.describe(policy)
+        if range_check == "raise":
+            raise RangeExceededError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 # ---------------------------------------------------------------------------------------------

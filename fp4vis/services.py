@@ -38,6 +38,9 @@ class UsageError(ValueError):
 # devices, dtypes, policies, backends, guard plans
 
 
+# how the apps torch.compile a pipeline's transformers (fp4vis.pipelines.wan_video.compile_transformers):
+# diffusers' regional compilation (compile_repeated_blocks) or the whole model (ModelMixin.compile)
+COMPILE_MODES = ("regional", "full")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 

@@ -35,6 +35,7 @@ import torch
 from fp4vis.files import atomic_path
 from fp4vis.policy import get_policy
 from fp4vis.services import (
+    COMPILE_MODES,
     Timer,
     UsageError,
     check_backend,
@@ -70,6 +71,25 @@ WAN_TEXT_LEN, WAN_TEXT_DIM = 512, 4096
 
 # Wan2.1 T2V 1.3B at 480p: what `fp4vis generate` does for a model that says nothing else
 WAN_GENERATION = dict(height=480, width=832, frames=81, steps=50, guidance_scale=5.0, fps=16)
+
+
+def compile_transformers(pipe, mode: str, backend: str = "inductor") -> None:
+    """torch.compile the pipeline's transformers in place with ``fullgraph=True``, as diffusers documents:
+    ``"regional"``, ``ModelMixin.compile_repeated_blocks`` (the Wan blocks share one graph, compiled once:
+    diffusers' advice for diffusion transformers, a fraction of the compile time), or ``"full"``,
+    ``ModelMixin.compile`` (the whole transformer, one graph). Each compiles at its first call; patched and
+    unpatched layers alike (docs/patching.md, "torch.compile"). ``backend``: torch.compile's (the tests'
+    "aot_eager" traces the same graphs without generating code)."""
+    if mode not in COMPILE_MODES:
+        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    for name in ("transformer", "transformer_2"):
+        transformer = getattr(pipe, name, None)
+        if transformer is None:
+            continue
+        if mode == "regional":
+            transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
+        else:
+            transformer.compile(fullgraph=True, backend=backend)
 
 
 @dataclass
@@ -410,9 +430,10 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
                  frames: int | None = None, steps: int | None = None, guidance_scale: float | None = None,
                  fps: int | None = None, device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
                  exact_steps: tuple[int, ...] | None = None, progress: bool = True,
-                 cp: Any = None) -> dict[str, Any]:
+                 cp: Any = None, compile: str | None = None) -> dict[str, Any]:
     """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json). Sizes,
-    frames, steps, guidance and fps left None come from ``generation_defaults(model)``.
+    frames, steps, guidance and fps left None come from ``generation_defaults(model)``. ``compile``: a mode
+    of ``compile_transformers`` (the first step then includes the compilation).
 
     ``cp`` (``"ulysses=2"``, ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context
     parallelism over the processes of a torchrun launch (``fp4vis.pipelines.context_parallel``);
@@ -427,7 +448,7 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
                              policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
                              frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps,
                              dev=resolve_device(device), dtype=dtype, backend=backend, exact_steps=exact_steps,
-                             progress=progress)
+                             progress=progress, compile=compile)
     from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
 
     cp = cp if isinstance(cp, ContextParallel) else parse_cp(cp)
@@ -436,15 +457,17 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
                              policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
                              frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps, dev=session.device,
                              dtype=dtype, backend=backend, exact_steps=exact_steps,
-                             progress=progress and session.is_main, cp=cp, main=session.is_main)
+                             progress=progress and session.is_main, cp=cp, main=session.is_main, compile=compile)
 
 
 def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negative_prompt: str | None,
                   image: str | None, policy: str, guard_plan: str | None, seed: int, height: int, width: int,
                   frames: int, steps: int, guidance_scale: float, fps: int, dev: torch.device, dtype: str,
                   backend: str, exact_steps: tuple[int, ...] | None, progress: bool, cp: Any = None,
-                  main: bool = True) -> dict[str, Any]:
+                  main: bool = True, compile: str | None = None) -> dict[str, Any]:
     check_backend(backend, dev)
+    if compile is not None and compile not in COMPILE_MODES:
+        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
     plan = load_guard_plan(guard_plan)
     check_plan_policy(plan, policy, "guard_plan")
     pil = None
@@ -479,6 +502,8 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
 
         check_tokens(tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames), cp)
         enable_context_parallel(pipe.transformer, cp)
+    if compile is not None:
+        compile_transformers(pipe, compile)
     res = generate(pipe, prompt=prompt, negative_prompt=negative_prompt, image=pil, height=height, width=width,
                    frames=frames, steps=steps, guidance_scale=guidance_scale, seed=seed, policy=policy,
                    guard=plan, backend=backend, progress=progress, exact_steps=exact_steps, decode=main)
@@ -493,6 +518,7 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
         "dtype": str(resolve_dtype(dtype)).replace("torch.", ""), "guard_plan": guard_plan,
         "guard_plan_content": guard_plan_summary(plan), "exact_steps": res.info["exact_steps"],
         "tokens": res.info["tokens"], "context_parallel": cp.to_dict() if cp is not None else None,
+        "compile": compile,
         "timings": timings, "video": str(out), "environment": environment(),
     }
     side = write_json(out.with_suffix(".json"), sidecar)

@@ -23,7 +23,12 @@ BLACKWELL_CAPABILITIES = ((10, 0), (10, 3), (12, 0))
 
 
 class Backend:
-    """Interface of an attention backend. ``forward`` gets validated (B, H, S, D) tensors."""
+    """Interface of an attention backend. ``forward`` gets validated (B, H, S, D) tensors.
+
+    Under torch.compile ``fp4vis.attention`` calls ``forward(..., record_site=N)`` instead, ``N`` from
+    ``range_record.call_site`` (the call's policy, range_check, layout and layer): the backend runs a
+    custom op that takes ``N`` and reports the call's range itself at run time (the reference raises
+    or warns in its op; a kernel starts its record there), and returns None for the RangeReport."""
 
     name: str = "?"
     #: True where ``forward`` takes ``record=`` (the range record's launch arguments,
@@ -48,6 +53,16 @@ class Backend:
         (None when the backend does not check its range, or reports it through the range record:
         ``records_range``)."""
         raise NotImplementedError
+
+
+def constant_at_trace_time(fn):
+    """``torch.compiler.assume_constant_result``: under torch.compile Dynamo runs ``fn`` for real while it
+    traces and puts the result in the graph as a constant (for values fixed for the process: a device's
+    launch route, a traced call's site). Without importing torch._dynamo at ``import fp4vis`` (seconds):
+    the mark is this attribute (torch/_dynamo/decorators.py); the compiled-call tests fail where Dynamo
+    stops honouring it."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def device_capability(index: int | None) -> tuple[int, int]:

@@ -22,8 +22,18 @@ last ``KEPT_CALLS`` calls). The record is read at three points:
 * nothing else: a program that calls ``fp4vis.attention`` directly and stops sees the error at its
   next call or at ``fp4vis.check_range()``.
 
+Under torch.compile none of this may run while Dynamo traces (it reads host memory and numbers calls,
+which a graph would freeze): ``fp4vis.attention`` then names its call once, at trace time
+(``call_site``: backend, policy, range_check, layout and layer, kept in a table under an int), and the
+backend's custom op, which runs in the compiled graph on every call, polls and numbers the call there
+(``start_site_call``); the patched forward's check is the op ``torch.ops.fp4vis.range_check``, ordered
+after the forward's output (``check_after``). So a compiled call reports where an eager one does. In
+CUDA-graph replays (``torch.cuda.graph``, torch.compile's ``mode="reduce-overhead"``) no Python runs:
+the kernels still count into the record, which the next eager call or ``fp4vis.check_range()`` reads,
+and a replay reports as the captured call.
+
 Errors name the call (its number, backend, policy, shapes and dtype) and, inside a patched model,
-the layer (``call_label``, set by ``fp4vis.patching``). They are ``DeferredRangeError`` (a
+the layer (``fp4vis.attention``'s ``label``, which ``fp4vis.patching`` sets). They are ``DeferredRangeError`` (a
 ``RangeExceededError``) and ``DeferredInputError`` (a ``ValueError``, for NaN or Inf in q, k or v,
 which the kernels propagate to the output: named where the inputs are still alive at the check).
 """
@@ -31,7 +41,6 @@ which the kernels propagate to the output: named where the inputs are still aliv
 from __future__ import annotations
 
 import collections
-import contextvars
 import itertools
 import threading
 import warnings
@@ -43,14 +52,13 @@ import torch
 from fp4vis.policy import Policy
 from fp4vis.reference import RangeExceededError, RangeReport
 
+from .base import constant_at_trace_time
+
 # fields of the device record (int32, byte offsets 0, 4, 8, 12: the kernels' contract)
 SATURATED, EMPTY_ROWS, NONFINITE, FIRST_CALL = range(4)
 NUM_FIELDS = 4
 NO_CALL = 2**31 - 1          # FIRST_CALL before any call reported (the kernels take a minimum)
 KEPT_CALLS = 4096            # CallInfo kept for error messages (the most recent calls)
-
-#: the patched layer of the current call (``fp4vis.patching`` sets it around each call)
-call_label: contextvars.ContextVar[str | None] = contextvars.ContextVar("fp4vis_call_label", default=None)
 
 
 class DeferredRangeError(RangeExceededError):
@@ -75,11 +83,13 @@ class CallInfo:
     shapes: tuple                # q, k, v shapes as given to fp4vis.attention
     dtype: torch.dtype
     inputs: tuple                # weak references to q, k, v
+    compiled: bool = False       # made in a torch.compile graph (range_record.start_site_call)
 
     def describe(self) -> str:
         q, k, v = (tuple(s) for s in self.shapes)
         where = f", layer {self.layer!r}" if self.layer else ""
-        return (f"fp4vis.attention call #{self.number} ({self.backend} backend, policy {self.policy.name!r}, "
+        kind = "compiled " if self.compiled else ""
+        return (f"{kind}fp4vis.attention call #{self.number} ({self.backend} backend, policy {self.policy.name!r}, "
                 f"{self.layout} q {q} k {k} v {v} {str(self.dtype).removeprefix('torch.')}{where})")
 
 
@@ -102,14 +112,16 @@ class RangeRecord:
         _FLAGS.append(self._flag)
 
     def start_call(self, backend: str, policy: Policy, mode: str, layout: str,
-                   inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
-        """Number a call (q, k, v as given to ``fp4vis.attention``, in ``layout``); returns the kernel's
-        launch arguments (fields address, flag address, number)."""
+                   inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], layer: str | None = None,
+                   compiled: bool = False) -> tuple[int, int, int]:
+        """Number a call (q, k, v as given to ``fp4vis.attention``, in ``layout``; ``layer``: its label;
+        ``compiled``: made in a compiled graph); returns the kernel's launch arguments (fields address,
+        flag address, number)."""
         q, k, v = inputs
         number = next(self._numbers) % (NO_CALL - 1) + 1    # 1 .. NO_CALL - 1
         self.unchecked = True
-        self.calls.append((number, backend, policy, mode, layout, call_label.get(), (q.shape, k.shape, v.shape),
-                           q.dtype, (weakref.ref(q), weakref.ref(k), weakref.ref(v))))
+        self.calls.append((number, backend, policy, mode, layout, layer, (q.shape, k.shape, v.shape), q.dtype,
+                           (weakref.ref(q), weakref.ref(k), weakref.ref(v)), compiled))
         return (*self._addresses, number)
 
     @property
@@ -161,6 +173,90 @@ def discard(device: torch.device) -> None:
         rec = _RECORDS.pop(device, None)
         if rec is not None:
             _FLAGS[:] = [f for f in _FLAGS if f is not rec._flag]
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """A compiled ``fp4vis.attention`` call as traced: what its errors and its backend's op need."""
+
+    backend: str
+    policy: Policy
+    mode: str                    # its range_check: "raise", "warn" or "off"
+    layout: str
+    layer: str | None
+
+
+_SITES: dict[CallSite, int] = {}
+_SITE_LIST: list[CallSite | None] = [None]   # number 0: no site
+
+
+def call_site(backend: str, policy: Policy, mode: str, layout: str, layer: str | None) -> int:
+    """The number (>= 1) of a traced call's ``CallSite``; Dynamo runs ``_site_number`` once, at trace time,
+    so that the compiled graph passes the number to its backend's op as a constant."""
+    return _site_number(backend, policy.values(), mode, layout, layer)
+
+
+@constant_at_trace_time
+def _site_number(backend: str, policy_values: tuple, mode: str, layout: str, layer: str | None) -> int:
+    site = CallSite(backend, Policy(*policy_values), mode, layout, layer)
+    with _LOCK:
+        number = _SITES.get(site)
+        if number is None:
+            number = _SITES[site] = len(_SITE_LIST)
+            _SITE_LIST.append(site)
+    return number
+
+
+def site_of(number: int) -> CallSite:
+    """The ``CallSite`` of a ``call_site`` number (in a backend's op, at run time)."""
+    if not 0 < number < len(_SITE_LIST):
+        raise ValueError(f"record_site: {number} names no traced fp4vis.attention call")
+    return _SITE_LIST[number]
+
+
+def start_site_call(number: int, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
+    """In a kernel backend's op, at run time, for a compiled call: report what finished kernels raised
+    (``poll``), then number the call as ``fp4vis.attention`` does an eager one. ``inputs``: the op's
+    (B, H, S, D) q, k, v. Returns the kernel's launch arguments, (0, 0, 0) where the site's
+    range_check is "off"."""
+    site = site_of(number)
+    poll()
+    if site.mode == "off":
+        return (0, 0, 0)
+    if site.layout == "bshd":
+        inputs = tuple(t.transpose(1, 2) for t in inputs)
+    return record_for(inputs[0].device).start_call(site.backend, site.policy, site.mode, site.layout, inputs,
+                                                   layer=site.layer, compiled=True)
+
+
+def _check_after(after: torch.Tensor, where: str) -> None:
+    check(where)
+
+
+check_after = torch.library.custom_op("fp4vis::range_check", mutates_args=())(_check_after)
+check_after.__doc__ = """``check(where)`` as an op of a compiled graph (a patched model's forward hook under
+torch.compile): ``after`` is the forward's output, so the op runs after the calls that made it; its
+ordered effect keeps it in the graph, which would otherwise drop an op without outputs."""
+
+
+@check_after.register_fake
+def _check_after_fake(after, where):
+    return None
+
+
+def _register_ordered_effect(op) -> None:
+    # the private registry torch's own checking ops use (aten::_linalg_check_errors); its signature
+    # takes an OpOverload in torch 2.8 through 2.14
+    from torch._higher_order_ops import effects
+    effects._register_effectful_op(op._opoverload, effects._EffectType.ORDERED)
+
+
+_register_ordered_effect(check_after)
+
+
+def labelled(message: str, layer: str | None) -> str:
+    """An error message of a patched layer's call, starting with the layer's name (a model has dozens)."""
+    return message if layer is None else f"layer {layer!r}: {message}"
 
 
 def _capturing() -> bool:

@@ -1,14 +1,17 @@
 """The reference backend: the exact emulation of docs/numerics.md (``fp4vis.reference``) for every
-policy, device and shape. The one backend that reports its range (a ``RangeReport`` per call)."""
+policy, device and shape. The one backend that reports its range as a ``RangeReport`` per call.
+
+Under torch.compile it runs as the custom op ``torch.ops.fp4vis.reference_attention`` (one graph
+node: the emulation is chunked Python with data-dependent checks, which Dynamo must not trace); the
+op checks the inputs and enforces the call's range_check itself, at run time."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from fp4vis.reference import reference_attention
+from fp4vis.reference import RangeExceededError, enforce_range, reference_attention
 
+from . import range_record
 from .base import REFERENCE, Backend
 
 
@@ -18,8 +21,10 @@ class ReferenceBackend(Backend):
     def unsupported_reason(self, q, k, v, policy, scale):
         return None
 
-    def forward(self, q, k, v, policy, scale):
-        return _eager_forward()(q, k, v, policy, scale)
+    def forward(self, q, k, v, policy, scale, record_site: int = 0):
+        if record_site:
+            return torch.ops.fp4vis.reference_attention(q, k, v, float(scale), record_site), None
+        return _forward(q, k, v, policy, scale)
 
 
 def _forward(q, k, v, policy, scale):
@@ -32,9 +37,21 @@ def _forward(q, k, v, policy, scale):
     return out.unflatten(0, (b, h)), report
 
 
-@functools.cache
-def _eager_forward():
-    """The emulation is chunked Python with data-dependent checks: torch.compile runs it eagerly (one
-    graph break) instead of tracing every chunk. Wrapped at first use, not at import:
-    ``torch.compiler.disable`` imports torch._dynamo (seconds)."""
-    return torch.compiler.disable(_forward)
+def _reference_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, record_site: int) -> torch.Tensor:
+    site = range_record.site_of(record_site)
+    range_record.poll()   # as fp4vis.attention does at an eager call's start
+    try:
+        out, report = _forward(q, k, v, site.policy, scale)
+        enforce_range(report, site.policy, site.mode, stacklevel=2)
+    except (ValueError, RangeExceededError) as exc:   # as a patched layer's eager call names itself
+        exc.args = (range_record.labelled(str(exc), site.layer), *exc.args[1:])
+        raise
+    return out
+
+
+reference_op = torch.library.custom_op("fp4vis::reference_attention", mutates_args=())(_reference_op)
+
+
+@reference_op.register_fake
+def _reference_op_fake(q, k, v, scale, record_site):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))

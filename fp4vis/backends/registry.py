@@ -23,6 +23,7 @@ from .base import (
     HOPPER_CAPABILITIES,
     REFERENCE,
     Backend,
+    constant_at_trace_time,
     device_capability,
 )
 from .reference import ReferenceBackend
@@ -52,19 +53,31 @@ def backend_names() -> list[str]:
     return [AUTO, REFERENCE, *KERNEL_MODULES, *sorted(set(_REGISTRY) - {REFERENCE, *KERNEL_MODULES})]
 
 
+_LOADED: list[bool] = []
+
+
+@constant_at_trace_time
+def _load_kernel_backends() -> bool:
+    """Import every kernel backend module once and register its ``BACKEND`` (the import errors kept for
+    ``available_backends``). All at once, at the first lookup (a few milliseconds, no CUDA and no CuTe
+    DSL): under torch.compile Dynamo runs this for real instead of tracing the imports, before any
+    lookup in the trace reads the registry."""
+    if not _LOADED:
+        for name, module in KERNEL_MODULES.items():
+            try:
+                register_backend(importlib.import_module(module).BACKEND)
+            except Exception as exc:  # a kernel backend that cannot load here is reported, not fatal
+                _IMPORT_ERRORS[name] = f"{type(exc).__name__}: {exc}"
+        _LOADED.append(True)
+    return True
+
+
 def get_backend(name: str) -> Backend | None:
-    """The backend registered under ``name``, loading a kernel backend on first use; None (and the
-    import error kept for ``available_backends``) when it cannot be loaded here."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    module = KERNEL_MODULES.get(name)
-    if module is None:
+    """The backend registered under ``name`` (kernel backends are loaded at the first lookup); None (and
+    the import error kept for ``available_backends``) when it cannot be loaded here."""
+    _load_kernel_backends()
+    if name not in _REGISTRY and name not in KERNEL_MODULES:
         raise ValueError(f"backend: unknown backend {name!r}; known backends are {', '.join(backend_names())}")
-    if name not in _IMPORT_ERRORS:
-        try:
-            register_backend(importlib.import_module(module).BACKEND)
-        except Exception as exc:  # a kernel backend that cannot load here is reported, not fatal
-            _IMPORT_ERRORS[name] = f"{type(exc).__name__}: {exc}"
     return _REGISTRY.get(name)
 
 
@@ -100,6 +113,7 @@ def select_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The backend that runs this call. An explicit name raises when it cannot; ``auto`` takes the
     kernel for this GPU when it supports the call and otherwise falls back to the reference with
     one warning per reason."""
+    _load_kernel_backends()
     if name != AUTO:
         backend = get_backend(name)
         if backend is None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from fp4vis.services import COMPILE_MODES
+
 from .options import Formatter, add_runtime, int_list, policy_list, positive_int
 
 PROTOCOL_HELP = ("run the method's published protocol (fp4vis.evals.protocols): its model (unless --model), "
@@ -103,6 +105,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="decode the videos (default: yes with --model, no with --speed-only)")
     dec.add_argument("--no-decode", dest="decode", action="store_false", help="time the denoising only")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up before each run")
+    p.add_argument("--compile", nargs="?", const="regional", default=None, choices=COMPILE_MODES,
+                   help="every run (BF16, the baselines, the policies) with the transformer under torch.compile, "
+                        "fullgraph=True: regional (the default: diffusers' compile_repeated_blocks) or full "
+                        "(transformer.compile); each run compiles in its warm-up, reported apart")
     p.add_argument("--save-videos", action="store_true", help="also write each run's MP4 to --out-dir")
     p.add_argument("--out-dir", default="out")
     p.add_argument("--name", default=None, help="default: wan_fidelity, or wan_speed with --speed-only")
@@ -211,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
                          guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance,
                          seed=args.seed, decode=args.decode, warmup=not args.no_warmup, save_videos=args.save_videos,
                          name=args.name, latent_steps=args.latent_steps, operator_error=args.operator_error,
-                         fps=gen["fps"], baselines=args.baselines, **common)
+                         fps=gen["fps"], baselines=args.baselines, compile=args.compile, **common)
         for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
             print(f"baseline skipped, {why}")
         for name, run in r["runs"].items():

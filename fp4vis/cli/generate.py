@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from fp4vis.services import COMPILE_MODES
+
 from .options import POLICY_HELP, Formatter, add_runtime, int_list, policy, positive_int
 
 DEFAULT = " (default: the model's; see above)"
@@ -37,6 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="context parallelism over the processes of a torchrun launch (ulysses=N, ring=N or both; "
                         "N x M processes): torchrun --nproc-per-node 2 -m fp4vis.cli generate ... --cp ulysses=2; "
                         "rank 0 writes the video")
+    p.add_argument("--compile", nargs="?", const="regional", default=None, choices=COMPILE_MODES,
+                   help="torch.compile the transformer with fullgraph=True: regional (the default: diffusers' "
+                        "compile_repeated_blocks, one graph shared by the blocks) or full (the whole transformer); "
+                        "the first step includes the compilation")
     add_runtime(p)
 
 
@@ -56,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
                        image=args.image, policy=args.policy, guard_plan=args.guard_plan, seed=args.seed,
                        height=args.height, width=args.width, frames=args.frames, steps=args.steps,
                        guidance_scale=args.guidance, fps=args.fps, device=args.device, dtype=args.dtype,
-                       backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress, cp=cp)
+                       backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress, cp=cp,
+                       compile=args.compile)
     if out["video"] is None:  # a rank other than 0 of a --cp run: rank 0 reports
         return 0
     t = out["timings"]

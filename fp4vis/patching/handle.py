@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from fp4vis.backends import range_record
 from fp4vis.policy import Policy
 
@@ -152,12 +154,32 @@ class RangeCheckHook:
         self.where = f"the end of {name}'s forward"
 
     def __call__(self, module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            # traced with the forward: the check becomes an op of the graph, after the output
+            after = _first_tensor(output)
+            if after is not None:
+                range_record.check_after(after, self.where)
+            return
         range_record.check(self.where)
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"fp4vis: {self.name} is patched; copy.deepcopy, pickle and torch.save of a patched model "
                         "are not supported: remove the patch first (handle.remove() or fp4vis.unpatch(model)), "
                         "then copy or save, and patch again")
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """The first tensor of a forward's output (a tensor, a tuple or list, a dict or a ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
 
 
 def patched_states(obj: Any) -> list[LayerState]:

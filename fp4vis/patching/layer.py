@@ -6,6 +6,7 @@ every call (``LayerState``), and the rules for when it keeps the model's exact a
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ class LayerState:
         self.recorder: Callable | None = None   # calibration: recorder(state, q, k, scale, layout)
         self.auto: Any = None             # guard="auto": an object with .decide(state, q, k, scale, layout)
         self.warned: set[str] = set()
-        self.calls = 0                    # FP4 calls (for tests and summaries)
+        self.calls = 0                    # eager FP4 calls (for tests and summaries)
         self.fallbacks = 0
         # a strong reference: the patched module keeps its handle alive, so that unpatch(model)
         # finds it even when the caller dropped the handle
@@ -119,31 +120,35 @@ class LayerState:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *,
                   layout: str = "bhsd", scale: float | None = None, qk_transform: Any = None) -> torch.Tensor:
-        """``fp4vis.attention`` with the layer's backend and range check; ``qk_transform``: q and k are
-        raw projections (``fp4vis.attention``'s argument)."""
+        """``fp4vis.attention`` with the layer's backend and range check, labelled with the layer's name;
+        ``qk_transform``: q and k are raw projections (``fp4vis.attention``'s argument).
+
+        Under torch.compile the call is neither counted nor labelled: the graph would hold the count and
+        the name as constants, so every layer would need a graph of its own, where diffusers' regional
+        compilation (``compile_repeated_blocks``) shares one among the blocks. Its errors come from the
+        backend's op at run time and name the call, not the layer (docs/patching.md)."""
         from fp4vis.attention import attention as fp4_attention
+        call = functools.partial(fp4_attention, q, k, v, policy=policy, scale=scale, layout=layout,
+                                 backend=self.backend, range_check=self.range_check, qk_transform=qk_transform)
+        if torch.compiler.is_compiling():
+            return call()
         with self.fp4_call():
-            return fp4_attention(q, k, v, policy=policy, scale=scale, layout=layout, backend=self.backend,
-                                 range_check=self.range_check, qk_transform=qk_transform)
+            return call(label=self.name)
 
     @contextlib.contextmanager
     def fp4_call(self) -> Iterator[None]:
-        """One FP4 call of this layer (counted, and named for the range record: ``call_label``); errors
-        raised in it (range, bad input) start with the layer's name: a model has dozens. An earlier
-        call's deferred range error passes unchanged: its message names that call's layer.
-        ``attention`` and the context-parallel paths run inside it."""
+        """One eager FP4 call of this layer (counted); errors raised in it (range, bad input) start with the
+        layer's name: a model has dozens. An earlier call's deferred range error passes unchanged: its
+        message names that call's layer. ``attention`` and the context-parallel paths run inside it."""
         from fp4vis.attention import RangeExceededError
         self.calls += 1
-        token = range_record.call_label.set(self.name)
         try:
             yield
         except (range_record.DeferredRangeError, range_record.DeferredInputError):
             raise
         except (RangeExceededError, ValueError, RuntimeError) as exc:
-            exc.args = (f"layer {self.name!r}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+            exc.args = (range_record.labelled(exc.args[0] if exc.args else str(exc), self.name), *exc.args[1:])
             raise
-        finally:
-            range_record.call_label.reset(token)
 
     def __reduce_ex__(self, protocol):
         # a patched layer holds hooks into its library (processors, bound forwards, the handle): copying

@@ -39,6 +39,7 @@ from fp4vis.backends.base import (
     BLACKWELL,
     BLACKWELL_CAPABILITIES,
     Backend,
+    constant_at_trace_time,
     device_capability,
     first_reason,
     need_direct_p,
@@ -114,9 +115,8 @@ def _fp4vis_version() -> str:
         return "unknown"
 
 
-# Memo dicts, not functools.cache: torch.compile (dynamo) ignores a cache wrapper and would trace
-# the filesystem probes below; a plain dict look-up it folds into a constant. An eager call (or the
-# self-check) fills them before any compiled call needs them.
+# Memo dicts, read through functions that torch.compile runs for real while tracing (their results are
+# constants of the graph) rather than traces: Dynamo would trace the filesystem probes of a cache wrapper.
 _ROUTES: dict[int, tuple[str, int] | str] = {}
 _CUBINS: dict[tuple, bool] = {}
 
@@ -126,22 +126,22 @@ def clear_route_cache() -> None:
     _CUBINS.clear()
 
 
+@constant_at_trace_time
 def route(index: int) -> tuple[str, int] | str:
     """(launch kind "jit" / "cubin", Triton arch) for CUDA device ``index``, or why none."""
     r = _ROUTES.get(index)
     if r is None:
-        if torch.compiler.is_compiling():
-            return "the launch route is decided on the first eager call: make one before torch.compile"
         r = _ROUTES[index] = _compute_route(index)
     return r
 
 
-def _has_cubin(cfg: KernelConfig) -> bool:
-    ok = _CUBINS.get(cfg.key())
+@constant_at_trace_time
+def _has_cubin(key: tuple) -> bool:
+    """Whether the cubin of the ``KernelConfig`` with this ``key()`` is there (a key: Dynamo passes plain
+    values to a function it runs while tracing)."""
+    ok = _CUBINS.get(key)
     if ok is None:
-        if torch.compiler.is_compiling():
-            return False
-        ok = _CUBINS[cfg.key()] = cubin_mod.has_cubin(cfg)
+        ok = _CUBINS[key] = cubin_mod.has_cubin(KernelConfig(*key))
     return ok
 
 
@@ -247,12 +247,15 @@ def run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor
 
 def blackwell_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, affine_a: float,
                               affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
-                              qk_fmt: str, call_number: int = 0) -> torch.Tensor:
+                              qk_fmt: str, call_number: int = 0, record_site: int = 0) -> torch.Tensor:
     """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Blackwell kernel; refuses
     (SelfCheckError) on a GPU where the kernel failed its self-check. The body of the custom op
     ``torch.ops.fp4vis.blackwell_attention``. ``call_number``: the range record's number of this call
-    (0: no record)."""
+    (0: no record). ``record_site``: a compiled call's site (``range_record.call_site``): the call is
+    numbered here, at run time, instead."""
     BACKEND.ensure_verified(q.device)
+    if record_site:
+        call_number = range_record.start_site_call(record_site, (q, k, v))[2]
     return run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
                          call_number=call_number)
 
@@ -263,7 +266,7 @@ blackwell_attention = torch.library.custom_op("fp4vis::blackwell_attention", mut
 
 @blackwell_attention.register_fake
 def _blackwell_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
-                              call_number=0):
+                              call_number=0, record_site=0):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -316,7 +319,7 @@ class BlackwellBackend(Backend):
             return reason
         if r[0] == "cubin":
             cfg = kernel_config(index, q.shape[-1], q.dtype, policy.native_exp2, policy.anchor > 0)
-            if not _has_cubin(cfg):
+            if not _has_cubin(cfg.key()):
                 return f"no precompiled cubin {cfg.tag()} in {cubin_mod.cubin_dir()}"
         return None
 
@@ -362,7 +365,7 @@ class BlackwellBackend(Backend):
                               for v in selfcheck._VERDICTS.values()}}
 
     # --- the call
-    def forward(self, q, k, v, policy, scale, record=None):
+    def forward(self, q, k, v, policy, scale, record=None, record_site=0):
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if self.kernel_fn is not None:  # a test's injected kernel goes through the same gate
             self.ensure_verified(q.device)
@@ -370,7 +373,8 @@ class BlackwellBackend(Backend):
         traced = torch.compiler.is_compiling() or grad
         op = torch.ops.fp4vis.blackwell_attention if traced else blackwell_attention_eager
         out = op(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
-                 **policy_args(policy, q.shape[-1], float(scale)), call_number=record[2] if record else 0)
+                 **policy_args(policy, q.shape[-1], float(scale)), call_number=record[2] if record else 0,
+                 record_site=record_site)
         return out, None
 
 

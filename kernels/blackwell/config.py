@@ -9,7 +9,7 @@ of its shape class (docs/numerics.md section 3: user policies within the rules i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 # docs/numerics.md section 2 constants (the reference's names: fp4vis.reference.LOG2_6 / LOG2_1P5 / KEY_BLOCK)
 LOG2E = 1.0 / math.log(2.0)
@@ -74,7 +74,10 @@ class KernelConfig:
         return ARCHS[self.arch]
 
     def key(self) -> tuple:
-        return tuple(asdict(self).values())
+        """The fields in order, plain values (``KernelConfig(*key)``; spelled out: torch.compile traces it,
+        and ``dataclasses.asdict`` does not trace in every torch release)."""
+        return (self.head_dim, self.out_dtype, self.native, self.anchored, self.arch, self.block_m, self.block_n,
+                self.num_warps, self.num_stages)
 
     def tag(self) -> str:
         """A file-name-safe name of the variant (cubin cache, logs)."""

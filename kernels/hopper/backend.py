@@ -15,7 +15,8 @@
 * Compiled kernels are cached per configuration (``DirectPConfig.key()``); each compile is timed
   and logged (logger ``fp4vis.kernels.hopper``) and kept in ``COMPILE_TIMES``.
 * Range checks: where ``fp4vis.attention`` passes a range record (``range_check`` "raise" or
-  "warn", outside tracing), the kernel variant with ``range_record`` counts saturated P blocks,
+  "warn"; under torch.compile the op starts it at run time from the call's site), the kernel
+  variant with ``range_record`` counts saturated P blocks,
   empty rows and non-finite outputs on the device and ``fp4vis.backends.range_record`` reports them
   later (no synchronisation per call); ``forward`` returns ``None`` for the RangeReport. Rows whose
   probabilities all underflow produce 0 rather than NaN.
@@ -30,6 +31,7 @@ import time
 
 import torch
 
+from fp4vis.backends import range_record
 from fp4vis.backends.base import (
     HOPPER,
     HOPPER_CAPABILITIES,
@@ -45,6 +47,7 @@ from fp4vis.backends.base import (
 from fp4vis.config import cached_setting, setting
 from fp4vis.layout import LN2, LOG2E, qk_layout
 from fp4vis.policy import QK_FP8, Policy
+from fp4vis.qk_transform import QKTransform
 
 from .layout import fp8_key_scale_blocks
 from .prepass import prepare_kernel_operands
@@ -219,20 +222,40 @@ def hopper_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
                            affine_b: float, shift: int, native_exp2: bool, anchor: int, margin_raw: float,
                            qk_fmt: str, schedule: str = "", p_path: str = "", num_wg: int = 0,
                            code_rounding: str = "exact", block_scales: str = "", ctas_per_sm: int = 0,
-                           record_fields: int = 0, record_flag: int = 0, call_number: int = 0) -> torch.Tensor:
-    """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors on the Hopper kernel.
+                           record_fields: int = 0, record_flag: int = 0, call_number: int = 0,
+                           record_site: int = 0, q_norm: torch.Tensor | None = None,
+                           k_norm: torch.Tensor | None = None, q_eps: float = 0.0, k_eps: float = 0.0,
+                           rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None) -> torch.Tensor:
+    """Direct-P attention of (B, H, S, D) BF16/FP16 CUDA tensors (views) on the Hopper kernel.
     ``schedule`` / ``p_path`` / ``num_wg`` / ``block_scales`` / ``ctas_per_sm``: ""/0 the defaults, else a
     kernel variant (see ``config.DirectPConfig``; for the tests and the benchmark). With the defaults,
     sequences up to ``SHORT_SEQ`` run the short-sequence variant (``kernel_config``).
     ``record_fields``, ``record_flag``, ``call_number``: the range record's launch arguments
-    (``fp4vis.backends.range_record``); 0: the variant without the record.
+    (``fp4vis.backends.range_record``); 0: the variant without the record. ``record_site``: a compiled
+    call's site (``range_record.call_site``): the record is started here, at run time, instead.
+    ``q_norm`` .. ``rope_sin``: a ``fp4vis.qk_transform.QKTransform`` as tensors (``transform_args``): q, k
+    are then raw projections, normed and rotated in the pre-pass.
 
     This plain function is the body of the custom op ``torch.ops.fp4vis.hopper_attention``;
     ``HopperBackend`` calls it directly outside torch.compile, which saves the dispatcher's
     30-85 us per call (H200, benchmarks/results/20261129b_h200_prepass.json)."""
-    return _attention(q, k, v, None, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
+    qk = None
+    if q_norm is not None or k_norm is not None or rope_cos is not None:
+        qk = QKTransform(q_norm, k_norm, q_eps, k_eps, None if rope_cos is None else (rope_cos, rope_sin))
+    if record_site:
+        record_fields, record_flag, call_number = range_record.start_site_call(record_site, (q, k, v))
+    return _attention(q, k, v, qk, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
                       schedule, p_path, num_wg, code_rounding, block_scales, ctas_per_sm, record_fields, record_flag,
                       call_number)
+
+
+def transform_args(qk: QKTransform | None) -> dict:
+    """The custom op's keyword arguments for a q/k transform (none for None)."""
+    if qk is None:
+        return {}
+    cos, sin = qk.rope if qk.rope is not None else (None, None)
+    return dict(q_norm=qk.q_weight, k_norm=qk.k_weight, q_eps=float(qk.q_eps), k_eps=float(qk.k_eps),
+                rope_cos=cos, rope_sin=sin)
 
 
 def _attention(q, k, v, qk, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt, schedule="",
@@ -256,7 +279,8 @@ hopper_attention = torch.library.custom_op("fp4vis::hopper_attention", mutates_a
 @hopper_attention.register_fake
 def _hopper_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw,
                            qk_fmt, schedule="", p_path="", num_wg=0, code_rounding="exact", block_scales="",
-                           ctas_per_sm=0, record_fields=0, record_flag=0, call_number=0):
+                           ctas_per_sm=0, record_fields=0, record_flag=0, call_number=0, record_site=0, q_norm=None,
+                           k_norm=None, q_eps=0.0, k_eps=0.0, rope_cos=None, rope_sin=None):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -295,19 +319,17 @@ class HopperBackend(Backend):
             _policy_reason(policy),
             _cutlass_import_error())
 
-    def forward(self, q, k, v, policy, scale, record=None, qk_transform=None):
-        # the custom op under torch.compile (one graph node) and where autograd would need it (it has
-        # no backward: it then fails at backward, not silently), with q and k made by PyTorch; the same
-        # function, undispatched, otherwise, where the pre-pass reads the (B, H, S, D) views in place
-        # and folds the q/k transform in
+    def forward(self, q, k, v, policy, scale, record=None, record_site=0, qk_transform=None):
+        # the custom op under torch.compile (one graph node: the views, the q/k transform and the call's
+        # site go in, the pre-pass reads them in place and the record starts at run time) and where
+        # autograd would need it (it has no backward: it then fails at backward, not silently); the
+        # same function, undispatched, otherwise (the dispatcher costs tens of microseconds a call)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         rec = {} if record is None else dict(zip(("record_fields", "record_flag", "call_number"), record))
         args = dict(policy_args(policy, q.shape[-1], float(scale)), **rec)
         if torch.compiler.is_compiling() or grad:
-            if qk_transform is not None:
-                q, k = qk_transform.apply(q, k, "bhsd")
-            out = torch.ops.fp4vis.hopper_attention(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
-                                                    **args)
+            out = torch.ops.fp4vis.hopper_attention(q, k, v, float(scale), **args, record_site=record_site,
+                                                    **transform_args(qk_transform))
             return out, None
         return _attention(q, k, v, qk_transform, float(scale), **args), None
 

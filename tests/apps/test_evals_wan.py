@@ -126,3 +126,27 @@ def test_baseline_errors_come_before_any_work(tmp_path):
     with pytest.raises(UsageError, match="baselines: 'fa4' cannot run here: "):
         run_wan_eval(missing, baselines=["fa4"], device="cpu", **KW)
     assert run_wan_eval.__kwdefaults__["baselines"] == "auto"
+
+
+def test_compiled_runs_give_the_eager_latents_and_report_their_warmup(tiny, tmp_path, monkeypatch):
+    """``compile``: every run (BF16, the policies) with the transformer compiled (fullgraph) in its warm-up;
+    traced through AOTAutograd (aot_eager: the same ops), the latents are the eager run's, bit for bit
+    (``full``: tests/patching/test_wan.py compiles the whole transformer)."""
+    import functools
+
+    from fp4vis.evals import wan_fidelity as wf
+
+    kw = dict(KW, steps=1, policies="fast", backend="reference", decode=False, baselines="none")
+    eager = run_wan_eval(str(tiny), **kw)
+    monkeypatch.setattr(wf, "compile_transformers", functools.partial(wv.compile_transformers, backend="aot_eager"))
+    compiled = run_wan_eval(str(tiny), compile="regional", out_dir=tmp_path, **kw)
+    assert compiled["compile"] == "regional" and eager["compile"] is None
+    for name in ("bf16", "fast"):
+        assert compiled["runs"][name]["timings"]["warmup_s"] > 0
+    assert compiled["runs"]["fast"]["latent_cosine"] == eager["runs"]["fast"]["latent_cosine"]
+    md = (tmp_path / "wan_fidelity.md").read_text()
+    assert "**compiled** (`transformer.compile_repeated_blocks(fullgraph=True)`" in md
+    with pytest.raises(UsageError, match="compile: needs the warm-up"):
+        run_wan_eval(str(tiny), compile="full", warmup=False, **kw)
+    with pytest.raises(UsageError, match="compile: must be one of regional, full"):
+        run_wan_eval(str(tiny), compile="max", **kw)

@@ -37,20 +37,42 @@ class RecordingReference(Backend):
     def unsupported_reason(self, q, k, v, policy, scale):
         return None
 
-    def forward(self, q, k, v, policy, scale, record=None):
+    def forward(self, q, k, v, policy, scale, record=None, record_site=0):
+        if record_site:   # under torch.compile: an op, which starts the record at run time (as the kernels' ops)
+            return torch.ops.fp4vis_tests.recording_attention(q, k, v, scale, record_site), None
         self.records.append(record)
-        if all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
-            out, report = ReferenceBackend().forward(q, k, v, policy, scale)
-        else:
-            out = torch.full(q.shape[:-1] + v.shape[-1:], math.nan, dtype=q.dtype)
-            report = RangeReport(nonfinite_outputs=out.numel())
-        if record is not None and not report.ok:
-            rec = range_record.record_for(q.device)
-            counts = (report.saturated_blocks, report.empty_rows, report.nonfinite_outputs)
-            rec.fields[:3] += torch.tensor(counts, dtype=torch.int32)
-            rec.fields[range_record.FIRST_CALL] = min(int(rec.fields[range_record.FIRST_CALL]), record[2])
-            rec.flag[0] = record[2]
-        return out, None
+        return attention_recorded(q, k, v, policy, scale, record), None
+
+
+def attention_recorded(q, k, v, policy, scale, record):
+    if all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+        out, report = ReferenceBackend().forward(q, k, v, policy, scale)
+    else:
+        out = torch.full(q.shape[:-1] + v.shape[-1:], math.nan, dtype=q.dtype)
+        report = RangeReport(nonfinite_outputs=out.numel())
+    if record is not None and record[2] and not report.ok:
+        rec = range_record.record_for(q.device)
+        counts = (report.saturated_blocks, report.empty_rows, report.nonfinite_outputs)
+        rec.fields[:3] += torch.tensor(counts, dtype=torch.int32)
+        rec.fields[range_record.FIRST_CALL] = min(int(rec.fields[range_record.FIRST_CALL]), record[2])
+        rec.flag[0] = record[2]
+    return out
+
+
+COMPILED_RECORDS = []
+
+
+@torch.library.custom_op("fp4vis_tests::recording_attention", mutates_args=())
+def recording_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        record_site: int) -> torch.Tensor:
+    record = range_record.start_site_call(record_site, (q, k, v))
+    COMPILED_RECORDS.append(record)
+    return attention_recorded(q, k, v, range_record.site_of(record_site).policy, scale, record)
+
+
+@recording_attention.register_fake
+def _(q, k, v, scale, record_site):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
 @pytest.fixture
@@ -159,3 +181,114 @@ def test_patched_forward_raises_at_its_end_naming_the_layer(backend):
     with torch.no_grad():
         model(x)                    # unpatched: the hook is gone, nothing recorded
     fp4vis.check_range()
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile (fullgraph): the op of the backend polls and numbers each call at run time
+
+
+@pytest.fixture
+def no_recompiles():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+    torch._dynamo.reset()
+
+
+def compiled_attention(**kwargs):
+    return torch.compile(lambda q, k, v: fp4vis.attention(q, k, v, **kwargs) * 2, fullgraph=True)
+
+
+def test_compiled_call_reports_like_an_eager_one(backend, no_recompiles):
+    f = compiled_attention(policy="fast", backend=NAME)
+    sites = len(range_record._SITE_LIST)
+    out = f(*ordinary())
+    assert torch.equal(out, fp4vis.attention(*ordinary(), policy="fast", backend=NAME) * 2)
+    f(*ordinary(2))
+    assert len(range_record._SITE_LIST) == sites + 1          # named once, at trace time
+    assert COMPILED_RECORDS[-1][2] > COMPILED_RECORDS[-2][2] > 0   # numbered per call, at run time
+    q, k, v = (t * 12 for t in ordinary(3))                    # logits far above the range of fast
+    f(q, k, v)                                                 # no error yet: no synchronisation
+    number = COMPILED_RECORDS[-1][2]
+    with pytest.raises(range_record.DeferredRangeError) as exc:
+        f(*ordinary())                                         # the next compiled call polls in its op
+    msg = str(exc.value)
+    assert f"call #{number} (" in msg and "policy 'fast'" in msg and "q (1, 2, 64, 64) k (1, 2, 64, 64)" in msg
+    assert "reported at the next fp4vis.attention call" in msg
+    f(q, k, v)
+    with pytest.raises(range_record.DeferredRangeError, match="reported at fp4vis.check_range"):
+        fp4vis.check_range()
+
+
+def test_compiled_call_names_its_layout_warns_and_off_records_nothing(backend, no_recompiles):
+    q, k, v = (t.transpose(1, 2) for t in saturating())
+    compiled_attention(policy="fast", backend=NAME, layout="bshd", range_check="warn")(q, k, v)
+    with pytest.warns(RuntimeWarning, match=r"bshd q \(1, 64, 2, 64\) k \(1, 128, 2, 64\)"):
+        fp4vis.check_range()
+    torch._dynamo.reset()   # another function of the same code
+    compiled_attention(policy="fast", backend=NAME, layout="bshd", range_check="off")(q, k, v)
+    assert COMPILED_RECORDS[-1] == (0, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp4vis.check_range()
+
+
+@pytest.mark.parametrize("range_check", ["raise", "warn", "off"])
+def test_compiled_reference_is_one_op_bit_equal_and_checks_its_range(range_check, no_recompiles):
+    """The regression of issue 25 on the CPU: fp4vis.attention with the range check on traces with
+    fullgraph=True (the reference as one op), gives the eager bits on new inputs without recompiling, and
+    enforces range_check at run time."""
+    def f(q, k, v):
+        return fp4vis.attention(q, k, v, policy="fast", range_check=range_check) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    for seed in (1, 2):
+        assert torch.equal(compiled(*ordinary(seed)), f(*ordinary(seed)))
+    q, k, v = (t * 12 for t in ordinary(3))
+    if range_check == "raise":
+        with pytest.raises(fp4vis.RangeExceededError, match="saturated P blocks"):
+            compiled(q, k, v)
+    elif range_check == "warn":
+        with pytest.warns(RuntimeWarning, match="saturated P blocks"):
+            compiled(q, k, v)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compiled(q, k, v)
+
+
+@pytest.mark.parametrize("case", ["defaults", "off", "fp8qk-bshd", "vit-d64"])
+def test_compiled_cases_of_the_issue_on_the_reference(case, no_recompiles):
+    """The four calls that failed on the GPU (issue 25), here on the reference: bit-equal to eager."""
+    kwargs, shape = {
+        "defaults": ({}, (1, 2, 96, 64)),
+        "off": ({"range_check": "off"}, (1, 2, 96, 64)),
+        "fp8qk-bshd": ({"policy": "fast_fp8qk", "layout": "bshd"}, (1, 96, 2, 64)),
+        "vit-d64": ({"policy": "fast"}, (2, 3, 50, 64)),
+    }[case]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: fp4vis.attention(q, k, v, **kwargs), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), fp4vis.attention(q, k, v, **kwargs))
+
+
+@torch.no_grad()
+def test_compiled_patched_forward_raises_at_its_end(backend, no_recompiles):
+    """A patched timm model compiled whole with fullgraph=True: the forward hook's check is an op of the
+    graph (kept, and after the output), so the error comes at the end of the forward; it names the compiled
+    call, not the layer (a layer's name in the graph would give every layer a graph of its own)."""
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=64,
+                              depth=2, num_heads=1, num_classes=3).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with fp4vis.patch(model, "fast", backend=NAME):
+        compiled = torch.compile(model, fullgraph=True)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        with torch.no_grad():   # layer 1's queries and keys scaled up: its logits saturate fast
+            model.blocks[1].attn.qkv.weight[:128] *= 40
+        with pytest.raises(range_record.DeferredRangeError) as exc:
+            compiled(x)
+        msg = str(exc.value)
+        assert msg.startswith("compiled fp4vis.attention call #") and "layer" not in msg.split(":")[0]
+        assert "reported at the end of VisionTransformer's forward" in msg

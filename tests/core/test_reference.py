@@ -353,6 +353,15 @@ def test_fast_underflow_rows_raise():
     assert torch.isfinite(fp4vis.attention(q, k, v, policy="guard")).all()
 
 
+def test_policy_values_are_its_fields_in_order():
+    """``Policy.values()`` (what a compiled call passes as constants) rebuilds the policy, every field in order."""
+    import dataclasses
+
+    for pol in [*POLICIES.values(), guard_policy(90, 12, name="g"), Policy("mine", affine_a=1.25, shift=3)]:
+        assert pol.values() == tuple(getattr(pol, f.name) for f in dataclasses.fields(pol))
+        assert Policy(*pol.values()) == pol
+
+
 def test_guard_policy_parameters():
     g = guard_policy(112, 14)
     assert (g.margin, g.shift, g.anchor, g.native_exp2) == (112, 14, 128, True)

@@ -179,3 +179,17 @@ def test_double_patch_is_an_error(vit_dir):
     assert model.config._attn_implementation == "fp4vis_sdpa"  # h2 still uses it
     h2.remove()
     assert model.config._attn_implementation == "sdpa"
+
+
+@torch.no_grad()
+def test_patched_vit_compiles_with_fullgraph(vit_dir, x):
+    """transformers' attention function, patched, traced with fullgraph=True (the reference is one op) and
+    run through AOTAutograd (aot_eager: the same ops, so the same bits; inductor's code generation is
+    tested on timm's, tests/patching/test_timm_vit.py)."""
+    model = ViTModel.from_pretrained(vit_dir, attn_implementation="sdpa").eval()
+    with fp4vis.patch(model, "fast"):
+        eager = model(x).last_hidden_state
+        torch._dynamo.reset()
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(x).last_hidden_state
+    torch._dynamo.reset()
+    assert torch.equal(out, eager)

@@ -356,3 +356,32 @@ def test_fused_qk_transform_gives_the_unpatched_values_on_gpu():
             o = fp4vis.attention(q, k, v, policy=policy, layout="bshd", backend="hopper")
             assert torch.equal(bits(got), bits(attn.to_out[0](o.flatten(2, 3)))), (kind, policy)
     fp4vis.check_range()
+
+
+@torch.no_grad()
+def test_patched_transformer_compiles_with_fullgraph(transformer):
+    """The Wan processor with its q/k transform, patched, traced with fullgraph=True as diffusers users
+    compile (``transformer.compile``; the reference is one op) and run through AOTAutograd (aot_eager: the
+    same ops, so the same bits)."""
+    with fp4vis.patch(transformer, "wan_fast", cross_attention=True):
+        eager = transformer(**_inputs())[0]
+        torch._dynamo.reset()
+        transformer.compile(fullgraph=True, backend="aot_eager")
+        out = transformer(**_inputs())[0]
+    torch._dynamo.reset()
+    assert torch.equal(out, eager)
+
+
+@torch.no_grad()
+def test_patched_blocks_share_one_graph_under_regional_compilation(transformer):
+    """diffusers' regional compilation (``compile_repeated_blocks``) compiles the block once for every block:
+    a patched layer keeps nothing of its own in the graph (no name, no count), so no block recompiles."""
+    with fp4vis.patch(transformer, "wan_fast", cross_attention=True):
+        eager = transformer(**_inputs())[0]
+        torch._dynamo.reset()
+        transformer.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = transformer(**_inputs())[0]
+            again = transformer(**_inputs(seed=1))[0]
+    torch._dynamo.reset()
+    assert torch.equal(out, eager) and again.shape == out.shape

@@ -448,3 +448,11 @@ def test_selfcheck_cannot_start_under_graph_capture(cache, monkeypatch):
     def boom(*a):
         raise AssertionError("must not run under capture")
     selfcheck.check({"device": "warm"}, boom, "cpu")
+
+
+def test_kernel_config_key_is_its_fields_in_order():
+    """``key()`` (spelled out for torch.compile, which traces it) rebuilds the config, every field in order."""
+    import dataclasses
+
+    for cfg in (KernelConfig(128, "bf16", True, False, 90), KernelConfig(64, "fp16", False, True, 120, num_stages=3)):
+        assert cfg.key() == tuple(dataclasses.asdict(cfg).values()) and KernelConfig(*cfg.key()) == cfg
