@@ -22,9 +22,10 @@ Sections (each a key of the JSON, written after every section):
    ``today_ms`` (norm_q, norm_k, the two rotary embeddings and the pre-pass, as the processor ran
    them), ``fused_ms`` (rstd launch + fused pre-pass), ``copy_floor_ms`` (a device copy of the bytes
    the fused pre-pass must move: q, k, v read once, the operands written once), per policy layout;
-   for the folded layout also the pre-pass with and without the candidate bound
-   (``prepass_pruned_ms`` / ``prepass_unpruned_ms``, ``fused_pruned_ms``; the checks section counts
-   the pruned operands' differing values too); for FP8 the pre-pass (no transform) of the Q rows
+   for the folded layout also the pre-pass with the scale search over the contenders (the default) and
+   over every candidate (``prepass_contenders_ms`` / ``prepass_full_search_ms``, ``fused_full_search_ms``;
+   the checks section compares the fused contender search against the plain full search and counts the
+   fused full search's differing values too); for FP8 the pre-pass (no transform) of the Q rows
    alone and of the K/V blocks alone (``prepass_q_rows_ms``, ``prepass_kv_blocks_ms``: the other part
    cut to 32 tokens), the most that quantizing Q inside the kernel could take off the pre-pass.
 3. ``calls``: per shape, the whole patched-layer attention call (``fp4vis.attention`` with the
@@ -106,10 +107,10 @@ def checks(layer: bool = True) -> dict:
                     if layout == "fp8":
                         fused, plain = tp.fp8_prepass(q, k, v, perm, qk=tr), tp.fp8_prepass(qn, kn, vc, perm)
                     else:
-                        fused = tp.prepass(q, k, v, layout, perm, qk=tr, prune=False)
-                        plain = tp.prepass(qn, kn, vc, layout, perm, prune=False)
-                        pruned = tp.prepass(q, k, v, layout, perm, qk=tr, prune=True)
-                        row["pruned_differing"] = [_ndiff(a, c) for a, c in zip(pruned, plain)]
+                        fused = tp.prepass(q, k, v, layout, perm, qk=tr, full_search=False)
+                        plain = tp.prepass(qn, kn, vc, layout, perm, full_search=True)
+                        full = tp.prepass(q, k, v, layout, perm, qk=tr, full_search=True)
+                        row["full_search_differing"] = [_ndiff(a, c) for a, c in zip(full, plain)]
                     row["differing"] = [_ndiff(a, c) for a, c in zip(fused, plain)]
                     out["operands"].append(row)
     if layer:
@@ -257,10 +258,13 @@ def _prepass_policy(fmt: str, raw: list, h: int, norms, rope, tr, copies: int) -
              prepass_no_transform_ms=time_events(lambda i: prepare_kernel_operands(*_views(raw[i], h), fmt, 0),
                                                  copies))
     r["today_over_fused"] = r["today_ms"] / r["fused_ms"]
-    if fmt == "folded64_mse":   # the candidate bound (FP4VIS_PREPASS_PRUNE) side by side
-        r["prepass_unpruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, prune=False), copies)
-        r["prepass_pruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, prune=True), copies)
-        r["fused_pruned_ms"] = time_events(lambda i: tp.prepass(*_views(raw[i], h), fmt, qk=tr, prune=True), copies)
+    if fmt == "folded64_mse":   # the scale search over every candidate (FP4VIS_PREPASS_FULL_SEARCH) side by side
+        r["prepass_full_search_ms"] = time_events(
+            lambda i: tp.prepass(*_views(raw[i], h), fmt, full_search=True), copies)
+        r["prepass_contenders_ms"] = time_events(
+            lambda i: tp.prepass(*_views(raw[i], h), fmt, full_search=False), copies)
+        r["fused_full_search_ms"] = time_events(
+            lambda i: tp.prepass(*_views(raw[i], h), fmt, qk=tr, full_search=True), copies)
     else:   # the Q rows' share of the FP8 pre-pass: what quantizing Q inside the kernel could save (issue 17, item 3)
         def part(i, q_rows: bool):
             q, k, v = _views(raw[i], h)

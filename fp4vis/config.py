@@ -61,8 +61,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "fused Triton launch; 0 runs it through `fp4vis.formats` (same bits, slow)"),
     Setting("FP4VIS_PREPASS_F16_CODES", "1", "Hopper pre-pass: E2M1 codes on FP16 pairs on the GPU "
             "(same bits); 0 selects the float32 form"),
-    Setting("FP4VIS_PREPASS_PRUNE", "0", "Hopper pre-pass: skip folded-K64 candidate scales that a bound proves "
-            "no better in a whole tile (same bits); 1 turns it on"),
+    Setting("FP4VIS_PREPASS_FULL_SEARCH", "0", "Hopper pre-pass: the folded-K64 scale search over every "
+            "candidate instead of the contenders (same bits, slower: for measurement); 1 turns it on"),
     Setting("FP4VIS_PREPASS_FUSED_QK", "1", "Hopper pre-pass: fold a layer's q/k transform (RMS norms, rotary "
             "embedding) into the pre-pass; 0 applies it in PyTorch first (same bits)"),
     Setting("FP4VIS_PREPASS_DIRECT_LAUNCH", "1", "Hopper pre-pass: launch the compiled Triton kernel "

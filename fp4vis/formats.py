@@ -39,6 +39,13 @@ NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
 # docs/numerics.md section 1: MSE candidates for the folded-K64 scale, m = 1.0 first, then the list in order.
 FOLDED_MSE_MULTIPLIERS = (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
+# The candidates that can be chosen (indices into FOLDED_MSE_MULTIPLIERS) in a group where no candidate
+# saturates E4M3: every other one is never strictly better than one of these, or only as good and later, so
+# the first least-error candidate among them is the full search's choice. Index 6 (m = 0.625) is needed only
+# where its scale is an E4M3 subnormal, fl32(amax/6 * 0.625) < 2**-6. Proved for every BF16 group maximum
+# and every BF16 value below it (tests/core/test_formats.py); kernels use it, fp4vis.formats does not.
+FOLDED_MSE_CONTENDERS = (0, 6, 7, 8, 10, 11)
+FOLDED_MSE_SUBNORMAL_CONTENDER = 6
 MXFP4_ZERO_AMAX = 1e-38  # blocks at or below this amax get u = 0
 # the smallest float32 magnitudes that round (to nearest even) to Inf in an output dtype: half an ulp
 # above its largest finite value, whose odd significand rounds the tie up (the kernels' range record)

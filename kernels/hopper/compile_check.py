@@ -12,7 +12,8 @@ CLI: ``python -m fp4vis.kernels.compile_check [--arch sm_90a] [--policy fast] [-
 
 The Triton pre-pass compiles the same way (``compile_triton_sm90``: Triton's own compiler and ptxas,
 no GPU); ``--triton-prepass`` prints the instruction count of the NVFP4 scale search's candidate loop
-per head dim, warps and E2M1 code form (``prepass_candidate_loop``).
+and the search's instructions per value per head dim, warps, E2M1 code form and search (the contenders,
+or every candidate: ``prepass_search_per_value``).
 """
 
 from __future__ import annotations
@@ -246,13 +247,14 @@ def innermost_loops(sass: str) -> list[list[str]]:
     return [[line for line in lines[a:b + 1] if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)] for a, b in inner]
 
 
-def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int | None = None) -> int:
+def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int | None = None,
+                           full_search: bool = False) -> int:
     """Instructions of the NVFP4 pre-pass's scale-search loop (one candidate scale; folded-K64, no
-    permutation; the exact-integer branch, not the saturating tiles' float64 one) in the sm_90 build
-    for head dim ``d``."""
+    permutation; the contenders' loop, or every candidate's with ``full_search``; not the saturating
+    tiles' float64 one) in the sm_90 build for head dim ``d``."""
     from . import prepass_triton as tp
     consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.BLOCK_R, BLOCK_D=min(d, 64), CODES_F16=codes_f16,
-                  NORM=False, ROPE=False, PRUNE=False, ROW_ALIGN=8)
+                  NORM=False, ROPE=False, FULL_SEARCH=full_search, ROW_ALIGN=8)
     asm = compile_triton_sm90(tp._prepass_kernel, tp.compile_signature(False), consts,
                               num_warps or tp.default_warps(d))
     # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to
@@ -262,6 +264,25 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     if len(loops) != 1:
         raise RuntimeError(f"expected one float32 candidate loop, found {len(loops)}")
     return len(loops[0])
+
+
+def prepass_search_per_value(d: int = 128, codes_f16: bool = True, num_warps: int | None = None,
+                             full_search: bool = False) -> dict:
+    """The scale search's instructions per value on a tile's ordinary path (no saturating group, no
+    subnormal m = 0.625 scale): the candidate loop's instructions (``prepass_candidate_loop``) times the
+    candidates a group evaluates (the contenders but m = 0.625, or every distinct candidate), over the
+    values a thread holds (a program's BLOCK_R rows of d values over its threads). An estimate: the first
+    candidate's evaluation is the same code outside the loop."""
+    from fp4vis.formats import FOLDED_MSE_CONTENDERS, FOLDED_MSE_MULTIPLIERS
+
+    from . import prepass_triton as tp
+    warps = num_warps or tp.default_warps(d)
+    loop = prepass_candidate_loop(d, codes_f16, warps, full_search)
+    n_cand = len(set(FOLDED_MSE_MULTIPLIERS)) if full_search else len(FOLDED_MSE_CONTENDERS) - 1
+    per_thread = tp.BLOCK_R * d // (32 * warps)
+    return dict(d=d, warps=warps, codes="fp16 pairs" if codes_f16 else "float32",
+                search="full" if full_search else "contenders", loop=loop, candidates=n_cand,
+                values_per_thread=per_thread, per_value=round(loop * n_cand / per_thread, 1))
 
 
 def direct_p_schedule(cubin: str) -> dict:
@@ -390,15 +411,17 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", action="store_true",
                     help="also report ptxas's static schedule of the loop's Direct-P (ping-pong variants)")
     ap.add_argument("--triton-prepass", action="store_true",
-                    help="only the NVFP4 pre-pass's candidate-loop instruction counts (Triton build)")
+                    help="only the NVFP4 pre-pass's scale-search instruction counts (Triton build)")
     a = ap.parse_args(argv)
     if a.triton_prepass:
         for d in (a.head_dim,) if a.head_dim else (128, 64):
             for warps in sorted({4, 2 if d == 64 else 4}):
                 for f16 in (True, False):
-                    n = prepass_candidate_loop(d, f16, warps)
-                    print(f"D={d} warps={warps} codes={'fp16 pairs' if f16 else 'float32'}: candidate loop "
-                          f"{n} instructions", flush=True)
+                    for full in (False, True):
+                        r = prepass_search_per_value(d, f16, warps, full)
+                        print(f"D={d} warps={warps} codes={r['codes']} search={r['search']}: candidate loop "
+                              f"{r['loop']} instructions for {r['values_per_thread']} values per thread, "
+                              f"{r['candidates']} candidates: {r['per_value']} instructions per value", flush=True)
         return 0
     rows = []
     for name, cfg in variants((a.head_dim,) if a.head_dim else (128, 64)):

@@ -31,17 +31,24 @@ differing values against ``fp4vis.formats``):
   conversion of t to FP16 is the snap (an FP16 ulp at b is at most b * 2^-10) and the E2M1 grid
   rounding runs on FP16 pairs (``_e2m1_mag_f16``; ``f16_codes_default``).
 * Folded-K64 MSE search: ``err = sum (c*sc - x)^2 = sum x^2 + sum_{c != 0} P (P - 2|x|)`` with
-  ``P = c * sc``. The first sum is common to all candidates and dropped. Each term of the second
-  is an integer multiple of ``U = 2^(2E - 12)`` (E = floor(log2 sc)) below 2^22 U in magnitude
-  whenever no candidate scale saturates E4M3 (``base * 1.25 <= 448``), so it is computed exactly by
-  one FMA into the mantissa of 1.5 * 2^23 and summed as int32: the comparison of candidates is
-  exact (ties keep the earlier candidate). The reference (``fp4vis.formats._folded_mse_choice``)
+  ``P = c * sc``. The first sum is common to all candidates and dropped. Only the contenders
+  (``fp4vis.formats.FOLDED_MSE_CONTENDERS``: m = 1.0, 0.75, 0.875, 1.125, 1.25, and 0.625 in a tile where
+  its scale is an E4M3 subnormal somewhere) are evaluated (``_contender_scale``): in a group that saturates
+  no candidate every other candidate is never strictly better than one of them, or only as good and later
+  (proved exhaustively over every BF16 group maximum and value, tests/core/test_formats.py). Their error is
+  ``sc * sum c (c sc - 2|x|)``: each term an integer multiple of 2^(floor(log2 sc) - 9), 32 of them below
+  2^22 of those units, so the float32 sum is exact in any order, and the product with sc in float64
+  (``_contender_err``); ties keep the earlier candidate. ``FULL_SEARCH`` (for measurement, the same choice)
+  evaluates every candidate instead, each term ``P (P - 2|x|)`` an integer multiple of
+  ``U = 2^(2E - 12)`` (E = floor(log2 sc)) below 2^22 U in magnitude whenever no candidate scale
+  saturates E4M3 (``base * 1.25 <= 448``), computed exactly by one FMA into the mantissa of 1.5 * 2^23
+  and summed as int32 (``_cand_err``). The reference (``fp4vis.formats._folded_mse_choice``)
   sums the same ``P (P - 2|x|)`` in float64, which is exact too except in "huge" groups
   (amax >= 48 * the largest candidate scale), where it takes the first candidate with the largest
   scale (the error decreases strictly with the scale there). A tile with a saturating group runs
-  the reference's formulation instead: float64 sums (exact in any order) and the huge-group rule, so
-  it splits exact ties as the reference does (slower). The second ``m = 1.0`` candidate repeats the
-  first's scale exactly and can never win: it is skipped in both branches.
+  the reference's formulation instead, over every candidate: float64 sums (exact in any order) and the
+  huge-group rule, so it splits exact ties as the reference does (slower). The second ``m = 1.0``
+  candidate repeats the first's scale exactly and can never win: it is skipped.
 
 The kernels are compiled with ``enable_fp_fusion=False`` (no contraction of ``base * m`` before
 its E4M3 rounding, nor of the snap); the exact FMAs are written explicitly.
@@ -58,18 +65,27 @@ import triton
 import triton.language as tl
 
 from fp4vis.config import cached_setting
-from fp4vis.formats import FOLDED_MSE_MULTIPLIERS, FP8_GROUP_TOP_EXP, FP8_MIN_GROUP_EXP
+from fp4vis.formats import (
+    FOLDED_MSE_CONTENDERS,
+    FOLDED_MSE_MULTIPLIERS,
+    FOLDED_MSE_SUBNORMAL_CONTENDER,
+    FP8_GROUP_TOP_EXP,
+    FP8_MIN_GROUP_EXP,
+)
 
 from .layout import fp8_key_scale_blocks
 
-# _mult_rt below computes these as k / 16 for candidates 1..11; keep the two in step.
+# _mult_rt below computes these as k / 16 for candidates 1..11, _contender_scale the contenders (m = 1.0,
+# 0.625 where subnormal, then _contender_mult's four); keep them in step.
 assert FOLDED_MSE_MULTIPLIERS == (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25)
+assert FOLDED_MSE_CONTENDERS == (0, 6, 7, 8, 10, 11) and FOLDED_MSE_SUBNORMAL_CONTENDER == 6
 
 _MAGIC = tl.constexpr(12582912.0)       # 1.5 * 2^23: float32 values in [2^23, 2^24) have ulp 1
 _MAGIC_BITS = tl.constexpr(0x4B400000)  # its bit pattern
 _FP8_TOP_EXP = tl.constexpr(FP8_GROUP_TOP_EXP)
 _FP8_MIN_EXP = tl.constexpr(FP8_MIN_GROUP_EXP)
 _E4M3_NAN = tl.constexpr(0x7F)
+_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
 
 
 @triton.jit
@@ -144,30 +160,37 @@ def _code(ax, r, CODES_F16: tl.constexpr):
 @triton.jit
 def _e2m1_mag_f16(t):
     """``_e2m1_mag`` of the snapped t for float32 t = ax * rcp(sc) >= 0 (unsnapped: the conversion to
-    FP16 snaps it), two values at a time on FP16x2:
-    convert to FP16 (round to nearest), min 6, and the grid trick with C = max(2^(e + 9), 2^9) (FP16
-    has 10 mantissa bits), back to float32: 9 instructions per pair where the float32 form takes 16.
+    FP16 snaps it), two values at a time on FP16x2: convert to FP16 (round to nearest), p = min(p, 6),
+    k = max(p, 1), then (p + 512 k) - 512 k by two FMAs, back to float32: 7 instructions per pair where
+    the float32 form takes 16.
+    The grid: for p in [2^e, 2^(e+1)), e >= 0, 512 k = 512 p is exact, a multiple of 2^(e-1) whose count
+    of 2^(e-1) steps is even wherever p is an E2M1 midpoint, and p + 512 p lies in [2^(e+9), 2^(e+10)),
+    whose FP16 ulp is 2^(e-1): the first FMA rounds p to the E2M1 step of its binade, ties to even, and
+    the second subtracts 512 k exactly; below 1, k = 1 and the step is 0.5 (E2M1's subnormals). Only the
+    two largest FP16 values below 2 and below 4 carry p + 512 p into the next binade (they would round
+    to 1.5 and 3); no t of the kernel converts to them (below).
     Exact: t is within 2^-22 relative of ax / sc, which is either an E2M1 midpoint b (3 significant
     bits: an FP16 value, and t lies well inside its half-ulp, so the conversion lands on b exactly)
     or at least b 2^-9 away from every midpoint (the module doc), more than an FP16 ulp at b (b
-    2^-10 at most), so the conversion cannot reach b. Below 2^-14 (FP16 subnormals) everything
+    2^-10 at most), so the conversion cannot reach b; likewise ax / sc is 2 or 4 exactly or at least
+    2^-8 relative below it, far from the two FP16 values above. Below 2^-14 (FP16 subnormals) everything
     rounds to 0 either way; t >= 65520 converts to +inf and the min gives 6; NaN gives 6, as
     ``_e2m1_mag`` does (min returns the non-NaN operand). ``fp4vis.formats`` states the same
     rounding; ``tests/kernels/hopper/test_hopper_prepass.py`` checks this arithmetic exhaustively on the CPU (every BF16
     magnitude against every E4M3 scale) and the GPU bit check the PTX."""
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 p, c, f;
+        .reg .b32 p, k, s, f;
         .reg .b16 l, h;
         cvt.rn.f16x2.f32 p, $3, $2;
         mov.b32 f, 0x46004600;
         min.f16x2 p, p, f;
-        and.b32 c, p, 0x7C007C00;
-        add.u32 c, c, 0x24002400;
+        mov.b32 f, 0x3C003C00;
+        max.f16x2 k, p, f;
         mov.b32 f, 0x60006000;
-        max.f16x2 c, c, f;
-        add.rn.f16x2 p, p, c;
-        sub.rn.f16x2 p, p, c;
+        fma.rn.f16x2 s, k, f, p;
+        mov.b32 f, 0xE000E000;
+        fma.rn.f16x2 p, k, f, s;
         mov.b32 {l, h}, p;
         cvt.f32.f16 $0, l;
         cvt.f32.f16 $1, h;
@@ -208,7 +231,8 @@ def _mult_rt(i):
 @triton.jit
 def _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16: tl.constexpr):
     """sum over the 32 values of P (P - 2|x|), P = c * sc, exactly, as float64 (see module doc;
-    valid when sc is the unsaturated E4M3 rounding of base * m)."""
+    valid when sc is the unsaturated E4M3 rounding of base * m): every candidate's form, in integer
+    units (the full search, ``FULL_SEARCH``)."""
     r = _rcp(sc)
     e = tl.maximum(((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -9)   # floor(log2 sc)
     inv_u = ((127 + 12 - 2 * e) << 23).to(tl.float32, bitcast=True)           # 2^(12 - 2E)
@@ -227,6 +251,22 @@ def _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16: tl.constexpr):
 
 
 @triton.jit
+def _contender_err(alo, ahi, m2lo, m2hi, sc, CODES_F16: tl.constexpr):
+    """sum over the 32 values of P (P - 2|x|), P = c * sc, exactly, as float64: sc times the float32 sum
+    of c (c sc - 2|x|) (m2lo, m2hi: -2|x|). For a contender scale of a group that saturates no
+    candidate, every term is an integer multiple of 2^(floor(log2 sc) - 9) and 32 of them stay below
+    2^22 of those units, so the FMA, the product and every partial sum, in any order, are exact
+    (``FOLDED_MSE_CONTENDERS``' test checks it for every BF16 group maximum and value); the product
+    with sc (4 significant bits) is exact in float64."""
+    r3 = _rcp(sc)[:, :, None]
+    sc3 = sc[:, :, None]
+    c_lo = _code(alo, r3, CODES_F16)
+    c_hi = _code(ahi, r3, CODES_F16)
+    terms = c_lo * tl.fma(c_lo, sc3, m2lo) + c_hi * tl.fma(c_hi, sc3, m2hi)
+    return tl.sum(terms, axis=2).to(tl.float64) * sc.to(tl.float64)
+
+
+@triton.jit
 def _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16: tl.constexpr):
     """sum over the 32 values of P (P - 2|x|), P = c * sc, in float64 as fp4vis.formats computes it
     (alo2, ahi2: 2|x| in float64): exact, in any summation order, unless the group is huge."""
@@ -238,52 +278,61 @@ def _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16: tl.constexpr):
 
 
 @triton.jit
-def _ruled_out(amax64, s2, sc, best_err):
-    """Whether candidate scale sc cannot beat the best so far, per group (a bound, no per-value work):
-    its total error sum (c sc - |x|)^2 is at least (amax - 6 sc)^2 (the group maximum saturates at code
-    6), and the best's total error is best_err + sum x^2 (best_err in the units of ``_cand_err``, exact;
-    s2 = sum x^2 in float64, within 2^-46 relative). The float64 rounding of the bound, of s2 and of the
-    sum is far inside the margin (s2 + |t|) 2^-40, so ``True`` proves err(sc) >= err(best): sc would
-    not be strictly better, and skipping it keeps the first least-error candidate."""
-    d = tl.maximum(amax64 - (6.0 * sc).to(tl.float64), 0.0)            # exact: few significant bits
-    t = best_err + s2
-    return d * d * (1.0 - 2.0 ** -50) >= t + (s2 + tl.abs(t)) * 2.0 ** -40
-
-
-@triton.jit
-def _best_scale(alo, ahi, alo2, ahi2, base, amax, WIDE: tl.constexpr, CODES_F16: tl.constexpr,
-                PRUNE: tl.constexpr):
+def _best_scale(alo, ahi, alo2, ahi2, base, WIDE: tl.constexpr, CODES_F16: tl.constexpr):
     """The first folded-K64 candidate scale with the least error (a later one wins only when
-    strictly better), errors from ``_cand_err`` (exact integer units) or, WIDE, ``_cand_err64``
-    (float64). A loop, not unrolled (keeps the code small); candidate 9, the second m = 1.0, gives
-    the first's scale and can never be strictly better: skipped. PRUNE (integer branch only): a
-    candidate that ``_ruled_out`` proves no better in every group of the tile is not evaluated (the
-    same choice; a tile-wide branch, so one group that needs it evaluates it for all)."""
+    strictly better) among all candidates, errors from ``_cand_err`` (exact integer units) or, WIDE,
+    ``_cand_err64`` (float64). A loop, not unrolled (keeps the code small); candidate 9, the second
+    m = 1.0, gives the first's scale and can never be strictly better: skipped."""
     best_sc = _e4m3(base * 1.0)
     if WIDE:
         best_err = _cand_err64(alo, ahi, alo2, ahi2, best_sc, CODES_F16)
     else:
         best_err = _cand_err(alo, ahi, alo2, ahi2, best_sc, CODES_F16)
-    if PRUNE:
-        a64 = alo.to(tl.float64)
-        h64 = ahi.to(tl.float64)
-        s2 = tl.sum(a64 * a64, axis=2) + tl.sum(h64 * h64, axis=2)    # squares exact in float64
-        amax64 = amax.to(tl.float64)
     for i in range(1, 12):
         if i != 9:
             sc = _e4m3(base * _mult_rt(i))
-            if PRUNE:
-                needed = tl.max((~_ruled_out(amax64, s2, sc, best_err)).to(tl.int32)) > 0
+            if WIDE:
+                err = _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16)
             else:
-                needed = True
-            if needed:
-                if WIDE:
-                    err = _cand_err64(alo, ahi, alo2, ahi2, sc, CODES_F16)
-                else:
-                    err = _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16)
-                better = err < best_err
-                best_err = tl.where(better, err, best_err)
-                best_sc = tl.where(better, sc, best_sc)
+                err = _cand_err(alo, ahi, alo2, ahi2, sc, CODES_F16)
+            better = err < best_err
+            best_err = tl.where(better, err, best_err)
+            best_sc = tl.where(better, sc, best_sc)
+    return best_sc
+
+
+@triton.jit
+def _contender_mult(i):
+    """The multiplier of the i-th contender after m = 1.0 and 0.625: 0.75, 0.875, 1.125, 1.25 for
+    i = 0..3, as k / 16 (exact, so base * m rounds as with the constant)."""
+    k = 12 + 2 * i + 2 * (i // 2)
+    return k.to(tl.float32) * 0.0625
+
+
+@triton.jit
+def _contender_scale(alo, ahi, base, CODES_F16: tl.constexpr):
+    """The scale the full search picks (the first candidate with the least error), found among the
+    contenders only (``FOLDED_MSE_CONTENDERS``, in the candidates' order: m = 1.0, 0.625, 0.75, 0.875,
+    1.125, 1.25) for groups that saturate no candidate: every other candidate is never strictly better
+    than a contender, or only as good and later. m = 0.625 is evaluated only in a tile where its scale
+    is an E4M3 subnormal in some group (base * 0.625 < 2^-6); elsewhere the other contenders cover it.
+    Errors from ``_contender_err``; a loop over the last four, not unrolled."""
+    m2lo = -(alo + alo)
+    m2hi = -(ahi + ahi)
+    best_sc = _e4m3(base * 1.0)
+    best_err = _contender_err(alo, ahi, m2lo, m2hi, best_sc, CODES_F16)
+    if tl.max((base * 0.625 < _E4M3_MIN_NORMAL).to(tl.int32)) > 0:
+        sc = _e4m3(base * 0.625)
+        err = _contender_err(alo, ahi, m2lo, m2hi, sc, CODES_F16)
+        better = err < best_err
+        best_err = tl.where(better, err, best_err)
+        best_sc = tl.where(better, sc, best_sc)
+    for i in range(4):
+        sc = _e4m3(base * _contender_mult(i))
+        err = _contender_err(alo, ahi, m2lo, m2hi, sc, CODES_F16)
+        better = err < best_err
+        best_err = tl.where(better, err, best_err)
+        best_sc = tl.where(better, sc, best_sc)
     return best_sc
 
 
@@ -364,22 +413,26 @@ def _qk_values(X, off, col, m, R, tok, W, woff, COS, SIN, foff, NORM: tl.constex
 
 
 @triton.jit
-def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, PRUNE: tl.constexpr):
+def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, FULL_SEARCH: tl.constexpr):
     """Decoded folded-K64 NVFP4 of (R, D/32, 16) halves lo, hi (column j*16 + t and that + D/2: one
-    64-value group per j), the scale of each group chosen by the exact MSE search."""
+    64-value group per j), the scale of each group chosen by the exact MSE search: among the
+    contenders (``_contender_scale``), or every candidate where FULL_SEARCH (the same choice; for
+    measurement) or where a candidate saturates E4M3 somewhere in the tile."""
     alo = tl.abs(lo)
     ahi = tl.abs(hi)
     amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))   # (R, NB2)
     base = tl.math.div_rn(amax, 6.0)
-    # exact integer path unless a candidate scale saturates E4M3 somewhere in the tile
     if tl.max((base * 1.25 > 448.0).to(tl.int32)) == 0:
-        best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, amax, False, CODES_F16, PRUNE)
+        if FULL_SEARCH:
+            best_sc = _best_scale(alo, ahi, alo + alo, ahi + ahi, base, False, CODES_F16)
+        else:
+            best_sc = _contender_scale(alo, ahi, base, CODES_F16)
     else:
         # a candidate saturates E4M3: the float64 sums of fp4vis.formats (exact unless the group
         # is huge), then the huge groups' rule
         ax64 = alo.to(tl.float64)
         ahx64 = ahi.to(tl.float64)
-        best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, amax, True, CODES_F16, False)
+        best_sc = _best_scale(alo, ahi, ax64 + ax64, ahx64 + ahx64, base, True, CODES_F16)
         # huge group (amax >= 48 * the largest candidate, E4M3(base * 1.25): the rounding is
         # monotonic): the error decreases strictly with the scale, the largest scale wins
         sc_max = _e4m3(base * 1.25)
@@ -403,7 +456,7 @@ def _nvfp4_block16(x, CODES_F16: tl.constexpr):
 @triton.jit
 def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
                 FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr, CODES_F16: tl.constexpr,
-                NORM: tl.constexpr, ROPE: tl.constexpr, PRUNE: tl.constexpr, ROW_ALIGN: tl.constexpr):
+                NORM: tl.constexpr, ROPE: tl.constexpr, FULL_SEARCH: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """BLOCK_R rows of one NVFP4 operand: rows (g, s) of the (B, H, S, D) view X (strides sb, sh,
     ss, 1; N = B*H*S rows) -> decoded BF16 rows g * S + s in Y; rows gathered by PERM where HAS_PERM
     and the runtime flag use_perm (the K part) are set; values as ``_qk_values``."""
@@ -426,7 +479,7 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN,
         col = tl.arange(0, NB2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]   # (1, NB2, 16)
         lo = _qk_values(X, src, col, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
         hi = _qk_values(X, src, col + D // 2, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
-        out_lo, out_hi = _nvfp4_folded(lo, hi, CODES_F16, PRUNE)
+        out_lo, out_hi = _nvfp4_folded(lo, hi, CODES_F16, FULL_SEARCH)
         tl.store(Y + dst + col, out_lo.to(tl.bfloat16), mask=m3)
         tl.store(Y + dst + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
@@ -491,7 +544,7 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ,
                     QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                    PRUNE: tl.constexpr, ROW_ALIGN: tl.constexpr):
+                    FULL_SEARCH: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): Q row tiles; [TQ, TQ + TK): K row tiles (rows gathered by PERM);
     the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM). Q, K, V: (B, H, S, D)
     views with the given strides; with NORM/ROPE, Q and K are the raw projections and ``_qk_values``
@@ -504,7 +557,7 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ,
         else:
             X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = K, YK, pid - TQ, NK, SK, True, RK, WK, KSB, KSH, KSS
         _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D, FOLDED, HAS_PERM, BLOCK_R,
-                    CODES_F16, NORM, ROPE, PRUNE, ROW_ALIGN)
+                    CODES_F16, NORM, ROPE, FULL_SEARCH, ROW_ALIGN)
     else:
         vid = pid - TQ - TK
         g = vid // NVB
@@ -664,10 +717,10 @@ def f16_codes_default() -> bool:
     return cached_setting("FP4VIS_PREPASS_F16_CODES") and not _interpreting()
 
 
-def prune_default() -> bool:
-    """Whether the NVFP4 pre-pass skips folded-K64 candidates that a bound rules out
-    (FP4VIS_PREPASS_PRUNE; the same bits either way)."""
-    return cached_setting("FP4VIS_PREPASS_PRUNE")
+def full_search_default() -> bool:
+    """Whether the folded-K64 scale search evaluates every candidate instead of the contenders
+    (FP4VIS_PREPASS_FULL_SEARCH; the same bits either way: for measurement)."""
+    return cached_setting("FP4VIS_PREPASS_FULL_SEARCH")
 
 
 @functools.cache
@@ -841,7 +894,7 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm)) + (ref,) * 6
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     return _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
-                                    perm is not None, block_r, min(d, 64), f16, False, False, prune_default(),
+                                    perm is not None, block_r, min(d, 64), f16, False, False, full_search_default(),
                                     row_align(qv, kv, vv), num_warps=num_warps or default_warps(d),
                                     enable_fp_fusion=False)
 
@@ -881,19 +934,19 @@ def _aligned(inputs: tuple) -> bool:
 
 def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
             block_r: int | None = None, num_warps: int | None = None, f16_codes: bool | None = None, qk=None,
-            prune: bool | None = None):
+            full_search: bool | None = None):
     """(q_hat, k_hat, v6) of (B, H, S, D) views q, k, v (unit stride along D, any other strides) in
     one launch; BF16, contiguous, views of one buffer. ``perm`` (int32, length Skv) gathers the rows
     of K and V (anchor permutation). ``f16_codes``: the E2M1 code form (None: ``f16_codes_default()``;
     the same bits either way). ``qk``: a ``fp4vis.qk_transform.QKTransform`` that
     ``fusable_transform`` accepts; q and k are then the raw projections, normed and rotated on the
-    way in (one more, small launch for the rstd). ``prune``: the bound that skips folded-K64 candidates
-    (``_ruled_out``; None: ``prune_default()``; the same bits either way)."""
+    way in (one more, small launch for the rstd). ``full_search``: the folded-K64 scale search over every
+    candidate, not only the contenders (None: ``full_search_default()``; the same bits either way)."""
     _check_views(q, k, v)
     f16 = f16_codes_default() if f16_codes is None else f16_codes
-    prune = prune_default() if prune is None else prune
+    full_search = full_search_default() if full_search is None else full_search
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, layout,
-           perm is not None, block_r, num_warps, f16, prune, q.device, _transform_key(qk))
+           perm is not None, block_r, num_warps, f16, full_search, q.device, _transform_key(qk))
     meta = _META.get(key)
     qk_ptrs, flags = _transform_args(q, k, qk)
     if meta is None:
@@ -902,7 +955,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         same = q.shape == k.shape == v.shape
         br = block_r or BLOCK_R
         grid, ints = _geometry(nq // d, q.shape[-2], nk // d, k.shape[-2], v.numel() // (d * k.shape[-2]), d, br)
-        consts = (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags + (prune,
+        consts = (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags + (full_search,
                                                                                             row_align(q, k, v))
         tail = ints + _view_ints(q, k, v) + consts
         meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, None]

@@ -1,6 +1,7 @@
 """docs/numerics.md section 1: every element format and block format, tables, ties, saturation, and
 cross-checks against independent implementations (torch's float8 casts, torchao's mx_formats)."""
 
+import functools
 import math
 from fractions import Fraction
 
@@ -422,6 +423,165 @@ def test_nvfp4_folded_mse_exact_where_float64_rounds_ties_apart():
         got = fm.nvfp4_qdq(x[r], "folded64_mse")
         got_pair = torch.cat((got[16 * j:16 * j + 16], got[64 + 16 * j:64 + 16 * j + 16]))
         assert got_pair.tolist() == [float(d) for d in want_dec]
+
+
+# ------------------------------------------------------------------------------ folded-K64 contenders
+# fm.FOLDED_MSE_CONTENDERS: the candidates a kernel's scale search evaluates. The proof is exhaustive over
+# the group maximum A (every positive BF16 value whose group saturates no candidate) and, for each A, over
+# every BF16 value a <= A: a candidate k is never chosen when some contender j satisfies, for EVERY group
+# with maximum A, err_k >= err_j with j first, or err_k > err_j. The group holds A and 31 values a <= A,
+# so err_k - err_j = d(A) + sum of 31 d(a) >= d(A) + 31 min_a d(a), d(a) = e_k(a) - e_j(a), and that bound
+# is reached (31 copies of the minimising a): the condition is D = d(A) + 31 min_a d(a) > 0, or >= 0
+# with j first. Values below the window (A/256) code to 0 under every candidate: d = 0 there.
+
+_WINDOW = 1024   # BF16 values up to A: eight binades, below A/256
+
+
+@functools.cache
+def _contender_domain():
+    """(A (n,) float64, candidate scales (n, 12) float64, a (n, 1 + _WINDOW) float64: 0 and the
+    _WINDOW largest BF16 values up to A): every positive BF16 A with a non-zero candidate and none
+    saturating E4M3 (fl32(fl32(A/6) * 1.25) <= 448, the kernels' exact branch); also fl32(A/6 * 0.625)."""
+    a_bits = torch.arange(1, 0x7F80, dtype=torch.int32)
+    amax = (a_bits << 16).view(torch.float32)
+    base = fm._over_six(amax)
+    cands = fm.e4m3_round(base[:, None] * torch.tensor(fm.FOLDED_MSE_MULTIPLIERS))
+    keep = (base * 1.25 <= fm.E4M3_MAX) & (cands.amax(1) > 0)
+    a_bits, amax, base, cands = a_bits[keep], amax[keep], base[keep], cands[keep]
+    win = (a_bits[:, None] - torch.arange(_WINDOW - 1, -1, -1, dtype=torch.int32)).clamp(min=0)
+    a = torch.cat((torch.zeros(len(amax), 1), (win << 16).view(torch.float32)), 1).double()
+    return amax.double(), cands.double(), a, base * 0.625
+
+
+def _sq_errors(a: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """(E2M1(a / sc) * sc - a)^2 per value (sc = 0: a^2), float64 (exact here: asserted by the caller)."""
+    sc = sc[:, None]
+    t = torch.where(sc > 0, a / torch.where(sc > 0, sc, 1.0), 0.0)
+    return (fm.e2m1_round(t) * sc - a) ** 2
+
+
+def test_folded_mse_contenders_dominate_every_other_candidate():
+    """Every candidate outside FOLDED_MSE_CONTENDERS is, for every group maximum A and every group, never
+    strictly better than some contender, or only as good and later (the bound above, exact in float64);
+    m = 0.625 is needed only where its scale is an E4M3 subnormal, fl32(A/6 * 0.625) < 2^-6. The
+    contenders are all needed: each one is undominated (by the others) for some A."""
+    amax, cands, a, base_0625 = _contender_domain()
+    assert len(amax) > 2000 and float(amax.max()) == 2144.0
+    distinct = [i for i in range(12) if fm.FOLDED_MSE_MULTIPLIERS[i] not in fm.FOLDED_MSE_MULTIPLIERS[:i]]
+    errs = {i: _sq_errors(a, cands[:, i]) for i in distinct}
+    # exact: every error an integer multiple of 2^(2 floor(log2 A) - 32) below 2^45 of them
+    unit = torch.exp2(2 * torch.floor(torch.log2(amax)) - 32)[:, None]
+    for e in errs.values():
+        assert bool((e / unit == torch.round(e / unit)).all()) and float((e / unit).max()) < 2.0 ** 45
+    # below the window every candidate codes 0
+    nonzero = torch.where(cands > 0, cands, math.inf).amin(1)
+    assert bool((a[:, 1] <= nonzero / 4).all())
+
+    def dominated(k, by):
+        out = torch.zeros(len(amax), dtype=torch.bool)
+        for j in by:
+            d = errs[k] - errs[j]
+            bound = d[:, -1] + 31 * d.amin(1)
+            out |= (bound > 0) | ((bound >= 0) & (j < k))
+        return out
+
+    contenders = fm.FOLDED_MSE_CONTENDERS
+    sub = fm.FOLDED_MSE_SUBNORMAL_CONTENDER
+    assert set(contenders) <= set(distinct) and sub in contenders
+    for k in set(distinct) - set(contenders):
+        assert bool(dominated(k, contenders).all()), fm.FOLDED_MSE_MULTIPLIERS[k]
+    without_sub = [j for j in contenders if j != sub]
+    needs_sub = ~dominated(sub, without_sub)
+    assert bool(needs_sub.any())
+    assert bool((base_0625[needs_sub] < 2.0 ** -6).all())       # only where its scale is subnormal
+    for k in set(distinct) - set(contenders):                    # and then the others need it too
+        assert bool(dominated(k, contenders)[needs_sub].all())
+    for j in contenders:
+        assert bool((~dominated(j, [i for i in contenders if i != j])).any()), fm.FOLDED_MSE_MULTIPLIERS[j]
+    # the extreme groups, A and 31 copies of the value that brings a pruned candidate closest to a
+    # contender (every eighth A): the contender search picks the full search's scale there too
+    extreme = []
+    for k in set(distinct) - set(contenders):
+        for j in contenders:
+            worst = a.gather(1, (errs[k] - errs[j]).argmin(1, keepdim=True))
+            extreme.append(torch.cat((amax[:, None], worst.expand(-1, 31)), 1)[::8])
+    extreme = torch.cat(extreme).float()
+    index, cands = fm._folded_mse_choice(extreme)
+    assert torch.equal(_contender_choice(extreme), cands.gather(-1, index))
+
+
+def test_folded_mse_contender_error_sums_exact_in_float32():
+    """The kernels' error of a contender scale sc: sc times the float32 sum over the group of
+    T = c (c sc - 2|x|), c = E2M1(|x| / sc). For every group maximum A, contender and BF16 value a <= A,
+    T and (where c > 0) c sc - 2a are integer multiples of u = 2^(floor(log2 sc) - 9) and 32 |T| < 2^24 u, so the
+    FMA, the product and every partial sum of 32 terms, in any order, are exact in float32 (and the
+    product with sc, 4 significant bits, in float64)."""
+    amax, cands, a, _ = _contender_domain()
+    worst = 0.0
+    for j in fm.FOLDED_MSE_CONTENDERS:
+        sc = cands[:, j:j + 1]
+        live = sc[:, 0] > 0
+        sc, aa = sc[live], a[live]
+        c = fm.e2m1_round(aa / sc)
+        u = torch.exp2(torch.floor(torch.log2(sc)) - 9).expand_as(c)
+        diff, terms = (c * sc - 2 * aa) / u, c * (c * sc - 2 * aa) / u   # c = 0: -2a and 0, exact anyway
+        assert bool((diff[c > 0] == torch.round(diff[c > 0])).all())
+        assert bool((terms == torch.round(terms)).all())
+        worst = max(worst, float(terms.abs().amax()) * 32)
+    assert worst < 2.0 ** 24, math.log2(worst)
+
+
+def _contender_choice(pair: torch.Tensor) -> torch.Tensor:
+    """The scale (groups (..., 32) of BF16 values, float32) the kernels' contender search picks, in
+    PyTorch: errors sc * sum_float32 c (c sc - 2|x|) of the contenders in order (m = 0.625 for every
+    group: it is a candidate, so evaluating it where the others cover it changes nothing), the first
+    least wins."""
+    ax = pair.abs()
+    cands = fm.e4m3_round(fm._over_six(ax.amax(-1, keepdim=True)) * torch.tensor(fm.FOLDED_MSE_MULTIPLIERS))
+    best_sc = best_err = None
+    for i in fm.FOLDED_MSE_CONTENDERS:
+        sc = cands[..., i:i + 1]
+        c = fm._codes_for_scale(ax, sc)
+        terms = c * (c * sc - 2 * ax)                                   # float32, exact
+        err = terms.sum(-1, keepdim=True).double() * sc.double()
+        better = err < best_err if best_err is not None else torch.ones_like(err, dtype=torch.bool)
+        best_err = err if best_err is None else torch.where(better, err, best_err)
+        best_sc = sc if best_sc is None else torch.where(better, sc, best_sc)
+    return best_sc
+
+
+def _adversarial_groups(g: torch.Generator, n: int = 1000) -> torch.Tensor:
+    """(about 4n, 32) BF16-valued groups that saturate no candidate: Gaussian over 2^-14..2^8 (subnormal
+    E4M3 scales included), small integers times powers of two (exact ties between candidates), one
+    outlier over a tiny bulk, maxima on E2M1 grid points of E4M3 scales, BF16 subnormals, all-zero
+    groups (the proof's extreme groups are in the test above)."""
+    gauss = torch.randn(n, 32, generator=g) * torch.exp2(torch.randint(-14, 9, (n, 1), generator=g).float())
+    ties = torch.randint(-48, 49, (n, 32), generator=g).float() * torch.exp2(torch.randint(-12, 4, (n, 1),
+                                                                                           generator=g).float())
+    outlier = torch.randn(n, 32, generator=g) * 0.05
+    outlier[:, 0] = torch.randint(1, 12, (n,), generator=g).float()
+    sc = fm.e4m3_decode(torch.randint(1, 0x7F, (n,), generator=g, dtype=torch.int32).to(torch.uint8))
+    grid = torch.randn(n, 32, generator=g) * sc[:, None]
+    grid[:, 5] = sc * torch.tensor(E2M1_MAGS)[torch.randint(4, 8, (n,), generator=g)]
+    subnormal = torch.randn(16, 32, generator=g) * 2.0 ** -128
+    groups = torch.cat((gauss, ties, outlier, grid, subnormal, torch.zeros(4, 32))).bfloat16().float()
+    base = fm._over_six(groups.abs().amax(-1))
+    return groups[base * 1.25 <= fm.E4M3_MAX]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_folded_mse_contender_search_matches_full_search(seed):
+    """The contender search (``_contender_choice``, the kernels' arithmetic) picks the full search's
+    scale (fm._folded_mse_choice, the definition) in every group of the adversarial set, and every
+    contender but m = 0.625 is picked somewhere."""
+    g = torch.Generator().manual_seed(100 + seed)
+    groups = _adversarial_groups(g)
+    index, cands = fm._folded_mse_choice(groups)
+    want = cands.gather(-1, index)
+    got = _contender_choice(groups)
+    assert torch.equal(got, want), int((got != want).sum())
+    picked = {fm.FOLDED_MSE_MULTIPLIERS[i] for i in index.flatten().tolist()}
+    assert picked >= {fm.FOLDED_MSE_MULTIPLIERS[i] for i in fm.FOLDED_MSE_CONTENDERS} - {0.625}, picked
 
 
 def test_nvfp4_global_scale_roundtrip():
