@@ -233,25 +233,16 @@ def _check_after(after: torch.Tensor, where: str) -> None:
     check(where)
 
 
-check_after = torch.library.custom_op("fp4vis::range_check", mutates_args=())(_check_after)
+check_after = torch.library.custom_op("fp4vis::range_check", mutates_args=("after",))(_check_after)
 check_after.__doc__ = """``check(where)`` as an op of a compiled graph (a patched model's forward hook under
-torch.compile): ``after`` is the forward's output, so the op runs after the calls that made it; its
-ordered effect keeps it in the graph, which would otherwise drop an op without outputs."""
+torch.compile). ``after`` is the forward's output, so the op runs after the calls that made it; the op is
+declared to write it (it does not), so that every torch release keeps it in the graph: one without outputs
+and without a write is dropped as dead code."""
 
 
 @check_after.register_fake
 def _check_after_fake(after, where):
     return None
-
-
-def _register_ordered_effect(op) -> None:
-    # the private registry torch's own checking ops use (aten::_linalg_check_errors); its signature
-    # takes an OpOverload in torch 2.8 through 2.14
-    from torch._higher_order_ops import effects
-    effects._register_effectful_op(op._opoverload, effects._EffectType.ORDERED)
-
-
-_register_ordered_effect(check_after)
 
 
 def labelled(message: str, layer: str | None) -> str:
