@@ -28,7 +28,7 @@ from fp4vis.patching import GuardPlanError
 from fp4vis.services import UsageError, fp4vis_version, loading_bars
 
 from . import bench, calibrate, demo, evaluate, generate, info, selfcheck
-from .options import EPILOG, Formatter, fill_help
+from .options import EPILOG, Formatter, Parser, fill_help, innermost
 
 # command name -> module with add_parser(sub) and run(args)
 COMMANDS = {"demo": demo, "info": info, "bench": bench, "generate": generate, "eval": evaluate, "calibrate": calibrate,
@@ -36,7 +36,7 @@ COMMANDS = {"demo": demo, "info": info, "bench": bench, "generate": generate, "e
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fp4vis", formatter_class=Formatter, epilog=EPILOG,
         description="Direct-P FP4 attention for vision and video diffusion models: generate, evaluate, "
                     "benchmark, calibrate.")
@@ -60,7 +60,9 @@ def _one_line(exc: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # named by the command they were given to, whose --help lists its options
+        innermost(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     with loading_bars(not getattr(args, "no_progress", False)):
         return _run(args)
 

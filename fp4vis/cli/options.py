@@ -12,6 +12,25 @@ EPILOG = ("Weights: a Hugging Face Hub id (org/name, downloaded by the Hub clien
           "directory. Policies: " + POLICY_HELP + " (bf16 = the model's own attention). Docs: README.md.")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with the CLI's error form: one line on stderr and exit status 2, where argparse
+    prints the whole usage first (it is one ``--help`` away, which the line names). Subcommand parsers
+    are of this class too (``add_subparsers`` makes its parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (options: {self.prog} --help)\n")
+
+
+def innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` were parsed for: ``fp4vis eval vit``'s for an eval of a ViT."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, sub.dest, None) if sub is not None else None
+        if chosen not in (sub.choices if sub is not None else {}):
+            return parser
+        parser = sub.choices[chosen]
+
+
 class Formatter(argparse.RawDescriptionHelpFormatter):
     """Shows every option's default (also for options without help text), but not 'None' / False."""
 

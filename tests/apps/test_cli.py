@@ -165,6 +165,23 @@ def test_clear_errors(assets, tmp_path, capsys):
     assert code == 2 and "--model or --speed-only: one is required (or --protocol paper)" in err
 
 
+@pytest.mark.parametrize("argv, expected", [
+    ([], "fp4vis: error: the following arguments are required: COMMAND (options: fp4vis --help)"),
+    (["info", "--bogus"], "fp4vis info: error: unrecognized arguments: --bogus (options: fp4vis info --help)"),
+    (["eval", "vit", "--data", "d", "--limit", "0"], "fp4vis eval vit: error: argument --limit: expected a positive"),
+    (["eval", "wan", "--speed-only", "13B"], "fp4vis eval wan: error: argument --speed-only: invalid choice: '13B'"),
+    (["calibrate", "wan", "--prompt", "x"], "fp4vis calibrate wan: error: the following arguments are required: "
+                                            "--model"),
+    (["bench", "--quick", "--shapes", "x"], "fp4vis bench: error: unrecognized arguments: --shapes x"),
+])
+def test_bad_options_are_one_line_and_exit_2(argv, expected, capsys):
+    """argparse's errors too: one line naming the (sub)command and where its options are, not the usage."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(expected) and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.skipif(not NO_GPU, reason="checks the messages given without a GPU")
 def test_gpu_only_options_without_gpu(assets, capsys):
     code, _, err = run(capsys, "generate", "--model", assets["wan"], "--prompt", "x", "--device", "cuda")
