@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from collections.abc import Sequence
 
 from fp4vis.attention import RangeExceededError
 from fp4vis.patching import GuardPlanError
-from fp4vis.services import UsageError, fp4vis_version, loading_bars
+from fp4vis.services import UsageError, WarningLog, fp4vis_version, loading_bars
 
 from . import bench, calibrate, demo, evaluate, generate, info, selfcheck
 from .options import EPILOG, Formatter, Parser, fill_help, innermost
@@ -69,8 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch_dtype.*is deprecated.*")
+        with WarningLog():   # fp4vis' warnings printed, the libraries' counted for the reports (services)
             return COMMANDS[args.command].run(args)
     except (UsageError, GuardPlanError) as e:   # a plan that cannot be read, or does not fit the model
         print(f"fp4vis {args.command}: error: {_one_line(e)}", file=sys.stderr)
