@@ -40,7 +40,9 @@ from fp4vis.evals.common import AttentionRecorder, error_metrics
 from fp4vis.evals.report import fmt, markdown_table, write_report
 from fp4vis.patching.wan import attention_function_applied
 from fp4vis.pipelines.wan_video import (
+    WAN_TRANSFORMER_CONFIGS,
     build_random_wan_pipeline,
+    check_cpu_size,
     encode_prompt,
     generate,
     initial_latents,
@@ -49,6 +51,7 @@ from fp4vis.pipelines.wan_video import (
     random_prompt_embeds,
     save_mp4,
     tokens_per_frame_sequence,
+    wan_tokens,
 )
 from fp4vis.services import (
     Timer,
@@ -170,6 +173,10 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
     if decode is None:
         decode = not random_weights
     text_s = 0.0
+    if random_weights and dev.type == "cpu" and speed_only in WAN_TRANSFORMER_CONFIGS:   # before building it
+        check_cpu_size(f"speed-only {speed_only} on the CPU",
+                       wan_tokens(speed_only, height=height, width=width, frames=frames),
+                       height=height, width=width, frames=frames)
     if random_weights:
         pipe = build_random_wan_pipeline(speed_only, device=dev, dtype=dtype, seed=seed, vae=decode)
         pe, npe = random_prompt_embeds(seed)
@@ -185,6 +192,8 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         prompt_used = prompt
     latents = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed)
     tokens = tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)
+    if dev.type == "cpu":
+        check_cpu_size(f"{model or speed_only} on the CPU", tokens, height=height, width=width, frames=frames)
     common = dict(prompt_embeds=pe, negative_prompt_embeds=npe, height=height, width=width, frames=frames,
                   guidance_scale=guidance_scale, seed=seed, backend=backend, progress=progress, latents=latents)
 

@@ -260,6 +260,26 @@ def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> 
     return (t // p[0]) * (h // p[1]) * (w // p[2])
 
 
+WAN_VAE_SCALE = (4, 8)   # the Wan2.1 VAE's downsampling in time and space (build_random_wan_pipeline's too)
+
+
+def wan_tokens(size: str, *, height: int, width: int, frames: int) -> int:
+    """``tokens_per_frame_sequence`` of the Wan2.1 architecture ``size`` before it is built."""
+    p = WAN_TRANSFORMER_CONFIGS[size]["patch_size"]
+    tf, sf = WAN_VAE_SCALE
+    return ((frames - 1) // tf + 1) // p[0] * (height // sf // p[1]) * (width // sf // p[2])
+
+
+def check_cpu_size(what: str, tokens: int, *, height: int, width: int, frames: int) -> None:
+    """A measurement at a GPU's size on the CPU is refused before any work (UsageError): above
+    CPU_PRACTICAL_TOKENS a step takes hours there (the reference emulation; ``warn_if_impractical_on_cpu``
+    measures it), so such a run is not one to wait for."""
+    if tokens > CPU_PRACTICAL_TOKENS:
+        raise UsageError(f"{what}: {frames} frames at {height}x{width} are {tokens} tokens per sequence, a GPU's "
+                         f"size: on the CPU a step takes hours. Run it on a GPU (--device cuda), or at most "
+                         f"{CPU_PRACTICAL_TOKENS} tokens here (e.g. --height 128 --width 128 --frames 9)")
+
+
 @torch.no_grad()
 def calibration_inputs(pipe, prompts: list[str], *, height: int, width: int, frames: int, steps: int,
                        guidance_scale: float, seed: int, image: Any = None) -> list[dict[str, Any]]:
@@ -499,7 +519,7 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
     return {"video": out, "sidecar": side, "timings": sidecar["timings"], "result": res}
 
 
-CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence, generate on the CPU warns (hours)
+CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence on the CPU generate warns, the Wan eval refuses
 _CPU_PROBE_TOKENS = 1024
 
 

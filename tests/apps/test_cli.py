@@ -260,6 +260,10 @@ def _bad_cases(a, b):
                                               "baselines: unknown baseline 'nope'"),
         "calibrate mae on a ViT classifier": (["calibrate", "mae", "--model", b["hf_vit"], "--data", a["data"],
                                                "--out", b["root"] / "m.json"], "is a 'vit' model, not a ViTMAE"),
+        "eval wan at a GPU's size on the CPU": (["eval", "wan", "--speed-only", "1.3B", "--steps", 2, "--device", "cpu",
+                                                "--out-dir", b["root"], "--no-progress"],
+                                               "^fp4vis eval wan: error: speed-only 1.3B on the CPU: 81 frames at "
+                                               "480x832 are 32760 tokens per sequence.*--device cuda"),
     }
 
 
@@ -289,3 +293,4 @@ def test_a_user_error_from_a_dataloader_worker_is_one_line():
                         "readable image")
     assert _one_line(worker) == "data: 'b.jpg' is not a readable image"
     assert _one_line(UsageError("plain message")) == "plain message"
+    assert _one_line(UsageError("a message\n  over two lines\n")) == "a message over two lines"
