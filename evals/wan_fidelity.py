@@ -30,6 +30,7 @@ timed) precedes each timed run so that kernel compilation is not counted.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -57,6 +58,8 @@ from fp4vis.services import (
     Timer,
     UsageError,
     WarningLog,
+    attention_label,
+    backend_in_use,
     check_backend,
     environment,
     guard_plan_summary,
@@ -154,13 +157,14 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                  out_dir: str | os.PathLike | None = None, name: str | None = None,
                  progress: bool = True, latent_steps: tuple[int, ...] = (), operator_error: bool = False,
                  operator_error_steps: tuple[int, ...] | None = None, fps: int = 16,
-                 frames_sink: dict[str, Any] | None = None, baselines: str | list[str] | None = "auto"
-                 ) -> dict[str, Any]:
+                 frames_sink: dict[str, Any] | None = None, baselines: str | list[str] | None = "auto",
+                 say: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Run BF16, the BF16 baselines and every policy; returns the result dict, and writes JSON/Markdown to
     ``out_dir``. ``latent_steps``: latent metrics after these numbers of steps too; ``operator_error``: see
     the module docstring (after every step, or after ``operator_error_steps``); ``frames_sink``: a dict
     that receives each run's decoded frames, by run name; ``baselines``: "auto", "none" (or "" / None),
-    or names (``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a UsageError)."""
+    or names (``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a UsageError);
+    ``say``: told what the eval runs once its options are checked (the CLI's header)."""
     if (model is None) == (speed_only is None):
         raise UsageError("give either a model (Hub id or local path) or speed_only='1.3B' / '14B'")
     dev = resolve_device(device)
@@ -177,7 +181,13 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         check_cpu_size(f"speed-only {speed_only} on the CPU",
                        wan_tokens(speed_only, height=height, width=width, frames=frames),
                        height=height, width=width, frames=frames)
+    what = f"Wan2.1-T2V-{speed_only} architecture, random weights (speed only)" if random_weights else model
+    bf16_runs = ", ".join(["bf16 (the model's attention)"] + [baseline_run(b) for b in baseline_names])
+    header = (f"eval wan: {what}, {width}x{height}, {frames} frames, {steps} steps, guidance {guidance_scale}; runs "
+              f"{bf16_runs}, then {', '.join(p.name for p in pols)} on the {backend_in_use(backend, dev)} backend")
     if random_weights:
+        if say is not None:
+            say(header)
         pipe = build_random_wan_pipeline(speed_only, device=dev, dtype=dtype, seed=seed, vae=decode)
         pe, npe = random_prompt_embeds(seed)
         prompt_used = None
@@ -194,6 +204,8 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
     tokens = tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)
     if dev.type == "cpu":
         check_cpu_size(f"{model or speed_only} on the CPU", tokens, height=height, width=width, frames=frames)
+    if say is not None and not random_weights:
+        say(header)
     common = dict(prompt_embeds=pe, negative_prompt_embeds=npe, height=height, width=width, frames=frames,
                   guidance_scale=guidance_scale, seed=seed, backend=backend, progress=progress, latents=latents)
 
@@ -242,19 +254,23 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         guard = plan_for(plan, pol)
         wlog = WarningLog()
         measure_op = run_name == "bf16" and op_error is not None
+        # what the bar says runs: the baseline in attn1, else the policy and its backend (generate's default)
+        label = (f"{BASELINES[baseline].label} in {BASELINE_LAYERS}" if baseline is not None
+                 else attention_label(pol, backend, dev, guard))
         try:
             with wlog, _baseline_attention(pipe, baseline):
                 if warmup:
-                    generate(pipe, policy=pol, guard=guard, steps=1, decode=False, **common)
+                    generate(pipe, policy=pol, guard=guard, steps=1, decode=False, label=f"{label}; warm-up, untimed",
+                             **common)
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
                 if measure_op:
                     with op_error.recorder:
                         res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
-                                       callbacks=(op_error,), **common)
+                                       callbacks=(op_error,), label=label, **common)
                 else:
                     res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
-                                   **common)
+                                   label=label, **common)
         except Exception as e:  # one failing run (e.g. an unavailable kernel) does not lose the others
             if run_name == "bf16":
                 raise

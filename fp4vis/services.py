@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fp4vis.backends import AUTO, REFERENCE, backend_names
+from fp4vis.backends import AUTO, REFERENCE, backend_names, get_backend, kernel_backend_name
 from fp4vis.files import atomic_write
 from fp4vis.patching import GuardPlan, GuardPlanError, patch
 from fp4vis.policy import POLICIES, Policy, get_policy
@@ -75,6 +75,27 @@ def check_backend(backend: str, device: torch.device) -> str:
         raise UsageError(f"backend {backend!r} runs only on a CUDA GPU (device here: {device}); "
                          "use --backend auto or --backend reference on the CPU")
     return backend
+
+
+def backend_in_use(backend: str, device: torch.device) -> str:
+    """The backend that computes FP4 attention on ``device`` under the option ``backend``: a named one itself;
+    ``auto``'s pick there, the kernel for this GPU where it loads and can run, else the reference. For labels:
+    a call the kernel does not support still falls back to the reference, with its warning."""
+    if backend != AUTO:
+        return backend
+    kernel = kernel_backend_name(torch.device(device))
+    loaded = get_backend(kernel) if kernel is not None else None
+    return kernel if loaded is not None and loaded.unavailable_reason() is None else REFERENCE
+
+
+def attention_label(policy: str | Policy, backend: str, device: torch.device, guard: Any = None) -> str:
+    """What a run under ``policy`` computes its attention with, as progress bars and headers say it: the
+    model's own attention for the exact baseline (``bf16, the model's attention``), else the policy and the
+    backend that runs it (``fast, hopper``; ``wan_fast + guard plan, reference``)."""
+    pol = get_policy(policy)
+    if pol.method == "exact" and guard is None:   # policy_applied leaves the model as it is
+        return f"{pol.name}, the model's attention"
+    return f"{pol.name}{' + guard plan' if guard is not None else ''}, {backend_in_use(backend, device)}"
 
 
 def resolve_policies(names: str | Sequence[str], *, allow_bf16: bool = True) -> list[Policy]:

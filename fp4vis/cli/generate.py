@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import POLICY_HELP, Formatter, add_runtime, int_list, policy, positive_int
+from .options import POLICY_HELP, Formatter, add_runtime, announcer, int_list, policy, positive_int
 
 DEFAULT = " (default: the model's; see above)"
 
@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
                        image=args.image, policy=args.policy, guard_plan=args.guard_plan, seed=args.seed,
                        height=args.height, width=args.width, frames=args.frames, steps=args.steps,
                        guidance_scale=args.guidance, fps=args.fps, device=args.device, dtype=args.dtype,
-                       backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress, cp=cp)
+                       backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress, cp=cp,
+                       say=announcer(args))
     if out["video"] is None:  # a rank other than 0 of a --cp run: rank 0 reports
         return 0
     t = out["timings"]

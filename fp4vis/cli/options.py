@@ -1,8 +1,12 @@
-"""What the command modules share: the help formatter and the option types and groups."""
+"""What the command modules share: the parser and help formatter, the option types and groups, and where a
+command says what it is doing."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from collections.abc import Callable
 
 from fp4vis.backends import backend_names
 from fp4vis.policy import POLICIES
@@ -53,6 +57,25 @@ def fill_help(parser: argparse.ArgumentParser) -> None:
         elif (action.option_strings and not action.help and action.default is not None
               and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
             action.help = "(default: %(default)s)"
+
+
+def main_process() -> bool:
+    """False in the ranks other than 0 of a launch over several processes (accelerate launch / torchrun)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def announcer(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """What a command's work calls (``say``) to state what it is doing, once its inputs are checked and its
+    model loaded: a line on stderr, between the progress bars. None with --no-progress and in ranks other
+    than 0."""
+    if getattr(args, "no_progress", False) or not main_process():
+        return None
+
+    def say(text: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(text, file=sys.stderr)
+    return say
 
 
 def positive_int(s: str) -> int:

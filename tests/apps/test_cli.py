@@ -80,12 +80,20 @@ def test_generate_end_to_end(assets, tmp_path, capsys):
     assert side["policy"] == "wan_fast" and side["seed"] == 7 and side["prompt"] == "a red fox in the snow"
     assert side["exact_steps"] == [0]
     assert set(side["timings"]) >= {"load_s", "text_encode_s", "denoise_s", "decode_s", "total_s"}
+    # what it does comes first (after the libraries' loading bars), then bars labelled by what runs
+    said = [line for line in re.split(r"[\r\n]+", err) if line.strip() and not line.startswith("Loading")]
+    assert said[0] == (f'generate: {assets["wan"]}, "a red fox in the snow", 32x32, 5 frames, 2 steps, guidance 5.0, '
+                       f"seed 7; attention: wan_fast, reference, exact attention in steps 0 -> {out_mp4}"), said
+    assert "denoise (wan_fast, reference):" in err and "Warning" not in err, err
 
 
 def test_eval_vit_mae_wan(assets, tmp_path, capsys):
     code, out, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"],
-                         "--resolution", 48, "--policies", "fast", "--out-dir", tmp_path, "--no-progress")
+                         "--resolution", 48, "--policies", "fast", "--out-dir", tmp_path)
     assert code == 0, err
+    header = f"eval vit: {assets['vit']} at 48 px (37 tokens), 2 images from {assets['data']} (labels: "
+    assert err.startswith(header), err
+    assert "bf16 (the model's attention) and fast on the reference backend\n" in err
     assert "fast: top-1" in out and "agreement" in out and (tmp_path / "vit_top1.md").exists()
     assert json.loads((tmp_path / "vit_top1.json").read_text())["tokens"] == 37
     code, out, err = run(capsys, "eval", "mae", "--model", assets["mae"], "--data", assets["data"],
@@ -105,6 +113,7 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
     code, out, err = run(capsys, "calibrate", "vit", "--model", assets["vit"], "--data", assets["data"],
                          "--limit", 2, "--out", plan)
     assert code == 0, err
+    assert f"calibrate vit: {assets['vit']} on 2 images from {assets['data']}: the model's exact attention" in err
     data = json.loads(plan.read_text())
     assert data["format"] == "fp4vis.guard_plan" and len(data["layers"]) == 2 and "guarded layers:" in out
     code, out, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"], "--policies",

@@ -135,6 +135,29 @@ def test_output_paths_are_checked(tmp_path):
     assert check_output_file(tmp_path / "new2" / "v.mp4", "--output").parent.is_dir()
 
 
+def test_labels_say_what_runs(monkeypatch):
+    """Progress bars and headers name the backend that computes a policy's attention, auto's pick included."""
+    from fp4vis import services
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert services.backend_in_use("auto", cpu) == "reference" and services.backend_in_use("hopper", cpu) == "hopper"
+    assert services.attention_label("bf16", "auto", cpu) == "bf16, the model's attention"
+    assert services.attention_label("guard", "auto", cpu, guard=object()) == "guard + guard plan, reference"
+
+    class Kernel:
+        reason = None
+
+        def unavailable_reason(self):
+            return self.reason
+
+    kernel = Kernel()
+    monkeypatch.setattr(services, "kernel_backend_name", lambda device: "hopper")
+    monkeypatch.setattr(services, "get_backend", lambda name: kernel)
+    assert services.attention_label("fast", "auto", gpu) == "fast, hopper"
+    kernel.reason = "CuTe DSL is not installed"
+    assert services.attention_label("fast", "auto", gpu) == "fast, reference"
+
+
 def test_bad_device_names_the_option():
     with pytest.raises(UsageError, match="device: 'bogus' is not a device"):
         resolve_device("bogus")
