@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run on the H200 device machine from the repository root (the device `run` tool), after
-# `../shared/device/prepare` on the workstation, carrying [".device"]:
+# Run on the H200 device machine from the repository root (the device `run` tool), carrying [".device"]:
+# a git-ignored folder, not part of the repository, with the packages that machine lacks (CuTe DSL,
+# flash-attn-4, ...) and a setup.sh that prints the environment (PYTHONPATH) that makes them importable.
 #   bash benchmarks/run_on_h200.sh tests [pytest args]   # GPU tests of the Hopper kernel
 #   bash benchmarks/run_on_h200.sh bench [grid args]     # benchmarks/kernel_grid.py
 #   bash benchmarks/run_on_h200.sh all                   # tests, then a three-shape bench

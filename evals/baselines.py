@@ -99,16 +99,17 @@ class Baseline:
     """A named BF16 attention: ``build(layout)`` imports its library and returns the function."""
 
     name: str
+    label: str          # what progress bars call it
     description: str
     build: Callable[[str], AttentionFn]
     needs_cuda: bool = True
 
 
 BASELINES: dict[str, Baseline] = {b.name: b for b in (
-    Baseline("fa4", "flash-attn-4 (flash_attn.cute.flash_attn_func)", _fa4),
-    Baseline("sage", "SageAttention (sageattention.sageattn)", _sage),
-    Baseline("sdpa_cudnn", "torch SDPA, cuDNN backend", _sdpa("cudnn")),
-    Baseline("sdpa_flash", "torch SDPA, flash backend", _sdpa("flash")),
+    Baseline("fa4", "flash-attn-4", "flash-attn-4 (flash_attn.cute.flash_attn_func)", _fa4),
+    Baseline("sage", "SageAttention", "SageAttention (sageattention.sageattn)", _sage),
+    Baseline("sdpa_cudnn", "SDPA cuDNN", "torch SDPA, cuDNN backend", _sdpa("cudnn")),
+    Baseline("sdpa_flash", "SDPA flash", "torch SDPA, flash backend", _sdpa("flash")),
 )}
 # what the Wan eval runs by default, where it can: what a user who wants speed switches attn1 to
 AUTO_BASELINES = ("fa4", "sage")

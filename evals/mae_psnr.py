@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from fp4vis.evals.report import markdown_table, mean_ci95, write_report
 from fp4vis.services import (
     UsageError,
     WarningLog,
+    backend_in_use,
     check_backend,
     check_model_source,
     environment,
@@ -179,7 +181,8 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                  device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
                  guard_plan: str | None = None, decoder: bool = False, num_workers: int = 0,
                  out_dir: str | os.PathLike | None = None, name: str = "mae_psnr",
-                 progress: bool = True, sample_seed: int | None = None) -> dict[str, Any]:
+                 progress: bool = True, sample_seed: int | None = None,
+                 say: Callable[[str], Any] | None = None) -> dict[str, Any]:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, Subset
     from torchmetrics.functional.image import peak_signal_noise_ratio as psnr
@@ -213,6 +216,10 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
         dataset = Subset(dataset, indices)
     loader = acc.prepare_data_loader(DataLoader(_Indexed(dataset), batch_size=batch_size, shuffle=False,
                                                 num_workers=num_workers))
+    if say is not None:   # what runs, once the model and the images are loaded (the CLI's header)
+        say(f"eval mae: {model} at {res} px ({num_patches} patches, {mae.config.mask_ratio:.0%} masked), "
+            f"{len(indices)} images from {root}; bf16 (the model's attention) and {', '.join(p.name for p in pols)} "
+            f"on the {backend_in_use(backend, acc.device)} backend{' with a guard plan' if plan else ''}")
     mean = torch.tensor(mean_t, device=acc.device).view(1, 3, 1, 1)
     std = torch.tensor(std_t, device=acc.device).view(1, 3, 1, 1)
     cosine, rel_l2 = error_metrics()

@@ -1,7 +1,7 @@
 """The method's own evaluation protocols as presets (``fp4vis eval vit|mae|wan --protocol paper``): with
 the real weights and the user's copy of the data, one command runs the published protocol and its report
 sets each measured row beside the figure the method's authors published ("Hardware-Aware FP4
-FlashAttention-4", R. Hu, arXiv:2609.04105, 2026; ../shared/SPEC.md).
+FlashAttention-4", R. Hu, arXiv:2609.04105, 2026; its numerics as docs/numerics.md restates them).
 
 * ViT: ``nateraw/vit-base-patch16-224-cifar10`` on the CIFAR-10 test set at S256 (224 px, 1,000
   images), S1024 (496 px, 200) and S4096 (1008 px, 200), images drawn with seed 20260728; top-1.

@@ -39,8 +39,18 @@ def environment_markdown(env: dict[str, Any]) -> str:
     gpu_txt = ", ".join(f"{d['name']} (sm_{d['capability'].replace('.', '')})" for d in devices) or "none (CPU)"
     v = env.get("versions", {})
     vers = ", ".join(f"{k} {val}" for k, val in v.items() if val)
-    return (f"Environment: GPU {gpu_txt}; Python {env.get('python')}; {vers}; "
+    text = (f"Environment: GPU {gpu_txt}; Python {env.get('python')}; {vers}; "
             f"commit {env.get('git_commit') or 'unknown'}; {env.get('timestamp_utc')}.")
+    library = env.get("library_warnings") or []
+    if library:   # counted, not printed, while the command ran (fp4vis.services.WarningLog)
+        text += "\n\nLibrary warnings (not printed during the run): " + "; ".join(
+            f"{w['module']} {w['category']} x{w['count']}: {_first_words(w['message'])}" for w in library) + "."
+    return text
+
+
+def _first_words(message: str, limit: int = 100) -> str:
+    line = message.splitlines()[0] if message else ""
+    return line if len(line) <= limit else line[: limit - 3].rstrip() + "..."
 
 
 def fmt(x: Any, digits: int = 4) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from fp4vis.services import (
     Timer,
     UsageError,
     WarningLog,
+    backend_in_use,
     check_backend,
     check_model_source,
     environment,
@@ -285,9 +287,11 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                  dtype: str = "bfloat16", backend: str = "auto", guard_plan: str | None = None,
                  per_layer: bool = True, seed: int = 0, num_workers: int = 0,
                  out_dir: str | os.PathLike | None = None, name: str = "vit_top1",
-                 progress: bool = True, sample_seed: int | None = None) -> dict[str, Any]:
+                 progress: bool = True, sample_seed: int | None = None,
+                 say: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Run the eval; returns the result dict and, with ``out_dir``, writes ``<name>.json``/``.md``.
-    ``limit`` images: the first ones, or drawn at random with ``sample_seed`` (the protocols' subsets)."""
+    ``limit`` images: the first ones, or drawn at random with ``sample_seed`` (the protocols' subsets);
+    ``say``: told what the eval runs, once the model and the images are loaded (the CLI's header)."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, Subset
     from torchmetrics.functional.classification import multiclass_accuracy
@@ -308,6 +312,10 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
     indices = sample_indices(len(dataset), limit, sample_seed)
     files = image_list(dataset, indices)
     mapping, label_mode = label_mapping(dataset.classes, clf, labels if dataset.classes else "none")
+    if say is not None:
+        say(f"eval vit: {model} at {clf.resolution} px ({clf.tokens} tokens), {len(indices)} images from {root} "
+            f"(labels: {label_mode}); bf16 (the model's attention) and {', '.join(p.name for p in pols)} on the "
+            f"{backend_in_use(backend, acc.device)} backend{' with a guard plan' if plan else ''}")
     if len(indices) < len(dataset):
         dataset = Subset(dataset, indices)
     loader = acc.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False,

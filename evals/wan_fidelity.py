@@ -30,6 +30,7 @@ timed) precedes each timed run so that kernel compilation is not counted.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -40,7 +41,9 @@ from fp4vis.evals.common import AttentionRecorder, error_metrics
 from fp4vis.evals.report import fmt, markdown_table, write_report
 from fp4vis.patching.wan import attention_function_applied
 from fp4vis.pipelines.wan_video import (
+    WAN_TRANSFORMER_CONFIGS,
     build_random_wan_pipeline,
+    check_cpu_size,
     compile_transformers,
     encode_prompt,
     generate,
@@ -50,12 +53,15 @@ from fp4vis.pipelines.wan_video import (
     random_prompt_embeds,
     save_mp4,
     tokens_per_frame_sequence,
+    wan_tokens,
 )
 from fp4vis.services import (
     COMPILE_MODES,
     Timer,
     UsageError,
     WarningLog,
+    attention_label,
+    backend_in_use,
     check_backend,
     environment,
     guard_plan_summary,
@@ -154,12 +160,13 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                  progress: bool = True, latent_steps: tuple[int, ...] = (), operator_error: bool = False,
                  operator_error_steps: tuple[int, ...] | None = None, fps: int = 16,
                  frames_sink: dict[str, Any] | None = None, baselines: str | list[str] | None = "auto",
-                 compile: str | None = None) -> dict[str, Any]:
+                 say: Callable[[str], Any] | None = None, compile: str | None = None) -> dict[str, Any]:
     """Run BF16, the BF16 baselines and every policy; returns the result dict, and writes JSON/Markdown to
     ``out_dir``. ``latent_steps``: latent metrics after these numbers of steps too; ``operator_error``: see
     the module docstring (after every step, or after ``operator_error_steps``); ``frames_sink``: a dict
     that receives each run's decoded frames, by run name; ``baselines``: "auto", "none" (or "" / None),
     or names (``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a UsageError);
+    ``say``: told what the eval runs once its options are checked (the CLI's header);
     ``compile``: every run with the transformer compiled (``compile_transformers``: "regional" or "full"),
     each compiled afresh in its warm-up, whose time (``warmup_s``) the run reports apart."""
     if (model is None) == (speed_only is None):
@@ -178,7 +185,18 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
     if decode is None:
         decode = not random_weights
     text_s = 0.0
+    if random_weights and dev.type == "cpu" and speed_only in WAN_TRANSFORMER_CONFIGS:   # before building it
+        check_cpu_size(f"speed-only {speed_only} on the CPU",
+                       wan_tokens(speed_only, height=height, width=width, frames=frames),
+                       height=height, width=width, frames=frames)
+    what = f"Wan2.1-T2V-{speed_only} architecture, random weights (speed only)" if random_weights else model
+    bf16_runs = ", ".join(["bf16 (the model's attention)"] + [baseline_run(b) for b in baseline_names])
+    header = (f"eval wan: {what}, {width}x{height}, {frames} frames, {steps} steps, guidance {guidance_scale}; runs "
+              f"{bf16_runs}, then {', '.join(p.name for p in pols)} on the {backend_in_use(backend, dev)} backend"
+              + (f"; every run compiled ({compile}, fullgraph), in its warm-up" if compile else ""))
     if random_weights:
+        if say is not None:
+            say(header)
         pipe = build_random_wan_pipeline(speed_only, device=dev, dtype=dtype, seed=seed, vae=decode)
         pe, npe = random_prompt_embeds(seed)
         prompt_used = None
@@ -195,6 +213,10 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         compile_transformers(pipe, compile)
     latents = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed)
     tokens = tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)
+    if dev.type == "cpu":
+        check_cpu_size(f"{model or speed_only} on the CPU", tokens, height=height, width=width, frames=frames)
+    if say is not None and not random_weights:
+        say(header)
     common = dict(prompt_embeds=pe, negative_prompt_embeds=npe, height=height, width=width, frames=frames,
                   guidance_scale=guidance_scale, seed=seed, backend=backend, progress=progress, latents=latents)
 
@@ -244,6 +266,9 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         guard = plan_for(plan, pol)
         wlog = WarningLog()
         measure_op = run_name == "bf16" and op_error is not None
+        # what the bar says runs: the baseline in attn1, else the policy and its backend (generate's default)
+        label = (f"{BASELINES[baseline].label} in {BASELINE_LAYERS}" if baseline is not None
+                 else attention_label(pol, backend, dev, guard))
         try:
             with wlog, _baseline_attention(pipe, baseline):
                 warmup_s = None
@@ -251,17 +276,18 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
                     if compile is not None:
                         torch._dynamo.reset()   # this run's attention compiles afresh, in its warm-up
                     with Timer() as tw:
-                        generate(pipe, policy=pol, guard=guard, steps=1, decode=False, **common)
+                        generate(pipe, policy=pol, guard=guard, steps=1, decode=False,
+                                 label=f"{label}; warm-up, untimed", **common)
                     warmup_s = tw.seconds
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
                 if measure_op:
                     with op_error.recorder:
                         res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
-                                       callbacks=(op_error,), **common)
+                                       callbacks=(op_error,), label=label, **common)
                 else:
                     res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
-                                   **common)
+                                   label=label, **common)
         except Exception as e:  # one failing run (e.g. an unavailable kernel) does not lose the others
             if run_name == "bf16":
                 raise

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fp4vis.backends import AUTO, REFERENCE, backend_names
+from fp4vis.backends import AUTO, REFERENCE, backend_names, get_backend, kernel_backend_name
 from fp4vis.files import atomic_write
 from fp4vis.patching import GuardPlan, GuardPlanError, patch
 from fp4vis.policy import POLICIES, Policy, get_policy
@@ -78,6 +78,27 @@ def check_backend(backend: str, device: torch.device) -> str:
         raise UsageError(f"backend {backend!r} runs only on a CUDA GPU (device here: {device}); "
                          "use --backend auto or --backend reference on the CPU")
     return backend
+
+
+def backend_in_use(backend: str, device: torch.device) -> str:
+    """The backend that computes FP4 attention on ``device`` under the option ``backend``: a named one itself;
+    ``auto``'s pick there, the kernel for this GPU where it loads and can run, else the reference. For labels:
+    a call the kernel does not support still falls back to the reference, with its warning."""
+    if backend != AUTO:
+        return backend
+    kernel = kernel_backend_name(torch.device(device))
+    loaded = get_backend(kernel) if kernel is not None else None
+    return kernel if loaded is not None and loaded.unavailable_reason() is None else REFERENCE
+
+
+def attention_label(policy: str | Policy, backend: str, device: torch.device, guard: Any = None) -> str:
+    """What a run under ``policy`` computes its attention with, as progress bars and headers say it: the
+    model's own attention for the exact baseline (``bf16, the model's attention``), else the policy and the
+    backend that runs it (``fast, hopper``; ``wan_fast + guard plan, reference``)."""
+    pol = get_policy(policy)
+    if pol.method == "exact" and guard is None:   # policy_applied leaves the model as it is
+        return f"{pol.name}, the model's attention"
+    return f"{pol.name}{' + guard plan' if guard is not None else ''}, {backend_in_use(backend, device)}"
 
 
 def resolve_policies(names: str | Sequence[str], *, allow_bf16: bool = True) -> list[Policy]:
@@ -191,35 +212,101 @@ def policy_applied(model: Any, policy: str | Policy, *, guard: Any = None, backe
         handle.remove()
 
 
+# The warnings of every command pass through one filter, WarningLog: fp4vis' own (a fallback to the reference
+# or to exact attention, a range warning, the CPU-size warning) are printed, once per message: they are the
+# visible fallback the project promises. Those the libraries underneath issue on their own (flash-attn-4's CuTe
+# DSL argument warning, CuTe DSL's loop-size hint, deprecation notes) are not the user's doing: they are counted
+# and recorded in the run's JSON and Markdown (``environment()["library_warnings"]``), not printed.
+OWN_MODULES = ("fp4vis", "__main__")   # issuers whose warnings are shown: fp4vis, and the user's own script
+_ACTIVE: list[WarningLog] = []          # the logs open now, outermost first (the CLI's, then an eval run's)
+
+
+def _issuer(frame: Any) -> str:
+    """The module whose code called ``warnings.warn``: the first frame above the warnings machinery. Not the
+    module a warning is attributed to, which ``stacklevel`` moves (fp4vis' fallback warnings point at the
+    caller's code, a library's may point into fp4vis')."""
+    while frame is not None and frame.f_globals.get("__name__") == "warnings":
+        frame = frame.f_back
+    return "?" if frame is None else str(frame.f_globals.get("__name__", "?"))
+
+
+def _is_own(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in OWN_MODULES)
+
+
+def _short_path(filename: str) -> str:
+    """A source path without the machine's prefix: from the package folder on where it is installed."""
+    parts = Path(filename).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor) + 1:])
+    return Path(filename).name
+
+
 class WarningLog:
-    """Collect the warnings raised inside a block (fallbacks to the reference or to exact attention,
-    range warnings) so that reports can state them; each distinct message is kept once and echoed
-    once to stderr. Deprecation noise from the libraries is left out."""
+    """The warnings raised inside a block, sorted by who issued them (the module that called
+    ``warnings.warn``, whatever its ``stacklevel``). fp4vis' own are kept in ``messages`` (each distinct
+    message once, at most ``limit``) for the reports and printed to stderr the first time any open log sees
+    them; a library's are counted in ``library`` and not printed. Logs nest (the CLI's around a command, an
+    eval's around each run): an inner log passes what it kept to the one around it when it closes. With
+    Python's -W option or PYTHONWARNINGS set, library warnings are shown as Python shows them, and counted."""
 
     def __init__(self, echo: bool = True, limit: int = 20):
         self.echo, self.limit = echo, limit
         self.messages: list[str] = []
+        self.library: dict[tuple[str, str, str], dict[str, Any]] = {}   # (module, category, message) -> record
 
     def __enter__(self) -> WarningLog:
         import warnings
 
-        self._ctx = warnings.catch_warnings(record=True)
-        self._records = self._ctx.__enter__()
-        warnings.simplefilter("always")
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        self._shown_by_python = warnings.showwarning if sys.warnoptions else None
+        # after the filters already set (Python's defaults ignore DeprecationWarning outside __main__, libraries
+        # silence their own notes): everything else reaches ``_show`` at every occurrence, so counts are counts
+        warnings.filterwarnings("always", append=True)
+        warnings.showwarning = self._show
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        import sys
-
+        _ACTIVE.remove(self)
         self._ctx.__exit__(*exc)
-        for w in self._records:
-            if issubclass(w.category, (DeprecationWarning, FutureWarning)):
-                continue
-            msg = f"{w.category.__name__}: {w.message}"
-            if msg not in self.messages and len(self.messages) < self.limit:
-                self.messages.append(msg)
-                if self.echo:
-                    print(f"warning: {msg}", file=sys.stderr)
+        if _ACTIVE:
+            outer = _ACTIVE[-1]
+            outer.messages += [m for m in self.messages if m not in outer.messages][: outer.limit - len(outer.messages)]
+            for key, rec in self.library.items():
+                outer._count(key, rec["where"], rec["count"])
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        module = _issuer(sys._getframe(1))
+        if not _is_own(module):
+            self._count((module, category.__name__, str(message)), f"{_short_path(filename)}:{lineno}", 1)
+            if self._shown_by_python is not None:
+                self._shown_by_python(message, category, filename, lineno, file, line)
+            return
+        msg = f"{category.__name__}: {message}"
+        if self.echo and not any(msg in log.messages for log in _ACTIVE):
+            from tqdm import tqdm
+
+            tqdm.write(f"warning: {msg}", file=sys.stderr)   # between progress bars, not through one
+        if msg not in self.messages and len(self.messages) < self.limit:
+            self.messages.append(msg)
+
+    def _count(self, key: tuple[str, str, str], where: str, times: int) -> None:
+        rec = self.library.setdefault(key, {"module": key[0], "category": key[1], "message": key[2],
+                                            "where": where, "count": 0})
+        rec["count"] += times
+
+
+def library_warnings() -> list[dict[str, Any]]:
+    """The library warnings the open logs have counted so far (module, category, message, where, count),
+    in the order they first came: what ``environment()`` records for a run's report."""
+    merged: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for log in _ACTIVE:
+        for key, rec in log.library.items():
+            merged.setdefault(key, {**rec, "count": 0})["count"] += rec["count"]
+    return list(merged.values())
 
 
 @contextlib.contextmanager
@@ -368,8 +455,9 @@ def gpu_info() -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    """Everything a result needs to be reproduced: versions, GPU, platform, commit, time (UTC). The one
-    metadata record of every JSON the project writes (evals, pipelines, benchmarks)."""
+    """Everything a result needs to be reproduced: versions, GPU, platform, commit, time (UTC), and the
+    library warnings the run's open ``WarningLog`` counted (not printed). The one metadata record of every
+    JSON the project writes (evals, pipelines, benchmarks)."""
     return {
         "timestamp_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "python": sys.version.split()[0],
@@ -379,6 +467,7 @@ def environment() -> dict[str, Any]:
         "versions": package_versions(),
         "gpu": gpu_info(),
         "command": " ".join(sys.argv),
+        "library_warnings": library_warnings(),
     }
 
 

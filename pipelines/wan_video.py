@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from fp4vis.services import (
     COMPILE_MODES,
     Timer,
     UsageError,
+    attention_label,
     check_backend,
     check_model_source,
     check_output_file,
@@ -280,6 +282,26 @@ def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> 
     return (t // p[0]) * (h // p[1]) * (w // p[2])
 
 
+WAN_VAE_SCALE = (4, 8)   # the Wan2.1 VAE's downsampling in time and space (build_random_wan_pipeline's too)
+
+
+def wan_tokens(size: str, *, height: int, width: int, frames: int) -> int:
+    """``tokens_per_frame_sequence`` of the Wan2.1 architecture ``size`` before it is built."""
+    p = WAN_TRANSFORMER_CONFIGS[size]["patch_size"]
+    tf, sf = WAN_VAE_SCALE
+    return ((frames - 1) // tf + 1) // p[0] * (height // sf // p[1]) * (width // sf // p[2])
+
+
+def check_cpu_size(what: str, tokens: int, *, height: int, width: int, frames: int) -> None:
+    """A measurement at a GPU's size on the CPU is refused before any work (UsageError): above
+    CPU_PRACTICAL_TOKENS a step takes hours there (the reference emulation; ``warn_if_impractical_on_cpu``
+    measures it), so such a run is not one to wait for."""
+    if tokens > CPU_PRACTICAL_TOKENS:
+        raise UsageError(f"{what}: {frames} frames at {height}x{width} are {tokens} tokens per sequence, a GPU's "
+                         f"size: on the CPU a step takes hours. Run it on a GPU (--device cuda), or at most "
+                         f"{CPU_PRACTICAL_TOKENS} tokens here (e.g. --height 128 --width 128 --frames 9)")
+
+
 @torch.no_grad()
 def calibration_inputs(pipe, prompts: list[str], *, height: int, width: int, frames: int, steps: int,
                        guidance_scale: float, seed: int, image: Any = None) -> list[dict[str, Any]]:
@@ -316,11 +338,13 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
              backend: str = "auto", decode: bool = True, progress: bool = True, latents: torch.Tensor | None = None,
              layers: Any = None, max_sequence_length: int = 512,
              exact_steps: tuple[int, ...] | None = None, latents_after: tuple[int, ...] = (),
-             callbacks: tuple[Any, ...] = ()) -> GenerationResult:
+             callbacks: tuple[Any, ...] = (), label: str | None = None) -> GenerationResult:
     """One generation under ``policy``; see the module docstring. ``exact_steps`` (e.g. ``(0, -1)``)
     runs those denoising steps with the model's exact attention (fp4vis' per-step callback);
     ``latents_after`` keeps the latents after those numbers of steps (``step_latents``); ``callbacks``:
-    more ``callback_on_step_end`` callbacks (``PipelineCallback`` objects), run after fp4vis' own."""
+    more ``callback_on_step_end`` callbacks (``PipelineCallback`` objects), run after fp4vis' own;
+    ``label``: what the denoising bar says runs, ``denoise (<label>)`` (default: ``attention_label``, the
+    policy and the backend that runs it; a caller that changed the model's attention itself says so)."""
     pol = get_policy(policy)
     dev = pipe._execution_device
     check_backend(backend, torch.device(dev))
@@ -334,7 +358,8 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
         negative_prompt_embeds = torch.zeros_like(prompt_embeds)
     if latents is None:
         latents = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed)
-    pipe.set_progress_bar_config(disable=not progress, desc=f"denoise ({pol.name})")
+    label = label or attention_label(pol, backend, torch.device(dev), guard)
+    pipe.set_progress_bar_config(disable=not progress, desc=f"denoise ({label})")
     kwargs: dict[str, Any] = {}
     if image is not None:
         kwargs["image"] = image
@@ -430,10 +455,12 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
                  frames: int | None = None, steps: int | None = None, guidance_scale: float | None = None,
                  fps: int | None = None, device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
                  exact_steps: tuple[int, ...] | None = None, progress: bool = True,
-                 cp: Any = None, compile: str | None = None) -> dict[str, Any]:
+                 cp: Any = None, say: Callable[[str], Any] | None = None,
+                 compile: str | None = None) -> dict[str, Any]:
     """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json). Sizes,
-    frames, steps, guidance and fps left None come from ``generation_defaults(model)``. ``compile``: a mode
-    of ``compile_transformers`` (the first step then includes the compilation).
+    frames, steps, guidance and fps left None come from ``generation_defaults(model)``; ``say`` is told what
+    runs once the model is loaded (the CLI's header; rank 0 alone under ``cp``). ``compile``: a mode of
+    ``compile_transformers`` (the first step then includes the compilation).
 
     ``cp`` (``"ulysses=2"``, ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context
     parallelism over the processes of a torchrun launch (``fp4vis.pipelines.context_parallel``);
@@ -448,7 +475,7 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
                              policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
                              frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps,
                              dev=resolve_device(device), dtype=dtype, backend=backend, exact_steps=exact_steps,
-                             progress=progress, compile=compile)
+                             progress=progress, say=say, compile=compile)
     from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
 
     cp = cp if isinstance(cp, ContextParallel) else parse_cp(cp)
@@ -457,14 +484,16 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
                              policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
                              frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps, dev=session.device,
                              dtype=dtype, backend=backend, exact_steps=exact_steps,
-                             progress=progress and session.is_main, cp=cp, main=session.is_main, compile=compile)
+                             progress=progress and session.is_main, cp=cp, main=session.is_main,
+                             say=say if session.is_main else None, compile=compile)
 
 
 def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negative_prompt: str | None,
                   image: str | None, policy: str, guard_plan: str | None, seed: int, height: int, width: int,
                   frames: int, steps: int, guidance_scale: float, fps: int, dev: torch.device, dtype: str,
                   backend: str, exact_steps: tuple[int, ...] | None, progress: bool, cp: Any = None,
-                  main: bool = True, compile: str | None = None) -> dict[str, Any]:
+                  main: bool = True, say: Callable[[str], Any] | None = None,
+                  compile: str | None = None) -> dict[str, Any]:
     check_backend(backend, dev)
     if compile is not None and compile not in COMPILE_MODES:
         raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
@@ -494,6 +523,12 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
         pipe = load_wan_pipeline(model, device=dev, dtype=dtype, i2v=True if pil is not None else None)
     if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
         raise UsageError(f"{model!r} is an image-to-video model: pass --image")
+    if say is not None:
+        exact = f", exact attention in steps {', '.join(map(str, exact_steps))}" if exact_steps else ""
+        say(f"generate: {model}, \"{prompt}\"{' from ' + str(image) if image else ''}, {width}x{height}, {frames} "
+            f"frames, {steps} steps, guidance {guidance_scale}, seed {seed}; attention: "
+            f"{attention_label(policy, backend, dev, plan)}{exact}"
+            f"{f'; transformer compiled ({compile}, fullgraph) in the first step' if compile else ''} -> {output}")
     if dev.type == "cpu":
         warn_if_impractical_on_cpu(pipe, policy, height=height, width=width, frames=frames, steps=steps,
                                    guidance_scale=guidance_scale)
@@ -525,7 +560,7 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
     return {"video": out, "sidecar": side, "timings": sidecar["timings"], "result": res}
 
 
-CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence, generate on the CPU warns (hours)
+CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence on the CPU generate warns, the Wan eval refuses
 _CPU_PROBE_TOKENS = 1024
 
 

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from collections.abc import Sequence
 
 from fp4vis.attention import RangeExceededError
 from fp4vis.patching import GuardPlanError
-from fp4vis.services import UsageError, fp4vis_version, loading_bars
+from fp4vis.services import UsageError, WarningLog, fp4vis_version, loading_bars
 
 from . import bench, calibrate, demo, evaluate, generate, info, selfcheck
-from .options import EPILOG, Formatter, fill_help
+from .options import EPILOG, Formatter, Parser, fill_help, innermost
 
 # command name -> module with add_parser(sub) and run(args)
 COMMANDS = {"demo": demo, "info": info, "bench": bench, "generate": generate, "eval": evaluate, "calibrate": calibrate,
@@ -36,7 +35,7 @@ COMMANDS = {"demo": demo, "info": info, "bench": bench, "generate": generate, "e
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fp4vis", formatter_class=Formatter, epilog=EPILOG,
         description="Direct-P FP4 attention for vision and video diffusion models: generate, evaluate, "
                     "benchmark, calibrate.")
@@ -50,35 +49,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The message of a user error; one raised in a DataLoader worker comes back with the worker's
-    traceback in it (torch re-raises it as 'Caught UsageError in DataLoader worker ...'): its last line."""
+    """The message of a user error on one line; one raised in a DataLoader worker comes back with the
+    worker's traceback in it (torch re-raises it as 'Caught UsageError in DataLoader worker ...'): its
+    last line."""
     text = str(exc).strip()
     if "Original Traceback" in text:
         text = text.splitlines()[-1].split(": ", 1)[-1]
-    return text
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # named by the command they were given to, whose --help lists its options
+        innermost(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     with loading_bars(not getattr(args, "no_progress", False)):
-        return _run(args)
+        return _run(args, innermost(parser, args).prog)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, prog: str) -> int:
+    """Run the command; a user error is one line on stderr, named by the command (``prog``: ``fp4vis eval wan``)."""
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch_dtype.*is deprecated.*")
+        with WarningLog():   # fp4vis' warnings printed, the libraries' counted for the reports (services)
             return COMMANDS[args.command].run(args)
     except (UsageError, GuardPlanError) as e:   # a plan that cannot be read, or does not fit the model
-        print(f"fp4vis {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, NotImplementedError) as e:  # missing files; a model fp4vis cannot patch
-        print(f"fp4vis {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except RangeExceededError as e:
-        print(f"fp4vis {args.command}: error: {e}\nhint: calibrate a guard plan (`fp4vis calibrate ...`) and pass "
-              "it with --guard-plan, or use --policy accurate", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(e)} At the command line: calibrate a guard plan (`fp4vis calibrate ...`) "
+              "and pass it with --guard-plan, or use --policy accurate.", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

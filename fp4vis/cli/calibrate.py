@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .options import Formatter, policy, positive_int
+from .options import Formatter, announcer, policy, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--image: {args.model!r} is a text-to-video model ({type(target).__name__}); drop "
                              "--image, or give an image-to-video checkpoint")
         target.set_progress_bar_config(disable=args.no_progress)
+        what = (f"{len(args.prompt)} prompt{'s' if len(args.prompt) > 1 else ''}, {args.width}x{args.height}, "
+                f"{args.frames} frames, {args.steps} steps")
         inputs = calibration_inputs(target, args.prompt, height=args.height, width=args.width, frames=args.frames,
                                     steps=args.steps, guidance_scale=args.guidance, seed=args.seed, image=image)
     elif args.calib_kind == "vit":
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         clf = load_classifier(args.model, resolution=args.resolution, random_weights=args.random_weights,
                               device=dev, dtype=dtype, seed=args.seed)
         target, inputs = clf.model, calibration_inputs(clf, args.data, limit=args.limit)
+        what = f"{len(inputs)} images from {args.data}"
     else:
         from fp4vis.evals.mae_psnr import calibration_inputs, load_mae
 
@@ -108,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
         kw["decoder"] = args.decoder
         inputs = calibration_inputs(target, mean, std, args.data, limit=args.limit, resolution=args.resolution,
                                     seed=args.seed)
+        what = f"{len(inputs)} images from {args.data}"
+    if (say := announcer(args)) is not None:
+        say(f"calibrate {args.calib_kind}: {args.model} on {what}: the model's exact attention, each layer's "
+            f"logit statistics against policy {args.policy}'s range -> {out}")
     plan = calibrate(target, inputs, policy=args.policy, **kw)
     plan.save(out)
     print(plan.summary())

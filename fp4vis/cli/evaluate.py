@@ -4,11 +4,10 @@ model's own BF16 attention."""
 from __future__ import annotations
 
 import argparse
-import os
 
 from fp4vis.services import COMPILE_MODES
 
-from .options import Formatter, add_runtime, int_list, policy_list, positive_int
+from .options import Formatter, add_runtime, announcer, int_list, main_process, policy_list, positive_int
 
 PROTOCOL_HELP = ("run the method's published protocol (fp4vis.evals.protocols): its model (unless --model), "
                  "sizes, image counts, seeds and policies, and its published figures beside each row")
@@ -115,11 +114,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_runtime(p)
 
 
-def _main_process() -> bool:
-    """False in the non-zero ranks of a sharded run (accelerate launch / torchrun)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def _run_protocol(args: argparse.Namespace, common: dict) -> int:
     """``--protocol paper``: the published protocol's runs and its report beside the published figures."""
     from fp4vis.evals import protocols
@@ -185,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
         r = run_vit_eval(args.model, args.data, policies=args.policies, resolution=args.resolution,
                          batch_size=args.batch_size, limit=args.limit, labels=args.labels,
                          random_weights=args.random_weights, per_layer=not args.no_per_layer, seed=args.seed,
-                         num_workers=args.workers, name=args.name, **common)
-        if not _main_process():
+                         num_workers=args.workers, name=args.name, say=announcer(args), **common)
+        if not main_process():
             return 0
         for pol, p in r["policies"].items():
             top1 = f"top-1 {p['top1']:.4f}, " if p["top1"] is not None else ""
@@ -198,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
         r = run_mae_eval(args.model, args.data, policies=args.policies, resolution=args.resolution,
                          batch_size=args.batch_size, limit=args.limit, random_weights=args.random_weights,
                          mask_ratio=args.mask_ratio, seed=args.seed, decoder=args.decoder,
-                         num_workers=args.workers, name=args.name, **common)
-        if not _main_process():
+                         num_workers=args.workers, name=args.name, say=announcer(args), **common)
+        if not main_process():
             return 0
         for pol, p in r["policies"].items():
             d = p["masked_psnr_diff_vs_bf16"]
@@ -217,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
                          guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance,
                          seed=args.seed, decode=args.decode, warmup=not args.no_warmup, save_videos=args.save_videos,
                          name=args.name, latent_steps=args.latent_steps, operator_error=args.operator_error,
-                         fps=gen["fps"], baselines=args.baselines, compile=args.compile, **common)
+                         fps=gen["fps"], baselines=args.baselines, say=announcer(args), compile=args.compile,
+                         **common)
         for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
             print(f"baseline skipped, {why}")
         for name, run in r["runs"].items():

@@ -6,7 +6,7 @@ import argparse
 
 from fp4vis.services import COMPILE_MODES
 
-from .options import POLICY_HELP, Formatter, add_runtime, int_list, policy, positive_int
+from .options import POLICY_HELP, Formatter, add_runtime, announcer, int_list, policy, positive_int
 
 DEFAULT = " (default: the model's; see above)"
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                        height=args.height, width=args.width, frames=args.frames, steps=args.steps,
                        guidance_scale=args.guidance, fps=args.fps, device=args.device, dtype=args.dtype,
                        backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress, cp=cp,
-                       compile=args.compile)
+                       say=announcer(args), compile=args.compile)
     if out["video"] is None:  # a rank other than 0 of a --cp run: rank 0 reports
         return 0
     t = out["timings"]

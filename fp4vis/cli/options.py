@@ -1,8 +1,12 @@
-"""What the command modules share: the help formatter and the option types and groups."""
+"""What the command modules share: the parser and help formatter, the option types and groups, and where a
+command says what it is doing."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from collections.abc import Callable
 
 from fp4vis.backends import backend_names
 from fp4vis.policy import POLICIES
@@ -10,6 +14,25 @@ from fp4vis.policy import POLICIES
 POLICY_HELP = ", ".join(sorted(POLICIES))
 EPILOG = ("Weights: a Hugging Face Hub id (org/name, downloaded by the Hub client as usual) or a local "
           "directory. Policies: " + POLICY_HELP + " (bf16 = the model's own attention). Docs: README.md.")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with the CLI's error form: one line on stderr and exit status 2, where argparse
+    prints the whole usage first (it is one ``--help`` away, which the line names). Subcommand parsers
+    are of this class too (``add_subparsers`` makes its parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (options: {self.prog} --help)\n")
+
+
+def innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` were parsed for: ``fp4vis eval vit``'s for an eval of a ViT."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, sub.dest, None) if sub is not None else None
+        if chosen not in (sub.choices if sub is not None else {}):
+            return parser
+        parser = sub.choices[chosen]
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
@@ -34,6 +57,25 @@ def fill_help(parser: argparse.ArgumentParser) -> None:
         elif (action.option_strings and not action.help and action.default is not None
               and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
             action.help = "(default: %(default)s)"
+
+
+def main_process() -> bool:
+    """False in the ranks other than 0 of a launch over several processes (accelerate launch / torchrun)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def announcer(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """What a command's work calls (``say``) to state what it is doing, once its inputs are checked and its
+    model loaded: a line on stderr, between the progress bars. None with --no-progress and in ranks other
+    than 0."""
+    if getattr(args, "no_progress", False) or not main_process():
+        return None
+
+    def say(text: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(text, file=sys.stderr)
+    return say
 
 
 def positive_int(s: str) -> int:

@@ -26,6 +26,9 @@ def run(args: argparse.Namespace) -> int:
     from fp4vis.backends.registry import load_error
     from fp4vis.services import UsageError, resolve_device
 
+    if not torch.cuda.is_available():   # resolve_device's advice (--device cpu) does not apply here
+        raise UsageError("the self-check needs a CUDA GPU (it checks the Blackwell kernel there: sm_100, sm_103 or "
+                         "sm_120), and none is visible here (torch.cuda.is_available() is False)")
     dev = resolve_device(args.device)
     if dev.type != "cuda":
         raise UsageError(f"--device: the self-check runs on a CUDA GPU, got {str(dev)!r}")

@@ -28,7 +28,7 @@ OUT_DTYPES = ("bf16", "fp16")
 ARCHS = {100: "sm_100a", 103: "sm_103a", 120: "sm_120a", 90: "sm_90a"}
 # the hardware E2M1 conversion (cvt.rn.satfinite.relu.e2m1x2.f32) exists from sm_100a on
 HW_CVT_ARCHS = (100, 103, 120)
-# the Triton release that first lowers NVFP4 tl.dot_scaled everywhere we need it (KERNELS.md probe)
+# the Triton release that lowers NVFP4 tl.dot_scaled everywhere we need it (docs/blackwell_kernel.md, "Pins")
 MIN_TRITON = (3, 8)
 
 # tile shape: BLOCK_M query rows x BLOCK_N keys per step (BLOCK_N a multiple of 64, the FP4 MMA's K)

@@ -10,7 +10,7 @@ What the kernel consumes (produced by ``prepass.py``):
   and V-hat are applied once, at the end).
 * With ``qk_fp8`` (policy ``fast_fp8qk``, not exact to docs/numerics.md) ``q``, ``k`` are instead E4M3 values with
   power-of-two scales per query row (``q_scale``) and per 32-key block (``k_scale``), and S = Q K^T
-  runs on FP8 WGMMA (twice BF16's rate; FP8 accumulation is not exact, KERNELS.md). The scales
+  runs on FP8 WGMMA (twice BF16's rate; FP8 accumulation is not exact: docs/numerics.md section 7). The scales
   factor out exactly: they multiply the per-(row, block) constants of Direct-P, never a score.
 
 What it computes (docs/numerics.md section 2), per query row i and key block B of 32 keys:

@@ -80,12 +80,20 @@ def test_generate_end_to_end(assets, tmp_path, capsys):
     assert side["policy"] == "wan_fast" and side["seed"] == 7 and side["prompt"] == "a red fox in the snow"
     assert side["exact_steps"] == [0]
     assert set(side["timings"]) >= {"load_s", "text_encode_s", "denoise_s", "decode_s", "total_s"}
+    # what it does comes first (after the libraries' loading bars), then bars labelled by what runs
+    said = [line for line in re.split(r"[\r\n]+", err) if line.strip() and not line.startswith("Loading")]
+    assert said[0] == (f'generate: {assets["wan"]}, "a red fox in the snow", 32x32, 5 frames, 2 steps, guidance 5.0, '
+                       f"seed 7; attention: wan_fast, reference, exact attention in steps 0 -> {out_mp4}"), said
+    assert "denoise (wan_fast, reference):" in err and "Warning" not in err, err
 
 
 def test_eval_vit_mae_wan(assets, tmp_path, capsys):
     code, out, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"],
-                         "--resolution", 48, "--policies", "fast", "--out-dir", tmp_path, "--no-progress")
+                         "--resolution", 48, "--policies", "fast", "--out-dir", tmp_path)
     assert code == 0, err
+    header = f"eval vit: {assets['vit']} at 48 px (37 tokens), 2 images from {assets['data']} (labels: "
+    assert err.startswith(header), err
+    assert "bf16 (the model's attention) and fast on the reference backend\n" in err
     assert "fast: top-1" in out and "agreement" in out and (tmp_path / "vit_top1.md").exists()
     assert json.loads((tmp_path / "vit_top1.json").read_text())["tokens"] == 37
     code, out, err = run(capsys, "eval", "mae", "--model", assets["mae"], "--data", assets["data"],
@@ -105,6 +113,7 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
     code, out, err = run(capsys, "calibrate", "vit", "--model", assets["vit"], "--data", assets["data"],
                          "--limit", 2, "--out", plan)
     assert code == 0, err
+    assert f"calibrate vit: {assets['vit']} on 2 images from {assets['data']}: the model's exact attention" in err
     data = json.loads(plan.read_text())
     assert data["format"] == "fp4vis.guard_plan" and len(data["layers"]) == 2 and "guarded layers:" in out
     code, out, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"], "--policies",
@@ -163,6 +172,23 @@ def test_clear_errors(assets, tmp_path, capsys):
     assert "unknown policy 'nope'" in capsys.readouterr().err
     code, _, err = run(capsys, "eval", "wan", "--out-dir", tmp_path)   # neither --model nor --speed-only
     assert code == 2 and "--model or --speed-only: one is required (or --protocol paper)" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], "fp4vis: error: the following arguments are required: COMMAND (options: fp4vis --help)"),
+    (["info", "--bogus"], "fp4vis info: error: unrecognized arguments: --bogus (options: fp4vis info --help)"),
+    (["eval", "vit", "--data", "d", "--limit", "0"], "fp4vis eval vit: error: argument --limit: expected a positive"),
+    (["eval", "wan", "--speed-only", "13B"], "fp4vis eval wan: error: argument --speed-only: invalid choice: '13B'"),
+    (["calibrate", "wan", "--prompt", "x"], "fp4vis calibrate wan: error: the following arguments are required: "
+                                            "--model"),
+    (["bench", "--quick", "--shapes", "x"], "fp4vis bench: error: unrecognized arguments: --shapes x"),
+])
+def test_bad_options_are_one_line_and_exit_2(argv, expected, capsys):
+    """argparse's errors too: one line naming the (sub)command and where its options are, not the usage."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(expected) and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the messages given without a GPU")
@@ -243,6 +269,10 @@ def _bad_cases(a, b):
                                               "baselines: unknown baseline 'nope'"),
         "calibrate mae on a ViT classifier": (["calibrate", "mae", "--model", b["hf_vit"], "--data", a["data"],
                                                "--out", b["root"] / "m.json"], "is a 'vit' model, not a ViTMAE"),
+        "eval wan at a GPU's size on the CPU": (["eval", "wan", "--speed-only", "1.3B", "--steps", 2, "--device", "cpu",
+                                                "--out-dir", b["root"], "--no-progress"],
+                                               "^fp4vis eval wan: error: speed-only 1.3B on the CPU: 81 frames at "
+                                               "480x832 are 32760 tokens per sequence.*--device cuda"),
     }
 
 
@@ -272,3 +302,4 @@ def test_a_user_error_from_a_dataloader_worker_is_one_line():
                         "readable image")
     assert _one_line(worker) == "data: 'b.jpg' is not a readable image"
     assert _one_line(UsageError("plain message")) == "plain message"
+    assert _one_line(UsageError("a message\n  over two lines\n")) == "a message over two lines"

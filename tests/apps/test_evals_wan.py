@@ -86,8 +86,17 @@ def test_auto_baselines_are_skipped_with_reasons_on_the_cpu(tiny, tmp_path):
 
 def test_a_baseline_runs_in_attn1_through_the_processor(tiny, tmp_path, monkeypatch):
     """A baseline registered for the test (torch SDPA, CPU) runs as attn1's attention: its own run after
-    BF16 and before the policies, speedups of every run against BF16 and it, its table in the report."""
-    from fp4vis.evals import baselines
+    BF16 and before the policies, speedups of every run against BF16 and it, its table in the report; each
+    run's progress bar says what runs (the baseline in attn1, not "bf16"), its warm-up that it is one."""
+    from fp4vis.evals import baselines, wan_fidelity
+
+    labels = []
+
+    def generate(*args, label=None, **kwargs):
+        labels.append(label)
+        return wv.generate(*args, label=label, **kwargs)
+
+    monkeypatch.setattr(wan_fidelity, "generate", generate)
 
     layouts, seen = [], []
 
@@ -100,9 +109,11 @@ def test_a_baseline_runs_in_attn1_through_the_processor(tiny, tmp_path, monkeypa
         return call
 
     monkeypatch.setitem(baselines.BASELINES, "cpu_sdpa",
-                        baselines.Baseline("cpu_sdpa", "torch SDPA (a test's)", build, needs_cuda=False))
-    r = run_wan_eval(str(tiny), policies="fast", baselines="cpu_sdpa", warmup=False, decode=False,
-                     out_dir=tmp_path, backend="reference", **KW)
+                        baselines.Baseline("cpu_sdpa", "CPU SDPA", "torch SDPA (a test's)", build, needs_cuda=False))
+    r = run_wan_eval(str(tiny), policies="fast", baselines="cpu_sdpa", decode=False, out_dir=tmp_path,
+                     backend="reference", **KW)
+    assert labels == [f"{run}{warm}" for run in ("bf16, the model's attention", "CPU SDPA in attn1", "fast, reference")
+                      for warm in ("; warm-up, untimed", "")]
     assert r["baselines"] == ["cpu_sdpa"] and r["baselines_skipped"] == {}
     assert list(r["runs"]) == ["bf16", "attn1=cpu_sdpa", "fast"]
     assert layouts[-1] == "bshd"   # the Wan processor's layout (an availability check builds one first)

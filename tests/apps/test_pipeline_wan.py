@@ -31,6 +31,7 @@ def test_load_local_pipeline(tiny):
 def test_seeded_generation_and_fp4_close_to_bf16(tiny):
     _, pipe = tiny
     a = wv.generate(pipe, prompt="a red fox in the snow", policy="bf16", seed=3, **KW)
+    assert pipe._progress_bar_config["desc"] == "denoise (bf16, the model's attention)"   # labelled by what runs
     b = wv.generate(pipe, prompt="a red fox in the snow", policy="bf16", seed=3, **KW)
     assert torch.equal(a.latents, b.latents)
     assert a.frames.shape == (5, 32, 32, 3) and 0 <= a.frames.min() and a.frames.max() <= 1
@@ -39,6 +40,7 @@ def test_seeded_generation_and_fp4_close_to_bf16(tiny):
                                                                             "decode_s")))
     c = wv.generate(pipe, prompt="a red fox in the snow", policy="wan_fast", seed=3, backend="reference", **KW)
     assert not torch.equal(c.latents, a.latents) and cosine(c.latents, a.latents) > 0.99
+    assert pipe._progress_bar_config["desc"] == "denoise (wan_fast, reference)"
     d = wv.generate(pipe, prompt="a red fox in the snow", policy="bf16", seed=4, **KW)
     assert not torch.equal(d.latents, a.latents)
     # exact attention on every step (per-step callback) reproduces the BF16 run

@@ -1,17 +1,28 @@
 """``fp4vis.services`` and ``fp4vis.files``: writes that never leave half a file, output paths checked
-before any work, user errors with the option's name."""
+before any work, user errors with the option's name, the one filter of warnings."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
+import torch
 
 from fp4vis import files
-from fp4vis.services import UsageError, check_output_dir, check_output_file, resolve_device, write_json
+from fp4vis.services import (
+    UsageError,
+    WarningLog,
+    check_output_dir,
+    check_output_file,
+    environment,
+    library_warnings,
+    resolve_device,
+    write_json,
+)
 
 
 def _full_disk(fd):
@@ -124,6 +135,117 @@ def test_output_paths_are_checked(tmp_path):
     assert check_output_file(tmp_path / "new2" / "v.mp4", "--output").parent.is_dir()
 
 
+def test_labels_say_what_runs(monkeypatch):
+    """Progress bars and headers name the backend that computes a policy's attention, auto's pick included."""
+    from fp4vis import services
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert services.backend_in_use("auto", cpu) == "reference" and services.backend_in_use("hopper", cpu) == "hopper"
+    assert services.attention_label("bf16", "auto", cpu) == "bf16, the model's attention"
+    assert services.attention_label("guard", "auto", cpu, guard=object()) == "guard + guard plan, reference"
+
+    class Kernel:
+        reason = None
+
+        def unavailable_reason(self):
+            return self.reason
+
+    kernel = Kernel()
+    monkeypatch.setattr(services, "kernel_backend_name", lambda device: "hopper")
+    monkeypatch.setattr(services, "get_backend", lambda name: kernel)
+    assert services.attention_label("fast", "auto", gpu) == "fast, hopper"
+    kernel.reason = "CuTe DSL is not installed"
+    assert services.attention_label("fast", "auto", gpu) == "fast, reference"
+
+
 def test_bad_device_names_the_option():
     with pytest.raises(UsageError, match="device: 'bogus' is not a device"):
         resolve_device("bogus")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the warning filter of the commands (WarningLog): fp4vis' warnings printed, the libraries' counted
+
+
+def _module(name: str, source: str) -> types.ModuleType:
+    """A module named ``name`` as if installed (its code's ``__name__`` and a site-packages path), without
+    touching sys.modules: the filter tells issuers apart by the module whose code calls warnings.warn."""
+    module = types.ModuleType(name)
+    exec(compile(source, f"/venv/lib/python3.11/site-packages/{name.replace('.', '/')}.py", "exec"), module.__dict__)
+    return module
+
+
+# the shapes of what flash-attn-4 prints on every Wan eval: CuTe DSL's argument warning while it compiles
+# flash-attn-4's kernel (stacklevel into the caller's code) and its loop-size hint (a category of its own)
+CUTE_DSL = _module("cutlass.base_dsl.dsl", """
+import warnings
+class DSLOptimizationWarning(Warning):
+    pass
+def compile_kernel():
+    warnings.warn("Argument aux_data (position 17) cannot be converted to a JitArgument for function "
+                  "'flash_fwd_sm90'. Its type `<class 'flash_attn.cute.utils.AuxData'>` is not supported.",
+                  UserWarning, stacklevel=3)
+    warnings.warn("This static loop has 64 iterations, which may be very slow to compile", DSLOptimizationWarning,
+                  stacklevel=2)
+""")
+FLASH_ATTN = _module("flash_attn.cute.interface", "def flash_attn_func(compile_kernel):\n    compile_kernel()\n")
+# fp4vis code calling it: the argument warning is attributed to this module's line
+BASELINE = _module("fp4vis.evals.baselines_like", "def call(fa4, dsl):\n    fa4.flash_attn_func(dsl.compile_kernel)\n")
+# a library calling fp4vis: fp4vis' range warning is attributed to the library's line (its stacklevel)
+PROCESSOR = _module("diffusers.models.attention_processor", "def attend(fp4vis, q, k, v):\n"
+                    "    return fp4vis.attention(q, k, v, policy='fast', range_check='warn')\n")
+
+
+def _saturating():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 64, 64, generator=g) for _ in range(3))
+    return q * 30, k * 30, v
+
+
+def test_library_warnings_are_counted_fp4vis_warnings_printed(capsys):
+    import fp4vis
+    from fp4vis.evals.report import environment_markdown
+
+    q, k, v = _saturating()
+    with WarningLog() as outer:
+        for _ in range(3):
+            BASELINE.call(FLASH_ATTN, CUTE_DSL)
+        with WarningLog() as run:   # an eval's run inside the command's log
+            PROCESSOR.attend(fp4vis, q, k, v)
+            PROCESSOR.attend(fp4vis, q, k, v)
+            BASELINE.call(FLASH_ATTN, CUTE_DSL)
+            assert len(run.messages) == 1 and [r["count"] for r in run.library.values()] == [1, 1]
+        env = environment()
+    err = capsys.readouterr().err
+    assert err.count("warning: RuntimeWarning: policy 'fast' went past its representable range") == 1, err
+    assert "aux_data" not in err and "static loop" not in err, err
+    assert outer.messages == run.messages
+    library = {(w["module"], w["category"]): (w["count"], w["where"]) for w in env["library_warnings"]}
+    assert library == {("cutlass.base_dsl.dsl", "UserWarning"): (4, "fp4vis/evals/baselines_like.py:2"),
+                       ("cutlass.base_dsl.dsl", "DSLOptimizationWarning"): (4, "flash_attn/cute/interface.py:2")}
+    assert library_warnings() == []   # nothing open, nothing counted
+    md = environment_markdown(env)
+    assert "Library warnings (not printed during the run): cutlass.base_dsl.dsl UserWarning x4: Argument aux_data" in md
+
+
+def test_every_command_runs_inside_the_filter(tmp_path, monkeypatch, capsys):
+    """fp4vis.cli.main runs each command inside a WarningLog: its JSON records the library's warnings, the
+    user sees fp4vis' own once and no library warning."""
+    import fp4vis
+    from fp4vis.cli import info, main
+
+    def command(args):
+        for _ in range(2):
+            BASELINE.call(FLASH_ATTN, CUTE_DSL)
+            PROCESSOR.attend(fp4vis, *_saturating())
+        write_json(tmp_path / "r.json", {"environment": environment()})
+        return 0
+
+    monkeypatch.setattr(info, "run", command)
+    assert main(["info"]) == 0
+    err = capsys.readouterr().err
+    shown = [line for line in err.splitlines() if "Warning" in line]
+    assert len(shown) == 1 and shown[0].startswith("warning: RuntimeWarning: policy 'fast' went past"), err
+    recorded = json.loads((tmp_path / "r.json").read_text())["environment"]["library_warnings"]
+    assert sorted((w["category"], w["count"]) for w in recorded) == [("DSLOptimizationWarning", 2),
+                                                                      ("UserWarning", 2)]

@@ -172,6 +172,28 @@ for name, pol, mult, scale in (("saturated", "fast", 12.0, 0.125), ("underflow",
                     flag=flag, ref=[ref_report.saturated_blocks, ref_report.empty_rows],
                     out_nonfinite=int((~torch.isfinite(out)).sum()))
 res["range_record"] = rr
+# how the interpreter reads NVFP4 scales (why the kernel has its QK_DECODE build): 1.0 codes (E2M1 code 2)
+# over K = 64 with E4M3 scales 2.0 (byte 0x40) on A and 1.0 (0x38) on B; the product is 128 read as E4M3
+import triton
+import triton.language as tl
+
+@triton.jit
+def scaled_dot(A, AS, B, BS, O, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    om = tl.arange(0, M)
+    on = tl.arange(0, N)
+    ok = tl.arange(0, K // 2)
+    ks = tl.arange(0, K // 16)
+    a = tl.load(A + om[:, None] * (K // 2) + ok[None, :])
+    a_scale = tl.load(AS + om[:, None] * (K // 16) + ks[None, :])
+    b = tl.load(B + ok[:, None] * N + on[None, :])
+    b_scale = tl.load(BS + on[:, None] * (K // 16) + ks[None, :])
+    tl.store(O + om[:, None] * N + on[None, :], tl.dot_scaled(a, a_scale, "e2m1", b, b_scale, "e2m1"))
+
+o = torch.empty(16, 16)
+scaled_dot[(1,)](torch.full((16, 32), 0x22, dtype=torch.uint8), torch.full((16, 4), 2.0).to(torch.float8_e4m3fn),
+                 torch.full((32, 16), 0x22, dtype=torch.uint8), torch.full((16, 4), 1.0).to(torch.float8_e4m3fn),
+                 o, 16, 16, 64)
+res["interpreter_nvfp4_dot"] = o.unique().tolist()
 print("RESULT" + json.dumps(res))
 """
 CASE_IDS = ([f"{name}-{d}-{kind}" for name, d in (("fast", 64), ("wan_fast", 128), ("accurate", 64), ("guard", 128))
@@ -179,9 +201,11 @@ CASE_IDS = ([f"{name}-{d}-{kind}" for name, d in (("fast", 64), ("wan_fast", 128
 
 
 @pytest.fixture(scope="module")
-def interpreted():
+def interpreted(tmp_path_factory):
+    script = tmp_path_factory.mktemp("interpreted") / "interpreted.py"   # a file: triton.jit reads its source
+    script.write_text(_INTERPRETED)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     line = [x for x in res.stdout.splitlines() if x.startswith("RESULT")]
     assert res.returncode == 0 and line, res.stdout[-3000:] + res.stderr[-5000:]
     return json.loads(line[0][len("RESULT"):])
@@ -223,6 +247,14 @@ def test_fused_prepass_bit_equal_interpreted(interpreted):
 
 def test_backend_host_glue_interpreted(interpreted):
     assert interpreted["host_glue_rel"] <= 5e-3
+
+
+def test_interpreter_reads_nvfp4_scales_as_e8m0(interpreted):
+    """Triton's interpreter reads the E4M3 scale bytes of an NVFP4 ``tl.dot_scaled`` as E8M0 exponents
+    (0x40 * 0x38: 2^-63 * 2^-71 instead of 2.0 * 1.0), which is why the kernel's interpreted tests use
+    its QK_DECODE build (docs/blackwell_kernel.md). When this fails, the interpreter reads them right
+    (the product is 128) and that build can go."""
+    assert interpreted["interpreter_nvfp4_dot"] == [64 * 2.0 ** (0x40 - 127) * 2.0 ** (0x38 - 127)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def run(q, k, v, policy, backend):
 def reference(q, k, v, policy):
     """What the kernel must match. For FP8 Q/K (fast_fp8qk) the reference with the scores formed by
     the tensor cores (torch._scaled_mm): Hopper's FP8 MMA accumulates with reduced precision
-    (KERNELS.md, ~1e-4 relative), which Direct-P's rounding turns into 0.3-4 % relL2 against the
+    (~1e-4 relative, docs/numerics.md section 7), which Direct-P's rounding turns into 0.3-4 % relL2 against the
     float32 reference (test_fp8qk_kernel_error_is_fp8_accumulation measures both)."""
     pol = fp4vis.get_policy(policy)
     if not pol.qk_fp8:
