@@ -59,6 +59,21 @@ def test_speed_error_plot_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_speed_error_plot_makes_up_no_error(tmp_path, monkeypatch):
+    """A row without a measured error (or an error of 0 on the log axis) is a speed line, not a point at a
+    made-up x."""
+    import matplotlib.axes
+
+    points, lines = [], []
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", lambda self, x, y, **k: points.append((x[0], y[0])))
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda self, y, **k: lines.append(y))
+    rows = [{"backend": "reference", "policy": "fast", "time_ms": 4.0, "rel_l2": 0.3},
+            {"backend": "sdpa", "policy": "bf16", "time_ms": 1.0, "rel_l2": 0.0},
+            {"backend": "fa4", "time_ms": 2.0}]
+    speed_error_plot({"rows": rows}, tmp_path / "p.png")
+    assert points == [(0.3, 250.0)] and sorted(lines) == [500.0, 1000.0]
+
+
 def test_bench_runs_the_blackwell_backend_where_it_exists():
     """`fp4vis bench` times the Blackwell backend with the others; where it cannot run, its row says why."""
     import torch
