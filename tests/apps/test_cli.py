@@ -71,6 +71,21 @@ def test_bench_quick_says_what_it_measured(tmp_path, capsys):
     assert "median wall time" in out and "plot: none" in out and not (tmp_path / "kernel_bench_quick.png").exists()
 
 
+def test_zoo_export_digits_is_what_eval_reads(tmp_path, capsys):
+    from fp4vis.evals.datasets import data_layout
+
+    dest = tmp_path / "digits"
+    code, out, err = run(capsys, "zoo", "export", "digits", dest, "--limit", 20)
+    assert code == 0, err
+    assert sorted(p.name for p in dest.iterdir()) == [str(d) for d in range(10)]
+    assert len(list(dest.glob("*/*.png"))) == 20 and "2 per digit" in out and "--labels index" in out
+    assert data_layout(dest)[0] == "imagefolder"   # the evals' reader takes it as it is
+    code, _, err = run(capsys, "zoo", "export", "digits", dest)
+    assert code == 2 and "not empty" in err and len(list(dest.glob("*/*.png"))) == 20   # never overwritten
+    code, out, _ = run(capsys, "zoo", "list")
+    assert code == 0 and "fp4vis:digits-wan" in out
+
+
 
 
 def test_generate_end_to_end(assets, tmp_path, capsys):
