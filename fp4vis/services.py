@@ -77,6 +77,20 @@ def check_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def warn_reference_fallback(backend: str, device: torch.device, policy: str | Policy, command: str) -> bool:
+    """The warning the README promises where ``backend="auto"`` falls back to the reference, for a command
+    on a device without an FP4 kernel (the CPU): ``fp4vis.attention`` itself stays silent for CPU tensors
+    (every call would warn; no kernel exists for a CPU), so the command says it once. True when it warned."""
+    if backend != AUTO or device.type == "cuda" or get_policy(policy).method == "exact":
+        return False
+    import warnings
+
+    warnings.warn(f"{command}: no FP4 attention kernel runs on the {device.type.upper()}; policy "
+                  f"{get_policy(policy).name!r} runs on the reference emulation (exact numerics, slow). "
+                  "--backend reference says so and silences this", UserWarning, stacklevel=2)
+    return True
+
+
 def resolve_policies(names: str | Sequence[str], *, allow_bf16: bool = True) -> list[Policy]:
     """Policy names (comma-separated string or a list) -> Policy objects, with a clear error."""
     if isinstance(names, str):

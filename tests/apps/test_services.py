@@ -127,3 +127,22 @@ def test_output_paths_are_checked(tmp_path):
 def test_bad_device_names_the_option():
     with pytest.raises(UsageError, match="device: 'bogus' is not a device"):
         resolve_device("bogus")
+def test_a_command_on_the_cpu_says_once_that_it_runs_the_reference():
+    """The README's promise for backend="auto": a fallback to the reference warns; the CPU has no kernel, so
+    a command says it (fp4vis.attention stays silent per CPU call)."""
+    import warnings
+
+    import torch
+
+    from fp4vis.services import warn_reference_fallback
+
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning, match="runs on the reference emulation"):
+        assert warn_reference_fallback("auto", cpu, "fast", "fp4vis generate")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no warning where nothing falls back
+        assert not warn_reference_fallback("reference", cpu, "fast", "x")     # asked for the reference
+        assert not warn_reference_fallback("auto", cpu, "bf16", "x")          # exact attention: no FP4 at all
+        assert not warn_reference_fallback("auto", torch.device("cuda"), "fast", "x")   # the registry decides
+
+

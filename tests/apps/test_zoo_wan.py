@@ -53,6 +53,19 @@ def test_clips_stay_on_the_canvas_and_move_as_prompted():
         md.prompt(3, "sideways")
 
 
+def test_a_closed_vocabulary_model_refuses_other_prompts(digits_wan_smoke):
+    folder = str(digits_wan_smoke)
+    prompts, grammar = wv.known_prompts(folder)
+    assert prompts == md.PROMPTS and grammar == "digit <0-9> moving <left|right|up|down>"
+    wv.check_prompt(folder, "digit 3 moving right")
+    wv.check_prompt(folder, " digit 3  moving right ")                    # the tokenizer splits on whitespace
+    with pytest.raises(UsageError, match=r'--prompt: .* "digit <0-9> moving <left\|right\|up\|down>"'):
+        wv.check_prompt(folder, "Digit 3 moving right")
+    with pytest.warns(UserWarning, match="generating anyway"):
+        wv.check_prompt(folder, "a red fox", force=True)
+    assert wv.known_prompts("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") is None   # any text for other models
+
+
 def test_reader_reads_real_clips():
     """The check of generated clips is fair: on real clips of held-out digits it is almost always right."""
     held = load_heldout().head(60)
