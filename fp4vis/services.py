@@ -282,6 +282,19 @@ def is_local_path(source: str) -> bool:
     return source.count("/") > 1 or "\\" in source
 
 
+def display_source(source: str) -> str:
+    """A model source as reports show it: a shipped name (``fp4vis:digits-wan``) or a Hub id as given, a
+    local folder relative to the working directory, or by its name where it lies outside it (no
+    absolute path of this machine in a report)."""
+    if not isinstance(source, str) or source.startswith("fp4vis:") or not is_local_path(source):
+        return source
+    path = Path(os.path.expanduser(source)).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name
+
+
 def check_model_source(source: str, what: str = "model") -> tuple[str, bool]:
     """Validate a hub id or local path; returns (source, is_local). A missing local path raises."""
     if not source:

@@ -150,11 +150,13 @@ def _run_protocol(args: argparse.Namespace, common: dict) -> int:
     return 0
 
 
-def _wan_run_line(name: str, run: dict) -> str:
-    """One run of the Wan eval: its denoising time, speedups against BF16 and each baseline, latent cosine."""
+def _wan_run_line(name: str, run: dict, emulated: bool = False) -> str:
+    """One run of the Wan eval: its denoising time, speedups against BF16 and each baseline (none where the
+    FP4 runs were the reference emulation: its times are no speed result), latent cosine."""
     if "error" in run:
         return f"{name}: FAILED {run['error']}"
-    speedups = ", ".join(f"{x:.2f}x vs {ref}" for ref, x in run.get("speedup_vs", {}).items() if ref != name)
+    speedups = "" if emulated else ", ".join(f"{x:.2f}x vs {ref}" for ref, x in run.get("speedup_vs", {}).items()
+                                             if ref != name)
     extra = f", speedup {speedups}" if speedups else ""
     if "latent_cosine" in run:
         extra += f", latent cosine {run['latent_cosine']:.5f}"
@@ -233,8 +235,13 @@ def run(args: argparse.Namespace) -> int:
                          fps=gen["fps"], baselines=args.baselines, **common)
         for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
             print(f"baseline skipped, {why}")
+        from fp4vis.evals.wan_fidelity import reference_timed
+
+        emulated = reference_timed(r)
+        if emulated:
+            print("FP4 runs on the reference emulation: times are the emulation's, no speedup is given")
         for name, run in r["runs"].items():
-            print(_wan_run_line(name, run))
+            print(_wan_run_line(name, run, emulated))
     for kind, path in (r.get("files") or {}).items():
         print(f"{kind}: {path}")
     return 0

@@ -111,12 +111,15 @@ def test_eval_vit_mae_wan(assets, tmp_path, capsys):
     code, out, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"],
                          "--resolution", 48, "--policies", "fast", "--out-dir", tmp_path, "--no-progress")
     assert code == 0, err
-    assert "fast: top-1" in out and "agreement" in out and (tmp_path / "vit_top1.md").exists()
+    assert "bf16 (baseline): top-1" in out and "fast: top-1" in out and "agreement" in out
+    report = (tmp_path / "vit_top1.md").read_text()   # no absolute path of this machine in a report
+    assert str(assets["vit"]) not in report and str(assets["data"]) not in report
     assert json.loads((tmp_path / "vit_top1.json").read_text())["tokens"] == 37
     code, out, err = run(capsys, "eval", "mae", "--model", assets["mae"], "--data", assets["data"],
                          "--policies", "accurate", "--out-dir", tmp_path, "--no-progress")
     assert code == 0, err
-    assert "accurate: masked-patch PSNR" in out and (tmp_path / "mae_psnr.json").exists()
+    assert "bf16 (baseline): masked-patch PSNR" in out and "accurate: masked-patch PSNR" in out
+    assert (tmp_path / "mae_psnr.json").exists()
     code, out, err = run(capsys, "eval", "wan", "--model", assets["wan"], "--policies", "fast", "--frames", 5,
                          "--steps", 1, "--height", 32, "--width", 32, "--out-dir", tmp_path, "--no-warmup",
                          "--no-progress")

@@ -146,3 +146,14 @@ def test_a_command_on_the_cpu_says_once_that_it_runs_the_reference():
         assert not warn_reference_fallback("auto", torch.device("cuda"), "fast", "x")   # the registry decides
 
 
+def test_reports_show_no_absolute_path(tmp_path, monkeypatch):
+    from fp4vis.services import display_source
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "vit").mkdir(parents=True)
+    assert display_source(str(tmp_path / "models" / "vit")) == "models/vit"
+    assert display_source("./models/vit") == "models/vit"
+    elsewhere = tmp_path.parent / "elsewhere_model"
+    assert display_source(str(elsewhere)) == "elsewhere_model"
+    assert display_source("fp4vis:digits-wan") == "fp4vis:digits-wan"
+    assert display_source("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"

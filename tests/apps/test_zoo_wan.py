@@ -164,7 +164,7 @@ def test_shipped_model_fast_within_margin_of_bf16():
     """The demo's prompt and settings: `fast` (reference backend) stays close to BF16, and both clips show
     the prompted digit moving the prompted way."""
     from fp4vis.evals.common import error_metrics
-    from fp4vis.evals.wan_fidelity import _video_metrics
+    from fp4vis.evals.wan_fidelity import frame_metrics
 
     gen = wv.generation_defaults(f"fp4vis:{WAN}")
     prompt = zoo.metadata(WAN)["generation"]["prompt"]
@@ -175,7 +175,7 @@ def test_shipped_model_fast_within_margin_of_bf16():
     fast = wv.generate(pipe, policy="fast", **kw)
     cosine, _ = error_metrics()
     assert WAN_FAST_MIN_LATENT_COSINE <= cosine(fast.latents, ref.latents) < 1.0   # FP4 ran, and stayed close
-    assert _video_metrics(fast.frames, ref.frames)["psnr_mean"] >= WAN_FAST_MIN_PSNR_DB
+    assert frame_metrics(fast.frames, ref.frames)["psnr_mean"] >= WAN_FAST_MIN_PSNR_DB
     target = md.PROMPTS.index(prompt)
     for frames in (ref.frames, fast.frames):   # both clips show the prompted digit moving the prompted way
         seen = md.read_clips(md.from_frames(frames))
