@@ -165,7 +165,7 @@ def frame_strip(rows: Mapping[str, Any], path: str | os.PathLike, *, every: int 
             ax.set_xticks([])
             ax.set_yticks([])
             if r == 0:
-                ax.set_title(f"frame {f}", fontsize=7)
+                ax.set_title(columns[c] if columns else f"frame {f}", fontsize=7)
             if c == 0:
                 ax.set_ylabel(label, fontsize=8)
     if title:

@@ -313,16 +313,23 @@ def calibration_inputs(pipe, prompts: list[str], *, height: int, width: int, fra
     return inputs
 
 
-@torch.no_grad()
 def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
-    """Final latents -> video frames (F, H, W, 3) float32 in [0, 1] (the pipeline's own decode)."""
+    """Final latents -> video frames (F, H, W, 3) float32 in [0, 1] (the pipeline's own decode) of the
+    first clip of the batch."""
+    return decode_clips(pipe, latents[:1])[0]
+
+
+@torch.no_grad()
+def decode_clips(pipe, latents: torch.Tensor) -> np.ndarray:
+    """Final latents (N, C, T, H, W) -> the frames of every clip (N, F, H, W, 3) float32 in [0, 1], in one
+    VAE call (a third of the CPU time of one call per clip)."""
     vae = pipe.vae
     lat = latents.to(device=next(vae.parameters()).device, dtype=vae.dtype)
     mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(lat)
     inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(lat)
     video = vae.decode(lat / inv_std + mean, return_dict=False)[0]
     frames = pipe.video_processor.postprocess_video(video, output_type="np")
-    return np.asarray(frames[0], dtype=np.float32)
+    return np.asarray(frames, dtype=np.float32)
 
 
 def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = None,

@@ -127,6 +127,8 @@ def test_output_paths_are_checked(tmp_path):
 def test_bad_device_names_the_option():
     with pytest.raises(UsageError, match="device: 'bogus' is not a device"):
         resolve_device("bogus")
+
+
 def test_a_command_on_the_cpu_says_once_that_it_runs_the_reference():
     """The README's promise for backend="auto": a fallback to the reference warns; the CPU has no kernel, so
     a command says it (fp4vis.attention stays silent per CPU call)."""

@@ -53,6 +53,16 @@ def test_clips_stay_on_the_canvas_and_move_as_prompted():
         md.prompt(3, "sideways")
 
 
+def test_balanced_prompts_cover_the_digits_and_directions():
+    ten = md.balanced_prompts(10)
+    assert sorted(i // 4 for i in ten) == list(range(10))                  # every digit once
+    assert sorted({i % 4 for i in ten}) == [0, 1, 2, 3]                     # every direction
+    assert sorted(md.balanced_prompts(40)) == list(range(40))              # all 40: every prompt once
+    assert md.balanced_prompts(12)[:10] == ten                              # a longer set extends a shorter one
+    with pytest.raises(ValueError, match="between 1 and 40"):
+        md.balanced_prompts(41)
+
+
 def test_a_closed_vocabulary_model_refuses_other_prompts(digits_wan_smoke):
     folder = str(digits_wan_smoke)
     prompts, grammar = wv.known_prompts(folder)
