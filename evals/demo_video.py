@@ -182,7 +182,7 @@ def run_video(video_model: str | None, source: str | None, names: Sequence[str],
         "tokens": tokens_per_frame_sequence(pipe, height=gen["height"], width=gen["width"], frames=gen["frames"]),
         "latent_steps": list(measured), "policies": summarize(names, rows, ops, measured),
         "paired_with": PAIRED_WITH if PAIRED_WITH in names else None,
-        "logits": logits, "per_clip": rows, "seconds": timings,
+        "logits": logits, "per_clip": rows, "seconds": timings, "cpu": cpu_record(),
         "weights_sha256": record.get("weights_sha256"), "trained": record.get("final"),
     }
     if result["paired_with"]:
@@ -191,6 +191,18 @@ def run_video(video_model: str | None, source: str | None, names: Sequence[str],
     files = write_report(out, NAME, result, video_markdown(result))
     result["files"]["report"] = {k: str(v) for k, v in files.items()}
     return result
+
+
+def cpu_record() -> dict[str, Any]:
+    """What decides the last bits of a float32 product here: the CPU, the vector ISA torch dispatches to,
+    the threads (the BLAS's summation order)."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:   # not Linux: the platform string in the environment record says what it can
+        pass
+    return {"model": model, "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
 def logit_ranges(transformer: torch.nn.Module, inputs: list, fp4: Sequence[Any],
@@ -297,7 +309,7 @@ def write_video_files(r: dict[str, Any], frames: dict[str, np.ndarray], out: Pat
     middle = r["generation"]["frames"] // 2
     sheet = frame_strip({p: f[:, middle] for p, f in rows.items()}, out / "demo_clips.png", every=1,
                         columns=[p.replace("digit ", "").replace("moving ", "") for p in r["prompts"]],
-                        title=f"frame {middle} of every clip (prompt above, seed = column)")
+                        title=f"frame {middle} of every clip (column i: clip i, seed i, its prompt above)")
     files: dict[str, Any] = {"strip": str(strip), "sheet": str(sheet), "mp4": {}}
     skip = mp4_unavailable()
     if skip:

@@ -104,10 +104,12 @@ def test_generate_refuses_a_prompt_the_shipped_model_does_not_know(capsys, tmp_p
 
 def test_generate_end_to_end(assets, tmp_path, capsys):
     out_mp4 = tmp_path / "fox.mp4"
-    code, out, err = run(capsys, "generate", "--model", assets["wan"], "--prompt", "a red fox in the snow",
-                         "--policy", "wan_fast", "--frames", 5, "--steps", 2, "--height", 32, "--width", 32,
-                         "--seed", 7, "--output", out_mp4, "--device", "cpu", "--exact-steps", "0")
+    with pytest.warns(UserWarning, match="fp4vis generate: no FP4 attention kernel runs on the CPU") as seen:
+        code, out, err = run(capsys, "generate", "--model", assets["wan"], "--prompt", "a red fox in the snow",
+                             "--policy", "wan_fast", "--frames", 5, "--steps", 2, "--height", 32, "--width", 32,
+                             "--seed", 7, "--output", out_mp4, "--device", "cpu", "--exact-steps", "0")
     assert code == 0, err
+    assert sum("reference emulation" in str(w.message) for w in seen) == 1   # once, as the README says
     assert out_mp4.stat().st_size > 0 and f"video: {out_mp4}" in out
     side = json.loads(out_mp4.with_suffix(".json").read_text())
     assert side["policy"] == "wan_fast" and side["seed"] == 7 and side["prompt"] == "a red fox in the snow"
