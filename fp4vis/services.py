@@ -86,8 +86,8 @@ def warn_reference_fallback(backend: str, device: torch.device, policy: str | Po
     import warnings
 
     warnings.warn(f"{command}: no FP4 attention kernel runs on the {device.type.upper()}; policy "
-                  f"{get_policy(policy).name!r} runs on the reference emulation (exact numerics, slow). "
-                  "--backend reference says so and silences this", UserWarning, stacklevel=2)
+                  f"{get_policy(policy).name!r} runs on the reference emulation (exact numerics, slow); "
+                  "--backend reference chooses it and silences this", UserWarning, stacklevel=2)
     return True
 
 

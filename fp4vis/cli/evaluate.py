@@ -222,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
         from fp4vis.pipelines.wan_video import WAN_GENERATION, check_prompt, generation_defaults, training_record
 
         gen = generation_defaults(args.model) if args.model else WAN_GENERATION
-        prompt = args.prompt or (training_record(args.model).get("generation") or {}).get("prompt") or DEFAULT_PROMPT
+        own = (training_record(args.model).get("generation") or {}).get("prompt") if args.model else None
+        prompt = args.prompt or own or DEFAULT_PROMPT
         if args.model:
             check_prompt(args.model, prompt, force=args.force)
         r = run_wan_eval(args.model, speed_only=args.speed_only, policies=args.policies,
