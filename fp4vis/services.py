@@ -402,7 +402,7 @@ def environment() -> dict[str, Any]:
         "git_commit": git_commit(),
         "versions": package_versions(),
         "gpu": gpu_info(),
-        "command": " ".join(sys.argv),
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),   # no path of this machine
     }
 
 
