@@ -15,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from fp4vis.evals.demo_defaults import DEFAULT_CLIPS, DEFAULT_LIMIT, DEMO_POLICIES, VIDEO_MODEL
 
     p = sub.add_parser("demo", formatter_class=Formatter,
-                       help="FP4 attention on the shipped trained models (CPU, ~4 min, no network)",
+                       help="FP4 attention on the shipped trained models (CPU, ~3 min, no network)",
                        description="Run the shipped digit models (fp4vis:digits-vit, fp4vis:digits-mae) on "
                                    "their held-out digits, and the video model (fp4vis:digits-wan, in float32) on "
                                    "--video-clips prompts, under each policy on the reference backend: ViT top-1 "
@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     video.add_argument("--no-video", action="store_true", help="leave the video model out")
     p.add_argument("--video-clips", type=positive_int, default=DEFAULT_CLIPS,
                    help="prompts of the video model, spread over the digits and directions (2 to 40; the time "
-                        "grows with them: about 13 s of a 2-core CPU per clip)")
+                        "grows with them: about 16 s of a quiet 2-core CPU per clip)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars and stage messages")
 
 
