@@ -38,7 +38,8 @@ are given for both (``speedup_vs_*``, ``graph_speedup_vs_*``). Errors: relative 
 reference is slow) and against BF16 SDPA; for a policy that is not exact to docs/numerics.md (``code_rounding``
 other than "exact", e.g. ``fast_bf16round``) also against the reference of its exact twin
 (``rel_l2_vs_exact_reference``). ``quick=True`` runs on the CPU: the reference backend on
-tiny shapes (a smoke test of the harness).
+tiny shapes (a smoke test of the harness): the median wall time of 3 calls per shape, nothing else (no
+FLOP rate: the emulation's is no kernel's; no error: the reference is what errors are measured against).
 """
 
 from __future__ import annotations
@@ -353,7 +354,7 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
         except Exception as exc:  # noqa: BLE001 - a backend that cannot be captured says so
             row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             torch.cuda.synchronize()
-    if not backend.startswith("prepass"):
+    if not backend.startswith("prepass") and not quick:   # the CPU emulation's FLOP rate is no kernel's speed
         row["tflops"] = round(shape_flops / (ms * 1e-3) / 1e12, 2)
     if out0 is not None and check_errors and not quick:
         row["finite"] = bool(torch.isfinite(out0).all())
@@ -418,10 +419,21 @@ def geo_mean_speedup(rows: list[dict], backend: str = "hopper", policy: str = "f
 
 
 def summary_table(rows: list[dict]) -> str:
-    """Markdown: one line per shape, ms of each backend, the Hopper speedups and errors."""
+    """Markdown: one line per shape, ms of each backend, the Hopper speedups and errors (those columns only
+    where a Hopper row was timed: a CPU run has nothing to put there)."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows if "shape" in r))
     cols = list(dict.fromkeys((r["backend"], r.get("policy")) for r in rows if "backend" in r))
     head = ["shape"] + [f"{b}{'/' + p if p else ''} ms" for b, p in cols]
+    if not any(r.get("backend") == "hopper" and "ms" in r for r in rows):
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for s in shapes:
+            cells = [s]
+            for b, p in cols:
+                r = next((x for x in rows if x.get("shape") == s and x.get("backend") == b
+                          and x.get("policy") == p), None)
+                cells.append(f"{r['ms']:.4g}" if r and "ms" in r else "—")
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
     # the last five columns describe the first "hopper" row of each shape: name its policy
     first = next((f"hopper/{p}" if p else "hopper" for b, p in cols if b == "hopper"), "hopper")
     lines = ["| " + " | ".join(head) + f" | {first} vs fa4 | {first} vs cuDNN | {first} pre-pass share | "

@@ -36,6 +36,7 @@ from fp4vis.services import (
     backend_in_use,
     check_backend,
     check_model_source,
+    display_source,
     environment,
     guard_plan_summary,
     hub_error,
@@ -271,7 +272,8 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                 "max": float(t.max())}
 
     result: dict[str, Any] = {
-        "eval": "mae_psnr", "model": model, "random_weights": random_weights, "data": str(root), "images": n,
+        "eval": "mae_psnr", "model": display_source(model), "random_weights": random_weights,
+        "data": display_source(str(root)), "images": n,
         "image_files": files,
         "resolution": res, "native_resolution": native, "patch_size": patch, "tokens_encoder":
         int(round(num_patches * (1 - cfg.mask_ratio))) + 1, "mask_ratio": cfg.mask_ratio,

@@ -5,9 +5,10 @@ every ``every``-th frame, so that what a policy does to a video can be seen at a
 
 ``speed_error_plot(result, path)``: one point per (backend or baseline, policy), averaged over the
 shape grid: x = error against exact BF16 attention (relative L2 vs SDPA, log scale), y = speed (TFLOPS when the
-rows carry it, else 1/time). Points lower-left are slower and more accurate, upper-right faster and
-less accurate. The function reads the rows of the kernel benchmark's result and tolerates the usual
-field names, so it also works on JSON files written earlier.
+rows carry it, else 1/time); a row without a measured error is a dashed line at its speed (no x is made up).
+Points lower-left are slower and more accurate, upper-right faster and less accurate. The function reads
+the rows of the kernel benchmark's result and tolerates the usual field names, so it also works on JSON
+files written earlier.
 """
 
 from __future__ import annotations
@@ -102,19 +103,22 @@ def speed_error_plot(result: Any, path: str | os.PathLike, *, title: str = "fp4v
     use_tflops = any(p.get("tflops") for p in pts)
     fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
     plotted = 0
-    for p in sorted(pts, key=lambda p: p["label"]):
+    for i, p in enumerate(sorted(pts, key=lambda p: p["label"])):
         y = p.get("tflops") if use_tflops else (1000.0 / p["time_ms"] if p.get("time_ms") else None)
         x = p.get("rel_l2")
         if y is None:
             continue
-        x = max(x, 1e-6) if x is not None else 1e-6  # exact baselines sit on the left edge
-        ax.scatter([x], [y], s=46, label=p["label"], zorder=3)
-        ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        if x is None or x <= 0:   # no error measured (or exactly 0 on a log axis): a speed line, not a made-up x
+            ax.axhline(y, color=f"C{i % 10}", ls="--", lw=1.0, zorder=2, label=f"{p['label']} (no error measured)")
+        else:
+            ax.scatter([x], [y], s=46, color=f"C{i % 10}", label=p["label"], zorder=3)
+            ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
         plotted += 1
-    ax.set_xscale("log")
-    has_err = any(p.get("rel_l2") is not None for p in pts)
-    ax.set_xlabel("relative L2 error vs exact BF16 attention (mean over shapes; none = 1e-6)" if has_err else
-                  "no error measured in this run (quick mode times only)")
+    has_err = any((p.get("rel_l2") or 0) > 0 for p in pts)
+    if has_err:
+        ax.set_xscale("log")
+    ax.set_xlabel("relative L2 error vs exact BF16 attention (mean over shapes); dashed: speed of a row without "
+                  "an error" if has_err else "no error measured in this run: the dashed lines are speeds only")
     ax.set_ylabel("TFLOPS (mean over shapes)" if use_tflops else "calls per second (1 / mean time)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3, zorder=0)
@@ -136,9 +140,11 @@ def speed_error_plot(result: Any, path: str | os.PathLike, *, title: str = "fp4v
     return path
 
 
-def frame_strip(rows: Mapping[str, Any], path: str | os.PathLike, *, every: int = 2, title: str | None = None) -> Path:
+def frame_strip(rows: Mapping[str, Any], path: str | os.PathLike, *, every: int = 2, title: str | None = None,
+                columns: list[str] | None = None) -> Path:
     """Write a PNG of clips (label -> frames (F, H, W, 3) or (F, H, W) in [0, 1]), one row per label,
-    frames 0, every, 2 * every, ... in columns, and return the path."""
+    frames 0, every, 2 * every, ... in columns, and return the path. ``columns``: the column titles
+    (default "frame i"), e.g. for a sheet of one frame of several clips."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,7 +165,7 @@ def frame_strip(rows: Mapping[str, Any], path: str | os.PathLike, *, every: int 
             ax.set_xticks([])
             ax.set_yticks([])
             if r == 0:
-                ax.set_title(f"frame {f}", fontsize=7)
+                ax.set_title(columns[c] if columns else f"frame {f}", fontsize=7)
             if c == 0:
                 ax.set_ylabel(label, fontsize=8)
     if title:

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp4vis.services import UsageError
+from fp4vis.services import UsageError, display_source
 
 from .report import markdown_table, write_report
 
@@ -106,8 +106,9 @@ def run_vit_protocol(data: str | os.PathLike, *, model: str | None = None, proto
     from .vit_top1 import run_vit_eval
 
     model = model or protocol.model
-    result: dict[str, Any] = {"eval": "vit_protocol", "protocol": "paper", "model": model, "data": str(data),
-                              "seed": protocol.seed, "runs": {}, "random_weights": False}
+    result: dict[str, Any] = {"eval": "vit_protocol", "protocol": "paper", "model": display_source(model),
+                              "data": display_source(str(data)), "seed": protocol.seed, "runs": {},
+                              "random_weights": False}
     for run in protocol.runs:
         r = run_vit_eval(model, data, policies=list(protocol.policies), resolution=run.resolution,
                          limit=run.images, sample_seed=protocol.seed, labels="names", seed=protocol.seed,
@@ -142,7 +143,8 @@ def run_mae_protocol(data: str | os.PathLike, *, model: str | None = None, proto
                      sample_seed=protocol.seed, mask_ratio=protocol.mask_ratio, seed=protocol.seed, decoder=False,
                      out_dir=out_dir, name=f"{name}_run", **common)
     result: dict[str, Any] = {
-        "eval": "mae_protocol", "protocol": "paper", "model": model, "data": str(data), "seed": protocol.seed,
+        "eval": "mae_protocol", "protocol": "paper", "model": display_source(model),
+        "data": display_source(str(data)), "seed": protocol.seed,
         "images": r["images"], "mask_ratio": r["mask_ratio"], "random_weights": r["random_weights"],
         "bf16_masked_psnr": r["bf16"]["masked_psnr"]["mean"], "published_bf16_masked_psnr": protocol.published_bf16,
         "policies": {p: {"masked_psnr_diff_vs_bf16": v["masked_psnr_diff_vs_bf16"],

@@ -119,3 +119,35 @@ def mean_ci95(values: Sequence[float]) -> dict[str, float | int | None]:
     sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
     half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "ci95_low": mean - half, "ci95_high": mean + half, "std": sd}
+
+
+def wilson_ci95(successes: int, n: int) -> dict[str, float | int | None]:
+    """A proportion with its 95 % Wilson score interval (sound at 0/n and n/n, where the normal
+    approximation collapses to a point)."""
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be in [0, n], got {successes} of {n}")
+    if n == 0:
+        return {"k": 0, "n": 0, "rate": None, "ci95_low": None, "ci95_high": None}
+    z = 1.959963984540054
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    low = 0.0 if successes == 0 else max(0.0, centre - half)   # exactly the end where the rate is at it
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return {"k": successes, "n": n, "rate": p, "ci95_low": low, "ci95_high": high}
+
+
+def paired_rate_difference_ci95(gained: int, lost: int, n: int) -> dict[str, float | int | None]:
+    """The difference of two success rates measured on the same n items (e.g. top-1 under a policy minus
+    top-1 under BF16, image by image): ``(gained - lost) / n`` with the 95 % interval of Agresti and Min
+    (2005; a Wald interval on the paired table with half a count added to each cell), which keeps a
+    width where few or no items changed. ``gained``: items right only under the first, ``lost``: right
+    only under the second."""
+    if min(gained, lost) < 0 or gained + lost > n or n == 0:
+        raise ValueError(f"gained, lost, n: need 0 <= gained + lost <= n > 0, got {gained}, {lost}, {n}")
+    z = 1.959963984540054
+    b, c, m = gained + 0.5, lost + 0.5, n + 2.0
+    diff = (b - c) / m
+    half = z * math.sqrt(max(0.0, (b + c) - (b - c) ** 2 / m)) / m
+    return {"n": n, "gained": gained, "lost": lost, "mean": (gained - lost) / n,
+            "ci95_low": max(-1.0, diff - half), "ci95_high": min(1.0, diff + half)}

@@ -39,7 +39,7 @@ from fp4vis.evals.common import (
     per_sample,
 )
 from fp4vis.evals.datasets import open_images, sample_indices
-from fp4vis.evals.report import markdown_table, write_report
+from fp4vis.evals.report import markdown_table, paired_rate_difference_ci95, write_report
 from fp4vis.services import (
     Timer,
     UsageError,
@@ -47,6 +47,7 @@ from fp4vis.services import (
     backend_in_use,
     check_backend,
     check_model_source,
+    display_source,
     environment,
     guard_plan_summary,
     hub_error,
@@ -375,8 +376,8 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                                          ignore_index=-1))
 
     result: dict[str, Any] = {
-        "eval": "vit_top1", "model": model, "model_kind": clf.kind, "random_weights": random_weights,
-        "data": str(root), "images": n, "image_files": files, "labels": label_mode,
+        "eval": "vit_top1", "model": display_source(model), "model_kind": clf.kind, "random_weights": random_weights,
+        "data": display_source(str(root)), "images": n, "image_files": files, "labels": label_mode,
         "classes_in_data": len(mapping or []) or None,
         "resolution": clf.resolution, "native_resolution": clf.native_resolution, "tokens": clf.tokens,
         "dtype": str(model_dtype).replace("torch.", ""), "backend": backend, "batch_size": batch_size,
@@ -390,6 +391,8 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
             "guard_plan_applied": plan_for(plan, p) is not None,
             "top1": top1(gathered[f"{p.name}/pred"]),
             "top1_delta_vs_bf16": (top1(gathered[f"{p.name}/pred"]) - result["bf16"]["top1"]) if has_labels else None,
+            "top1_delta_vs_bf16_ci95": paired_top1_difference(gathered[f"{p.name}/pred"], gathered["bf16_pred"],
+                                                              gathered["target"]) if has_labels else None,
             "agreement_with_bf16": float(multiclass_accuracy(gathered[f"{p.name}/pred"], gathered["bf16_pred"],
                                                              num_classes=nc, average="micro")),
             "logit_cosine_mean": float(gathered[f"{p.name}/logit_cos"].mean()),
@@ -416,6 +419,22 @@ class _null:
         return None
 
 
+def paired_top1_difference(pred: torch.Tensor, ref_pred: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    """Top-1 under a policy minus top-1 under BF16 on the same labelled images, with its paired 95 %
+    interval (``paired_rate_difference_ci95``): a difference of a few images is told apart from none."""
+    labelled = target >= 0
+    right, ref_right = pred[labelled] == target[labelled], ref_pred[labelled] == target[labelled]
+    return paired_rate_difference_ci95(int((right & ~ref_right).sum()), int((ref_right & ~right).sum()),
+                                       int(labelled.sum()))
+
+
+def top1_delta_text(d: dict[str, Any] | None) -> str | None:
+    """``-0.005 [-0.021, 0.011] (+1 / -2)``: the paired top-1 difference, its interval, the images behind it."""
+    if d is None:
+        return None
+    return (f"{d['mean']:+.3f} [{d['ci95_low']:+.3f}, {d['ci95_high']:+.3f}] (+{d['gained']} / -{d['lost']})")
+
+
 def vit_markdown(r: dict[str, Any]) -> str:
     warn = ("\n**Random weights**: the model was built from its configuration with seeded random "
             "weights (no pretrained checkpoint). Agreement and logit errors measure the numerics of FP4 "
@@ -428,12 +447,14 @@ def vit_markdown(r: dict[str, Any]) -> str:
     rows = [["bf16 (baseline)", r["bf16"]["top1"], None, 1.0, None, None, None]]
     for name, p in r["policies"].items():
         worst = min(p["per_layer"]["cosine_min"]) if p.get("per_layer") and p["per_layer"]["cosine_min"] else None
-        rows.append([name, p["top1"], p["top1_delta_vs_bf16"], p["agreement_with_bf16"], p["logit_cosine_mean"],
-                     p["logit_rel_l2_mean"], worst])
-    lines.append(markdown_table(["policy", "top-1", "Δ top-1", "agreement with BF16", "logit cosine (mean)",
-                                 "logit relL2 (mean)", "worst layer cosine"], rows))
+        rows.append([name, p["top1"], top1_delta_text(p.get("top1_delta_vs_bf16_ci95")), p["agreement_with_bf16"],
+                     p["logit_cosine_mean"], p["logit_rel_l2_mean"], worst])
+    lines.append(markdown_table(["policy", "top-1", "Δ top-1 [95 %] (gained / lost images)", "agreement with BF16",
+                                 "logit cosine (mean)", "logit relL2 (mean)", "worst layer cosine"], rows))
     lines += ["", "top-1: torchmetrics multiclass accuracy, micro average, over the labelled images "
-              "(n/a without labels). Agreement: fraction of images whose FP4 top-1 class equals the BF16 one. "
+              "(n/a without labels). Δ top-1: the policy's top-1 minus BF16's on the same images, with the paired "
+              "95 % interval of Agresti and Min (fp4vis.evals.report.paired_rate_difference_ci95). Agreement: fraction "
+              "of images whose FP4 top-1 class equals the BF16 one. "
               "Logit cosine / relL2: fp4vis.metrics per image against the BF16 logits, then the mean. Per-layer: "
               "each attention layer re-run under the policy on the inputs it saw in the BF16 pass."]
     if any(p.get("per_layer") for p in r["policies"].values()) and r["layers"]:

@@ -63,6 +63,7 @@ from fp4vis.services import (
     attention_label,
     backend_in_use,
     check_backend,
+    display_source,
     environment,
     guard_plan_summary,
     load_guard_plan,
@@ -97,7 +98,7 @@ def add_speedups_vs(runs: dict[str, Any], references: list[str]) -> None:
             run["speedup_vs"] = {ref: s / run["timings"]["denoise_s"] for ref, s in done.items()}
 
 
-def _video_metrics(frames, ref) -> dict[str, Any]:
+def frame_metrics(frames, ref) -> dict[str, Any]:
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
     a = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
@@ -224,11 +225,12 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
     cfg = pipe.transformer.config
     result: dict[str, Any] = {
         "eval": "wan_fidelity", "mode": "speed_only" if random_weights else "fidelity",
-        "model": model or f"Wan2.1-T2V-{speed_only} architecture", "random_weights": random_weights,
+        "model": display_source(model) if model else f"Wan2.1-T2V-{speed_only} architecture",
+        "random_weights": random_weights,
         "prompt": prompt_used, "negative_prompt": negative_prompt, "height": height, "width": width,
         "frames": frames, "latent_frames": int(latents.shape[2]), "tokens": tokens, "steps": steps,
         "guidance_scale": guidance_scale, "seed": seed, "dtype": str(pipe.transformer.dtype).replace("torch.", ""),
-        "backend": backend, "decode": decode, "warmup": warmup, "compile": compile,
+        "backend": backend, "device": dev.type, "decode": decode, "warmup": warmup, "compile": compile,
         "guard_plan": guard_plan_summary(plan),
         "transformer": {"num_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
                         "attention_head_dim": cfg.attention_head_dim, "ffn_dim": cfg.ffn_dim},
@@ -321,7 +323,7 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
             run["latents_after_steps"] = [{"steps": k, "cosine": cosine(a, b), "rel_l2": rel_l2(a, b)}
                                           for k, (a, b) in after.items()]
             if decode:
-                run["video"] = _video_metrics(res.frames, ref.frames)
+                run["video"] = frame_metrics(res.frames, ref.frames)
             if op_error is not None and run_name in op_error.errors:
                 run["attention_rel_l2"] = op_error.summary()[run_name]
         if save_videos and decode and out_dir is not None and not mp4_skip:
@@ -361,19 +363,25 @@ def wan_markdown(r: dict[str, Any]) -> str:
              f"{r['dtype']} transformer, backend `{r['backend']}`{_compiled_note(r.get('compile'))}; same seed, "
              f"latents and prompt embeddings for every run; "
              f"{'warm-up run before each timed run' if r['warmup'] else 'no warm-up'}.", ""]
+    emulated = reference_timed(r)
     rows = []
     for name, run in r["runs"].items():
         if "error" in run:
-            rows.append([name, "failed: " + run["error"].splitlines()[0][:120]] + [None] * 9)
+            rows.append([name, "failed: " + run["error"].splitlines()[0][:120]] + [None] * (7 if emulated else 9))
             continue
         t = run["timings"]
         v = run.get("video") or {}
+        speed = [] if emulated else [run.get("speedup_denoise"), run.get("speedup_end_to_end")]
         rows.append([name, t["denoise_s"], run["step_s"], t["decode_s"] if r["decode"] else None, t["total_s"],
-                     run.get("speedup_denoise"), run.get("speedup_end_to_end"), run.get("latent_cosine"),
-                     run.get("latent_rel_l2"), v.get("psnr_mean"), v.get("ssim_mean")])
+                     *speed, run.get("latent_cosine"), run.get("latent_rel_l2"), v.get("psnr_mean"),
+                     v.get("ssim_mean")])
     lines.append(markdown_table(["run", "denoise (s)", "per step (s)", "VAE decode (s)", "end-to-end (s)",
-                                 "speedup (denoise)", "speedup (e2e)", "latent cosine", "latent relL2",
-                                 "PSNR vs BF16 (dB)", "SSIM vs BF16"], rows))
+                                 *([] if emulated else ["speedup (denoise)", "speedup (e2e)"]), "latent cosine",
+                                 "latent relL2", "PSNR vs BF16 (dB)", "SSIM vs BF16"], rows))
+    if emulated:
+        lines += ["", "The FP4 runs ran the reference emulation (exact numerics, float64 element math on the "
+                  f"{r.get('device', 'cpu').upper()}), not a kernel: their times say what the emulation costs, not "
+                  "what FP4 attention gains, so no speedup is given."]
     lines += _baselines_markdown(r)
     steps_rows = [[name] + [f"{fmt(a['cosine'], 6)} / {fmt(a['rel_l2'], 4)}" for a in run["latents_after_steps"]]
                   for name, run in r["runs"].items() if "latents_after_steps" in run]
@@ -398,6 +406,12 @@ def wan_markdown(r: dict[str, Any]) -> str:
               "for the range check); at Wan2.1's own sizes a step is seconds of GPU work, which host overhead "
               "does not change."]
     return "\n".join(lines)
+
+
+def reference_timed(r: dict[str, Any]) -> bool:
+    """Whether the FP4 runs were timed on the reference emulation (asked for, or ``auto`` off a GPU): their
+    times are no speed result."""
+    return r["backend"] == "reference" or (r["backend"] == "auto" and r.get("device", "cuda") != "cuda")
 
 
 def _baselines_markdown(r: dict[str, Any]) -> list[str]:

@@ -101,7 +101,8 @@ _E2M1_TIE_UP = (False, True, False, True, False, True, False)
 @functools.cache
 def _e2m1_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(magnitudes, boundaries b) for one dtype and device, made once (no host-to-device copy per
-    call, so CUDA-graph capture works): the magnitude index is the number of b strictly below |x|."""
+    call, so CUDA-graph capture works): the magnitude index is the number of b strictly below |x|
+    (the definition ``e2m1_round`` is tested against)."""
     mid = torch.tensor(_E2M1_MIDPOINTS, dtype=dtype, device=device)
     below = torch.nextafter(mid, torch.zeros_like(mid))
     bounds = torch.where(torch.tensor(_E2M1_TIE_UP, device=device), below, mid)
@@ -111,11 +112,20 @@ def _e2m1_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor
 def e2m1_round(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
     """Values of ``E2M1_rne_sat(x)`` (``cvt.rn.satfinite[.relu].e2m1x2.f32``), same dtype as x
     (float32 or float64). ``relu`` maps negatives to +0. NaN is not representable (callers that
-    encode check for it); here it saturates like a large value."""
-    mags, bounds = _e2m1_tables(x.dtype, x.device)
-    if relu:  # negatives (and -inf) fall below the first boundary: index 0, +0
-        return mags[torch.bucketize(x.contiguous(), bounds)]
-    return torch.copysign(mags[torch.bucketize(x.abs().contiguous(), bounds)], x)
+    encode check for it); here it saturates like a large value.
+
+    The E2M1 magnitudes are the multiples of 0.5 below 2, of 1 from 2 to 4 and of 2 from 4 to 6, so
+    the magnitude is scaled onto the integers (x 2, x 1, x 0.5: exact in binary floating point, x 0.5
+    only from 4 up, far from subnormals), rounded half to even (``torch.round``: a tie goes to the even
+    integer, which is the even E2M1 code: down at 0.25, 1.25, 2.5, 5, up at 0.75, 1.75, 3.5) and scaled
+    back; a boundary between two spacings rounds onto it (1.75 -> 2, 3.5 -> 4) under either. Then
+    saturation at 6 (NaN included). The same values as the nearest-boundary table ``_e2m1_tables``
+    (``test_e2m1_round_is_the_boundary_table``), at under half its CPU time (no binary search)."""
+    mag = torch.where(x <= 0, 0.0, x) if relu else x.abs()   # relu: negatives, -0 and -inf to +0; NaN stays
+    scale = torch.where(mag < 2, 2.0, torch.where(mag < 4, 1.0, 0.5))
+    out = torch.round(mag * scale) / scale
+    out = torch.where(out < 6, out, 6.0).to(x.dtype)   # not below 6 (or NaN): saturated
+    return out if relu else torch.copysign(out, x)
 
 
 _E2M1_INDEX_OF_TWICE_MAG = torch.tensor([0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7], dtype=torch.uint8)

@@ -101,6 +101,20 @@ def attention_label(policy: str | Policy, backend: str, device: torch.device, gu
     return f"{pol.name}{' + guard plan' if guard is not None else ''}, {backend_in_use(backend, device)}"
 
 
+def warn_reference_fallback(backend: str, device: torch.device, policy: str | Policy, command: str) -> bool:
+    """The warning the README promises where ``backend="auto"`` falls back to the reference, for a command
+    on a device without an FP4 kernel (the CPU): ``fp4vis.attention`` itself stays silent for CPU tensors
+    (every call would warn; no kernel exists for a CPU), so the command says it once. True when it warned."""
+    if backend != AUTO or device.type == "cuda" or get_policy(policy).method == "exact":
+        return False
+    import warnings
+
+    warnings.warn(f"{command}: no FP4 attention kernel runs on the {device.type.upper()}; policy "
+                  f"{get_policy(policy).name!r} runs on the reference emulation (exact numerics, slow); "
+                  "--backend reference chooses it and silences this", UserWarning, stacklevel=2)
+    return True
+
+
 def resolve_policies(names: str | Sequence[str], *, allow_bf16: bool = True) -> list[Policy]:
     """Policy names (comma-separated string or a list) -> Policy objects, with a clear error."""
     if isinstance(names, str):
@@ -358,6 +372,19 @@ def is_local_path(source: str) -> bool:
     return source.count("/") > 1 or "\\" in source
 
 
+def display_source(source: str) -> str:
+    """A model source as reports show it: a shipped name (``fp4vis:digits-wan``) or a Hub id as given, a
+    local folder relative to the working directory, or by its name where it lies outside it (no
+    absolute path of this machine in a report)."""
+    if not isinstance(source, str) or source.startswith("fp4vis:") or not is_local_path(source):
+        return source
+    path = Path(os.path.expanduser(source)).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name
+
+
 def check_model_source(source: str, what: str = "model") -> tuple[str, bool]:
     """Validate a hub id or local path; returns (source, is_local). A missing local path raises."""
     if not source:
@@ -466,7 +493,7 @@ def environment() -> dict[str, Any]:
         "git_commit": git_commit(),
         "versions": package_versions(),
         "gpu": gpu_info(),
-        "command": " ".join(sys.argv),
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),   # no path of this machine
         "library_warnings": library_warnings(),
     }
 

@@ -522,8 +522,7 @@ def generation_checks(pipe, cfg: Config, checks, prompts_to_check: list[int], re
 
 def check_prompts(n: int) -> list[int]:
     """Every prompt once (n = 40), or n of them spread over the digits and directions."""
-    return [md.prompt_index(d, (d + k) % len(md.DIRECTIONS)) for k in range(len(md.DIRECTIONS))
-            for d in range(NUM_CLASSES)][:n]
+    return md.balanced_prompts(n)
 
 
 @torch.no_grad()

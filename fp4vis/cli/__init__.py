@@ -10,6 +10,7 @@ guard plans, and say which attention backends work on this machine.
     fp4vis eval mae --model facebook/vit-mae-base --data ~/photos
     fp4vis eval wan --speed-only 1.3B --steps 2
     fp4vis calibrate wan --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompt "a red fox" --out plan.json
+    fp4vis zoo export digits digits/
 
 Every command takes a Hub id or a local directory for its weights, never downloads implicitly for a
 path, prints a one-line error (exit status 2) for bad options, missing paths or GPU-only options on
@@ -26,12 +27,12 @@ from fp4vis.attention import RangeExceededError
 from fp4vis.patching import GuardPlanError
 from fp4vis.services import UsageError, WarningLog, fp4vis_version, loading_bars
 
-from . import bench, calibrate, demo, evaluate, generate, info, selfcheck
+from . import bench, calibrate, demo, evaluate, generate, info, selfcheck, zoo
 from .options import EPILOG, Formatter, Parser, fill_help, innermost
 
 # command name -> module with add_parser(sub) and run(args)
 COMMANDS = {"demo": demo, "info": info, "bench": bench, "generate": generate, "eval": evaluate, "calibrate": calibrate,
-            "selfcheck": selfcheck}
+            "selfcheck": selfcheck, "zoo": zoo}
 
 
 def build_parser() -> argparse.ArgumentParser:

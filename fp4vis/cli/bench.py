@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Time every attention backend and baseline available here on the kernel "
                                    "shape grid; write JSON, a Markdown table and a speed-error plot (PNG).")
     p.add_argument("--quick", action="store_true",
-                   help="tiny shapes, reference backend on the CPU: runs anywhere in seconds (a smoke test)")
+                   help="tiny shapes, reference backend on the CPU: runs anywhere in seconds (a smoke test of the "
+                        "harness: times only, no plot)")
     p.add_argument("--policies", type=policy_list, default="fast", help="FP4 policies of the fp4vis backends")
     p.add_argument("--backends", default=None,
                    help="comma-separated subset of " + ", ".join(BENCH_BACKENDS) + ", reference "
@@ -56,14 +57,18 @@ def run(args: argparse.Namespace) -> int:
     rows = kb.run_grid(**kwargs)
     json_path = kb.write_results(rows, out_dir / f"{name}.json",
                                  extra={"command": " ".join(sys.argv), "quick": args.quick})
+    if args.quick:
+        print("quick: the reference emulation on the CPU, median wall time of 3 calls per shape (ms); no FLOP rate "
+              "and no error are measured (the reference is what errors are measured against)")
     print(kb.summary_table(rows))
     print(f"json: {json_path}\nmarkdown: {json_path.with_suffix('.md')}")
-    if not args.no_plot:
+    if args.quick and not args.no_plot:
+        print("plot: none in quick mode (one backend's times, no error: the table above says all of it)")
+    elif not args.no_plot:
         from fp4vis.evals.plots import speed_error_plot
 
         try:
-            where = "quick: reference on the CPU" if args.quick else "GPU"
-            png = speed_error_plot({"rows": rows}, out_dir / f"{name}.png", title=f"fp4vis kernel benchmark ({where})")
+            png = speed_error_plot({"rows": rows}, out_dir / f"{name}.png", title="fp4vis kernel benchmark (GPU)")
             print(f"plot: {png}")
         except ImportError as e:
             print(f"fp4vis bench: plot skipped ({e}); pip install matplotlib", file=sys.stderr)

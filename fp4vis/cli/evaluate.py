@@ -87,7 +87,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "each a run attn1=NAME timed as the policies are: fa4 (flash-attn-4), sage "
                         "(SageAttention), sdpa_cudnn, sdpa_flash (torch SDPA), comma-separated; auto: fa4 and "
                         "sage where they can run here (the report says why not), none: no baselines")
-    p.add_argument("--prompt", default=None, help="default: a fixed test prompt")
+    p.add_argument("--prompt", default=None, help="default: the model's own (fp4vis:digits-wan: its training "
+                                                 "record's), else a fixed test prompt; a model trained on a closed "
+                                                 "set of prompts refuses any other")
+    p.add_argument("--force", action="store_true", help="run a prompt the model does not know (a warning instead of "
+                                                        "the error)")
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--frames", type=positive_int, default=None, help="(default: the model's)")
@@ -146,11 +150,13 @@ def _run_protocol(args: argparse.Namespace, common: dict) -> int:
     return 0
 
 
-def _wan_run_line(name: str, run: dict) -> str:
-    """One run of the Wan eval: its denoising time, speedups against BF16 and each baseline, latent cosine."""
+def _wan_run_line(name: str, run: dict, emulated: bool = False) -> str:
+    """One run of the Wan eval: its denoising time, speedups against BF16 and each baseline (none where the
+    FP4 runs were the reference emulation: its times are no speed result), latent cosine."""
     if "error" in run:
         return f"{name}: FAILED {run['error']}"
-    speedups = ", ".join(f"{x:.2f}x vs {ref}" for ref, x in run.get("speedup_vs", {}).items() if ref != name)
+    speedups = "" if emulated else ", ".join(f"{x:.2f}x vs {ref}" for ref, x in run.get("speedup_vs", {}).items()
+                                             if ref != name)
     extra = f", speedup {speedups}" if speedups else ""
     if "latent_cosine" in run:
         extra += f", latent cosine {run['latent_cosine']:.5f}"
@@ -165,6 +171,13 @@ def run(args: argparse.Namespace) -> int:
     from fp4vis.services import UsageError, check_output_dir
 
     args.out_dir = check_output_dir(args.out_dir, "--out-dir")
+    if args.protocol is None:
+        from fp4vis.services import resolve_device, warn_reference_fallback
+
+        for name in filter(None, (p.strip() for p in args.policies.split(","))):
+            if warn_reference_fallback(args.backend, resolve_device(args.device), name,
+                                       f"fp4vis eval {args.eval_command}"):
+                break
     common = dict(device=args.device, dtype=args.dtype, backend=args.backend, guard_plan=args.guard_plan,
                   out_dir=args.out_dir, progress=not args.no_progress)
     if args.protocol is not None:
@@ -182,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
                          num_workers=args.workers, name=args.name, say=announcer(args), **common)
         if not main_process():
             return 0
+        base = r["bf16"]["top1"]
+        print(f"bf16 (baseline): {'top-1 ' + format(base, '.4f') if base is not None else 'no labels: top-1 n/a'}, "
+              "the model's own attention")
         for pol, p in r["policies"].items():
             top1 = f"top-1 {p['top1']:.4f}, " if p["top1"] is not None else ""
             print(f"{pol}: {top1}agreement {p['agreement_with_bf16']:.4f}, logit cosine {p['logit_cosine_mean']:.5f}, "
@@ -195,17 +211,23 @@ def run(args: argparse.Namespace) -> int:
                          num_workers=args.workers, name=args.name, say=announcer(args), **common)
         if not main_process():
             return 0
+        print(f"bf16 (baseline): masked-patch PSNR {r['bf16']['masked_psnr']['mean']:.3f} dB, the model's own "
+              "attention")
         for pol, p in r["policies"].items():
             d = p["masked_psnr_diff_vs_bf16"]
             print(f"{pol}: masked-patch PSNR {p['masked_psnr']['mean']:.3f} dB, FP4-BF16 {d['mean']:+.4f} dB, "
                   f"recon PSNR vs BF16 {p['recon_psnr_vs_bf16']['mean']:.2f} dB")
     else:
         from fp4vis.evals.wan_fidelity import DEFAULT_PROMPT, run_wan_eval
-        from fp4vis.pipelines.wan_video import WAN_GENERATION, generation_defaults
+        from fp4vis.pipelines.wan_video import WAN_GENERATION, check_prompt, generation_defaults, training_record
 
         gen = generation_defaults(args.model) if args.model else WAN_GENERATION
+        own = (training_record(args.model).get("generation") or {}).get("prompt") if args.model else None
+        prompt = args.prompt or own or DEFAULT_PROMPT
+        if args.model:
+            check_prompt(args.model, prompt, force=args.force)
         r = run_wan_eval(args.model, speed_only=args.speed_only, policies=args.policies,
-                         prompt=args.prompt or DEFAULT_PROMPT, negative_prompt=args.negative_prompt,
+                         prompt=prompt, negative_prompt=args.negative_prompt,
                          height=args.height or gen["height"], width=args.width or gen["width"],
                          frames=args.frames or gen["frames"], steps=args.steps,
                          guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance,
@@ -215,8 +237,13 @@ def run(args: argparse.Namespace) -> int:
                          **common)
         for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
             print(f"baseline skipped, {why}")
+        from fp4vis.evals.wan_fidelity import reference_timed
+
+        emulated = reference_timed(r)
+        if emulated:
+            print("FP4 runs on the reference emulation: times are the emulation's, no speedup is given")
         for name, run in r["runs"].items():
-            print(_wan_run_line(name, run))
+            print(_wan_run_line(name, run, emulated))
     for kind, path in (r.get("files") or {}).items():
         print(f"{kind}: {path}")
     return 0

@@ -14,14 +14,18 @@ DEFAULT = " (default: the model's; see above)"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", formatter_class=Formatter, help="generate a video with Wan2.1 (T2V or I2V)",
                        description="Generate a video with a Wan2.1 pipeline under an attention policy; write an "
-                                   "MP4 and a JSON sidecar (model, prompt, seed, frames, steps, policy, guard "
-                                   "plan, timings, versions, GPU). Size, frames, steps, guidance and fps default "
-                                   "to the model's: a shipped model's own (fp4vis:digits-wan: 64x64, 13 frames), "
-                                   "Wan2.1's 480p settings for any other (480x832, 81 frames, 50 steps, guidance 5, "
-                                   "16 fps).")
+                                   "MP4 and, beside it, a JSON sidecar of the same name (model, prompt, seed, "
+                                   "frames, steps, policy, guard plan, timings, versions, GPU). Size, frames, "
+                                   "steps, guidance and fps default to the model's: a shipped model's own "
+                                   "(fp4vis:digits-wan: 64x64, 13 frames), Wan2.1's 480p settings for any "
+                                   "other (480x832, 81 frames, 50 steps, guidance 5, 16 fps).")
     p.add_argument("--model", required=True, help="Hub id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers), local "
                                                   "diffusers folder, or fp4vis:digits-wan (shipped)")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="what to show; a model trained on a closed set of prompts "
+                                                   "(fp4vis:digits-wan: \"digit <0-9> moving <left|right|up|down>\") "
+                                                   "refuses any other")
+    p.add_argument("--force", action="store_true", help="generate from a prompt the model does not know (a warning "
+                                                        "instead of the error)")
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--image", default=None, help="conditioning image for image-to-video (I2V) models")
     p.add_argument("--policy", type=policy, default="fast", help=f"one of {POLICY_HELP}")
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                        height=args.height, width=args.width, frames=args.frames, steps=args.steps,
                        guidance_scale=args.guidance, fps=args.fps, device=args.device, dtype=args.dtype,
                        backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress, cp=cp,
-                       say=announcer(args), compile=args.compile)
+                       say=announcer(args), force=args.force, compile=args.compile)
     if out["video"] is None:  # a rank other than 0 of a --cp run: rank 0 reports
         return 0
     t = out["timings"]

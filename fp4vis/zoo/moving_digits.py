@@ -50,6 +50,16 @@ def prompt_index(digit: int, direction: int) -> int:
     return int(digit) * len(DIRECTIONS) + int(direction)
 
 
+def balanced_prompts(n: int) -> list[int]:
+    """``n`` prompt indices (into PROMPTS) spread over the digits and directions: digit d moving
+    DIRECTIONS[(d + k) % 4] for k = 0, 1, 2, 3 in turn, so that the first 10 cover every digit once
+    and every direction 2 or 3 times, and all 40 are every prompt once."""
+    if not 1 <= n <= len(PROMPTS):
+        raise ValueError(f"n: between 1 and {len(PROMPTS)} prompts, got {n}")
+    return [prompt_index(d, (d + k) % len(DIRECTIONS)) for k in range(len(DIRECTIONS))
+            for d in range(NUM_CLASSES)][:n]
+
+
 @dataclass(frozen=True)
 class Motions:
     """Per clip: the direction (index into DIRECTIONS), the speed (px per frame) and the digit's

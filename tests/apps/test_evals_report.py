@@ -6,7 +6,15 @@ import math
 import pytest
 
 from fp4vis.evals.plots import skipped_backends, speed_error_plot, summarize
-from fp4vis.evals.report import fmt, markdown_table, mean_ci95, t_quantile, write_report
+from fp4vis.evals.report import (
+    fmt,
+    markdown_table,
+    mean_ci95,
+    paired_rate_difference_ci95,
+    t_quantile,
+    wilson_ci95,
+    write_report,
+)
 from fp4vis.services import environment
 
 # scipy.stats.t.ppf(0.975, df), 6 decimals
@@ -27,6 +35,30 @@ def test_mean_ci95_known_values():
     assert r["ci95_high"] == pytest.approx(2.5 + half, abs=1e-5)
     one = mean_ci95([0.7])
     assert one["mean"] == 0.7 and one["ci95_low"] is None
+
+
+def test_wilson_interval_known_values():
+    # Wilson's score interval: 5/10 -> [0.2366, 0.7634]; 0/10 and 10/10 keep a width (Wald's would not)
+    half = wilson_ci95(5, 10)
+    assert half["rate"] == 0.5 and half["ci95_low"] == pytest.approx(0.2366, abs=1e-4)
+    assert half["ci95_high"] == pytest.approx(0.7634, abs=1e-4)
+    none, every = wilson_ci95(0, 10), wilson_ci95(10, 10)
+    assert none["ci95_low"] == 0.0 and none["ci95_high"] == pytest.approx(0.2775, abs=1e-4)
+    assert every["ci95_high"] == 1.0 and every["ci95_low"] == pytest.approx(0.7225, abs=1e-4)
+    with pytest.raises(ValueError):
+        wilson_ci95(11, 10)
+
+
+def test_paired_rate_difference_keeps_a_width_where_nothing_changed():
+    same = paired_rate_difference_ci95(0, 0, 200)
+    assert same["mean"] == 0.0 and same["ci95_low"] < 0 < same["ci95_high"] and same["ci95_high"] < 0.02
+    worse = paired_rate_difference_ci95(1, 12, 200)   # 11 images lost on balance: a real difference
+    assert worse["mean"] == pytest.approx(-0.055) and worse["ci95_high"] < 0
+    # Agresti-Min: a Wald interval on the table with half a count in every cell
+    b, c, m = 1.5, 12.5, 202.0
+    assert worse["ci95_low"] == pytest.approx((b - c) / m - 1.959964 * math.sqrt(b + c - (b - c) ** 2 / m) / m)
+    with pytest.raises(ValueError):
+        paired_rate_difference_ci95(5, 6, 10)
 
 
 def test_write_report_json_markdown_environment(tmp_path):
@@ -57,6 +89,21 @@ def test_speed_error_plot_png(tmp_path):
     assert skipped_backends({"rows": rows}) == {"hopper": "True"}
     png = speed_error_plot({"rows": rows}, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_speed_error_plot_makes_up_no_error(tmp_path, monkeypatch):
+    """A row without a measured error (or an error of 0 on the log axis) is a speed line, not a point at a
+    made-up x."""
+    import matplotlib.axes
+
+    points, lines = [], []
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", lambda self, x, y, **k: points.append((x[0], y[0])))
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda self, y, **k: lines.append(y))
+    rows = [{"backend": "reference", "policy": "fast", "time_ms": 4.0, "rel_l2": 0.3},
+            {"backend": "sdpa", "policy": "bf16", "time_ms": 1.0, "rel_l2": 0.0},
+            {"backend": "fa4", "time_ms": 2.0}]
+    speed_error_plot({"rows": rows}, tmp_path / "p.png")
+    assert points == [(0.3, 250.0)] and sorted(lines) == [500.0, 1000.0]
 
 
 def test_bench_runs_the_blackwell_backend_where_it_exists():

@@ -249,3 +249,35 @@ def test_every_command_runs_inside_the_filter(tmp_path, monkeypatch, capsys):
     recorded = json.loads((tmp_path / "r.json").read_text())["environment"]["library_warnings"]
     assert sorted((w["category"], w["count"]) for w in recorded) == [("DSLOptimizationWarning", 2),
                                                                       ("UserWarning", 2)]
+
+
+def test_a_command_on_the_cpu_says_once_that_it_runs_the_reference():
+    """The README's promise for backend="auto": a fallback to the reference warns; the CPU has no kernel, so
+    a command says it (fp4vis.attention stays silent per CPU call)."""
+    import warnings
+
+    import torch
+
+    from fp4vis.services import warn_reference_fallback
+
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning, match="runs on the reference emulation"):
+        assert warn_reference_fallback("auto", cpu, "fast", "fp4vis generate")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no warning where nothing falls back
+        assert not warn_reference_fallback("reference", cpu, "fast", "x")     # asked for the reference
+        assert not warn_reference_fallback("auto", cpu, "bf16", "x")          # exact attention: no FP4 at all
+        assert not warn_reference_fallback("auto", torch.device("cuda"), "fast", "x")   # the registry decides
+
+
+def test_reports_show_no_absolute_path(tmp_path, monkeypatch):
+    from fp4vis.services import display_source
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "vit").mkdir(parents=True)
+    assert display_source(str(tmp_path / "models" / "vit")) == "models/vit"
+    assert display_source("./models/vit") == "models/vit"
+    elsewhere = tmp_path.parent / "elsewhere_model"
+    assert display_source(str(elsewhere)) == "elsewhere_model"
+    assert display_source("fp4vis:digits-wan") == "fp4vis:digits-wan"
+    assert display_source("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"

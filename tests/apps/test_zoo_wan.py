@@ -53,6 +53,29 @@ def test_clips_stay_on_the_canvas_and_move_as_prompted():
         md.prompt(3, "sideways")
 
 
+def test_balanced_prompts_cover_the_digits_and_directions():
+    ten = md.balanced_prompts(10)
+    assert sorted(i // 4 for i in ten) == list(range(10))                  # every digit once
+    assert sorted({i % 4 for i in ten}) == [0, 1, 2, 3]                     # every direction
+    assert sorted(md.balanced_prompts(40)) == list(range(40))              # all 40: every prompt once
+    assert md.balanced_prompts(12)[:10] == ten                              # a longer set extends a shorter one
+    with pytest.raises(ValueError, match="between 1 and 40"):
+        md.balanced_prompts(41)
+
+
+def test_a_closed_vocabulary_model_refuses_other_prompts(digits_wan_smoke):
+    folder = str(digits_wan_smoke)
+    prompts, grammar = wv.known_prompts(folder)
+    assert prompts == md.PROMPTS and grammar == "digit <0-9> moving <left|right|up|down>"
+    wv.check_prompt(folder, "digit 3 moving right")
+    wv.check_prompt(folder, " digit 3  moving right ")                    # the tokenizer splits on whitespace
+    with pytest.raises(UsageError, match=r'--prompt: .* "digit <0-9> moving <left\|right\|up\|down>"'):
+        wv.check_prompt(folder, "Digit 3 moving right")
+    with pytest.warns(UserWarning, match="generating anyway"):
+        wv.check_prompt(folder, "a red fox", force=True)
+    assert wv.known_prompts("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") is None   # any text for other models
+
+
 def test_reader_reads_real_clips():
     """The check of generated clips is fair: on real clips of held-out digits it is almost always right."""
     held = load_heldout().head(60)
@@ -151,7 +174,7 @@ def test_shipped_model_fast_within_margin_of_bf16():
     """The demo's prompt and settings: `fast` (reference backend) stays close to BF16, and both clips show
     the prompted digit moving the prompted way."""
     from fp4vis.evals.common import error_metrics
-    from fp4vis.evals.wan_fidelity import _video_metrics
+    from fp4vis.evals.wan_fidelity import frame_metrics
 
     gen = wv.generation_defaults(f"fp4vis:{WAN}")
     prompt = zoo.metadata(WAN)["generation"]["prompt"]
@@ -162,7 +185,7 @@ def test_shipped_model_fast_within_margin_of_bf16():
     fast = wv.generate(pipe, policy="fast", **kw)
     cosine, _ = error_metrics()
     assert WAN_FAST_MIN_LATENT_COSINE <= cosine(fast.latents, ref.latents) < 1.0   # FP4 ran, and stayed close
-    assert _video_metrics(fast.frames, ref.frames)["psnr_mean"] >= WAN_FAST_MIN_PSNR_DB
+    assert frame_metrics(fast.frames, ref.frames)["psnr_mean"] >= WAN_FAST_MIN_PSNR_DB
     target = md.PROMPTS.index(prompt)
     for frames in (ref.frames, fast.frames):   # both clips show the prompted digit moving the prompted way
         seen = md.read_clips(md.from_frames(frames))

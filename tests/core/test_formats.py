@@ -62,6 +62,38 @@ def test_e2m1_matches_brute_force_on_dense_grid():
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("dtype, int_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64)])
+def test_e2m1_round_is_the_boundary_table(dtype, int_dtype):
+    """e2m1_round (scaled onto the integers, rounded half to even) against the definition: the magnitude
+    whose index is the number of rounding boundaries strictly below |x| (NaN above all of them), on every
+    kind of value: boundaries and their neighbours, powers of two down to the subnormals, any bit pattern."""
+    mags, bounds = fm._e2m1_tables(dtype, torch.device("cpu"))
+
+    def table(x, relu):
+        if relu:
+            return mags[torch.bucketize(x.contiguous(), bounds)]
+        return torch.copysign(mags[torch.bucketize(x.abs().contiguous(), bounds)], x)
+
+    edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.0, 2.5, 3.5, 4.0, 5.0, 6.0], dtype=dtype)
+    near, lo, hi = [edges], edges, edges
+    for _ in range(3):
+        lo, hi = torch.nextafter(lo, torch.zeros_like(lo)), torch.nextafter(hi, torch.full_like(hi, 8.0))
+        near += [lo, hi]
+    info = torch.finfo(dtype)
+    pow2 = torch.tensor([2.0 ** e for e in range(-1074 if dtype == torch.float64 else -149,
+                                                 1024 if dtype == torch.float64 else 128)],
+                        dtype=dtype)
+    special = torch.tensor([0.0, math.inf, math.nan, info.tiny, info.max], dtype=dtype)
+    bits = torch.randint(torch.iinfo(int_dtype).min, torch.iinfo(int_dtype).max, (200_000,), dtype=int_dtype,
+                         generator=torch.Generator().manual_seed(0)).view(dtype)   # any value, any exponent
+    for part in (torch.cat(near), pow2, special, bits):
+        for x in (part, -part):
+            for relu in (False, True):
+                got, want = fm.e2m1_round(x, relu=relu), table(x, relu)
+                assert got.dtype == dtype and not got.isnan().any()   # NaN saturates, as in the table
+                assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 def test_e2m1_nan_is_reported():
     with pytest.raises(ValueError, match="qq: contains NaN"):
         fm.e2m1_encode(torch.tensor([1.0, math.nan]), name="qq")
