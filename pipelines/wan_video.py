@@ -542,7 +542,6 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
     check_backend(backend, dev)
     if compile is not None and compile not in COMPILE_MODES:
         raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
-    warn_reference_fallback(backend, dev, policy, "fp4vis generate")
     plan = load_guard_plan(guard_plan)
     check_plan_policy(plan, policy, "guard_plan")
     pil = None
@@ -575,6 +574,7 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
             f"frames, {steps} steps, guidance {guidance_scale}, seed {seed}; attention: "
             f"{attention_label(policy, backend, dev, plan)}{exact}"
             f"{f'; transformer compiled ({compile}, fullgraph) in the first step' if compile else ''} -> {output}")
+    warn_reference_fallback(backend, dev, policy, "fp4vis generate")   # after the line saying what runs
     if dev.type == "cpu":
         warn_if_impractical_on_cpu(pipe, policy, height=height, width=width, frames=frames, steps=steps,
                                    guidance_scale=guidance_scale)

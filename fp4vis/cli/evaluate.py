@@ -163,6 +163,23 @@ def _wan_run_line(name: str, run: dict, emulated: bool = False) -> str:
     return f"{name}: denoise {run['timings']['denoise_s']:.3f} s{extra}"
 
 
+def _announcer(args: argparse.Namespace):
+    """``say`` of an eval: the line saying what it runs (``announcer``), then, on a device without an FP4 kernel,
+    the one warning that the policies run on the reference (``warn_reference_fallback``)."""
+    from fp4vis.services import resolve_device, warn_reference_fallback
+
+    header = announcer(args)
+
+    def say(text: str) -> None:
+        if header is not None:
+            header(text)
+        for name in filter(None, (p.strip() for p in args.policies.split(","))):
+            if warn_reference_fallback(args.backend, resolve_device(args.device), name,
+                                       f"fp4vis eval {args.eval_command}"):
+                break
+    return say
+
+
 def _fmt(x) -> str:
     return "—" if x is None else f"{x:.4g}"
 
@@ -171,13 +188,6 @@ def run(args: argparse.Namespace) -> int:
     from fp4vis.services import UsageError, check_output_dir
 
     args.out_dir = check_output_dir(args.out_dir, "--out-dir")
-    if args.protocol is None:
-        from fp4vis.services import resolve_device, warn_reference_fallback
-
-        for name in filter(None, (p.strip() for p in args.policies.split(","))):
-            if warn_reference_fallback(args.backend, resolve_device(args.device), name,
-                                       f"fp4vis eval {args.eval_command}"):
-                break
     common = dict(device=args.device, dtype=args.dtype, backend=args.backend, guard_plan=args.guard_plan,
                   out_dir=args.out_dir, progress=not args.no_progress)
     if args.protocol is not None:
@@ -192,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         r = run_vit_eval(args.model, args.data, policies=args.policies, resolution=args.resolution,
                          batch_size=args.batch_size, limit=args.limit, labels=args.labels,
                          random_weights=args.random_weights, per_layer=not args.no_per_layer, seed=args.seed,
-                         num_workers=args.workers, name=args.name, say=announcer(args), **common)
+                         num_workers=args.workers, name=args.name, say=_announcer(args), **common)
         if not main_process():
             return 0
         base = r["bf16"]["top1"]
@@ -208,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         r = run_mae_eval(args.model, args.data, policies=args.policies, resolution=args.resolution,
                          batch_size=args.batch_size, limit=args.limit, random_weights=args.random_weights,
                          mask_ratio=args.mask_ratio, seed=args.seed, decoder=args.decoder,
-                         num_workers=args.workers, name=args.name, say=announcer(args), **common)
+                         num_workers=args.workers, name=args.name, say=_announcer(args), **common)
         if not main_process():
             return 0
         print(f"bf16 (baseline): masked-patch PSNR {r['bf16']['masked_psnr']['mean']:.3f} dB, the model's own "
@@ -233,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
                          guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance,
                          seed=args.seed, decode=args.decode, warmup=not args.no_warmup, save_videos=args.save_videos,
                          name=args.name, latent_steps=args.latent_steps, operator_error=args.operator_error,
-                         fps=gen["fps"], baselines=args.baselines, say=announcer(args), compile=args.compile,
+                         fps=gen["fps"], baselines=args.baselines, say=_announcer(args), compile=args.compile,
                          **common)
         for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
             print(f"baseline skipped, {why}")
