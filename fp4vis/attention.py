@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from typing import Literal
 
 import torch
@@ -15,6 +14,7 @@ from fp4vis.backends.registry import select_backend
 from fp4vis.policy import Policy, get_policy
 from fp4vis.qk_transform import QKTransform
 from fp4vis.reference import RangeExceededError, enforce_range
+from fp4vis.tracing import warn_once
 
 Layout = Literal["bhsd", "bshd"]
 RangeCheck = Literal["raise", "warn", "off"]
@@ -22,11 +22,6 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 __all__ = ["RangeExceededError", "attention", "check_range"]
-
-
-def _capturing() -> bool:
-    """True under CUDA-graph capture, where data-dependent host checks (which synchronise) are not allowed."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def check_range() -> None:
@@ -55,14 +50,10 @@ def _check_kernel_output(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                        "(a bug: please report it with the shapes and policy)")
 
 
-_STRAIGHT_THROUGH_WARNED: set[str] = set()
-
-
 def _warn_straight_through(policy: Policy) -> None:
-    if policy.name not in _STRAIGHT_THROUGH_WARNED:
-        _STRAIGHT_THROUGH_WARNED.add(policy.name)
-        warnings.warn(f"fp4vis.attention: policy {policy.name!r} has no gradient of its own; the output is FP4 "
-                      "attention and its gradient is exact attention's (straight-through)", UserWarning, stacklevel=3)
+    warn_once(("straight-through", policy.name),
+              f"fp4vis.attention: policy {policy.name!r} has no gradient of its own; the output is FP4 "
+              "attention and its gradient is exact attention's (straight-through)")
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
@@ -132,8 +123,9 @@ def attention(
             across heads, rotary embedding) makes the attention's q and k from them. A backend that
             fuses it (the Hopper kernel's pre-pass) reads the projections and never writes the
             normed q and k; every other path applies it first (``QKTransform.apply``: the same values).
-        label: the layer this call belongs to, named in its range errors (``fp4vis.patch`` passes each
-            layer's name).
+        label: the layer this call belongs to, named in the range record's errors (``fp4vis.patch`` passes
+            each layer's name in eager calls). Under torch.compile it is a constant of the graph: another
+            value traces the call again.
 
     Returns:
         The attention output, q's dtype, in ``layout``.
@@ -204,7 +196,7 @@ def attention(
         checked = False   # reported by the record
     else:
         out, report = chosen.forward(q, k, v, pol, float(scale), **fused)
-        checked = checked and not _capturing()
+        checked = checked and not range_record.capturing()
     if grad_inputs is not None:
         exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, scale=float(scale))
         out = out + (exact - exact.detach())

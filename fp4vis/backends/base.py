@@ -55,16 +55,6 @@ class Backend:
         raise NotImplementedError
 
 
-def constant_at_trace_time(fn):
-    """``torch.compiler.assume_constant_result``: under torch.compile Dynamo runs ``fn`` for real while it
-    traces and puts the result in the graph as a constant (for values fixed for the process: a device's
-    launch route, a traced call's site). Without importing torch._dynamo at ``import fp4vis`` (seconds):
-    the mark is this attribute (torch/_dynamo/decorators.py); the compiled-call tests fail where Dynamo
-    stops honouring it."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
 def device_capability(index: int | None) -> tuple[int, int]:
     """``torch.cuda.get_device_capability`` of CUDA device ``index`` (None: the current device),
     cached (it is asked on every call)."""

@@ -41,7 +41,9 @@ which the kernels propagate to the output: named where the inputs are still aliv
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
+import json
 import threading
 import warnings
 import weakref
@@ -51,8 +53,7 @@ import torch
 
 from fp4vis.policy import Policy
 from fp4vis.reference import RangeExceededError, RangeReport
-
-from .base import constant_at_trace_time
+from fp4vis.tracing import constant_at_trace_time
 
 # fields of the device record (int32, byte offsets 0, 4, 8, 12: the kernels' contract)
 SATURATED, EMPTY_ROWS, NONFINITE, FIRST_CALL = range(4)
@@ -108,20 +109,24 @@ class RangeRecord:
         self.calls: collections.deque[tuple] = collections.deque(maxlen=KEPT_CALLS)   # CallInfo fields
         self._numbers = itertools.count(1)   # thread-safe under the GIL
         self.unchecked = False   # calls recorded since the last check
+        self.captured = False    # a call was captured in a CUDA graph: its replays may report at any time
         self.lock = threading.Lock()
         _FLAGS.append(self._flag)
 
     def start_call(self, backend: str, policy: Policy, mode: str, layout: str,
                    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], layer: str | None = None,
-                   compiled: bool = False) -> tuple[int, int, int]:
-        """Number a call (q, k, v as given to ``fp4vis.attention``, in ``layout``; ``layer``: its label;
-        ``compiled``: made in a compiled graph); returns the kernel's launch arguments (fields address,
-        flag address, number)."""
+                   compiled: bool = False, shapes: tuple | None = None) -> tuple[int, int, int]:
+        """Number a call (q, k, v as given to ``fp4vis.attention``, in ``layout``, or, ``compiled``, as its op
+        got them, with ``shapes`` as given; ``layer``: its label); returns the kernel's launch arguments
+        (fields address, flag address, number). A call in CUDA-graph capture marks the record ``captured``:
+        its replays run no Python, so every later check waits for the device."""
         q, k, v = inputs
         number = next(self._numbers) % (NO_CALL - 1) + 1    # 1 .. NO_CALL - 1
         self.unchecked = True
-        self.calls.append((number, backend, policy, mode, layout, layer, (q.shape, k.shape, v.shape), q.dtype,
-                           (weakref.ref(q), weakref.ref(k), weakref.ref(v)), compiled))
+        if capturing():
+            self.captured = True
+        self.calls.append((number, backend, policy, mode, layout, layer, shapes or (q.shape, k.shape, v.shape),
+                           q.dtype, (weakref.ref(q), weakref.ref(k), weakref.ref(v)), compiled))
         return (*self._addresses, number)
 
     @property
@@ -185,6 +190,13 @@ class CallSite:
     layout: str
     layer: str | None
 
+    def describe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+        """What an error of this site's call names, from the (B, H, S, D) tensors its op got."""
+        shapes = [tuple(t.transpose(1, 2).shape if self.layout == "bshd" else t.shape) for t in (q, k, v)]
+        where = f", layer {self.layer!r}" if self.layer else ""
+        return (f"compiled fp4vis.attention call ({self.backend} backend, policy {self.policy.name!r}, {self.layout} "
+                f"q {shapes[0]} k {shapes[1]} v {shapes[2]} {str(q.dtype).removeprefix('torch.')}{where})")
+
 
 _SITES: dict[CallSite, int] = {}
 _SITE_LIST: list[CallSite | None] = [None]   # number 0: no site
@@ -207,6 +219,23 @@ def _site_number(backend: str, policy_values: tuple, mode: str, layout: str, lay
     return number
 
 
+def policy_text(policy: Policy) -> str:
+    """A policy as an op argument (a string of its values, made at trace time): an op that computes from it
+    needs nothing of this process's tables (``policy_of_text``)."""
+    return _policy_text(policy.values())
+
+
+@constant_at_trace_time
+def _policy_text(values: tuple) -> str:
+    return json.dumps(list(values))
+
+
+@functools.lru_cache(maxsize=256)
+def policy_of_text(text: str) -> Policy:
+    """The policy of a ``policy_text``."""
+    return Policy(*json.loads(text))
+
+
 def site_of(number: int) -> CallSite:
     """The ``CallSite`` of a ``call_site`` number (in a backend's op, at run time)."""
     if not 0 < number < len(_SITE_LIST):
@@ -223,25 +252,29 @@ def start_site_call(number: int, inputs: tuple[torch.Tensor, torch.Tensor, torch
     poll()
     if site.mode == "off":
         return (0, 0, 0)
-    if site.layout == "bshd":
-        inputs = tuple(t.transpose(1, 2) for t in inputs)
+    shapes = tuple(t.transpose(1, 2).shape if site.layout == "bshd" else t.shape for t in inputs)
     return record_for(inputs[0].device).start_call(site.backend, site.policy, site.mode, site.layout, inputs,
-                                                   layer=site.layer, compiled=True)
+                                                   layer=site.layer, compiled=True, shapes=shapes)
 
 
-def _check_after(after: torch.Tensor, where: str) -> None:
+#: what the check op of a compiled forward declares it writes (a private one-element tensor): a compiler
+#: drops an op without outputs that writes nothing, and the forward's own output must stay untouched
+CHECK_TOKEN = torch.zeros(1)
+
+
+def _check_after(token: torch.Tensor, after: list[torch.Tensor], where: str) -> None:
     check(where)
 
 
-check_after = torch.library.custom_op("fp4vis::range_check", mutates_args=("after",))(_check_after)
+check_after = torch.library.custom_op("fp4vis::range_check", mutates_args=("token",))(_check_after)
 check_after.__doc__ = """``check(where)`` as an op of a compiled graph (a patched model's forward hook under
-torch.compile). ``after`` is the forward's output, so the op runs after the calls that made it; the op is
-declared to write it (it does not), so that every torch release keeps it in the graph: one without outputs
-and without a write is dropped as dead code."""
+torch.compile): ``after`` are the forward's output tensors, so the op runs after the calls that made them;
+``token`` is ``CHECK_TOKEN``, which the op is declared to write (it does not) so that every torch release
+keeps it in the graph."""
 
 
 @check_after.register_fake
-def _check_after_fake(after, where):
+def _check_after_fake(token, after, where):
     return None
 
 
@@ -250,9 +283,9 @@ def labelled(message: str, layer: str | None) -> str:
     return message if layer is None else f"layer {layer!r}: {message}"
 
 
-def _capturing() -> bool:
-    """In CUDA-graph capture, where waiting for the device is not allowed: the check waits for the
-    next call or check outside it."""
+def capturing() -> bool:
+    """In CUDA-graph capture, where waiting for the device (or any data-dependent host check) is not
+    allowed: the check waits for the next call or check outside it."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -261,7 +294,7 @@ def poll() -> None:
     for flag in _FLAGS:
         if flag[0]:
             for rec in tuple(_RECORDS.values()):
-                if rec._flag[0] and not _capturing():
+                if rec._flag[0] and not capturing():
                     _report(rec, "the next fp4vis.attention call")
             return
 
@@ -270,7 +303,7 @@ def check(where: str = "fp4vis.check_range()") -> None:
     """Wait for the devices that ran recorded calls since the last check and raise (or warn) for
     any call that went past its range. Costs nothing when no call was recorded."""
     for rec in tuple(_RECORDS.values()):
-        if (rec.unchecked or rec._flag[0]) and not _capturing():
+        if (rec.unchecked or rec.captured or rec._flag[0]) and not capturing():
             _report(rec, where)
 
 

@@ -8,6 +8,7 @@ op checks the inputs and enforces the call's range_check itself, at run time."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fp4vis.reference import RangeExceededError, enforce_range, reference_attention
 
@@ -23,7 +24,12 @@ class ReferenceBackend(Backend):
 
     def forward(self, q, k, v, policy, scale, record_site: int = 0):
         if record_site:
-            return torch.ops.fp4vis.reference_attention(q, k, v, float(scale), record_site), None
+            if policy.method == "exact":
+                # SDPA itself, traced: differentiable (the one policy that is), where the emulation's op is not;
+                # as SDPA, no input check and no float64 recompute of scores that overflow
+                return F.scaled_dot_product_attention(q, k, v, scale=scale), None
+            return torch.ops.fp4vis.reference_attention(q, k, v, float(scale), range_record.policy_text(policy),
+                                                        record_site), None
         return _forward(q, k, v, policy, scale)
 
 
@@ -37,14 +43,18 @@ def _forward(q, k, v, policy, scale):
     return out.unflatten(0, (b, h)), report
 
 
-def _reference_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, record_site: int) -> torch.Tensor:
+def _reference_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, policy: str,
+                  record_site: int) -> torch.Tensor:
+    """The emulation of a compiled call: ``policy`` its ``range_record.policy_text`` (the op computes from its
+    own arguments), ``record_site`` its call site (the range_check mode, and what its errors name)."""
     site = range_record.site_of(record_site)
     range_record.poll()   # as fp4vis.attention does at an eager call's start
+    pol = range_record.policy_of_text(policy)
     try:
-        out, report = _forward(q, k, v, site.policy, scale)
-        enforce_range(report, site.policy, site.mode, stacklevel=2)
-    except (ValueError, RangeExceededError) as exc:   # as a patched layer's eager call names itself
-        exc.args = (range_record.labelled(str(exc), site.layer), *exc.args[1:])
+        out, report = _forward(q, k, v, pol, scale)
+        enforce_range(report, pol, site.mode, stacklevel=2)
+    except (ValueError, RangeExceededError) as exc:   # named as the record names a kernel's compiled call
+        exc.args = (f"{site.describe(q, k, v)}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
         raise
     return out
 
@@ -53,5 +63,5 @@ reference_op = torch.library.custom_op("fp4vis::reference_attention", mutates_ar
 
 
 @reference_op.register_fake
-def _reference_op_fake(q, k, v, scale, record_site):
+def _reference_op_fake(q, k, v, scale, policy, record_site):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))

@@ -9,11 +9,11 @@ only: nothing they load calls back into this module.
 from __future__ import annotations
 
 import importlib
-import warnings
 
 import torch
 
 from fp4vis.policy import Policy
+from fp4vis.tracing import constant_at_trace_time, warn_once
 
 from .base import (
     AUTO,
@@ -23,7 +23,6 @@ from .base import (
     HOPPER_CAPABILITIES,
     REFERENCE,
     Backend,
-    constant_at_trace_time,
     device_capability,
 )
 from .reference import ReferenceBackend
@@ -37,7 +36,6 @@ AUTO_BY_CAPABILITY = {**{cap: HOPPER for cap in HOPPER_CAPABILITIES},
 
 _REGISTRY: dict[str, Backend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
-_WARNED: set[str] = set()
 
 
 def register_backend(backend: Backend) -> None:
@@ -64,6 +62,8 @@ def _load_kernel_backends() -> bool:
     lookup in the trace reads the registry."""
     if not _LOADED:
         for name, module in KERNEL_MODULES.items():
+            if name in _REGISTRY:   # registered by the user under a kernel's name: theirs stays
+                continue
             try:
                 register_backend(importlib.import_module(module).BACKEND)
             except Exception as exc:  # a kernel backend that cannot load here is reported, not fatal
@@ -102,12 +102,6 @@ def kernel_backend_name(device: torch.device) -> str | None:
     return AUTO_BY_CAPABILITY.get(device_capability(device.index))
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=4)
-
-
 def select_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
                    scale: float) -> Backend:
     """The backend that runs this call. An explicit name raises when it cannot; ``auto`` takes the
@@ -127,17 +121,17 @@ def select_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return reference
     kernel = kernel_backend_name(q.device)
     if kernel is None:
-        _warn_once(f"nokernel{q.device}", f"fp4vis: no FP4 attention kernel for "
+        warn_once(("nokernel", str(q.device)), f"fp4vis: no FP4 attention kernel for "
                    f"{torch.cuda.get_device_name(q.device)}; using the reference emulation (slow)")
         return reference
     backend = get_backend(kernel)
     if backend is None:
-        _warn_once(f"import{kernel}", f"fp4vis: the {kernel} backend cannot load "
+        warn_once(("import", kernel), f"fp4vis: the {kernel} backend cannot load "
                    f"({load_error(kernel)}); using the reference emulation (slow)")
         return reference
     reason = backend.unsupported_reason(q, k, v, policy, scale)
     if reason is not None:
-        _warn_once(f"{kernel}:{reason}", f"fp4vis: {kernel} backend does not support this call "
+        warn_once(("unsupported", kernel, reason), f"fp4vis: {kernel} backend does not support this call "
                    f"({reason}); using the reference emulation (slow)")
         return reference
     return backend

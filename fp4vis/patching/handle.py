@@ -155,10 +155,8 @@ class RangeCheckHook:
 
     def __call__(self, module, args, output) -> None:
         if torch.compiler.is_compiling():
-            # traced with the forward: the check becomes an op of the graph, after the output
-            after = _first_tensor(output)
-            if after is not None:
-                range_record.check_after(after, self.where)
+            # traced with the forward: the check becomes an op of the graph, after every output tensor
+            range_record.check_after(range_record.CHECK_TOKEN, _tensors(output), self.where)
             return
         range_record.check(self.where)
 
@@ -168,18 +166,15 @@ class RangeCheckHook:
                         "then copy or save, and patch again")
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
-    """The first tensor of a forward's output (a tensor, a tuple or list, a dict or a ModelOutput)."""
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output (a tensor, a tuple or list, a dict or a ModelOutput), in order."""
     if isinstance(output, torch.Tensor):
-        return output
+        return [output]
     if isinstance(output, dict):
         output = list(output.values())
     if isinstance(output, (tuple, list)):
-        for item in output:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
+        return [t for item in output for t in _tensors(item)]
+    return []
 
 
 def patched_states(obj: Any) -> list[LayerState]:

@@ -16,6 +16,7 @@ import torch
 
 from fp4vis.backends import range_record, registry
 from fp4vis.policy import Policy, get_policy
+from fp4vis.tracing import warn_once
 
 #: policy values that mean "keep the model's own exact attention"
 EXACT_NAMES = ("exact", "bf16", "none")
@@ -113,6 +114,9 @@ class LayerState:
         msg = f"fp4vis: layer {self.name!r} keeps exact attention: {reason}"
         if self.strict:
             raise FallbackError(msg + " (strict=True)")
+        if torch.compiler.is_compiling():   # no per-call state in a graph; the warning issued while tracing
+            warn_once(("fallback", self.name, reason), msg, FallbackWarning)
+            return
         self.fallbacks += 1
         if reason not in self.warned:
             self.warned.add(reason)

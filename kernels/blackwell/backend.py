@@ -39,7 +39,6 @@ from fp4vis.backends.base import (
     BLACKWELL,
     BLACKWELL_CAPABILITIES,
     Backend,
-    constant_at_trace_time,
     device_capability,
     first_reason,
     need_direct_p,
@@ -49,6 +48,7 @@ from fp4vis.backends.base import (
 )
 from fp4vis.layout import qk_layout
 from fp4vis.policy import Policy
+from fp4vis.tracing import constant_at_trace_time
 
 from . import cubin as cubin_mod
 from . import selfcheck

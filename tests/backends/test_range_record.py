@@ -292,3 +292,57 @@ def test_compiled_patched_forward_raises_at_its_end(backend, no_recompiles):
         msg = str(exc.value)
         assert msg.startswith("compiled fp4vis.attention call #") and "layer" not in msg.split(":")[0]
         assert "reported at the end of VisionTransformer's forward" in msg
+
+
+def test_compiled_calls_warn_inside_the_trace_and_keep_gradients(no_recompiles):
+    """A warning issued for the first time while Dynamo traces does not break fullgraph (it is issued at trace
+    time: fp4vis.tracing.warn_once); an FP4 policy's gradient stays straight-through under compile, and
+    ``bf16``, exact attention, is differentiable there as in eager."""
+    from fp4vis.tracing import forget_warnings
+
+    forget_warnings()
+    q, k, v = (t.requires_grad_(True) for t in ordinary(4))
+    with pytest.warns(UserWarning, match="straight-through"):
+        out = torch.compile(lambda q, k, v: fp4vis.attention(q, k, v, policy="fast"), fullgraph=True)(q, k, v)
+    with torch.no_grad():
+        assert torch.equal(out, fp4vis.attention(q, k, v, policy="fast"))
+    for policy in ("fast", "bf16"):
+        torch._dynamo.reset()   # one lambda code for both policies
+        grads = []
+        def call(q, k, v, policy=policy):
+            return fp4vis.attention(q, k, v, policy=policy)
+
+        for f in (call, torch.compile(call, fullgraph=True)):
+            for t in (q, k, v):
+                t.grad = None
+            f(q, k, v).square().sum().backward()
+            grads.append([t.grad.clone() for t in (q, k, v)])
+        for eager, compiled in zip(*grads, strict=True):
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_patched_model_trains(backend, no_recompiles):
+    """Training through a compiled patched model: its layers keep the model's attention for gradients (one
+    FallbackWarning, issued while tracing) and the check op at the end of the forward leaves the output
+    untouched, so a head that keeps its output for backward (tanh) still differentiates."""
+    import timm
+
+    from fp4vis.patching import FallbackWarning
+    from fp4vis.tracing import forget_warnings
+
+    forget_warnings()
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=64,
+                              depth=2, num_heads=1, num_classes=3)
+    model.head = torch.nn.Sequential(model.head, torch.nn.Tanh())
+    x = torch.randn(2, 3, 32, 32)
+    with fp4vis.patch(model, "fast", backend=NAME):
+        eager = model(x)
+        eager.sum().backward()
+        expected = model.head[0].weight.grad.clone()
+        model.zero_grad()
+        with pytest.warns(FallbackWarning, match="gradients requested"):
+            out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+        out.sum().backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(model.head[0].weight.grad, expected)
