@@ -37,7 +37,7 @@ import traceback
 
 import torch
 
-from fp4vis.services import environment, input_copies, time_events, time_graph, write_json
+from fp4vis.services import environment, input_copies, run_sections, time_events, time_graph, write_json
 
 SHAPES = {"vit_b64_s197_h12_d64": (64, 197, 12, 64), "b1_s4096_h24": (1, 4096, 24, 128),
           "b4_s4096_h32": (4, 4096, 32, 128), "wan13_s32760_h12": (1, 32760, 12, 128),
@@ -254,20 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma list of sections to leave out: bits, prepass, calls")
     a = ap.parse_args(argv)
     skip = set(filter(None, a.skip.split(",")))
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join([sys.executable] + sys.argv),
-                 "env": environment(), "walls_s": {}}
-    for name, fn in (("bits", bits), ("prepass", prepass_times), ("calls", call_times)):
-        if name in skip:
-            continue
-        t0 = time.perf_counter()
-        try:
-            res[name] = fn()
-        except Exception:
-            res[name] = {"error": traceback.format_exc()}
-            print(res[name]["error"], flush=True)
-            torch.cuda.empty_cache()
-        res["walls_s"][name] = time.perf_counter() - t0
-        write_json(a.out, res)
+    res = run_sections({"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                        "command": shlex.join([sys.executable] + sys.argv), "env": environment()},
+                       (("bits", bits), ("prepass", prepass_times), ("calls", call_times)), a.out, skip)
     try:
         from fp4vis.kernels.hopper import prepass_triton as tp
         res["launch_state"] = tp.LAUNCH_STATE

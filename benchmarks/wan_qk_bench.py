@@ -36,12 +36,10 @@ Sections (each a key of the JSON, written after every section):
 from __future__ import annotations
 
 import argparse
-import time
-import traceback
 
 import torch
 
-from fp4vis.services import environment, input_copies, time_events, time_graph, write_json
+from fp4vis.services import environment, input_copies, run_sections, time_events, time_graph
 
 WIDTHS = ((12, 128), (40, 128))          # Wan2.1 1.3B and 14B: heads, head dim
 SEQS = (4096, 32760)
@@ -330,19 +328,9 @@ def main() -> None:
     ap.add_argument("--skip", default="")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
-    res: dict = {"env": environment(), "walls_s": {}}
-    sections = (("checks", lambda: checks("layer" not in skip)), ("prepass", prepass_times), ("calls", call_times))
-    for name, fn in sections:
-        if name in skip:
-            continue
-        t0 = time.perf_counter()
-        try:
-            res[name] = fn()
-        except Exception:
-            res[name] = {"error": traceback.format_exc()}
-            print(res[name]["error"], flush=True)
-        res["walls_s"][name] = time.perf_counter() - t0
-        write_json(a.out, res)
+    res = run_sections({"env": environment()},
+                       (("checks", lambda: checks("layer" not in skip)), ("prepass", prepass_times),
+                        ("calls", call_times)), a.out, skip)
     print({k: v for k, v in res.items() if k == "checks"}, flush=True)
 
 

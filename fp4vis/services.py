@@ -559,6 +559,32 @@ class Timer:
         self.seconds = time.perf_counter() - self._t0
 
 
+def run_sections(result: dict[str, Any], sections: Sequence[tuple[str, Callable[[], Any]]],
+                 out: str | os.PathLike, skip: Iterable[str] = ()) -> dict[str, Any]:
+    """A benchmark's named sections, run in order (those in ``skip`` left out): each one's output, or its
+    traceback where it fails, under its name in ``result``, its wall time in ``result["walls_s"]``, and
+    ``result`` written to ``out`` after every section, so that a failing or interrupted section loses
+    nothing that ran before it (a device run's time is short). Returns ``result``."""
+    skip = set(skip)
+    walls = result.setdefault("walls_s", {})
+    for name, fn in sections:
+        if name in skip:
+            continue
+        t0 = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception:   # the next sections still run; the JSON carries the traceback
+            import traceback
+
+            result[name] = {"error": traceback.format_exc()}
+            print(result[name]["error"], file=sys.stderr, flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        walls[name] = time.perf_counter() - t0
+        write_json(out, result)
+    return result
+
+
 def reps_within_budget(fn: Callable[[int], object], n_inputs: int, warmup: int, reps: int, min_reps: int,
                        budget_s: float) -> int:
     """Warm ``fn`` up, time one synchronised call and return how many calls (between ``min_reps`` and

@@ -281,3 +281,16 @@ def test_reports_show_no_absolute_path(tmp_path, monkeypatch):
     assert display_source(str(elsewhere)) == "elsewhere_model"
     assert display_source("fp4vis:digits-wan") == "fp4vis:digits-wan"
     assert display_source("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+
+
+def test_run_sections_keeps_what_ran_before_a_failing_section(tmp_path):
+    """A benchmark's sections (fp4vis.services.run_sections): each one's output or its traceback under its
+    name, written after every section, skipped ones left out."""
+    from fp4vis.services import run_sections
+
+    out = tmp_path / "r.json"
+    r = run_sections({"env": "x"}, (("ok", lambda: 3), ("bad", lambda: 1 / 0), ("later", lambda: [1])), out,
+                     skip=("later",))
+    on_disk = json.loads(out.read_text())
+    assert on_disk["ok"] == 3 and "ZeroDivisionError" in on_disk["bad"]["error"] and "later" not in on_disk
+    assert set(r["walls_s"]) == {"ok", "bad"} and r["env"] == "x"
