@@ -390,7 +390,7 @@ def _prepass_one(tp, old, shape, log, fp8: bool = True) -> dict:
         if old is not None:
             row["old_ms" + tag] = time_events(lambda i, lay=layout: old_prepass(old, *ins[i], lay, None), n)
             row["old_host_us" + tag] = time_host(lambda i, lay=layout: old_prepass(old, *ins[i], lay, None), n)
-        for br, nw in variants if layout == "folded64_mse" else [(tp.BLOCK_R, tp.default_warps(d))]:
+        for br, nw in variants if layout == "folded64_mse" else [tp.nvfp4_launch(d)]:
             row[f"new_r{br}_w{nw}_ms" + tag] = time_events(
                 lambda i, lay=layout, br=br, nw=nw: tp.prepass(*ins[i], lay, None, br, nw), n)
         if hasattr(tp, "f16_codes_default"):   # the E2M1 codes in float32 instead of on FP16 pairs, same launch
@@ -598,7 +598,7 @@ def main():
         spec = importlib.util.spec_from_file_location("old_prepass_triton", a.old)
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
-    meta = dict(environment(), defaults=dict(block_r=tp.BLOCK_R, num_warps=tp.NUM_WARPS,
+    meta = dict(environment(), defaults=dict(nvfp4_launch=getattr(tp, "NVFP4_LAUNCH", None), num_warps=tp.NUM_WARPS,
                               num_warps_d64=getattr(tp, "NUM_WARPS_D64", None),
                               fp8_block_q=getattr(tp, "FP8_BLOCK_Q", None)),
                 host_budget_s=HOST_BUDGET_S, skip=sorted(skip), launch_hooks_at_start=_launch_hooks(tp))

@@ -253,10 +253,10 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     permutation; the contenders' loop, or every candidate's with ``full_search``; not the saturating
     tiles' float64 one) in the sm_90 build for head dim ``d``."""
     from . import prepass_triton as tp
-    consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.BLOCK_R, BLOCK_D=min(d, 64), CODES_F16=codes_f16,
-                  NORM=False, ROPE=False, FULL_SEARCH=full_search, ROW_ALIGN=8)
+    consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.nvfp4_launch(d)[0], BLOCK_D=min(d, 64),
+                  CODES_F16=codes_f16, NORM=False, ROPE=False, FULL_SEARCH=full_search, ROW_ALIGN=8)
     asm = compile_triton_sm90(tp._prepass_kernel, tp.compile_signature(False), consts,
-                              num_warps or tp.default_warps(d))
+                              num_warps or tp.nvfp4_launch(d)[1])
     # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to
     # itself) that ends the listing
     loops = [body for body in innermost_loops(sass_text(asm["cubin"]))
@@ -276,10 +276,10 @@ def prepass_search_per_value(d: int = 128, codes_f16: bool = True, num_warps: in
     from fp4vis.formats import FOLDED_MSE_CONTENDERS, FOLDED_MSE_MULTIPLIERS
 
     from . import prepass_triton as tp
-    warps = num_warps or tp.default_warps(d)
+    warps = num_warps or tp.nvfp4_launch(d)[1]
     loop = prepass_candidate_loop(d, codes_f16, warps, full_search)
     n_cand = len(set(FOLDED_MSE_MULTIPLIERS)) if full_search else len(FOLDED_MSE_CONTENDERS) - 1
-    per_thread = tp.BLOCK_R * d // (32 * warps)
+    per_thread = tp.nvfp4_launch(d)[0] * d // (32 * warps)
     return dict(d=d, warps=warps, codes="fp16 pairs" if codes_f16 else "float32",
                 search="full" if full_search else "contenders", loop=loop, candidates=n_cand,
                 values_per_thread=per_thread, per_value=round(loop * n_cand / per_thread, 1))
@@ -415,7 +415,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.triton_prepass:
         for d in (a.head_dim,) if a.head_dim else (128, 64):
-            for warps in sorted({4, 2 if d == 64 else 4}):
+            from . import prepass_triton as tp
+            for warps in (tp.nvfp4_launch(d)[1],):   # the launch's
                 for f16 in (True, False):
                     for full in (False, True):
                         r = prepass_search_per_value(d, f16, warps, full)

@@ -206,8 +206,15 @@ def _e4m3(mag):
 
 
 @triton.jit
-def _rcp(sc):
-    """Correctly rounded 1 / sc, 0 for sc == 0."""
+def _rcp(sc, APPROX: tl.constexpr = False):
+    """1 / sc, 0 for sc == 0: correctly rounded (a division, about ten instructions), or APPROX the GPU's
+    ``rcp.approx`` (one instruction, within 1 ulp: t = |x| * rcp(sc) stays within 2^-22 of |x| / sc, all
+    ``_code`` needs; sc is an E4M3 value, never a float32 subnormal). APPROX is for the GPU only (inline
+    PTX: Triton's interpreter cannot run it)."""
+    if APPROX:
+        r = tl.inline_asm_elementwise(asm="rcp.approx.ftz.f32 $0, $1;", constraints="=f,f", args=[sc],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return tl.where(sc == 0.0, 0.0, r)
     return tl.where(sc == 0.0, 0.0, tl.math.div_rn(1.0, tl.where(sc == 0.0, 1.0, sc)))
 
 
@@ -258,11 +265,19 @@ def _contender_err(alo, ahi, m2lo, m2hi, sc, CODES_F16: tl.constexpr):
     2^22 of those units, so the FMA, the product and every partial sum, in any order, are exact
     (``FOLDED_MSE_CONTENDERS``' test checks it for every BF16 group maximum and value); the product
     with sc (4 significant bits) is exact in float64."""
-    r3 = _rcp(sc)[:, :, None]
+    r3 = _rcp(sc, CODES_F16)[:, :, None]
     sc3 = sc[:, :, None]
     c_lo = _code(alo, r3, CODES_F16)
     c_hi = _code(ahi, r3, CODES_F16)
-    terms = c_lo * tl.fma(c_lo, sc3, m2lo) + c_hi * tl.fma(c_hi, sc3, m2hi)
+    # four terms per FMA chain (the even and odd columns of both halves): one product and three FMAs where
+    # four products and three additions would do; exact like any other partial sum
+    cle, clo = _pairs(c_lo)
+    che, cho = _pairs(c_hi)
+    mle, mlo = _pairs(m2lo)
+    mhe, mho = _pairs(m2hi)
+    terms = tl.fma(cle, tl.fma(cle, sc3, mle),
+                   tl.fma(clo, tl.fma(clo, sc3, mlo),
+                          tl.fma(che, tl.fma(che, sc3, mhe), cho * tl.fma(cho, sc3, mho))))
     return tl.sum(terms, axis=2).to(tl.float64) * sc.to(tl.float64)
 
 
@@ -438,7 +453,7 @@ def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, FULL_SEARCH: tl.constexpr):
         sc_max = _e4m3(base * 1.25)
         best_sc = tl.where(amax >= 48.0 * sc_max, sc_max, best_sc)
     sc3 = best_sc[:, :, None]
-    r3 = _rcp(best_sc)[:, :, None]
+    r3 = _rcp(best_sc, CODES_F16)[:, :, None]
     out_lo = _nan_if_not_finite(_signed(_code(alo, r3, CODES_F16) * sc3, lo, sc3), alo)
     out_hi = _nan_if_not_finite(_signed(_code(ahi, r3, CODES_F16) * sc3, hi, sc3), ahi)
     return out_lo, out_hi
@@ -450,7 +465,7 @@ def _nvfp4_block16(x, CODES_F16: tl.constexpr):
     ax = tl.abs(x)
     sc = _e4m3(tl.math.div_rn(tl.max(ax, axis=2), 6.0))
     sc3 = sc[:, :, None]
-    return _nan_if_not_finite(_signed(_code(ax, _rcp(sc)[:, :, None], CODES_F16) * sc3, x, sc3), ax)
+    return _nan_if_not_finite(_signed(_code(ax, _rcp(sc, CODES_F16)[:, :, None], CODES_F16) * sc3, x, sc3), ax)
 
 
 @triton.jit
@@ -695,18 +710,27 @@ def _rms_rstd_kernel(XQ, XK, RQ, RK, NQT, NKT, TQ, SQ, SK, QSB, QSS, KSB, KSS, N
         _rms_rstd_rows(XK, RK, pid - TQ, NKT, SK, KSB, KSS, N, eps_k, BLOCK_T, THREADS, NCHUNK, ROW_ALIGN)
 
 
-BLOCK_R = 16
-# Warps per program: 4 at D = 128; 2 at D = 64, where 4 would spread each 16-value group over 4
-# threads (two shuffle levels per candidate sum) and each 32-key FP8/MXFP4 block over twice the
-# threads it fills: measured on the H200 (benchmarks/results/20261129f_h200_prepass_d64-tune.json)
-# 15-19 % faster NVFP4 and 7-10 % faster FP8 pre-passes at ViT shapes (B64 S197 H12, B8 S577 H16).
+# Warps per program of the FP8 pre-pass: 4 at D = 128; 2 at D = 64, where 4 would spread each 32-key
+# FP8/MXFP4 block over twice the threads it fills (measured on the H200,
+# benchmarks/results/20261129f_h200_prepass_d64-tune.json: 7-10 % faster at ViT shapes).
 NUM_WARPS = 4
 NUM_WARPS_D64 = 2
+# Rows and warps per program of the NVFP4 pre-pass, by head dim: 16 values per thread either way (each
+# 32-value group over two threads, one shuffle per candidate sum). At D = 128, 8 rows on 2 warps are 9-12 %
+# faster than 16 on 4 and 16 on 2 faster than 32 on 4 or 8 (GPU time, every shape of
+# benchmarks/results/20261203g_h200_prepass_variants.json); at D = 64, 16 rows on 2 warps (with 4, two
+# shuffle levels per sum: 15-19 % slower, 20261129f_h200_prepass_d64-tune.json; 8 rows: 18 % slower, 20261203g).
+NVFP4_LAUNCH = {128: (8, 2), 64: (16, 2)}
 
 
 def default_warps(d: int) -> int:
-    """Warps per program of both pre-passes for head dimension d."""
+    """Warps per program of the FP8 pre-pass for head dimension d."""
     return NUM_WARPS if d >= 128 else NUM_WARPS_D64
+
+
+def nvfp4_launch(d: int) -> tuple[int, int]:
+    """(rows, warps) per program of the NVFP4 pre-pass for head dimension d."""
+    return NVFP4_LAUNCH[128] if d >= 128 else NVFP4_LAUNCH[64]
 
 
 # E2M1 codes of the NVFP4 search on FP16 pairs (``_e2m1_mag_f16``, inline PTX); Triton's interpreter
@@ -883,7 +907,7 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     the compiled kernel (or None)."""
     ref = q if q is not None else (k if k is not None else v)
     d = ref.shape[-1]
-    block_r = block_r or BLOCK_R
+    block_r = block_r or nvfp4_launch(d)[0]
     sk = (k if k is not None else v).shape[-2] if (k is not None or v is not None) else 1
     grid, ints = _geometry(q.numel() // d if q is not None else 0, q.shape[-2] if q is not None else 1,
                            k.numel() // d if k is not None else 0, sk,
@@ -895,11 +919,12 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     return _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
                                     perm is not None, block_r, min(d, 64), f16, False, False, full_search_default(),
-                                    row_align(qv, kv, vv), num_warps=num_warps or default_warps(d),
+                                    row_align(qv, kv, vv), num_warps=num_warps or nvfp4_launch(d)[1],
                                     enable_fp_fusion=False)
 
 
-def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple, num_warps: int):
+def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple, num_warps: int,
+         max_registers: int | None = None):
     """One launch of ``kernel`` (all arguments: ``ptrs`` then ``tail``, constexprs last) for the
     input signature whose cached state is ``meta``; ``meta[-1]`` keeps the compiled kernel for the
     direct launch (``direct_launch_on``, see above; ``inputs`` are the tensors whose alignment it assumes)."""
@@ -913,7 +938,8 @@ def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple,
         except Exception as exc:  # pragma: no cover - depends on the Triton version
             FAST_LAUNCH = False
             LAUNCH_STATE = f"direct launch off: {type(exc).__name__}: {exc}"
-    ck = kernel[(grid,)](*ptrs, *tail, num_warps=num_warps, enable_fp_fusion=False)
+    caps = {} if max_registers is None else {"maxnreg": max_registers}
+    ck = kernel[(grid,)](*ptrs, *tail, num_warps=num_warps, enable_fp_fusion=False, **caps)
     if meta[-1] is None and inputs[0].is_cuda and direct_launch_on():
         if not hasattr(ck, "packed_metadata") or not hasattr(ck, "function"):
             LAUNCH_STATE = f"direct launch off: the launch returned {type(ck).__name__}"
@@ -934,26 +960,28 @@ def _aligned(inputs: tuple) -> bool:
 
 def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
             block_r: int | None = None, num_warps: int | None = None, f16_codes: bool | None = None, qk=None,
-            full_search: bool | None = None):
+            full_search: bool | None = None, max_registers: int | None = None):
     """(q_hat, k_hat, v6) of (B, H, S, D) views q, k, v (unit stride along D, any other strides) in
     one launch; BF16, contiguous, views of one buffer. ``perm`` (int32, length Skv) gathers the rows
     of K and V (anchor permutation). ``f16_codes``: the E2M1 code form (None: ``f16_codes_default()``;
     the same bits either way). ``qk``: a ``fp4vis.qk_transform.QKTransform`` that
     ``fusable_transform`` accepts; q and k are then the raw projections, normed and rotated on the
     way in (one more, small launch for the rstd). ``full_search``: the folded-K64 scale search over every
-    candidate, not only the contenders (None: ``full_search_default()``; the same bits either way)."""
+    candidate, not only the contenders (None: ``full_search_default()``; the same bits either way).
+    ``block_r``, ``num_warps``, ``max_registers`` (ptxas's register cap): the launch, for measurement (None:
+    ``nvfp4_launch``)."""
     _check_views(q, k, v)
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     full_search = full_search_default() if full_search is None else full_search
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, layout,
-           perm is not None, block_r, num_warps, f16, full_search, q.device, _transform_key(qk))
+           perm is not None, block_r, num_warps, max_registers, f16, full_search, q.device, _transform_key(qk))
     meta = _META.get(key)
     qk_ptrs, flags = _transform_args(q, k, qk)
     if meta is None:
         d = q.shape[-1]
         nq, nk = q.numel(), k.numel()
         same = q.shape == k.shape == v.shape
-        br = block_r or BLOCK_R
+        br = block_r or nvfp4_launch(d)[0]
         grid, ints = _geometry(nq // d, q.shape[-2], nk // d, k.shape[-2], v.numel() // (d * k.shape[-2]), d, br)
         consts = (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags + (full_search,
                                                                                             row_align(q, k, v))
@@ -968,7 +996,8 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
     ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs
-    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, num_warps or default_warps(q.shape[-1]))
+    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, num_warps or nvfp4_launch(q.shape[-1])[1],
+         max_registers)
     return yq, yk, yv
 
 

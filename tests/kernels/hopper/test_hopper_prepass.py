@@ -229,9 +229,10 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=f16,
+    rows, warps = tpt.nvfp4_launch(d)
+    consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=rows, BLOCK_D=64, CODES_F16=f16,
                   NORM=False, ROPE=False, FULL_SEARCH=not f16, ROW_ALIGN=8)
-    cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, tpt.default_warps(d)).get("cubin")
+    cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, warps).get("cubin")
     assert cubin
     sass = importlib.import_module("fp4vis.kernels.hopper.compile_check").sass_text(cubin)
     assert ("HMNMX2" in sass) == f16 and ("F2FP.F16.F32.PACK_AB" in sass) == f16
@@ -284,6 +285,14 @@ def test_e2m1_code_on_fp16_pairs_exhaustive():
     f32 = e2m1_round(snapped)
     assert torch.equal(f16, exact), int((f16 != exact).sum())
     assert torch.equal(f32, exact), int((f32 != exact).sum())
+    # on the GPU rcp(sc) is rcp.approx (within 1 ulp: ``test_rcp_approx_on_every_e4m3_scale_on_gpu``), so t
+    # lies within 2^-22 of x / sc, not 2^-23: both ends of that interval give the exact code, and every
+    # float32 t between them converts to one of the two FP16 values the ends convert to (the conversion is
+    # monotonic and the interval far narrower than an FP16 ulp), so every t in it does
+    q = xs.double() / torch.where(scs == 0, 1.0, scs).double()
+    for side in (1 - 2.0 ** -22, 1 + 2.0 ** -22):
+        t_end = torch.where(scs == 0, 0.0, (q * side).float())
+        assert torch.equal(_e2m1_codes_f16_emulated(t_end), exact)
     # the FMAs' grid is not exact for every FP16 value: just below 2 and 4 the sum leaves its binade
     near = torch.tensor([2.0 - 2.0 ** -10, 4.0 - 2.0 ** -9])
     assert _e2m1_codes_f16_emulated(near).tolist() == [1.5, 3.0]
@@ -557,9 +566,11 @@ def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=True, NORM=True,
+    rows, warps = tpt.nvfp4_launch(128)
+    consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=rows, BLOCK_D=64, CODES_F16=True, NORM=True,
                   ROPE=True, FULL_SEARCH=False, ROW_ALIGN=8)
-    assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts).get("cubin")
+    assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts,
+                         warps).get("cubin")
     consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True, ROW_ALIGN=8)
     assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, rope_dtype=rope_dtype), consts).get(
         "cubin")
@@ -581,11 +592,12 @@ def test_prepass_loads_rows_as_vectors(fp8):
 
     fn = tpt._fp8_prepass_kernel if fp8 else tpt._prepass_kernel
     base = (dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64) if fp8 else
-            dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.BLOCK_R, BLOCK_D=64, CODES_F16=True,
+            dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.nvfp4_launch(128)[0], BLOCK_D=64, CODES_F16=True,
                  FULL_SEARCH=False))
+    warps = tpt.default_warps(128) if fp8 else tpt.nvfp4_launch(128)[1]
     for fold in (False, True):
         loads = {align: global_loads(_compile_sm90(fn, tpt.compile_signature(fp8), dict(
-            base, NORM=fold, ROPE=fold, ROW_ALIGN=align)).get("ptx")) for align in (1, 8)}
+            base, NORM=fold, ROPE=fold, ROW_ALIGN=align), warps).get("ptx")) for align in (1, 8)}
         assert loads[1].get("ld.global.b16", 0) >= 32, loads[1]         # value by value
         assert loads[8].get("ld.global.b16", 0) <= 1, loads[8]          # (one 128-value weight row)
         assert loads[8].get("ld.global.v4.b32", 0) > 0, loads[8]
@@ -602,6 +614,32 @@ def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
     consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=False, ROPE=False, ROW_ALIGN=8)
     assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, dtype), consts,
                          tpt.default_warps(d)).get("cubin")
+
+
+@pytest.mark.gpu
+def test_rcp_approx_on_every_e4m3_scale_on_gpu():
+    """The pre-pass's reciprocal on the GPU (``_rcp(sc, APPROX=True)``: ``rcp.approx.ftz.f32``) is within
+    1 ulp (2^-23 relative) of 1 / sc for every E4M3 scale (sc takes no other value), and 0 for sc = 0: the
+    bound the exhaustive code test assumes."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from fp4vis.kernels.hopper import prepass_triton as tp
+
+    @triton.jit
+    def rcp_kernel(X, Y, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(Y + i, tp._rcp(tl.load(X + i), True))
+
+    sc = torch.arange(0, 128, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().cuda()
+    sc = torch.where(torch.isnan(sc), 0.0, sc)          # 0x7F is NaN: not a scale
+    r = torch.empty_like(sc)
+    rcp_kernel[(1,)](sc, r, 128)
+    exact = 1.0 / sc[sc > 0].double()
+    assert bool((r[sc == 0] == 0).all())
+    rel = ((r[sc > 0].double() - exact) / exact).abs()
+    assert float(rel.max()) <= 2.0 ** -23, float(rel.max())
 
 
 @pytest.mark.gpu

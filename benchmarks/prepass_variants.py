@@ -1,0 +1,123 @@
+"""The pre-passes' GPU time against the copy floor, by part and by launch shape (one H200 run, < 3 min).
+
+    python3 benchmarks/prepass_variants.py --out $OUT/prepass_variants.json [--shapes b1_s4096_h24,...]
+
+GPU time only: each figure is one CUDA graph of ``n`` calls, call i on input copy i (the copies exceed
+the L2 three times, so every call reads from memory), replayed and timed by CUDA events, per call
+(``time_graph_rotating``); the host's launch work is not in it. The copy floor is a device copy of the
+bytes the pre-pass moves, timed the same way. Per shape: the NVFP4 pre-pass (``folded64_mse``,
+contender search) whole and by part (Q rows alone, K rows alone, V blocks alone: the same kernel launched
+over one part), under every (rows per program, warps, ptxas register cap) in ``LAUNCHES``; the FP8
+pre-pass. Every variant's output is compared bit for bit with the default launch's (``differing``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+import torch
+
+from fp4vis.services import environment, input_copies, run_sections, time_events, write_json
+
+SHAPES = {"vit_b64_s197_h12_d64": (64, 197, 12, 64), "b1_s4096_h24": (1, 4096, 24, 128),
+          "b4_s4096_h32": (4, 4096, 32, 128), "wan13_s32760_h12": (1, 32760, 12, 128),
+          "wan14_s32760_h40": (1, 32760, 40, 128)}
+LAUNCHES = ((8, 2, None), (16, 2, None), (16, 4, None), (8, 2, 80), (8, 2, 64))   # (rows, warps, register cap)
+
+
+def time_graph_rotating(fn, copies: int) -> float:
+    """GPU ms per call of fn(i), i = 0 .. copies - 1, captured into one CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(min(copies, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    return time_events(lambda i: graph.replay(), 1, 0.3) / copies
+
+
+def _inputs(b: int, s: int, h: int, d: int, copies: int) -> list:
+    g = torch.Generator(device="cuda").manual_seed(5)
+    return [tuple((torch.randn(b, h, s, d, generator=g, device="cuda")
+                   * torch.exp2(torch.randint(-6, 6, (b, h, s, 1), generator=g, device="cuda").float())).bfloat16()
+                  for _ in range(3)) for _ in range(copies)]
+
+
+def _copy_floor(nbytes: int, copies: int) -> float:
+    """GPU ms of a device copy of nbytes (nbytes read, nbytes written), rotating over copies buffers."""
+    src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(copies)]
+    dst = [torch.empty_like(t) for t in src]
+    return time_graph_rotating(lambda i: dst[i].copy_(src[i]), copies)
+
+
+def _differing(a, b) -> int:
+    return sum(int((x.view(torch.int16) != y.view(torch.int16)).sum()) for x, y in zip(a, b, strict=True))
+
+
+def _shape_row(name: str, b: int, s: int, h: int, d: int) -> dict:
+    from fp4vis.kernels.hopper import prepass_triton as tp
+    n = b * s * h * d
+    copies = max(4, input_copies(3 * 2 * n))
+    sets = _inputs(b, s, h, d, copies)
+    row = dict(shape=name, b=b, s=s, h=h, d=d, copies=copies, copy_floor_nvfp4_ms=_copy_floor(6 * n, copies),
+               copy_floor_fp8_ms=_copy_floor(5 * n, copies))
+    ref = tp.prepass(*sets[0], "folded64_mse")
+    ref = tuple(t.clone() for t in ref)
+    launches = {}
+    for block_r, warps, cap in LAUNCHES:
+        key = f"r{block_r}_w{warps}" + (f"_reg{cap}" if cap else "")
+        out = tp.prepass(*sets[0], "folded64_mse", block_r=block_r, num_warps=warps, max_registers=cap)
+        launches[key] = dict(ms=time_graph_rotating(
+            lambda i, br=block_r, w=warps, c=cap: tp.prepass(*sets[i], "folded64_mse", block_r=br, num_warps=w,
+                                                             max_registers=c), copies),
+            differing=_differing(out, ref))
+        launches[key]["over_floor"] = launches[key]["ms"] / row["copy_floor_nvfp4_ms"]
+    row["nvfp4"] = launches
+    # parts: the same kernel over one tensor (the other parts skipped)
+    parts = {}
+    for part in ("q", "k", "v"):
+        def one(i, part=part):
+            q, k, v = sets[i]
+            y = torch.empty_like(q)
+            args = dict(q=(q, None, None, y, None, None), k=(None, k, None, None, y, None),
+                        v=(None, None, v, None, None, y))[part]
+            tp._launch(*args, "folded64_mse", None)
+        parts[part + "_ms"] = time_graph_rotating(one, copies)
+    row["nvfp4_parts"] = parts
+    row["fp8_ms"] = time_graph_rotating(lambda i: tp.fp8_prepass(*sets[i]), copies)
+    row["fp8_over_floor"] = row["fp8_ms"] / row["copy_floor_fp8_ms"]
+    print(row, flush=True)
+    sets.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args(argv)
+    result = {"command": "python3 benchmarks/prepass_variants.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "environment": environment(), "launches": [list(x) for x in LAUNCHES]}
+    run_sections(result, [(name, lambda name=name: _shape_row(name, *SHAPES[name]))
+                          for name in args.shapes.split(",")], args.out)
+    write_json(args.out, result)
+    for name in args.shapes.split(","):
+        r = result.get(name, {})
+        if "nvfp4" in r:
+            best = min(r["nvfp4"].items(), key=lambda kv: kv[1]["ms"])
+            print(f"{name}: floor {r['copy_floor_nvfp4_ms']:.3f} ms; NVFP4 " + ", ".join(
+                f"{k} {v['ms']:.3f} ({v['over_floor']:.2f}x, {v['differing']} diff)" for k, v in r["nvfp4"].items())
+                + f"; best {best[0]}; parts " + ", ".join(f"{k} {v:.3f}" for k, v in r["nvfp4_parts"].items())
+                + f"; FP8 {r['fp8_ms']:.3f} ({r['fp8_over_floor']:.2f}x)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
