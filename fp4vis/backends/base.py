@@ -5,8 +5,6 @@ registry that loads them."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from fp4vis.policy import Policy
@@ -55,15 +53,18 @@ class Backend:
         raise NotImplementedError
 
 
+# a plain dict, not functools.cache: Dynamo warns on every compiled call site that traces a cached function
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
 def device_capability(index: int | None) -> tuple[int, int]:
     """``torch.cuda.get_device_capability`` of CUDA device ``index`` (None: the current device),
     cached (it is asked on every call)."""
-    return _capability(torch.cuda.current_device() if index is None else index)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    index = torch.cuda.current_device() if index is None else index
+    cap = _CAPABILITIES.get(index)
+    if cap is None:
+        cap = _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return cap
 
 
 # ------------------------------------------------------------------------------------------------

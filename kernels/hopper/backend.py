@@ -73,14 +73,18 @@ SHORT_SEQ = 768
 
 # The per-call checks and set-up below are cached: at small S the call is host-bound (SDPA cuDNN
 # takes ~18 us of host time per call), so every microsecond of Python counts.
-@functools.cache
+_CUTLASS_IMPORT: dict[str, str | None] = {}   # a plain dict: Dynamo warns where it traces functools.cache
+
+
 def _cutlass_import_error() -> str | None:
-    try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
-    except Exception as exc:  # pragma: no cover - depends on the machine
-        return f"nvidia-cutlass-dsl is not importable ({type(exc).__name__}: {exc})"
-    return None
+    if "error" not in _CUTLASS_IMPORT:
+        try:
+            import cutlass  # noqa: F401
+            import cutlass.cute  # noqa: F401
+            _CUTLASS_IMPORT["error"] = None
+        except Exception as exc:  # pragma: no cover - depends on the machine
+            _CUTLASS_IMPORT["error"] = f"nvidia-cutlass-dsl is not importable ({type(exc).__name__}: {exc})"
+    return _CUTLASS_IMPORT["error"]
 
 
 @functools.lru_cache(maxsize=256)

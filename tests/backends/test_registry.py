@@ -97,3 +97,23 @@ def test_import_is_light_and_the_reference_is_one_op_under_compile():
     ops = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
     assert torch.ops.fp4vis.reference_attention.default in ops or torch.ops.fp4vis.reference_attention in ops
     torch._dynamo.reset()
+
+
+def test_the_kernels_availability_check_traces_without_a_cache_warning():
+    """The per-call checks a compiled call traces (the Hopper backend's CuTe DSL import check, the device
+    capability) are memoised in plain dicts: Dynamo warns at every compiled call site that traces a
+    ``functools.cache`` function (seen on the H200 under ``eval wan --compile``)."""
+    import warnings
+
+    import torch
+
+    from fp4vis.kernels.hopper import backend as hopper
+
+    def f(x):
+        return x + (1 if hopper._cutlass_import_error() is None else 2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch._dynamo.reset()
+        torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
