@@ -716,10 +716,10 @@ def _rms_rstd_kernel(XQ, XK, RQ, RK, NQT, NKT, TQ, SQ, SK, QSB, QSS, KSB, KSS, N
 NUM_WARPS = 4
 NUM_WARPS_D64 = 2
 # Rows and warps per program of the NVFP4 pre-pass, by head dim: 16 values per thread either way (each
-# 32-value group over two threads, one shuffle per candidate sum). At D = 128, 8 rows on 2 warps are 9-12 %
-# faster than 16 on 4 and 16 on 2 faster than 32 on 4 or 8 (GPU time, every shape of
-# benchmarks/results/20261203g_h200_prepass_variants.json); at D = 64, 16 rows on 2 warps (with 4, two
-# shuffle levels per sum: 15-19 % slower, 20261129f_h200_prepass_d64-tune.json; 8 rows: 18 % slower, 20261203g).
+# 32-value group over two threads, one shuffle per candidate sum). At D = 128, 8 rows on 2 warps take 9-11 % less GPU
+# time than 16 on 4, and 16 on 2 or 32 on 4 more (every shape of benchmarks/results/20261203g_h200_prepass_variants-
+# before.json and 20261203h_h200_prepass_variants.json); at D = 64, 16 rows on 2 warps (4 warps: two shuffle levels
+# per sum, 15-19 % slower, 20261129f_h200_prepass_d64-tune.json; 8 rows: 15-19 % slower, 20261203g and h).
 NVFP4_LAUNCH = {128: (8, 2), 64: (16, 2)}
 
 
