@@ -390,7 +390,7 @@ def _prepass_one(tp, old, shape, log, fp8: bool = True) -> dict:
         if old is not None:
             row["old_ms" + tag] = time_events(lambda i, lay=layout: old_prepass(old, *ins[i], lay, None), n)
             row["old_host_us" + tag] = time_host(lambda i, lay=layout: old_prepass(old, *ins[i], lay, None), n)
-        for br, nw in variants if layout == "folded64_mse" else [tp.nvfp4_launch(d)]:
+        for br, nw in variants if layout == "folded64_mse" else [tp.nvfp4_launch(d)[:2]]:
             row[f"new_r{br}_w{nw}_ms" + tag] = time_events(
                 lambda i, lay=layout, br=br, nw=nw: tp.prepass(*ins[i], lay, None, br, nw), n)
         if hasattr(tp, "f16_codes_default"):   # the E2M1 codes in float32 instead of on FP16 pairs, same launch

@@ -201,7 +201,8 @@ def _inspect_cubin(rep: CompileReport, cubin: str) -> None:
     rep.total_instructions = total
 
 
-def compile_triton_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
+def compile_triton_sm90(fn, signature: dict, constexprs: dict, num_warps: int,
+                        max_registers: int | None = None) -> dict:
     """Compile the Triton kernel ``fn`` for sm_90 down to a cubin with Triton's bundled ptxas (no GPU
     needed), as it is built on the GPU (``enable_fp_fusion=False``; pointers 16-byte aligned, as the
     launcher's tensors are and as Triton specialises them: without that hint it lays the tiles out one
@@ -214,8 +215,9 @@ def compile_triton_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    caps = {} if max_registers is None else {"maxnreg": max_registers}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False}).asm
+                          options={"num_warps": num_warps, "enable_fp_fusion": False, **caps}).asm
 
 
 def global_loads(ptx: str) -> collections.Counter:
@@ -256,7 +258,7 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.nvfp4_launch(d)[0], BLOCK_D=min(d, 64),
                   CODES_F16=codes_f16, NORM=False, ROPE=False, FULL_SEARCH=full_search, ROW_ALIGN=8)
     asm = compile_triton_sm90(tp._prepass_kernel, tp.compile_signature(False), consts,
-                              num_warps or tp.nvfp4_launch(d)[1])
+                              num_warps or tp.nvfp4_launch(d)[1], tp.nvfp4_launch(d)[2])
     # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to
     # itself) that ends the listing
     loops = [body for body in innermost_loops(sass_text(asm["cubin"]))

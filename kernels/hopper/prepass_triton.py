@@ -720,7 +720,7 @@ NUM_WARPS_D64 = 2
 # time than 16 on 4, and 16 on 2 or 32 on 4 more (every shape of benchmarks/results/20261203g_h200_prepass_variants-
 # before.json and 20261203h_h200_prepass_variants.json); at D = 64, 16 rows on 2 warps (4 warps: two shuffle levels
 # per sum, 15-19 % slower, 20261129f_h200_prepass_d64-tune.json; 8 rows: 15-19 % slower, 20261203g and h).
-NVFP4_LAUNCH = {128: (8, 2), 64: (16, 2)}
+NVFP4_LAUNCH = {128: (8, 2, 80), 64: (16, 2, None)}
 
 
 def default_warps(d: int) -> int:
@@ -728,8 +728,8 @@ def default_warps(d: int) -> int:
     return NUM_WARPS if d >= 128 else NUM_WARPS_D64
 
 
-def nvfp4_launch(d: int) -> tuple[int, int]:
-    """(rows, warps) per program of the NVFP4 pre-pass for head dimension d."""
+def nvfp4_launch(d: int) -> tuple[int, int, int | None]:
+    """(rows, warps, ptxas's register cap) per program of the NVFP4 pre-pass for head dimension d."""
     return NVFP4_LAUNCH[128] if d >= 128 else NVFP4_LAUNCH[64]
 
 
@@ -917,10 +917,11 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     qv, kv, vv = (ref if t is None else t for t in (q, k, v))
     ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm)) + (ref,) * 6
     f16 = f16_codes_default() if f16_codes is None else f16_codes
+    cap = nvfp4_launch(d)[2]
     return _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
                                     perm is not None, block_r, min(d, 64), f16, False, False, full_search_default(),
                                     row_align(qv, kv, vv), num_warps=num_warps or nvfp4_launch(d)[1],
-                                    enable_fp_fusion=False)
+                                    enable_fp_fusion=False, **({"maxnreg": cap} if cap else {}))
 
 
 def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple, num_warps: int,
@@ -968,8 +969,8 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     ``fusable_transform`` accepts; q and k are then the raw projections, normed and rotated on the
     way in (one more, small launch for the rstd). ``full_search``: the folded-K64 scale search over every
     candidate, not only the contenders (None: ``full_search_default()``; the same bits either way).
-    ``block_r``, ``num_warps``, ``max_registers`` (ptxas's register cap): the launch, for measurement (None:
-    ``nvfp4_launch``)."""
+    ``block_r``, ``num_warps``, ``max_registers`` (ptxas's register cap, 0: none): the launch, for measurement
+    (None: ``nvfp4_launch``'s)."""
     _check_views(q, k, v)
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     full_search = full_search_default() if full_search is None else full_search
@@ -996,8 +997,9 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
     ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs
-    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, num_warps or nvfp4_launch(q.shape[-1])[1],
-         max_registers)
+    rows, warps, cap = nvfp4_launch(q.shape[-1])
+    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, num_warps or warps,
+         cap if max_registers is None else (max_registers or None))
     return yq, yk, yv
 
 
@@ -1039,20 +1041,21 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool,
 
 
 def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
-                 num_warps: int | None = None, qk=None) -> tuple:
+                 num_warps: int | None = None, qk=None, max_registers: int | None = None) -> tuple:
     """The key under which ``fp8_prepass`` keeps its launch state (``_FP8_META``) for these arguments."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            perm is not None, num_warps, q.device, _transform_key(qk))
+            perm is not None, num_warps, max_registers, q.device, _transform_key(qk))
 
 
 def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
-                num_warps: int | None = None, qk=None):
+                num_warps: int | None = None, qk=None, max_registers: int | None = None):
     """(q8, k8, v6, q_scale, k_scale) of (B, H, S, D) views q, k, v (unit stride along D; v shaped
     like k, D a power of two) in one launch (see ``prepass.prepare_fp8_operands`` for what they are);
     views of one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor
-    permutation). ``qk`` as in ``prepass``."""
+    permutation). ``qk`` as in ``prepass``; ``num_warps``, ``max_registers`` (ptxas's register cap): the
+    launch, for measurement (None: ``default_warps``, no cap)."""
     _check_views(q, k, v)
-    key = fp8_meta_key(q, k, v, perm, num_warps, qk)
+    key = fp8_meta_key(q, k, v, perm, num_warps, qk, max_registers)
     qk_ptrs, flags = _transform_args(q, k, qk)
     meta = _FP8_META.get(key)
     if meta is None:
@@ -1064,7 +1067,7 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     if grid:
         ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs
         _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs,
-             num_warps or default_warps(q.shape[-1]))
+             num_warps or default_warps(q.shape[-1]), max_registers)
     return outs
 
 

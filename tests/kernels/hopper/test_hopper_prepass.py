@@ -229,7 +229,7 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    rows, warps = tpt.nvfp4_launch(d)
+    rows, warps, _cap = tpt.nvfp4_launch(d)
     consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=rows, BLOCK_D=64, CODES_F16=f16,
                   NORM=False, ROPE=False, FULL_SEARCH=not f16, ROW_ALIGN=8)
     cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, warps).get("cubin")
@@ -566,7 +566,7 @@ def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    rows, warps = tpt.nvfp4_launch(128)
+    rows, warps, _cap = tpt.nvfp4_launch(128)
     consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=rows, BLOCK_D=64, CODES_F16=True, NORM=True,
                   ROPE=True, FULL_SEARCH=False, ROW_ALIGN=8)
     assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts,
