@@ -95,9 +95,9 @@ def _shape_row(name: str, b: int, s: int, h: int, d: int) -> dict:
     fp8_ref = tp.fp8_prepass(*sets[0])
     fp8_caps = {}
     for cap in FP8_CAPS:
-        out = tp.fp8_prepass(*sets[0], max_registers=cap or None)
+        out = tp.fp8_prepass(*sets[0], max_registers=cap)
         fp8_caps[f"reg{cap}"] = dict(ms=time_graph_rotating(
-            lambda i, c=cap: tp.fp8_prepass(*sets[i], max_registers=c or None), copies),
+            lambda i, c=cap: tp.fp8_prepass(*sets[i], max_registers=c), copies),
                                      differing=sum(int((x.view(torch.uint8) != y.view(torch.uint8)).sum())
                                                    for x, y in zip(out, fp8_ref, strict=True)))
     row["fp8_caps"] = fp8_caps

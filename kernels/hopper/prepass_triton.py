@@ -715,11 +715,16 @@ def _rms_rstd_kernel(XQ, XK, RQ, RK, NQT, NKT, TQ, SQ, SK, QSB, QSS, KSB, KSS, N
 # benchmarks/results/20261129f_h200_prepass_d64-tune.json: 7-10 % faster at ViT shapes).
 NUM_WARPS = 4
 NUM_WARPS_D64 = 2
+# ptxas's register cap of the FP8 pre-pass at D = 128: 72 (from 90: 5 -> 7 programs of 4 warps per SM) takes 11-12 %
+# less GPU time at S >= 16k per head group and 9 % at B1 S4096 H24, 0 differing
+# (benchmarks/results/20261203j_h200_prepass_variants.json); at D = 64 no cap changes it
+FP8_MAX_REGISTERS = {128: 72, 64: None}
 # Rows and warps per program of the NVFP4 pre-pass, by head dim: 16 values per thread either way (each
 # 32-value group over two threads, one shuffle per candidate sum). At D = 128, 8 rows on 2 warps take 9-11 % less GPU
 # time than 16 on 4, and 16 on 2 or 32 on 4 more (every shape of benchmarks/results/20261203g_h200_prepass_variants-
-# before.json and 20261203h_h200_prepass_variants.json); at D = 64, 16 rows on 2 warps (4 warps: two shuffle levels
-# per sum, 15-19 % slower, 20261129f_h200_prepass_d64-tune.json; 8 rows: 15-19 % slower, 20261203g and h).
+# before.json and 20261203h_h200_prepass_variants.json); a register cap of 80 (20 -> 24 warps per SM) 2-3 % less
+# (20261203i and j). At D = 64, 16 rows on 2 warps (4 warps: two shuffle levels per sum, 15-19 % slower,
+# 20261129f_h200_prepass_d64-tune.json; 8 rows: 15-19 % slower, 20261203g and h).
 NVFP4_LAUNCH = {128: (8, 2, 80), 64: (16, 2, None)}
 
 
@@ -1052,8 +1057,8 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     """(q8, k8, v6, q_scale, k_scale) of (B, H, S, D) views q, k, v (unit stride along D; v shaped
     like k, D a power of two) in one launch (see ``prepass.prepare_fp8_operands`` for what they are);
     views of one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor
-    permutation). ``qk`` as in ``prepass``; ``num_warps``, ``max_registers`` (ptxas's register cap): the
-    launch, for measurement (None: ``default_warps``, no cap)."""
+    permutation). ``qk`` as in ``prepass``; ``num_warps``, ``max_registers`` (ptxas's register cap, 0: none): the
+    launch, for measurement (None: ``default_warps``, ``FP8_MAX_REGISTERS``)."""
     _check_views(q, k, v)
     key = fp8_meta_key(q, k, v, perm, num_warps, qk, max_registers)
     qk_ptrs, flags = _transform_args(q, k, qk)
@@ -1066,8 +1071,9 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     outs = tuple(typed[dtype].as_strided(shape, strides, off) for dtype, shape, strides, off in parts)
     if grid:
         ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs
+        cap = FP8_MAX_REGISTERS[128 if q.shape[-1] >= 128 else 64] if max_registers is None else max_registers
         _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs,
-             num_warps or default_warps(q.shape[-1]), max_registers)
+             num_warps or default_warps(q.shape[-1]), cap or None)
     return outs
 
 
