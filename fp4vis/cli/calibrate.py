@@ -37,6 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--guidance", type=float, default=5.0)
             p.add_argument("--image", default=None, help="conditioning image: calibrate an image-to-video (I2V) "
                                                          "pipeline, its image branch included")
+            p.add_argument("--force", action="store_true", help="calibrate on prompts a model trained on a closed "
+                                                                "set of prompts (fp4vis:digits-wan) does not know")
         else:
             p.add_argument("--data", required=True, help="ImageFolder root: ROOT/<class>/<image>")
             p.add_argument("--limit", type=positive_int, default=16, help="calibration images")
@@ -64,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
         option, _, reason = str(exc).partition(": ")
         raise UsageError(f"--{option}: {reason}") from None
     out = check_output_file(args.out, "--out")
+    if args.calib_kind == "wan":
+        from fp4vis.pipelines.wan_video import check_prompt
+
+        for prompt in args.prompt:
+            check_prompt(args.model, prompt, force=args.force)
     if args.calib_kind != "wan":
         from fp4vis.evals.common import check_image_folder
 

@@ -94,10 +94,12 @@ def test_zoo_export_digits_is_what_eval_reads(tmp_path, capsys):
     assert code == 0 and "fp4vis:digits-wan" in out
 
 
-def test_generate_refuses_a_prompt_the_shipped_model_does_not_know(capsys, tmp_path):
-    """Before any loading: exit 2 with the grammar, and nothing written."""
-    code, _, err = run(capsys, "generate", "--model", "fp4vis:digits-wan", "--prompt", "a red fox in the snow",
-                       "--output", tmp_path / "fox.mp4")
+@pytest.mark.parametrize("command", ["generate", "calibrate"])
+def test_commands_refuse_a_prompt_the_shipped_model_does_not_know(capsys, tmp_path, command):
+    """Before any loading: exit 2 with the grammar, and nothing written (generate; calibrate wan)."""
+    argv = (["generate", "--output", tmp_path / "fox.mp4"] if command == "generate" else
+            ["calibrate", "wan", "--out", tmp_path / "plan.json", "--prompt", "digit 3 moving left"])
+    code, _, err = run(capsys, *argv, "--model", "fp4vis:digits-wan", "--prompt", "a red fox in the snow")
     assert code == 2 and "digit <0-9> moving <left|right|up|down>" in err and "--force" in err
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
 
