@@ -1,6 +1,6 @@
 r"""Run the NVFP4 pre-pass (and the FP8 one) a few times at one shape, for Nsight Compute.
 
-The run behind benchmarks/results/20261203i_h200_ncu_prepass.txt (B1 S4096 H24 D128):
+The run behind benchmarks/results/20261203j_h200_ncu_prepass.txt (B1 S4096 H24 D128):
 
     ncu --clock-control none -k regex:^_prepass_kernel --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \

@@ -6,9 +6,10 @@ GPU time only: each figure is one CUDA graph of ``n`` calls, call i on input cop
 the L2 three times, so every call reads from memory), replayed and timed by CUDA events, per call
 (``time_graph_rotating``); the host's launch work is not in it. The copy floor is a device copy of the
 bytes the pre-pass moves, timed the same way. Per shape: the NVFP4 pre-pass (``folded64_mse``,
-contender search) whole and by part (Q rows alone, K rows alone, V blocks alone: the same kernel launched
-over one part), under every (rows per program, warps, ptxas register cap) in ``LAUNCHES``; the FP8
-pre-pass. Every variant's output is compared bit for bit with the default launch's (``differing``).
+contender search) under every (rows per program, warps, ptxas register cap) in ``LAUNCHES``, and by part
+under its default launch (Q rows alone, K rows alone, V blocks alone: the same kernel launched over one
+part); the FP8 pre-pass under the register caps in ``FP8_CAPS``. Every variant's output is compared bit for bit
+with the default launch's (``differing``).
 """
 
 from __future__ import annotations

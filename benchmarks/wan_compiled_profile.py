@@ -3,12 +3,13 @@
     python3 benchmarks/wan_compiled_profile.py --out $OUT/wan_profile.json [--models 1.3B,14B]
 
 The runs of ``fp4vis eval wan --speed-only MODEL --compile`` (random weights, 480x832, 81 frames, CFG 5;
-the transformer compiled with ``compile_repeated_blocks(fullgraph=True)``): diffusers' default attention,
-flash-attn-4 in ``attn1``, ``fast_fp8qk`` and ``fast`` (hopper backend), and at 1.3B the eager
-flash-attn-4 and ``fast_fp8qk`` runs beside them. Each run compiles afresh in a one-step warm-up, then
-one step is timed without the profiler (wall, synchronised) and one step is recorded by torch.profiler
-(CUDA kernels only). Each kernel is put in one category by its name (``CATEGORIES``, first match):
-the FP4 pre-pass, attention, GEMMs, kernels inductor generated, the eager PyTorch kernels, the rest.
+the transformer compiled with ``compile_repeated_blocks(fullgraph=True)``): at 1.3B diffusers' default
+attention, flash-attn-4 in ``attn1``, ``fast_fp8qk`` and ``fast`` (hopper backend), and the eager
+flash-attn-4 and ``fast_fp8qk`` runs beside them; at 14B flash-attn-4 in ``attn1`` and ``fast_fp8qk``.
+Each run compiles afresh in a one-step warm-up, then one step is timed without the profiler (wall,
+synchronised) and one step is recorded by torch.profiler (CUDA kernels only). Each kernel is put in one
+category by its name (``CATEGORIES``, first match): the FP4 pre-pass, kernels inductor generated,
+attention, GEMMs, the eager PyTorch kernels, the rest.
 The JSON keeps per run the step's wall, the kernels' total, each category's time and count, and the
 40 longest kernels by name, so that a category can be checked by hand; ``compare`` subtracts one run
 from another category by category (``fast_fp8qk`` minus flash-attn-4: what the FP4 step pays and saves).
@@ -27,11 +28,11 @@ import torch
 
 from fp4vis.services import environment, run_sections, write_json
 
-CATEGORIES = (
+CATEGORIES = (   # first match; inductor's kernels first: some are named after the attention they feed
     ("prepass", r"_prepass_kernel|_fp8_prepass_kernel|_rms_rstd_kernel"),
+    ("inductor", r"^triton_"),
     ("attention", r"DirectP|[Ff]lash|fmha|[Aa]ttention|sdpa"),
     ("gemm", r"gemm|Gemm|nvjet|xmma|cublas|cutlass"),
-    ("inductor", r"^triton_"),
     ("eager_pytorch", r"^void at::|at::native|elementwise|vectorized|reduce_kernel|Reduce|CatArray|copy"),
 )
 HEIGHT, WIDTH, FRAMES, GUIDANCE = 480, 832, 81, 5.0

@@ -208,7 +208,7 @@ def _e4m3(mag):
 @triton.jit
 def _rcp(sc, APPROX: tl.constexpr = False):
     """1 / sc, 0 for sc == 0: correctly rounded (a division, about ten instructions), or APPROX the GPU's
-    ``rcp.approx`` (one instruction, within 1 ulp: t = |x| * rcp(sc) stays within 2^-22 of |x| / sc, all
+    ``rcp.approx`` (one instruction, within 1 ulp: t = |x| * rcp(sc) stays within 2^-22 relative of |x| / sc, all
     ``_code`` needs; sc is an E4M3 value, never a float32 subnormal). APPROX is for the GPU only (inline
     PTX: Triton's interpreter cannot run it)."""
     if APPROX:
@@ -717,13 +717,15 @@ NUM_WARPS = 4
 NUM_WARPS_D64 = 2
 # ptxas's register cap of the FP8 pre-pass at D = 128: 72 (from 90: 5 -> 7 programs of 4 warps per SM) takes 11-12 %
 # less GPU time at S >= 16k per head group and 9 % at B1 S4096 H24, 0 differing
-# (benchmarks/results/20261203j_h200_prepass_variants.json); at D = 64 no cap changes it
+# (benchmarks/results/20261203j_h200_prepass_variants.json; 2 values spilled, outside any loop); at D = 64 no cap
+# changes it
 FP8_MAX_REGISTERS = {128: 72, 64: None}
 # Rows and warps per program of the NVFP4 pre-pass, by head dim: 16 values per thread either way (each
 # 32-value group over two threads, one shuffle per candidate sum). At D = 128, 8 rows on 2 warps take 9-11 % less GPU
 # time than 16 on 4, and 16 on 2 or 32 on 4 more (every shape of benchmarks/results/20261203g_h200_prepass_variants-
 # before.json and 20261203h_h200_prepass_variants.json); a register cap of 80 (20 -> 24 warps per SM) 2-3 % less
-# (20261203i and j). At D = 64, 16 rows on 2 warps (4 warps: two shuffle levels per sum, 15-19 % slower,
+# (20261203i and j; ptxas then spills 12 values outside the candidate loop; 72 measured the same, within 0.4 %).
+# At D = 64, 16 rows on 2 warps (4 warps: two shuffle levels per sum, 15-19 % slower,
 # 20261129f_h200_prepass_d64-tune.json; 8 rows: 15-19 % slower, 20261203g and h).
 NVFP4_LAUNCH = {128: (8, 2, 80), 64: (16, 2, None)}
 
@@ -975,7 +977,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     way in (one more, small launch for the rstd). ``full_search``: the folded-K64 scale search over every
     candidate, not only the contenders (None: ``full_search_default()``; the same bits either way).
     ``block_r``, ``num_warps``, ``max_registers`` (ptxas's register cap, 0: none): the launch, for measurement
-    (None: ``nvfp4_launch``'s)."""
+    (None: ``nvfp4_launch``'s; its cap applies also where rows or warps are given)."""
     _check_views(q, k, v)
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     full_search = full_search_default() if full_search is None else full_search

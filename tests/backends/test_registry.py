@@ -99,7 +99,7 @@ def test_import_is_light_and_the_reference_is_one_op_under_compile():
     torch._dynamo.reset()
 
 
-def test_the_kernels_availability_check_traces_without_a_cache_warning():
+def test_the_kernels_availability_check_traces_without_a_cache_warning(monkeypatch):
     """The per-call checks a compiled call traces (the Hopper backend's CuTe DSL import check, the device
     capability) are memoised in plain dicts: Dynamo warns at every compiled call site that traces a
     ``functools.cache`` function (seen on the H200 under ``eval wan --compile``)."""
@@ -107,10 +107,14 @@ def test_the_kernels_availability_check_traces_without_a_cache_warning():
 
     import torch
 
+    from fp4vis.backends import base
     from fp4vis.kernels.hopper import backend as hopper
 
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(base, "_CAPABILITIES", {})
+
     def f(x):
-        return x + (1 if hopper._cutlass_import_error() is None else 2)
+        return x + (1 if hopper._cutlass_import_error() is None else 2) + base.device_capability(0)[0]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -210,13 +210,14 @@ def test_triton_prepass_contender_search_bit_identical_interpreted():
     _run_interpreted(_CHECK_CONTENDERS)
 
 
-def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int | None = None) -> dict:
+def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int | None = None,
+                  max_registers: int | None = None) -> dict:
     """``compile_check.compile_triton_sm90`` (the GPU build, without a GPU); its asm."""
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import compile_check
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    return compile_check.compile_triton_sm90(fn, signature, constexprs, num_warps or tpt.NUM_WARPS)
+    return compile_check.compile_triton_sm90(fn, signature, constexprs, num_warps or tpt.NUM_WARPS, max_registers)
 
 
 @pytest.mark.parametrize("folded,has_perm,f16,d", [(True, True, True, 128), (True, False, False, 128),
@@ -229,10 +230,10 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    rows, warps, _cap = tpt.nvfp4_launch(d)
+    rows, warps, cap = tpt.nvfp4_launch(d)
     consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=rows, BLOCK_D=64, CODES_F16=f16,
                   NORM=False, ROPE=False, FULL_SEARCH=not f16, ROW_ALIGN=8)
-    cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, warps).get("cubin")
+    cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, warps, cap).get("cubin")
     assert cubin
     sass = importlib.import_module("fp4vis.kernels.hopper.compile_check").sass_text(cubin)
     assert ("HMNMX2" in sass) == f16 and ("F2FP.F16.F32.PACK_AB" in sass) == f16
@@ -566,11 +567,11 @@ def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
-    rows, warps, _cap = tpt.nvfp4_launch(128)
+    rows, warps, cap = tpt.nvfp4_launch(128)
     consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=rows, BLOCK_D=64, CODES_F16=True, NORM=True,
                   ROPE=True, FULL_SEARCH=False, ROW_ALIGN=8)
     assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts,
-                         warps).get("cubin")
+                         warps, cap).get("cubin")
     consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True, ROW_ALIGN=8)
     assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, rope_dtype=rope_dtype), consts).get(
         "cubin")
@@ -613,7 +614,7 @@ def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
 
     consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=False, ROPE=False, ROW_ALIGN=8)
     assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, dtype), consts,
-                         tpt.default_warps(d)).get("cubin")
+                         tpt.default_warps(d), tpt.FP8_MAX_REGISTERS[d]).get("cubin")
 
 
 @pytest.mark.gpu
