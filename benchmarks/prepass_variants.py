@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from fp4vis.services import environment, input_copies, run_sections, time_events, write_json
+from fp4vis.services import environment, input_copies, run_sections, time_graph, write_json
 
 SHAPES = {"vit_b64_s197_h12_d64": (64, 197, 12, 64), "b1_s4096_h24": (1, 4096, 24, 128),
           "b4_s4096_h32": (4, 4096, 32, 128), "wan13_s32760_h12": (1, 32760, 12, 128),
@@ -30,18 +30,8 @@ FP8_CAPS = (0, 72, 64)   # the FP8 pre-pass (its default warps) under these regi
 
 
 def time_graph_rotating(fn, copies: int) -> float:
-    """GPU ms per call of fn(i), i = 0 .. copies - 1, captured into one CUDA graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(min(copies, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    return time_events(lambda i: graph.replay(), 1, 0.3) / copies
+    """GPU ms per call of fn(i), i = 0 .. copies - 1, from one CUDA graph of those calls."""
+    return time_graph(fn, calls=copies, budget=0.3, n_inputs=copies)
 
 
 def _inputs(b: int, s: int, h: int, d: int, copies: int) -> list:

@@ -659,19 +659,20 @@ def time_host(fn, n_inputs: int, reps: int = 200, sync: bool = False, budget: fl
     return statistics.median(ts) * 1e6
 
 
-def time_graph(fn, calls: int = GRAPH_CALLS, budget: float = 0.25) -> float:
-    """Median ms per call of ``fn(0)`` replayed from one CUDA graph of ``calls`` calls: the GPU time
-    of the call without its host work (warmed up, so compiled and cached, on a side stream first, as
-    torch.cuda.graphs asks). The same inputs every call, so L2-warm where they fit in it: compare
-    with another ``time_graph`` figure (SDPA's), not with ``time_events`` over rotated inputs."""
+def time_graph(fn, calls: int = GRAPH_CALLS, budget: float = 0.25, n_inputs: int = 1) -> float:
+    """Median ms per call of ``fn(i % n_inputs)`` replayed from one CUDA graph of ``calls`` calls: the GPU
+    time of the call without its host work (warmed up, so compiled and cached, on a side stream first, as
+    torch.cuda.graphs asks). With one input (the default) the same inputs every call, so L2-warm where they
+    fit in it: compare with another ``time_graph`` figure (SDPA's), not with ``time_events`` over rotated
+    inputs; with ``n_inputs`` copies that exceed the L2 (``input_copies``), every call reads from memory."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(0)
+        for i in range(3):
+            fn(i % n_inputs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(0)
+        for i in range(calls):
+            fn(i % n_inputs)
     return time_events(lambda i: graph.replay(), 1, budget) / calls

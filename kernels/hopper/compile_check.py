@@ -417,14 +417,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.triton_prepass:
         for d in (a.head_dim,) if a.head_dim else (128, 64):
-            from . import prepass_triton as tp
-            for warps in (tp.nvfp4_launch(d)[1],):   # the launch's
-                for f16 in (True, False):
-                    for full in (False, True):
-                        r = prepass_search_per_value(d, f16, warps, full)
-                        print(f"D={d} warps={warps} codes={r['codes']} search={r['search']}: candidate loop "
-                              f"{r['loop']} instructions for {r['values_per_thread']} values per thread, "
-                              f"{r['candidates']} candidates: {r['per_value']} instructions per value", flush=True)
+            for f16 in (True, False):
+                for full in (False, True):
+                    r = prepass_search_per_value(d, f16, None, full)
+                    print(f"D={d} warps={r['warps']} codes={r['codes']} search={r['search']}: candidate loop "
+                          f"{r['loop']} instructions for {r['values_per_thread']} values per thread, "
+                          f"{r['candidates']} candidates: {r['per_value']} instructions per value", flush=True)
         return 0
     rows = []
     for name, cfg in variants((a.head_dim,) if a.head_dim else (128, 64)):

@@ -914,7 +914,8 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     the compiled kernel (or None)."""
     ref = q if q is not None else (k if k is not None else v)
     d = ref.shape[-1]
-    block_r = block_r or nvfp4_launch(d)[0]
+    rows, warps, cap = nvfp4_launch(d)
+    block_r = block_r or rows
     sk = (k if k is not None else v).shape[-2] if (k is not None or v is not None) else 1
     grid, ints = _geometry(q.numel() // d if q is not None else 0, q.shape[-2] if q is not None else 1,
                            k.numel() // d if k is not None else 0, sk,
@@ -924,10 +925,9 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     qv, kv, vv = (ref if t is None else t for t in (q, k, v))
     ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm)) + (ref,) * 6
     f16 = f16_codes_default() if f16_codes is None else f16_codes
-    cap = nvfp4_launch(d)[2]
     return _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
                                     perm is not None, block_r, min(d, 64), f16, False, False, full_search_default(),
-                                    row_align(qv, kv, vv), num_warps=num_warps or nvfp4_launch(d)[1],
+                                    row_align(qv, kv, vv), num_warps=num_warps or warps,
                                     enable_fp_fusion=False, **({"maxnreg": cap} if cap else {}))
 
 
@@ -994,9 +994,11 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         consts = (d, layout == "folded64_mse", perm is not None, br, min(d, 64), f16) + flags + (full_search,
                                                                                             row_align(q, k, v))
         tail = ints + _view_ints(q, k, v) + consts
-        meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, None]
+        _rows, warps, cap = nvfp4_launch(d)
+        launch = (num_warps or warps, cap if max_registers is None else (max_registers or None))
+        meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, launch, None]
         _META[key] = meta
-    alloc, same, grid, tail, _ = meta
+    alloc, same, grid, tail, (warps, cap), _ = meta
     buf = torch.empty(alloc, dtype=torch.bfloat16, device=q.device)
     if same:
         yq, yk, yv = buf.unbind(0)
@@ -1004,9 +1006,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
     ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs
-    rows, warps, cap = nvfp4_launch(q.shape[-1])
-    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, num_warps or warps,
-         cap if max_registers is None else (max_registers or None))
+    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, warps, cap)
     return yq, yk, yv
 
 
@@ -1024,10 +1024,12 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool, flags: tuple) -> list:
+def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool, flags: tuple,
+              launch: tuple) -> list:
     """What ``fp8_prepass`` keeps per input signature: [buffer bytes, the five outputs as (dtype,
     shape, strides, element offset) in the order returned, grid, kernel arguments after the
-    pointers, compiled kernel (None)]. The outputs are 128-byte aligned slices of one uint8 buffer."""
+    pointers, ``launch`` (warps, register cap), compiled kernel (None)]. The outputs are 128-byte aligned
+    slices of one uint8 buffer."""
     d, sk = q.shape[-1], k.shape[-2]
     g = k.numel() // (sk * d) if sk else 0
     nkb = fp8_key_scale_blocks(sk)
@@ -1044,7 +1046,7 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool,
     tail = (nq, q.shape[-2], tq, sk, nkb, -(-sk // 32)) + _view_ints(q, k, v) + (d, has_perm, FP8_BLOCK_Q,
                                                                                  min(d, 64)) + flags + (
         row_align(q, k, v),)
-    return [nbytes, parts, tq + g * nkb, tail, None]
+    return [nbytes, parts, tq + g * nkb, tail, launch, None]
 
 
 def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
@@ -1066,16 +1068,16 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     qk_ptrs, flags = _transform_args(q, k, qk)
     meta = _FP8_META.get(key)
     if meta is None:
-        meta = _FP8_META[key] = _fp8_plan(q, k, v, perm is not None, flags)
-    nbytes, parts, grid, tail, _ = meta
+        d = q.shape[-1]
+        cap = FP8_MAX_REGISTERS[128 if d >= 128 else 64] if max_registers is None else (max_registers or None)
+        meta = _FP8_META[key] = _fp8_plan(q, k, v, perm is not None, flags, (num_warps or default_warps(d), cap))
+    nbytes, parts, grid, tail, (warps, cap), _ = meta
     buf = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
     typed = {dtype: buf.view(dtype) for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)}
     outs = tuple(typed[dtype].as_strided(shape, strides, off) for dtype, shape, strides, off in parts)
     if grid:
         ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs
-        cap = FP8_MAX_REGISTERS[128 if q.shape[-1] >= 128 else 64] if max_registers is None else max_registers
-        _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs,
-             num_warps or default_warps(q.shape[-1]), cap or None)
+        _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, warps, cap)
     return outs
 
 
