@@ -4,10 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# the tests' cross-check library, in its own folder (tests/conftest.py puts it on the tests' path, never the
-# runtime's: pyproject.toml)
-if [ ! -d .venv/crosscheck/torchao ]; then
-  .venv/bin/python -m pip install -q --no-deps --target .venv/crosscheck "torchao>=0.12"
+# the tests' cross-check library at the lock's version, in its own folder (tests/conftest.py puts it on the
+# tests' path, never the runtime's: pyproject.toml)
+torchao=$(grep '^torchao==' requirements/lock.txt)
+if [ "$(cat .venv/crosscheck/PINNED 2>/dev/null)" != "$torchao" ]; then
+  rm -rf .venv/crosscheck
+  .venv/bin/python -m pip install -q --no-input --no-deps --target .venv/crosscheck "$torchao"
+  echo "$torchao" > .venv/crosscheck/PINNED
 fi
 .venv/bin/ruff check .
 export CUTE_DSL_NO_CACHE=1
