@@ -29,7 +29,7 @@ def check_range() -> None:
     made with ``range_check="warn"``) for the earliest call that went past its policy's range, or
     ``ValueError`` for one whose q, k or v held NaN or Inf; nothing when none did. The kernels record
     their range on the device and ``fp4vis.attention`` reports it at the next call, a patched model
-    at the end of its forward (docs/numerics.md section 9): call this where a program needs the
+    at the end of its forward (docs/numerics.md section 8): call this where a program needs the
     answer before then (after its last call, say). No synchronisation when no kernel call was
     recorded since the last check."""
     range_record.check()

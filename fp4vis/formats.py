@@ -47,6 +47,9 @@ FOLDED_MSE_MULTIPLIERS = (1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.625, 0.75, 0.
 FOLDED_MSE_CONTENDERS = (0, 6, 7, 8, 10, 11)
 FOLDED_MSE_SUBNORMAL_CONTENDER = 6
 MXFP4_ZERO_AMAX = 1e-38  # blocks at or below this amax get u = 0
+# an NVFP4 scale amax/6 above this saturates E4M3 (RNE rounds it past 448, the largest value): the block's
+# values clip (docs/numerics.md section 1, "Scale range")
+E4M3_SATURATION = 464.0
 # the smallest float32 magnitudes that round (to nearest even) to Inf in an output dtype: half an ulp
 # above its largest finite value, whose odd significand rounds the tie up (the kernels' range record)
 OVERFLOW_BF16 = 3.3961775292304740e38   # 0x7F7F8000: BF16 max 0x7F7F plus half an ulp
@@ -206,15 +209,30 @@ def e8m0_nearest_pow2(amax: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class ScaleRange:
+    """Blocks of one quantized operand whose scale left its format's range (docs/numerics.md section 1,
+    "Scale range"): ``underflow``, blocks holding a nonzero value that their scale cannot represent (all
+    their values flush to zero); ``overflow``, blocks whose scale saturated (their values clip)."""
+
+    underflow: int = 0
+    overflow: int = 0
+
+    def __add__(self, other: ScaleRange) -> ScaleRange:
+        return ScaleRange(self.underflow + other.underflow, self.overflow + other.overflow)
+
+
+@dataclass(frozen=True)
 class NVFP4Tensor:
     """NVFP4 storage: ``codes`` (..., D/2) packed E2M1, ``scales`` E4M3 bytes, (..., D/16) for
     ``block16`` or (..., D/32) for ``folded64_mse``; ``tensor_scale`` is the per-tensor FP32
-    *decode* factor (1.0 unless the global encode scale was asked for)."""
+    *decode* factor (1.0 unless the global encode scale was asked for); ``scale_range`` counts the blocks
+    whose scale left E4M3's range."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     layout: str
     tensor_scale: float = 1.0
+    scale_range: ScaleRange = ScaleRange()
 
     def block_scales(self) -> torch.Tensor:
         """float32 scale of every 16-element block, (..., D/16), folded layouts expanded."""
@@ -270,7 +288,7 @@ def nvfp4_quantize(x: torch.Tensor, layout: str = "block16", global_scale: bool 
         xf, tensor_scale = xf * g, 1.0 / g
     vals, scales = _nvfp4_chunked(xf, layout)
     codes = pack_fp4(e2m1_encode(vals, name=name))
-    return NVFP4Tensor(codes, e4m3_encode(scales), layout, tensor_scale)
+    return NVFP4Tensor(codes, e4m3_encode(scales), layout, tensor_scale, nvfp4_scale_range(xf, scales, layout))
 
 
 def nvfp4_qdq(x: torch.Tensor, layout: str = "block16") -> torch.Tensor:
@@ -281,6 +299,19 @@ def nvfp4_qdq(x: torch.Tensor, layout: str = "block16") -> torch.Tensor:
     if layout == "folded64_mse":
         scales = torch.cat((scales, scales), dim=-1)
     return (vals.unflatten(-1, (-1, NVFP4_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
+
+
+def nvfp4_scale_range(xf: torch.Tensor, scales: torch.Tensor, layout: str) -> ScaleRange:
+    """The ``ScaleRange`` of NVFP4 storage: ``xf`` the BF16-valued float32 values that were quantized (times
+    the per-tensor scale, if any), ``scales`` their float32 scales (..., D/16 or D/32). Underflow: a scale
+    group (16 values, or the 32 of a folded pair) with a nonzero value and a zero scale. Overflow: a group
+    whose amax/6 exceeds ``E4M3_SATURATION``."""
+    blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK))
+    if layout == "folded64_mse":
+        half = blocks.shape[-2] // 2
+        blocks = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)
+    amax = blocks.abs().amax(-1)
+    return ScaleRange(int(((scales == 0) & (amax > 0)).sum()), int((_over_six(amax) > E4M3_SATURATION).sum()))
 
 
 def _nvfp4_chunked(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,11 +406,13 @@ def _folded_mse_choice(pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass(frozen=True)
 class MXFP4Tensor:
     """MXFP4 storage for V: ``codes`` (..., S, D/2) packed E2M1 (pairs along D), ``scales``
-    (..., ceil(S/32), D) E8M0 bytes, one per 32-token block and feature column; ``seq_len`` = S."""
+    (..., ceil(S/32), D) E8M0 bytes, one per 32-token block and feature column; ``seq_len`` = S;
+    ``scale_range`` counts the blocks whose scale left E8M0's range."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     seq_len: int
+    scale_range: ScaleRange = ScaleRange()
 
     def dequantize(self, *, times_six: bool = False) -> torch.Tensor:
         """float32 values ``alpha * c / 6`` (or ``alpha * c`` with ``times_six``, exact in BF16)."""
@@ -399,7 +432,7 @@ def mxfp4_quantize(v: torch.Tensor, name: str = "v") -> MXFP4Tensor:
         raise ValueError(f"{name}: last dim must be even for packed MXFP4, got {d}")
     vals, u = _mxfp4_blocks(v)
     codes = e2m1_encode(vals, name=name).flatten(-3, -2)[..., :s, :]
-    return MXFP4Tensor(pack_fp4(codes), u, s)
+    return MXFP4Tensor(pack_fp4(codes), u, s, mxfp4_scale_range(v))
 
 
 def mxfp4_qdq(v: torch.Tensor, *, times_six: bool = False) -> torch.Tensor:
@@ -452,6 +485,32 @@ def fp8_pow2_qdq(x: torch.Tensor, group_rows: int) -> torch.Tensor:
     """float32 ``2**E * E4M3(x / 2**E)`` of ``fp8_pow2_quantize`` (exact in float32)."""
     vals, scales = fp8_pow2_quantize(x, group_rows)
     return vals * scales.repeat_interleave(group_rows, dim=-2)[..., : x.shape[-2], :]
+
+
+def mxfp4_scale_range(v: torch.Tensor) -> ScaleRange:
+    """The ``ScaleRange`` of ``mxfp4_quantize(v)``: underflow, a 32-token block of a column with a nonzero
+    value and amax <= ``MXFP4_ZERO_AMAX`` (u = 0: its codes are 0, or clip where amax is near 1e-38); overflow, a
+    block whose nearest power of two is above 2**127 (u clamps at 254: its values clip)."""
+    vf = v.float()
+    pad = (-v.shape[-2]) % MXFP4_BLOCK
+    if pad:
+        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
+    amax = vf.unflatten(-2, (-1, MXFP4_BLOCK)).abs().amax(-2)
+    over = amax >= 1.5 * 2.0**127      # u = e + 1 + 127 = 255 before the clamp (the tie too: e = 127 is odd)
+    return ScaleRange(int(((amax > 0) & (amax <= MXFP4_ZERO_AMAX)).sum()), int(over.sum()))
+
+
+def fp8_pow2_scale_range(x: torch.Tensor, group_rows: int) -> ScaleRange:
+    """The ``ScaleRange`` of ``fp8_pow2_quantize(x, group_rows)``: underflow, a group with a nonzero maximum
+    below 2**-119, whose exponent E is floored at -126 (its values lose bits, the smallest flush); no overflow
+    is counted (a value that decodes to Inf gives a non-finite output, which is reported as such)."""
+    xf = x.float()
+    pad = (-xf.shape[-2]) % group_rows
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
+    amax = xf.unflatten(-2, (-1, group_rows)).abs().amax(dim=(-2, -1))
+    field = (amax.view(torch.int32) >> 23) & 0xFF
+    return ScaleRange(int(((amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)).sum()), 0)
 
 
 def _mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fp4vis.formats import check_no_nan, e2m1_round, e4m3_round, fp8_pow2_qdq, mxfp4_quantize, nvfp4_quantize
+from fp4vis.formats import (
+    ScaleRange,
+    check_no_nan,
+    e2m1_round,
+    e4m3_round,
+    fp8_pow2_qdq,
+    fp8_pow2_scale_range,
+    mxfp4_quantize,
+    nvfp4_quantize,
+)
 from fp4vis.layout import KEY_BLOCK, LN2, LOG2E, anchor_permutation, native_positions, qk_layout
 from fp4vis.policy import Policy
 
@@ -41,6 +50,9 @@ class RangeExceededError(FloatingPointError):
     """A Direct-P policy was driven past its representable range (docs/numerics.md section 2)."""
 
 
+OPERANDS = ("q", "k", "v")
+
+
 @dataclass
 class RangeReport:
     """What went past a Direct-P policy's representable range in one call.
@@ -49,22 +61,38 @@ class RangeReport:
         more than ~127 binades above the row reference, where P codes saturate.
     empty_rows: rows with valid keys whose probabilities all fell below the floor (l = 0).
     nonfinite_outputs: output elements that are NaN or Inf.
+    scale_underflow, scale_overflow: per operand (q, k, v), the blocks whose scale left its format's range
+        (``fp4vis.formats.ScaleRange``): values flushed to zero, or clipped.
     """
 
     saturated_blocks: int = 0
     empty_rows: int = 0
     nonfinite_outputs: int = 0
+    scale_underflow: tuple[int, int, int] = (0, 0, 0)
+    scale_overflow: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def ok(self) -> bool:
-        return not (self.saturated_blocks or self.empty_rows or self.nonfinite_outputs)
+        return not (self.saturated_blocks or self.empty_rows or self.nonfinite_outputs or any(self.scale_underflow)
+                    or any(self.scale_overflow))
+
+    def add_scale_ranges(self, ranges: tuple[ScaleRange, ScaleRange, ScaleRange]) -> None:
+        """Add the ``ScaleRange`` of q, k and v."""
+        self.scale_underflow = tuple(a + r.underflow for a, r in zip(self.scale_underflow, ranges))
+        self.scale_overflow = tuple(a + r.overflow for a, r in zip(self.scale_overflow, ranges))
 
     def describe(self, policy: Policy) -> str:
         """The error message: what went past the range, and advice that fits the cause. The guard
         helps where logits leave the window above a fixed row reference (saturated blocks, empty
         rows) and the policy is not already anchored; it cannot help an output that overflows on
-        its own (a huge V, or an output beyond the dtype's range)."""
+        its own (a huge V, or an output beyond the dtype's range), nor operands whose block scales
+        leave their format's range (docs/numerics.md section 1, "Scale range")."""
         parts = []
+        for name, under, over in zip(OPERANDS, self.scale_underflow, self.scale_overflow):
+            if under:
+                parts.append(f"{under} blocks of {name} whose scale underflows its format (their values flush to 0)")
+            if over:
+                parts.append(f"{over} blocks of {name} whose scale saturates its format (their values clip)")
         if self.saturated_blocks:
             parts.append(f"{self.saturated_blocks} saturated P blocks (logits z*log2(e) more than ~127 above "
                          "the row reference)")
@@ -72,7 +100,17 @@ class RangeReport:
             parts.append(f"{self.empty_rows} rows whose probabilities all underflowed (l = 0)")
         if self.nonfinite_outputs:
             parts.append(f"{self.nonfinite_outputs} non-finite output elements")
-        if (self.saturated_blocks or self.empty_rows) and policy.anchor == 0:
+        qk_scales = any(self.scale_underflow[:2]) or any(self.scale_overflow[:2])
+        if qk_scales:
+            fix = "" if policy.qk_fp8 or policy.qk_global_scale else (
+                "; or the per-tensor NVFP4 scale, a Policy with qk_global_scale=True (the reference backend runs it)")
+            advice = ("attention is unchanged when q is multiplied and k divided by the same power of two: bring "
+                      "their magnitudes together (q * 2**a and k / 2**a with amax(q) * 4**a close to amax(k))"
+                      f"{fix}; or policy='bf16' for this layer")
+        elif any(self.scale_underflow) or any(self.scale_overflow):
+            advice = ("MXFP4's block scales hold 2**-127 .. 2**127: scale v into that range (the output scales with "
+                      "it) or use policy='bf16' for this layer")
+        elif (self.saturated_blocks or self.empty_rows) and policy.anchor == 0:
             advice = "use policy='guard' for this layer (or a guard plan from fp4vis.calibrate)"
         elif self.saturated_blocks:
             advice = (f"the anchored policy's margin (M = {policy.margin:g}) does not cover these logits: use a "
@@ -115,7 +153,8 @@ class QuantizedOperands:
     zero-padded to a multiple of 32 keys; v6: (G, Skv_pad, Dv) float32 ``α·c`` (MXFP4 decoded
     times 6, exact in BF16); num_keys: the valid keys; s: ``scale·log2(e)`` with the per-tensor
     scales folded in; perm: the physical key order (None when not permuted); tensor_scale: the
-    product of Q's and K's per-tensor decode scales (1.0 unless ``qk_global_scale``)."""
+    product of Q's and K's per-tensor decode scales (1.0 unless ``qk_global_scale``); scale_ranges: the
+    ``ScaleRange`` of q, k and v."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -124,6 +163,7 @@ class QuantizedOperands:
     s: float
     perm: torch.Tensor | None
     tensor_scale: float = 1.0
+    scale_ranges: tuple[ScaleRange, ScaleRange, ScaleRange] = (ScaleRange(),) * 3
 
 
 def pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -132,26 +172,29 @@ def pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(x, (0, pad)) if pad else x
 
 
-def quantize_qk(q: torch.Tensor, k: torch.Tensor, policy: Policy) -> tuple[torch.Tensor, torch.Tensor, float]:
+def quantize_qk(q: torch.Tensor, k: torch.Tensor,
+                policy: Policy) -> tuple[torch.Tensor, torch.Tensor, float, tuple[ScaleRange, ScaleRange]]:
     """Decoded NVFP4 Q̂ and K̂ (float32, D padded to a multiple of 16) without their per-tensor decode
-    scales, and the product of those scales (folded into ``s`` by the callers, once: docs/numerics.md
-    section 1). ``fp8_e4m3``: E4M3 with power-of-two scales per query row and per
-    32-key block of k (in its physical order), decoded (exact in float32)."""
-    qd, q_scale = quantize_qk_operand(q, policy, "q")
-    kd, k_scale = quantize_qk_operand(k, policy, "k")
-    return qd, kd, q_scale * k_scale
+    scales, the product of those scales (folded into ``s`` by the callers, once: docs/numerics.md
+    section 1) and the ``ScaleRange`` of each. ``fp8_e4m3``: E4M3 with power-of-two scales per query row
+    and per 32-key block of k (in its physical order), decoded (exact in float32)."""
+    qd, q_scale, q_range = quantize_qk_operand(q, policy, "q")
+    kd, k_scale, k_range = quantize_qk_operand(k, policy, "k")
+    return qd, kd, q_scale * k_scale, (q_range, k_range)
 
 
-def quantize_qk_operand(x: torch.Tensor, policy: Policy, name: str) -> tuple[torch.Tensor, float]:
+def quantize_qk_operand(x: torch.Tensor, policy: Policy, name: str) -> tuple[torch.Tensor, float, ScaleRange]:
     """One operand of ``quantize_qk`` (``name`` "q" or "k"): decoded values without the per-tensor
-    decode scale, and that scale. Without ``qk_global_scale`` every row of q and every 32-key block
-    of k is quantized on its own, so the keys of a sequence can be quantized piece by piece."""
+    decode scale, that scale, and the blocks whose scale left its format's range. Without
+    ``qk_global_scale`` every row of q and every 32-key block of k is quantized on its own, so the keys
+    of a sequence can be quantized piece by piece."""
     if policy.qk_fp8:
         check_no_nan(x, name)
-        return fp8_pow2_qdq(x, 1 if name == "q" else KEY_BLOCK), 1.0
+        rows = 1 if name == "q" else KEY_BLOCK
+        return fp8_pow2_qdq(x, rows), 1.0, fp8_pow2_scale_range(x, rows)
     x = pad_last(x, 16)
     xq = nvfp4_quantize(x, qk_layout(policy, x.shape[-1]), policy.qk_global_scale, name=name)
-    return xq.dequantize(tensor_scale=False), xq.tensor_scale
+    return xq.dequantize(tensor_scale=False), xq.tensor_scale, xq.scale_range
 
 
 def quantize_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
@@ -163,13 +206,15 @@ def quantize_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy:
     if policy.anchor > 0:
         perm = anchor_permutation(num_keys, policy.anchor, device=k.device)
         k, v = k[:, perm], v[:, perm]
-    qd, kd, tensor_scale = quantize_qk(q, k, policy)
-    v6 = mxfp4_quantize(pad_last(v, 2), name="v").dequantize(times_six=True)[..., : v.shape[-1]]
+    qd, kd, tensor_scale, qk_ranges = quantize_qk(q, k, policy)
+    vq = mxfp4_quantize(pad_last(v, 2), name="v")
+    v6 = vq.dequantize(times_six=True)[..., : v.shape[-1]]
     key_pad = (-num_keys) % KEY_BLOCK
     if key_pad:
         kd = F.pad(kd, (0, 0, 0, key_pad))
         v6 = F.pad(v6, (0, 0, 0, key_pad))
-    return QuantizedOperands(qd, kd, v6, num_keys, scale * tensor_scale * LOG2E, perm, tensor_scale)
+    return QuantizedOperands(qd, kd, v6, num_keys, scale * tensor_scale * LOG2E, perm, tensor_scale,
+                             (*qk_ranges, vq.scale_range))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +317,7 @@ def direct_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy
     native = native_positions(nkp, device=q.device) if policy.native_exp2 else None
     out = torch.empty(groups, sq, ops.v6.shape[-1], dtype=torch.float32, device=q.device)
     report = RangeReport()
+    report.add_scale_ranges(ops.scale_ranges)
     cg, cq, ck = _chunk_sizes(groups, sq, nkp, KEY_BLOCK)
     for g0, g1 in _chunks(groups, cg):
         for q0, q1 in _chunks(sq, cq):
@@ -341,7 +387,8 @@ class DirectPAccumulator:
             raise ValueError(f"num_keys: expected a positive number of keys, got {num_keys!r}")
         _check_finite(q, "q")
         self.policy, self.num_keys, self.dtype = policy, num_keys, q.dtype
-        self.q, _ = quantize_qk_operand(q, policy, "q")
+        self.q, _, q_range = quantize_qk_operand(q, policy, "q")
+        self.scale_ranges = (q_range, ScaleRange(), ScaleRange())   # q, k, v: keys add as they come
         self.head_dim = q.shape[-1]
         self.s = scale * LOG2E  # no per-tensor scales (key_stream_reason)
         self.padded_keys = num_keys + (-num_keys) % KEY_BLOCK
@@ -391,8 +438,11 @@ class DirectPAccumulator:
             taken += use
         k, v = torch.cat(ks, 1), torch.cat(vs, 1)
         # the same per-row / per-block quantizers as quantize_operands, on whole 32-key blocks
-        kd, _ = quantize_qk_operand(k, self.policy, "k")
-        v6 = mxfp4_quantize(pad_last(v, 2), name="v").dequantize(times_six=True)[..., : v.shape[-1]]
+        kd, _, k_range = quantize_qk_operand(k, self.policy, "k")
+        vq = mxfp4_quantize(pad_last(v, 2), name="v")
+        v6 = vq.dequantize(times_six=True)[..., : v.shape[-1]]
+        q_range, k_total, v_total = self.scale_ranges
+        self.scale_ranges = (q_range, k_total + k_range, v_total + vq.scale_range)
         k0 = self.keys_done
         pad = (-n) % KEY_BLOCK
         if pad:   # only the last keys: pad to a whole block, as quantize_operands pads the sequence
@@ -421,6 +471,7 @@ class DirectPAccumulator:
                                "rest before result()")
         report = RangeReport(saturated_blocks=self.saturated_blocks,
                              empty_rows=int((self.denominator == 0).sum()))
+        report.add_scale_ranges(self.scale_ranges)
         out = (self.numerator.double() / (6.0 * self.denominator.unsqueeze(-1))).float().to(self.dtype)
         report.nonfinite_outputs = int((~torch.isfinite(out)).sum())
         return out, report
@@ -437,11 +488,13 @@ def _check_finite(t: torch.Tensor, name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
-                     scale: float) -> torch.Tensor:
+                     scale: float) -> tuple[torch.Tensor, RangeReport]:
     """NVFP4 (block16) Q/K, standard max-subtracted softmax with the row max over all keys, P and
     V cast to FP8 E4M3 with no block scale; the denominator sums the unquantized P (as FlashAttention
-    -3's FP8 path does). Float32 output (G, Sq, Dv)."""
-    qd, kd, tensor_scale = quantize_qk(q, k, policy.replace(qk_format="block16"))
+    -3's FP8 path does). Float32 output (G, Sq, Dv) and a RangeReport of Q's and K's block scales."""
+    qd, kd, tensor_scale, qk_ranges = quantize_qk(q, k, policy.replace(qk_format="block16"))
+    report = RangeReport()
+    report.add_scale_ranges((*qk_ranges, ScaleRange()))
     s = scale * tensor_scale * LOG2E
     v8 = e4m3_round(v.float())
     groups, sq, nk = qd.shape[0], qd.shape[1], kd.shape[1]
@@ -458,7 +511,7 @@ def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
                 den += p.sum(-1)
                 num += e4m3_round(p) @ v8[g0:g1, k0:k1]
             out[g0:g1, q0:q1] = num / den.unsqueeze(-1)
-    return out
+    return out, report
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -487,7 +540,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, polic
     if policy.method == "exact":
         return exact_attention(q, k, v, scale), RangeReport()
     if policy.method == "nv_fp8":
-        out, report = nv_fp8_attention(q, k, v, policy, scale), RangeReport()
+        out, report = nv_fp8_attention(q, k, v, policy, scale)
     else:
         out, report = direct_p_attention(q, k, v, policy, scale)
     out = out.to(q.dtype)

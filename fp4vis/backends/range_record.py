@@ -1,6 +1,6 @@
 """The range record: how a GPU kernel reports what went past a Direct-P policy's range (saturated P
 blocks, rows whose probabilities all underflow, non-finite output) without a host synchronisation
-per call (docs/numerics.md section 9).
+per call (docs/numerics.md section 8).
 
 One record per CUDA device:
 
@@ -55,9 +55,12 @@ from fp4vis.policy import Policy
 from fp4vis.reference import RangeExceededError, RangeReport
 from fp4vis.tracing import constant_at_trace_time
 
-# fields of the device record (int32, byte offsets 0, 4, 8, 12: the kernels' contract)
+# fields of the device record (int32, byte offsets 0, 4, 8, 12: the attention kernels' contract); then the
+# blocks of q, k, v whose scale underflows (SCALE_UNDERFLOW + 0, 1, 2) or saturates (SCALE_OVERFLOW + 0, 1, 2)
+# its format (the pre-passes' contract)
 SATURATED, EMPTY_ROWS, NONFINITE, FIRST_CALL = range(4)
-NUM_FIELDS = 4
+SCALE_UNDERFLOW, SCALE_OVERFLOW = 4, 7
+NUM_FIELDS = 10
 NO_CALL = 2**31 - 1          # FIRST_CALL before any call reported (the kernels take a minimum)
 KEPT_CALLS = 4096            # CallInfo kept for error messages (the most recent calls)
 
@@ -150,7 +153,9 @@ class RangeRecord:
             number = vals[FIRST_CALL]
             info = next((CallInfo(*c) for c in reversed(self.calls) if c[0] == number), None)
         report = RangeReport(saturated_blocks=vals[SATURATED], empty_rows=vals[EMPTY_ROWS],
-                             nonfinite_outputs=vals[NONFINITE])
+                             nonfinite_outputs=vals[NONFINITE],
+                             scale_underflow=tuple(vals[SCALE_UNDERFLOW:SCALE_UNDERFLOW + 3]),
+                             scale_overflow=tuple(vals[SCALE_OVERFLOW:SCALE_OVERFLOW + 3]))
         return info, number, report
 
 
@@ -328,7 +333,9 @@ def _error(info: CallInfo | None, number: int, report: RangeReport, where: str) 
             return DeferredInputError(f"{who}, {when}: {bad}; attention inputs must be finite")
     if info is None:
         return DeferredRangeError(f"{who}, {when}: {report.saturated_blocks} saturated P blocks, "
-                                  f"{report.empty_rows} empty rows, {report.nonfinite_outputs} non-finite outputs")
+                                  f"{report.empty_rows} empty rows, {report.nonfinite_outputs} non-finite outputs, "
+                                  f"q, k, v blocks whose scale underflows {report.scale_underflow} or saturates "
+                                  f"{report.scale_overflow} its format")
     message = report.describe(info.policy)
     if report.nonfinite_outputs and not all(r() is not None for r in info.inputs):
         message += (" (NaN or Inf in q, k or v also gives non-finite outputs: the kernel propagates them; "

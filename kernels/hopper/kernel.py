@@ -825,7 +825,7 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def record_output_range(self, acc_o, den, tOcO, row0, seqlen_q, lane_q, saturated, record_args):
-        """The range record of this thread's rows (docs/numerics.md section 9), as the reference counts
+        """The range record of this thread's rows (docs/numerics.md section 8), as the reference counts
         them: saturated (row, block) pairs (each counted once: in "lane" mode all four threads of a
         quad computed the same pairs, so lane 0 reports them), rows of Sq whose denominator is 0
         (lane 0 of the quad) and output elements of rows of Sq that are NaN or round to Inf in the

@@ -54,6 +54,9 @@ def attention_recorded(q, k, v, policy, scale, record):
         rec = range_record.record_for(q.device)
         counts = (report.saturated_blocks, report.empty_rows, report.nonfinite_outputs)
         rec.fields[:3] += torch.tensor(counts, dtype=torch.int32)
+        for first, per_operand in ((range_record.SCALE_UNDERFLOW, report.scale_underflow),
+                                   (range_record.SCALE_OVERFLOW, report.scale_overflow)):
+            rec.fields[first:first + 3] += torch.tensor(per_operand, dtype=torch.int32)
         rec.fields[range_record.FIRST_CALL] = min(int(rec.fields[range_record.FIRST_CALL]), record[2])
         rec.flag[0] = record[2]
     return out
@@ -110,6 +113,17 @@ def test_error_surfaces_at_the_next_call_with_the_reference_counts(backend):
     # the same counts and advice as the reference's own error
     assert msg.endswith(str(expected.value)), (msg, str(expected.value))
     fp4vis.check_range()            # reported once: nothing left
+
+
+def test_scale_range_surfaces_naming_the_operand(backend):
+    """Block scales out of their format's range (q 1e-3, k 1e3: docs/numerics.md section 1, "Scale range")
+    come back from the record as the reference counts them, naming q and k."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    fp4vis.attention(q * 1e-3, k * 1e3, v, policy="fast", backend=NAME)
+    with pytest.raises(range_record.DeferredRangeError,
+                       match=r"call #\d+ .*128 blocks of q whose scale underflows.*blocks of k whose scale saturates"):
+        fp4vis.check_range()
 
 
 def test_check_range_reports_the_earliest_call(backend):

@@ -1,4 +1,4 @@
-"""The Hopper kernel's range record (docs/numerics.md section 9), on an sm_90 GPU (skipped elsewhere).
+"""The Hopper kernel's range record (docs/numerics.md section 8), on an sm_90 GPU (skipped elsewhere).
 
 For every policy the kernel runs, on inputs that stay in range and on inputs that leave it (Student-t(3)
 q and k, twice scaled, whose logits reach |z| of a few hundred: saturated P blocks; with a huge V also non-finite
