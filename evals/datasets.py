@@ -34,6 +34,9 @@ def _images(folder: Path) -> list[Path]:
 def data_layout(root: str | os.PathLike) -> tuple[str, Path]:
     """("imagefolder" | "flat" | "cifar10", the folder), or a UsageError that says what is expected."""
     p = Path(os.path.expanduser(str(root)))
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"data: {str(root)!r} is a file, not a directory: give the folder of the images (an "
+                         f"ImageFolder root, a folder of images, or the CIFAR-10 test set's folder)")
     if not p.is_dir():
         raise UsageError(f"data: directory {str(root)!r} does not exist")
     for cand in (p / CIFAR_FOLDER, p):

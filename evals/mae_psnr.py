@@ -132,7 +132,8 @@ def masking_noise(indices: torch.Tensor, num_patches: int, seed: int) -> torch.T
     """The MAE masking noise of each image, from a generator seeded with (seed, image index)."""
     rows = []
     for i in indices.tolist():
-        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(i))
+        # modulo 2**64, as torch counts seeds: any seed the CLI accepts, the same masks as before for the rest
+        g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(i)) % 2**64)
         rows.append(torch.rand(num_patches, generator=g))
     return torch.stack(rows)
 

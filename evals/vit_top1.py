@@ -236,7 +236,7 @@ def _norm(s: str) -> str:
 def label_mapping(class_names: list[str], clf: Classifier, mode: str = "auto") -> tuple[list[int] | None, str]:
     """Map ImageFolder class folders to model class indices.
 
-    modes: ``index`` (folder names are class indices, e.g. ``207/``), ``names`` (folder names are the
+    modes: ``index`` (folder names are class indices, ``0/`` .. ``<classes - 1>/``), ``names`` (folder names are the
     model's label names: a synset like ``n01440764`` or a text label), ``order`` (the sorted folder
     order is the class order: ImageFolder's own convention), ``none`` (no labels: agreement and logit
     error only), ``auto`` (index, then names, else none)."""
@@ -251,7 +251,8 @@ def label_mapping(class_names: list[str], clf: Classifier, mode: str = "auto") -
                 raise UsageError(f"labels: folder {max(idx)} is not a class index of a {clf.num_classes}-class model")
             return idx, "index"
         if mode == "index":
-            raise UsageError("labels=index needs folders named by class index (0, 1, ..., 207, ...)")
+            raise UsageError(f"labels=index needs folders named by class index (0 .. {clf.num_classes - 1} for "
+                             f"this {clf.num_classes}-class model)")
     if (mode in ("auto", "names") and clf.num_classes == 1000
             and all(len(c) == 9 and c[0] == "n" and c[1:].isdigit() for c in class_names)):
         # ImageNet-1k synset folders (n01440764, ...): the standard class order, whatever the label text

@@ -45,6 +45,17 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
 
+# the seeds torch's generators accept (torch.Generator.manual_seed, torch.manual_seed); a negative one counts
+# modulo 2**64
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+
+
+def derived_seed(seed: int, offset: int) -> int:
+    """``seed + offset`` as torch's generators take it: modulo 2**64, as they count a negative seed, so a
+    seed derived from the user's (a prompt's, an image's) never overflows (the last seed plus one is 0)."""
+    return (int(seed) + int(offset)) % 2 ** 64
+
+
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     """'auto' -> the first CUDA GPU when one is visible, else the CPU; 'cuda' without a GPU raises."""
     if device is None or str(device) == "auto":

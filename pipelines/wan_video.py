@@ -24,6 +24,7 @@ steps and guidance a shipped model was trained for, and Wan2.1's otherwise.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from fp4vis.services import (
     check_model_source,
     check_output_file,
     check_plan_policy,
+    derived_seed,
     environment,
     guard_plan_summary,
     hub_error,
@@ -287,21 +289,133 @@ def encode_prompt(pipe, prompt: str, negative_prompt: str | None = None, *, guid
 def random_prompt_embeds(seed: int = 0, *, length: int = WAN_TEXT_LEN, dim: int = WAN_TEXT_DIM,
                          dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded stand-ins for UMT5 embeddings (speed runs with random weights)."""
-    g = torch.Generator().manual_seed(seed + 7)
+    g = torch.Generator().manual_seed(derived_seed(seed, 7))
     pe = torch.randn(1, length, dim, generator=g) * 0.1
     npe = torch.randn(1, length, dim, generator=g) * 0.1
     return pe.to(dtype), npe.to(dtype)
 
 
+# diffusers' Wan pipelines refuse a height or width that is not a multiple of 16 (check_inputs), whatever the
+# VAE and the patch size allow
+PIPELINE_SIZE_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class WanGeometry:
+    """What a Wan pipeline's VAE and transformer need of a video's size, read from their configs: the VAE's
+    scale factors (frames per latent frame after the first, pixels per latent pixel), the transformer's patch
+    (latent frames, rows, columns per token) and its rotary embedding's positions per axis
+    (``rope_max_seq_len``: latent frames per patch, and rows and columns per patch, beyond it fail)."""
+
+    temporal: int
+    spatial: int
+    patch: tuple[int, int, int]
+    rope_max_seq_len: int
+
+    @classmethod
+    def of_pipeline(cls, pipe) -> WanGeometry:
+        transformer = getattr(pipe, "transformer", None)
+        cfg = (transformer if transformer is not None else pipe.transformer_2).config
+        return cls(int(pipe.vae_scale_factor_temporal), int(pipe.vae_scale_factor_spatial),
+                   tuple(int(x) for x in cfg.patch_size), int(cfg.rope_max_seq_len))
+
+    @classmethod
+    def of_size(cls, size: str) -> WanGeometry:
+        """The Wan2.1 architecture ``size`` that ``build_random_wan_pipeline`` builds (default VAE)."""
+        cfg = WAN_TRANSFORMER_CONFIGS[size]
+        return cls(*WAN_VAE_SCALE, tuple(cfg["patch_size"]), int(cfg["rope_max_seq_len"]))
+
+    def size_multiple(self, axis: int) -> int:
+        """Height (axis 1) or width (axis 2) must be a multiple of this: the VAE's factor times the patch,
+        and of the pipeline's 16."""
+        return math.lcm(self.spatial * self.patch[axis], PIPELINE_SIZE_MULTIPLE)
+
+    def max_size(self, axis: int) -> int:
+        """The largest height (axis 1) or width (axis 2) the rotary embedding covers."""
+        most = self.rope_max_seq_len * self.spatial * self.patch[axis]
+        return most // self.size_multiple(axis) * self.size_multiple(axis)
+
+    def latent_frames(self, frames: int) -> int:
+        return (frames - 1) // self.temporal + 1
+
+    @property
+    def max_frames(self) -> int:
+        return (self.rope_max_seq_len * self.patch[0] - 1) * self.temporal + 1
+
+    def check(self, *, height: int, width: int, frames: int, model: str = "the model", prefix: str = "") -> None:
+        """A UsageError naming the option (``prefix`` + frames/height/width: ``--`` at the command line) and
+        what the model needs, for a size its pipeline cannot generate."""
+        tf, pt = self.temporal, self.patch[0]
+        if frames < 1 or (frames - 1) % tf or self.latent_frames(frames) % pt:
+            each = "" if pt == 1 else f", with (frames - 1) / {tf} + 1 a multiple of its patch's {pt}"
+            raise UsageError(f"{prefix}frames: {model} needs frames = {tf}k + 1 (its VAE encodes {tf} frames per "
+                             f"latent frame after the first: 1, {tf + 1}, {2 * tf + 1}, ...{each}), got {frames}")
+        if frames > self.max_frames:
+            raise UsageError(f"{prefix}frames: at most {self.max_frames} for {model} (its transformer's rotary "
+                             f"embedding has {self.rope_max_seq_len} positions in time, rope_max_seq_len), got "
+                             f"{frames}")
+        for axis, option, value in ((1, "height", height), (2, "width", width)):
+            multiple = self.size_multiple(axis)
+            if value < 1 or value % multiple:
+                raise UsageError(f"{prefix}{option}: must be a multiple of {multiple} for {model} (its VAE's "
+                                 f"{self.spatial} px per latent pixel x the transformer's patch of "
+                                 f"{self.patch[axis]}, and diffusers' Wan pipelines take multiples of "
+                                 f"{PIPELINE_SIZE_MULTIPLE}), got {value}")
+            if value > self.max_size(axis):
+                raise UsageError(f"{prefix}{option}: at most {self.max_size(axis)} for {model} (its "
+                                 f"transformer's rotary embedding has {self.rope_max_seq_len} positions per axis, "
+                                 f"rope_max_seq_len, of {self.spatial * self.patch[axis]} px), got {value}")
+
+
+def _config(cls, src: str, subfolder: str) -> dict[str, Any]:
+    """A component's config as its class reads it (defaults of the keys a saved config lacks), without
+    its weights (``load_config``)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    return {**defaults, **cls.load_config(src, subfolder=subfolder)}
+
+
+def wan_geometry(model: str) -> WanGeometry:
+    """A Wan pipeline's ``WanGeometry`` from its VAE's and transformer's configs alone (``load_config``:
+    no weights), before it is loaded."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    src, is_local = check_model_source(_resolve(model))
+    transformer = "transformer"
+    if is_local:
+        index = _model_index(src)
+        if index.get("transformer", [None])[0] is None and index.get("transformer_2", [None])[0] is not None:
+            transformer = "transformer_2"   # a Wan2.2 pipeline of its low-noise expert alone
+    try:
+        vae = _config(AutoencoderKLWan, src, "vae")
+        cfg = _config(WanTransformer3DModel, src, transformer)
+    except Exception as e:
+        if not is_local and is_network_error(e):
+            raise hub_error(model, e) from e
+        if is_local and isinstance(e, OSError):
+            raise UsageError(f"model: {model!r} has no readable vae and {transformer} configs ({e})") from None
+        raise
+    return WanGeometry(int(vae["scale_factor_temporal"]), int(vae["scale_factor_spatial"]),
+                       tuple(int(x) for x in cfg["patch_size"]), int(cfg["rope_max_seq_len"]))
+
+
+def check_steps(indices: tuple[int, ...] | None, steps: int, option: str = "exact_steps") -> None:
+    """Denoising step indices exist: ``0 .. steps - 1``, or ``-steps .. -1`` counted from the end (-1: the
+    last). A UsageError naming ``option`` otherwise (the step callback would skip it without a word)."""
+    bad = [i for i in indices or () if not -steps <= i < steps]
+    if bad:
+        raise UsageError(f"{option}: step {bad[0]} does not exist in {steps} denoising step"
+                         f"{'s' if steps > 1 else ''} (indices 0..{steps - 1}, or -{steps}..-1 from the end)")
+
+
 def latent_shape(pipe, *, height: int, width: int, frames: int, batch: int = 1) -> tuple[int, ...]:
-    tf, sf = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
-    if (frames - 1) % tf:
-        raise UsageError(f"frames: Wan needs frames = {tf}k + 1 (e.g. 5, 17, 33, 81), got {frames}")
-    p = pipe.transformer.config.patch_size
-    if height % (sf * p[1]) or width % (sf * p[2]):
-        raise UsageError(f"height/width must be multiples of {sf * p[1]} (got {height}x{width})")
+    geometry = WanGeometry.of_pipeline(pipe)
+    geometry.check(height=height, width=width, frames=frames)
+    sf = geometry.spatial
     # noise channels = the VAE latent channels (I2V transformers take more inputs: noise + condition)
-    return (batch, pipe.vae.config.z_dim, (frames - 1) // tf + 1, height // sf, width // sf)
+    return (batch, pipe.vae.config.z_dim, geometry.latent_frames(frames), height // sf, width // sf)
 
 
 def initial_latents(pipe, *, height: int, width: int, frames: int, seed: int) -> torch.Tensor:
@@ -348,7 +462,7 @@ def calibration_inputs(pipe, prompts: list[str], *, height: int, width: int, fra
     inputs = []
     for i, prompt in enumerate(prompts):
         pe, npe, _ = encode_prompt(pipe, prompt, guidance_scale=guidance_scale)
-        lat = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed + i)
+        lat = initial_latents(pipe, height=height, width=width, frames=frames, seed=derived_seed(seed, i))
         inputs.append(dict(prompt_embeds=pe, negative_prompt_embeds=npe, latents=lat.to(device), height=height,
                            width=width, num_frames=frames, num_inference_steps=steps, guidance_scale=guidance_scale,
                            output_type="latent", **({"image": image} if image is not None else {})))
@@ -389,6 +503,7 @@ def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = N
     ``label``: what the denoising bar says runs, ``denoise (<label>)`` (default: ``attention_label``, the
     policy and the backend that runs it; a caller that changed the model's attention itself says so)."""
     pol = get_policy(policy)
+    check_steps(exact_steps, steps, "exact_steps")
     dev = pipe._execution_device
     check_backend(backend, torch.device(dev))
     timings = {"text_encode_s": 0.0}
@@ -503,7 +618,9 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
     """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json). Sizes,
     frames, steps, guidance and fps left None come from ``generation_defaults(model)``; ``say`` is told what
     runs once the model is loaded (the CLI's header; rank 0 alone under ``cp``). A prompt the model does not
-    know is refused (``check_prompt``; ``force``: a warning). ``compile``: a mode of ``compile_transformers``
+    know is refused (``check_prompt``; ``force``: a warning), and so, before loading, are step indices that do
+    not exist and sizes or frames the model's VAE and transformer cannot take (``check_steps``,
+    ``wan_geometry``: errors name the options). ``compile``: a mode of ``compile_transformers``
     (the first step then includes the compilation).
 
     ``cp`` (``"ulysses=2"``, ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context
@@ -515,6 +632,7 @@ def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.
     if policy not in GENERATE_POLICIES:
         get_policy(policy)  # raises the standard message for unknown names
     check_prompt(model, prompt, force=force)
+    check_steps(exact_steps, steps, "--exact-steps")
     if cp is None:
         return _run_generate(model, prompt, output=output, negative_prompt=negative_prompt, image=image,
                              policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
@@ -560,6 +678,8 @@ def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negativ
         exact = ("--policy bf16" if get_policy(policy).method == "exact"
                  else "--exact-steps" if exact_steps else None)
         check_exact_under_ring(cp, dev, resolve_dtype(dtype), exact)
+    # the size against the model's configs, before its weights load
+    wan_geometry(model).check(height=height, width=width, frames=frames, model=model, prefix="--")
     src, is_local = check_model_source(_resolve(model))
     if pil is not None and is_local and "ImageToVideo" not in str(_model_index(src).get("_class_name", "")):
         raise UsageError(f"image: {model!r} is a text-to-video model ({_model_index(src).get('_class_name')}); "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .options import Formatter, announcer, policy, positive_int
+from .options import Formatter, announcer, finite_float, guidance, policy, positive_int, seed
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,17 +24,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="the Direct-P policy the plan protects (generate's and eval's default too; a plan "
                             "applies only to its policy)")
         p.add_argument("--out", "-o", default="guard_plan.json", help="where to write the plan")
-        p.add_argument("--threshold", type=float, default=None, help="guard when the statistic (log2 units) "
+        p.add_argument("--threshold", type=finite_float, default=None, help="guard when the statistic (log2 units) "
                                                                      "reaches this (default: 0.75 x the limit)")
-        p.add_argument("--fraction", type=float, default=None, help="threshold as a fraction of the limit")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--fraction", type=finite_float, default=None, help="threshold as a fraction of the limit, "
+                                                                         "in (0, 1.5]")
+        p.add_argument("--seed", type=seed, default=0)
         if kind == "wan":
             p.add_argument("--prompt", action="append", required=True, help="calibration prompt (repeatable)")
             p.add_argument("--frames", type=positive_int, default=17)
             p.add_argument("--steps", type=positive_int, default=4)
             p.add_argument("--height", type=positive_int, default=480)
             p.add_argument("--width", type=positive_int, default=832)
-            p.add_argument("--guidance", type=float, default=5.0)
+            p.add_argument("--guidance", type=guidance, default=5.0, help="classifier-free guidance scale, >= 0 "
+                                                                          "(at most 1: no guidance)")
             p.add_argument("--image", default=None, help="conditioning image: calibrate an image-to-video (I2V) "
                                                          "pipeline, its image branch included")
             p.add_argument("--force", action="store_true", help="calibrate on prompts a model trained on a closed "
@@ -67,10 +69,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--{option}: {reason}") from None
     out = check_output_file(args.out, "--out")
     if args.calib_kind == "wan":
-        from fp4vis.pipelines.wan_video import check_prompt
+        from fp4vis.pipelines.wan_video import check_prompt, wan_geometry
 
         for prompt in args.prompt:
             check_prompt(args.model, prompt, force=args.force)
+        wan_geometry(args.model).check(height=args.height, width=args.width, frames=args.frames, model=args.model,
+                                       prefix="--")
     if args.calib_kind != "wan":
         from fp4vis.evals.common import check_image_folder
 

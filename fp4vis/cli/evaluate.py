@@ -7,7 +7,19 @@ import argparse
 
 from fp4vis.services import COMPILE_MODES
 
-from .options import Formatter, add_runtime, announcer, int_list, main_process, policy_list, positive_int
+from .options import (
+    Formatter,
+    add_runtime,
+    announcer,
+    guidance,
+    int_list,
+    main_process,
+    non_negative_int,
+    open_fraction,
+    policy_list,
+    positive_int,
+    seed,
+)
 
 PROTOCOL_HELP = ("run the method's published protocol (fp4vis.evals.protocols): its model (unless --model), "
                  "sizes, image counts, seeds and policies, and its published figures beside each row")
@@ -42,8 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--random-weights", action="store_true", help="build the architecture with seeded random "
                                                                  "weights (numerics only; labelled in the report)")
     p.add_argument("--no-per-layer", action="store_true", help="skip the per-layer attention errors")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--workers", type=non_negative_int, default=0, help="DataLoader workers")
     p.add_argument("--out-dir", default="out", help="directory for NAME.json and NAME.md")
     p.add_argument("--name", default="vit_top1")
     add_runtime(p)
@@ -57,14 +69,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="a folder of images (e.g. COCO val2017) or an ImageFolder root")
     p.add_argument("--protocol", choices=["paper"], default=None, help=PROTOCOL_HELP)
     p.add_argument("--resolution", type=positive_int, default=None, help="input size (default: the model's)")
-    p.add_argument("--mask-ratio", type=float, default=None, help="default: the model's (0.75)")
+    p.add_argument("--mask-ratio", type=open_fraction, default=None, help="the share of patches masked, in (0, 1); "
+                                                                         "default: the model's (0.75)")
     p.add_argument("--decoder", action="store_true", help="also run the MAE decoder in FP4 (default: encoder only)")
     p.add_argument("--policies", type=policy_list, default="fast,accurate")
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--limit", type=positive_int, default=None)
     p.add_argument("--random-weights", action="store_true")
-    p.add_argument("--seed", type=int, default=0, help="seed of the masks (and of random weights)")
-    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="seed of the masks (and of random weights)")
+    p.add_argument("--workers", type=non_negative_int, default=0)
     p.add_argument("--out-dir", default="out")
     p.add_argument("--name", default="mae_psnr")
     add_runtime(p)
@@ -93,14 +106,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="run a prompt the model does not know (a warning instead of "
                                                         "the error)")
     p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--frames", type=positive_int, default=None, help="(default: the model's)")
     p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--height", type=positive_int, default=None, help="(default: the model's)")
     p.add_argument("--width", type=positive_int, default=None, help="(default: the model's)")
-    p.add_argument("--guidance", type=float, default=None, help="(default: the model's)")
+    p.add_argument("--guidance", type=guidance, default=None, help=">= 0, at most 1: no classifier-free guidance "
+                                                                   "(default: the model's)")
     p.add_argument("--latent-steps", type=int_list, default=(), metavar="K,L",
-                   help="also the latent cosine/relL2 after K, L denoising steps (e.g. 1,4)")
+                   help="also the latent cosine/relL2 after K, L denoising steps (e.g. 1,4), each in 1..steps")
     p.add_argument("--operator-error", action="store_true",
                    help="each self-attention layer re-run under every policy on the BF16 run's inputs, every step")
     dec = p.add_mutually_exclusive_group()
@@ -180,6 +194,20 @@ def _announcer(args: argparse.Namespace):
     return say
 
 
+def _check_wan_eval_options(args: argparse.Namespace, size: dict[str, int]) -> None:
+    """Before anything loads: --latent-steps within the run's steps, and the size and frames the model's VAE
+    and transformer can take (read from its configs, or the --speed-only architecture's)."""
+    from fp4vis.pipelines.wan_video import WanGeometry, wan_geometry
+    from fp4vis.services import UsageError
+
+    bad = [k for k in args.latent_steps if not 1 <= k <= args.steps]
+    if bad:
+        raise UsageError(f"--latent-steps: {bad[0]} steps is not within the run's {args.steps} (each K in "
+                         f"1..{args.steps}: the latents after K steps)")
+    geometry = wan_geometry(args.model) if args.model else WanGeometry.of_size(args.speed_only)
+    geometry.check(**size, model=args.model or f"Wan2.1 {args.speed_only}", prefix="--")
+
+
 def _fmt(x) -> str:
     return "—" if x is None else f"{x:.4g}"
 
@@ -236,10 +264,11 @@ def run(args: argparse.Namespace) -> int:
         prompt = args.prompt or own or DEFAULT_PROMPT
         if args.model:
             check_prompt(args.model, prompt, force=args.force)
+        size = dict(height=args.height or gen["height"], width=args.width or gen["width"],
+                    frames=args.frames or gen["frames"])
+        _check_wan_eval_options(args, size)
         r = run_wan_eval(args.model, speed_only=args.speed_only, policies=args.policies,
-                         prompt=prompt, negative_prompt=args.negative_prompt,
-                         height=args.height or gen["height"], width=args.width or gen["width"],
-                         frames=args.frames or gen["frames"], steps=args.steps,
+                         prompt=prompt, negative_prompt=args.negative_prompt, **size, steps=args.steps,
                          guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance,
                          seed=args.seed, decode=args.decode, warmup=not args.no_warmup, save_videos=args.save_videos,
                          name=args.name, latent_steps=args.latent_steps, operator_error=args.operator_error,

@@ -6,7 +6,7 @@ import argparse
 
 from fp4vis.services import COMPILE_MODES
 
-from .options import POLICY_HELP, Formatter, add_runtime, announcer, int_list, policy, positive_int
+from .options import POLICY_HELP, Formatter, add_runtime, announcer, guidance, int_list, policy, positive_int, seed
 
 DEFAULT = " (default: the model's; see above)"
 
@@ -29,15 +29,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--image", default=None, help="conditioning image for image-to-video (I2V) models")
     p.add_argument("--policy", type=policy, default="fast", help=f"one of {POLICY_HELP}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--frames", type=positive_int, default=None, help="number of frames (4k+1)" + DEFAULT)
+    p.add_argument("--seed", type=seed, default=0, help="seed of the initial noise, -2**63 .. 2**64 - 1")
+    p.add_argument("--frames", type=positive_int, default=None,
+                   help="number of frames: 4k+1 for Wan2.1's VAE, at most what the transformer's rotary embedding "
+                        "covers (both read from the model's config)" + DEFAULT)
     p.add_argument("--steps", type=positive_int, default=None, help="denoising steps" + DEFAULT)
-    p.add_argument("--height", type=positive_int, default=None, help=DEFAULT.strip())
-    p.add_argument("--width", type=positive_int, default=None, help=DEFAULT.strip())
-    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale" + DEFAULT)
+    p.add_argument("--height", type=positive_int, default=None,
+                   help="a multiple of 16 for Wan2.1 (the VAE's factor x the patch, from the model's config)" + DEFAULT)
+    p.add_argument("--width", type=positive_int, default=None, help="as --height" + DEFAULT)
+    p.add_argument("--guidance", type=guidance, default=None,
+                   help="classifier-free guidance scale, >= 0 (at most 1: no guidance)" + DEFAULT)
     p.add_argument("--fps", type=positive_int, default=None, help=DEFAULT.strip())
     p.add_argument("--exact-steps", type=int_list, default=None, metavar="I,J",
-                   help="denoising steps that run exact attention, e.g. 0,-1 (first and last)")
+                   help="denoising steps that run exact attention, e.g. 0,-1 (first and last); each in 0..steps-1 "
+                        "or -steps..-1")
     p.add_argument("--output", "-o", default="video.mp4", help="MP4 path (the sidecar gets the same name, .json)")
     p.add_argument("--cp", default=None, metavar="ulysses=N,ring=M",
                    help="context parallelism over the processes of a torchrun launch (ulysses=N, ring=N or both; "

@@ -4,12 +4,14 @@ command says what it is doing."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
 
 from fp4vis.backends import backend_names
 from fp4vis.policy import POLICIES
+from fp4vis.services import SEED_MAX, SEED_MIN
 
 POLICY_HELP = ", ".join(sorted(POLICIES))
 EPILOG = ("Weights: a Hugging Face Hub id (org/name, downloaded by the Hub client as usual) or a local "
@@ -78,13 +80,57 @@ def announcer(args: argparse.Namespace) -> Callable[[str], None] | None:
     return say
 
 
-def positive_int(s: str) -> int:
+def _int_within(s: str, low: int | None, high: int | None, expected: str) -> int:
+    """``s`` as an int in [low, high] (None: unbounded), else argparse's error saying what was ``expected``."""
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+        v = None
+    if v is None or (low is not None and v < low) or (high is not None and v > high):
+        raise argparse.ArgumentTypeError(f"{expected}, got {s!r}")
+    return v
+
+
+def positive_int(s: str) -> int:
+    return _int_within(s, 1, None, "expected a positive integer")
+
+
+def non_negative_int(s: str) -> int:
+    return _int_within(s, 0, None, "expected an integer >= 0")
+
+
+def seed(s: str) -> int:
+    """A seed within what torch's generators accept (``services.SEED_MIN`` .. ``SEED_MAX``)."""
+    return _int_within(s, SEED_MIN, SEED_MAX,
+                       "must be an integer in [-2**63, 2**64 - 1] (what torch's generators accept)")
+
+
+def finite_float(s: str) -> float:
+    """A float option: a finite number (float() also reads 'nan' and 'inf')."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}")
+    return v
+
+
+def guidance(s: str) -> float:
+    """A classifier-free guidance scale: finite and >= 0. As in diffusers' Wan pipelines, a scale above 1
+    runs guidance (two transformer passes a step), one of at most 1 runs without it (0 and 1 alike)."""
+    v = finite_float(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (above 1: classifier-free guidance; "
+                                         f"at most 1: none), got {s!r}")
+    return v
+
+
+def open_fraction(s: str) -> float:
+    """A fraction strictly between 0 and 1 (--mask-ratio: the share of patches masked)."""
+    v = finite_float(s)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {s!r}")
     return v
 
 

@@ -39,6 +39,7 @@ handle (or call ``fp4vis.unpatch``) first.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -106,6 +107,14 @@ def _check_backend(backend: str, strict: bool) -> None:
         warnings.warn(msg, FallbackWarning, stacklevel=3)
 
 
+def _check_guard(guard: Any) -> None:
+    """``guard``: None, a GuardPlan, "auto" or a path. Never handed to ``open`` otherwise: it takes an int (a
+    bool too) as a file descriptor, so ``guard=False`` would read stdin and close it."""
+    if guard is not None and not isinstance(guard, (GuardPlan, str, os.PathLike)):
+        raise TypeError(f"guard: expected a GuardPlan, a path to its JSON file (str or os.PathLike), 'auto' or "
+                        f"None, got {type(guard).__name__}")
+
+
 def _check_range_check(range_check: str) -> None:
     if range_check not in ("raise", "warn", "off"):
         raise ValueError(f"range_check: expected 'raise', 'warn' or 'off', got {range_check!r}")
@@ -121,7 +130,8 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
             ViT / ViTMAE model (any ``nn.Module`` holding supported attention layers).
         policy: base policy of the default layers (a name, a Policy, or None/"exact").
         layers: ``{index or name pattern: policy}`` overrides, applied in order (module docstring).
-        guard: a :class:`~fp4vis.patching.guard.GuardPlan`, a path to its JSON, or ``"auto"`` (each layer
+        guard: a :class:`~fp4vis.patching.guard.GuardPlan`, a path to its JSON (str or os.PathLike; anything
+            else is a TypeError), or ``"auto"`` (each layer
             calibrates on its first call with ``guard_rule`` and switches to the guard policy when
             the rule says so; ``handle.guard_plan`` collects the result).
         backend: ``"auto"`` | ``"reference"`` | ``"hopper"`` (passed to
@@ -135,6 +145,7 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
     """
     _check_backend(backend, strict)
     _check_range_check(range_check)
+    _check_guard(guard)
     specs, unsupported = find_layers(model_or_pipeline, cross_attention=cross_attention, decoder=decoder)
     if not specs:
         found = (f"; found unsupported attention modules: "

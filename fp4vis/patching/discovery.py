@@ -50,8 +50,8 @@ def find_layers(obj: Any, *, cross_attention: bool = False, decoder: bool = Fals
         reached = {id(s.module) for s in found}
         for s in found:
             s.component = comp
-            s.local_name = s.name
-            s.name = f"{comp}.{s.name}" if comp else s.name
+            s.local_name = s.name or ROOT_NAME
+            s.name = _module_name(comp, s.name)
         specs.extend(found)
         for name, m in root.named_modules():
             if id(m) in reached or not _looks_like_attention(m):
@@ -60,8 +60,17 @@ def find_layers(obj: Any, *, cross_attention: bool = False, decoder: bool = Fals
                 continue  # a container of supported layers (e.g. a transformers ViTAttention parent)
             if any(pm.is_known_non_attention(m) for pm in mods):
                 continue
-            unsupported.append((f"{comp}.{name}" if comp else name, type(m).__qualname__))
+            unsupported.append((_module_name(comp, name), type(m).__qualname__))
     return specs, unsupported
+
+
+ROOT_NAME = "<root>"
+
+
+def _module_name(component: str, name: str) -> str:
+    """A module's name in messages: its path under the pipeline component; the model itself (named "" by
+    ``named_modules``) is ``<root>``."""
+    return ".".join(n for n in (component, name) if n) or ROOT_NAME
 
 
 def select_layers(specs: list[LayerSpec], key: Any) -> list[LayerSpec]:

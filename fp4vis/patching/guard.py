@@ -151,19 +151,14 @@ class LayerStats:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerStats:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: _from_json_float(v) for k, v in d.items() if k in names})
+        """From ``to_dict``'s form, checked field by field (``GuardPlanError`` naming the field)."""
+        where = f"layers[{d.get('name', '?')!r}]" if isinstance(d, Mapping) else "layers[?]"
+        return cls(**_checked_layer_stats(d, where))
 
 
 def _json_float(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return "inf" if v > 0 else "-inf" if v < 0 else "nan"
-    return v
-
-
-def _from_json_float(v: Any) -> Any:
-    if v in ("inf", "-inf", "nan"):
-        return float(v)
     return v
 
 
@@ -235,8 +230,19 @@ class GuardRule:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GuardRule:
-        return cls(statistic=d.get("statistic", "sampled"), fraction=d.get("fraction", 0.75),
-                   threshold=d.get("threshold"))
+        """From ``to_dict``'s form, checked field by field (``GuardPlanError`` naming the field)."""
+        d = _check_fields("rule", d, required=("statistic", "fraction", "threshold"),
+                          optional=("limit_log2", "description"))
+        statistic = _check_str("rule.statistic", d["statistic"])
+        if statistic not in ("sampled", "full"):
+            raise GuardPlanError(f"rule.statistic: expected 'sampled' or 'full', got {statistic!r}")
+        fraction = _check_number("rule.fraction", d["fraction"])
+        if not 0 < fraction <= 1.5:
+            raise GuardPlanError(f"rule.fraction: expected a number in (0, 1.5], got {fraction!r}")
+        _check_number("rule.limit_log2", d.get("limit_log2"), optional=True)
+        _check_str("rule.description", d.get("description", ""))
+        return cls(statistic=statistic, fraction=fraction,
+                   threshold=_check_number("rule.threshold", d["threshold"], optional=True))
 
 
 def _make_rule(rule: GuardRule | None, threshold: float | None, fraction: float | None,
@@ -251,14 +257,143 @@ def _make_rule(rule: GuardRule | None, threshold: float | None, fraction: float 
 # the plan
 
 
+def check_plan_path(path: Any, what: str) -> None:
+    """A plan's file is named by a path (str or os.PathLike): ``open`` takes an int, and a bool, as a file
+    descriptor (``open(False)`` reads stdin and closes it), so anything else is a TypeError."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}: expected a path (str or os.PathLike), got {type(path).__name__}")
+
+
+# The saved form (GuardPlan.to_dict): every field it writes, checked on reading. Fields a plan written by an
+# earlier fp4vis may lack are optional (architecture: plans before fingerprints); any other field is unknown.
+_PLAN_REQUIRED = ("format", "version", "model_id", "policy", "guard_policy", "rule", "layers", "guarded")
+_PLAN_OPTIONAL = ("created", "n_samples", "num_inputs", "statistic_units", "architecture")
+
+
+def _json_type(v: Any) -> str:
+    """How a JSON value is named in an error."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f"the string {v!r}"
+    if isinstance(v, Mapping):
+        return "an object"
+    if isinstance(v, (list, tuple)):
+        text = json.dumps(v, default=str)
+        return f"the list {text}" if len(text) <= 60 else "a list"
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN"
+    if isinstance(v, float) and math.isinf(v):
+        return f"{v} (a number out of range, as JSON reads 1e999)"
+    return repr(v)
+
+
+def _check_fields(where: str, d: Any, *, required: Iterable[str], optional: Iterable[str]) -> Mapping[str, Any]:
+    """An object with every ``required`` field and no field outside ``required`` and ``optional``
+    (``where``: the object's place in the plan, "" for the plan itself)."""
+    at = f"{where}: " if where else ""
+    if not isinstance(d, Mapping):
+        raise GuardPlanError(f"{at}expected an object, got {_json_type(d)}")
+    required, known = tuple(required), (*required, *optional)
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise GuardPlanError(f"{at}missing field {', '.join(map(repr, missing))}")
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        raise GuardPlanError(f"{at}unknown field {', '.join(map(repr, unknown))} (the fields are "
+                             f"{', '.join(known)})")
+    return d
+
+
+def _check_object(where: str, v: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise GuardPlanError(f"{where}: expected an object {what}, got {_json_type(v)}")
+    return v
+
+
+def _check_str(where: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise GuardPlanError(f"{where}: expected a string, got {_json_type(v)}")
+    return v
+
+
+def _check_int(where: str, v: Any, *, minimum: int) -> int:
+    if type(v) is not int or v < minimum:
+        raise GuardPlanError(f"{where}: expected an integer >= {minimum}, got {_json_type(v)}")
+    return v
+
+
+def _check_number(where: str, v: Any, *, optional: bool = False) -> float | None:
+    """A finite number (JSON reads 1e999 as inf: refused), or null where ``optional``."""
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise GuardPlanError(f"{where}: expected a finite number{' or null' if optional else ''}, "
+                             f"got {_json_type(v)}")
+    return v
+
+
+def _check_names(where: str, v: Any) -> list[str]:
+    if not isinstance(v, list):
+        raise GuardPlanError(f"{where}: expected a list of layer names, got {_json_type(v)}"
+                             + (" (one name is a list of one)" if isinstance(v, str) else ""))
+    for i, name in enumerate(v):
+        _check_str(f"{where}[{i}]", name)
+    return list(v)
+
+
+def _checked_layer_stats(d: Any, where: str) -> dict[str, Any]:
+    """LayerStats' keyword arguments from its saved form (``LayerStats.to_dict``)."""
+    names = [f.name for f in dataclasses.fields(LayerStats)]
+    d = _check_fields(where, d, required=("sampled_max_log2",), optional=[n for n in names if n != "sampled_max_log2"])
+    out: dict[str, Any] = {}
+    for key, v in d.items():
+        at = f"{where}.{key}"
+        if key in ("name", "group"):
+            out[key] = _check_str(at, v)
+        elif key in ("index", "num_heads", "head_dim", "calls"):
+            out[key] = _check_int(at, v, minimum=-1 if key == "index" else 0)
+        elif key == "guarded":
+            if not isinstance(v, bool):
+                raise GuardPlanError(f"{at}: expected true or false, got {_json_type(v)}")
+            out[key] = v
+        elif key == "sampled_max_log2" and v == "-inf":   # the writer's form of "never recorded"
+            out[key] = -math.inf
+        elif key == "scale":
+            out[key] = _check_number(at, v)
+        else:
+            out[key] = _check_number(at, v, optional=key != "sampled_max_log2")
+    return out
+
+
+def _check_architecture(v: Any) -> dict[str, list[int]]:
+    arch = _check_object("architecture", v, "{layer name: [heads, head dim]}")
+    for name, shape in arch.items():
+        if (not isinstance(shape, list) or len(shape) != 2
+                or not all(type(x) is int and x > 0 for x in shape)):
+            raise GuardPlanError(f"architecture[{name!r}]: expected [heads, head dim], two positive integers, "
+                                 f"got {_json_type(shape)}")
+    return {str(k): list(v) for k, v in arch.items()}
+
+
 def _policy_to_dict(p: Policy) -> dict[str, Any]:
     return dataclasses.asdict(p)
 
 
-def _policy_from_dict(d: Mapping[str, Any] | str) -> Policy:
+def _policy_from_dict(d: Any, where: str = "policy") -> Policy:
+    """A policy from its saved form, the object of its fields (``_policy_to_dict``); fields a plan written
+    before they existed lacks take their defaults."""
     if isinstance(d, str):
-        return get_policy(d)
-    return Policy(**d)
+        raise GuardPlanError(f"{where}: expected the policy's fields as an object (as fp4vis writes it, e.g. "
+                             f'{{"name": "fast", "method": "direct_p", ...}}), got the string {d!r}')
+    names = [f.name for f in dataclasses.fields(Policy)]
+    d = _check_fields(where, d, required=("name",), optional=names[1:])
+    try:
+        return Policy(**d)
+    except (TypeError, ValueError) as exc:   # Policy names the field and the reason
+        raise GuardPlanError(f"{where}: {exc}") from None
 
 
 @dataclass
@@ -372,36 +507,53 @@ class GuardPlan:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GuardPlan:
+        """From ``to_dict``'s form, checked against it field by field: types, finite statistics, required and
+        unknown fields. A field that does not fit raises ``GuardPlanError`` naming it and the reason."""
+        if not isinstance(d, Mapping):
+            raise GuardPlanError(f"expected a JSON object, got {_json_type(d)}")
         if d.get("format") != FORMAT:
-            raise ValueError(f"not an fp4vis guard plan (format {d.get('format')!r}, expected {FORMAT!r})")
+            raise GuardPlanError(f"not an fp4vis guard plan (format {d.get('format')!r}, expected {FORMAT!r})")
         version = d.get("version")
-        if not isinstance(version, int) or version > VERSION or version < 1:
-            raise ValueError(f"guard plan version {version!r} is not supported (this fp4vis reads "
-                             f"versions 1..{VERSION})")
-        return cls(model_id=d["model_id"], policy=_policy_from_dict(d["policy"]),
-                   guard_policy=_policy_from_dict(d["guard_policy"]), rule=GuardRule.from_dict(d["rule"]),
-                   stats={k: LayerStats.from_dict(v) for k, v in d.get("layers", {}).items()},
-                   guarded=list(d.get("guarded", [])), n_samples=int(d.get("n_samples", GUARD_ANCHORS)),
-                   num_inputs=int(d.get("num_inputs", 0)), created=d.get("created", ""), version=version,
-                   architecture={str(k): [int(x) for x in v] for k, v in d.get("architecture", {}).items()})
+        if type(version) is not int or version > VERSION or version < 1:
+            raise GuardPlanError(f"guard plan version {version!r} is not supported (this fp4vis reads "
+                                 f"versions 1..{VERSION})")
+        d = _check_fields("", d, required=_PLAN_REQUIRED, optional=_PLAN_OPTIONAL)
+        _check_str("statistic_units", d.get("statistic_units", ""))
+        layers = _check_object("layers", d["layers"], "{layer name: statistics}")
+        stats = {}
+        for name, st in layers.items():
+            checked = _checked_layer_stats(st, f"layers[{name!r}]")
+            if checked.setdefault("name", name) != name:
+                raise GuardPlanError(f"layers[{name!r}].name: expected the layer's key {name!r}, "
+                                     f"got {checked['name']!r}")
+            stats[name] = LayerStats(**checked)
+        return cls(model_id=_check_str("model_id", d["model_id"]),
+                   policy=_policy_from_dict(d["policy"], "policy"),
+                   guard_policy=_policy_from_dict(d["guard_policy"], "guard_policy"),
+                   rule=GuardRule.from_dict(d["rule"]), stats=stats,
+                   guarded=_check_names("guarded", d["guarded"]),
+                   n_samples=_check_int("n_samples", d.get("n_samples", GUARD_ANCHORS), minimum=1),
+                   num_inputs=_check_int("num_inputs", d.get("num_inputs", 0), minimum=0),
+                   created=_check_str("created", d.get("created", "")), version=version,
+                   architecture=_check_architecture(d.get("architecture", {})))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically (a failed write never replaces a good plan)."""
+        check_plan_path(path, "GuardPlan.save: path")
         atomic_write(path, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> GuardPlan:
         """Read a plan; a file that is not a readable plan of a supported version raises
-        ``GuardPlanError`` naming the file and the reason."""
+        ``GuardPlanError`` naming the file and the reason; a ``path`` that is not a path (a file descriptor,
+        a bool) raises ``TypeError``: ``open`` would read or close that descriptor."""
+        check_plan_path(path, "GuardPlan.load: path")
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-            if not isinstance(data, Mapping):
-                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
             return cls.from_dict(data)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise GuardPlanError(f"guard plan {str(path)!r}: {what}") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:   # JSONDecodeError, GuardPlanError: ValueErrors
+            raise GuardPlanError(f"guard plan {str(path)!r}: {exc}") from None
 
     def summary(self) -> str:
         lines = [f"guard plan for {self.model_id} (policy {self.policy.name}, guard {self.guard_policy.name}; "

@@ -24,7 +24,11 @@ def assets(tmp_path_factory, tiny_wan, tiny_mae):
 
 
 def run(capsys, *argv):
-    code = main([str(a) for a in argv])
+    """main's exit status, stdout and stderr; an option argparse refuses exits 2 from the parser."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -190,7 +194,8 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
                          "--no-progress")
     assert code == 0, err
     assert len(json.loads((tmp_path / "i2v.json").read_text())["layers"]) == 2
-    code, _, err = run(capsys, "calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--out", tmp_path / "x.json")
+    code, _, err = run(capsys, "calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--frames", 5, "--height", 32,
+                       "--width", 32, "--out", tmp_path / "x.json")
     assert code == 2 and "is an image-to-video model: pass --image" in err, err
     code, out, err = run(capsys, "calibrate", "mae", "--model", assets["mae"], "--data", assets["data"],
                          "--limit", 1, "--out", tmp_path / "mae_plan.json")
@@ -269,11 +274,19 @@ def bad(assets, tmp_path_factory):
     (root / "corrupt.json").write_text("{not json")
     (root / "truncated.json").write_text(text[: len(text) // 2])
     (root / "v99.json").write_text(json.dumps({**json.loads(text), "version": 99}))
+    plan = json.loads(text)
+    for name, edit in (("layers_list", {"layers": list(plan["layers"].values())}),
+                       ("guarded_str", {"guarded": "blocks.1.attn"}), ("policy_str", {"policy": "fast"}),
+                       ("stat_inf", {"layers": {n: {**st, "sampled_max_log2": float("inf")}
+                                                for n, st in plan["layers"].items()}})):
+        (root / f"{name}.json").write_text(json.dumps({**plan, **edit}).replace("Infinity", "1e999"))
     (root / "a_dir").mkdir()
     (root / "a_file").write_text("x")
     data = make_image_folder(root / "data_broken", classes=("0",), per_class=1, size=36)
     (data / "0" / "broken.jpg").write_text("this is not a JPEG")
-    return {"root": root, "data_broken": data, "hf_vit": make_tiny_hf_vit(root / "hf_vit", num_classes=3)}
+    names = make_image_folder(root / "data_names", classes=("cat", "dog"), per_class=1, size=36)
+    return {"root": root, "data_broken": data, "hf_vit": make_tiny_hf_vit(root / "hf_vit", num_classes=3),
+            "data_names": names}
 
 
 def _bad_cases(a, b):
@@ -296,7 +309,8 @@ def _bad_cases(a, b):
                                   "--cp ulysses=2,ring=2: needs 4 processes.*torchrun --nproc-per-node 4"),
         "out-dir is a file": ([*vit, "--out-dir", b["root"] / "a_file"], "--out-dir:.*is a file"),
         "calibrate --fraction 0": ([*cal, "--fraction", 0], "--fraction: expected a number in"),
-        "calibrate --threshold nan": ([*cal, "--threshold", "nan"], "--threshold: expected a finite number"),
+        "calibrate --threshold nan": ([*cal, "--threshold", "nan"], "argument --threshold: must be a finite number, "
+                                                                    "got 'nan'"),
         "calibrate --policy bf16": ([*cal, "--policy", "bf16"], "--policy: 'bf16' is not a Direct-P policy"),
         "a file that is not an image": (["eval", "vit", "--model", a["vit"], "--data", b["data_broken"],
                                          "--dtype", "float32", "--no-progress"], "broken.jpg.*not a readable image"),
@@ -315,11 +329,51 @@ def _bad_cases(a, b):
                                                 "--out-dir", b["root"], "--no-progress"],
                                                "^fp4vis eval wan: error: speed-only 1.3B on the CPU: 81 frames at "
                                                "480x832 are 32760 tokens per sequence.*--device cuda"),
+        # issue 33: every option a user can give wrongly, refused before loading with one line naming it
+        "plan whose layers are a list": ([*vit, "--guard-plan", b["root"] / "layers_list.json"],
+                                         "layers_list.json': layers: expected an object"),
+        "plan whose guarded layers are a string": ([*vit, "--guard-plan", b["root"] / "guarded_str.json"],
+                                                   "guarded: expected a list of layer names, got the string"),
+        "plan whose policy is a name": ([*vit, "--guard-plan", b["root"] / "policy_str.json"],
+                                        "policy: expected the policy's fields as an object"),
+        "plan with a statistic of 1e999": ([*vit, "--guard-plan", b["root"] / "stat_inf.json"],
+                                           "sampled_max_log2: expected a finite number, got inf"),
+        "generate --guidance nan": ([*gen, "--guidance", "nan"],
+                                    "argument --guidance: must be a finite number, got 'nan'"),
+        "generate --guidance -1": ([*gen, "--guidance", "-1"], "argument --guidance: must be a finite number >= 0"),
+        "generate --exact-steps beyond --steps": ([*gen, "--exact-steps", "0,5"],
+                                                  r"--exact-steps: step 5 does not exist in 1 denoising step"),
+        "generate --frames beyond the rotary embedding": ([*gen, "--frames", 100001],
+                                                          "--frames: at most 125 for .*rope_max_seq_len"),
+        "generate --frames not 4k+1": ([*gen, "--frames", 6], r"--frames: .* needs frames = 4k \+ 1"),
+        "generate --height not a multiple of 16": ([*gen, "--height", 72], "--height: must be a multiple of 16 for "),
+        "generate --width beyond the rotary embedding": ([*gen, "--width", 528], "--width: at most 512 for "),
+        "generate --seed 2**64": ([*gen, "--seed", 2 ** 64], r"argument --seed: must be an integer in \[-2\*\*63"),
+        "generate --seed below -2**63": ([*gen, "--seed", -2 ** 63 - 1], "argument --seed: must be an integer in"),
+        "calibrate wan --height 40": (["calibrate", "wan", "--model", a["wan"], "--prompt", "x", "--height", 40,
+                                       "--out", b["root"] / "w.json"], "--height: must be a multiple of 16"),
+        "calibrate --fraction inf": ([*cal, "--fraction", "inf"], "argument --fraction: must be a finite number"),
+        "eval wan --latent-steps beyond --steps": (["eval", "wan", "--model", a["wan"], "--steps", 2, "--latent-steps",
+                                                    "1,3", "--out-dir", b["root"]], "--latent-steps: 3 steps is not"),
+        "eval wan --guidance inf": (["eval", "wan", "--model", a["wan"], "--guidance", "inf", "--out-dir", b["root"]],
+                                    "argument --guidance: must be a finite number"),
+        "eval wan --speed-only --height 72": (["eval", "wan", "--speed-only", "1.3B", "--height", 72, "--out-dir",
+                                               b["root"]], "--height: must be a multiple of 16 for Wan2.1 1.3B"),
+        "eval mae --mask-ratio nan": ([*mae, "--mask-ratio", "nan"], "argument --mask-ratio: must be a finite number"),
+        "eval mae --mask-ratio 1": ([*mae, "--mask-ratio", 1], r"argument --mask-ratio: must be a number in \(0, 1\)"),
+        "eval vit --workers -1": ([*vit, "--workers", -1], "argument --workers: expected an integer >= 0"),
+        "--data that is a file": (["eval", "vit", "--model", a["vit"], "--data", b["root"] / "a_file"],
+                                  "data: .*a_file' is a file, not a directory"),
+        "--labels index on folders of names": (["eval", "vit", "--model", a["vit"], "--data", b["data_names"],
+                                                "--labels", "index", "--dtype", "float32", "--no-progress",
+                                                "--out-dir", b["root"]],
+                                               r"labels=index needs folders named by class index \(0 \.\. 2 for this "
+                                               r"3-class model\)"),
     }
 
 
 CASES = list(_bad_cases({"vit": "", "mae": "", "wan": "", "data": Path(".")},
-                        {"root": Path("."), "data_broken": "", "hf_vit": ""}))
+                        {"root": Path("."), "data_broken": "", "hf_vit": "", "data_names": ""}))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -303,3 +303,70 @@ def test_non_finite_calibration_logits_raise_naming_the_layer(vit):
     with pytest.raises(ValueError, match="layer 'blocks.2.attn'.*non-finite logits"):
         fp4vis.calibrate(vit, _images(1), policy="fast")
     assert not any(hasattr(m, "_fp4vis_state") for m in vit.modules())
+
+
+def _layer_edit(field, value):
+    def edit(d):
+        d["layers"]["blocks.1.attn"][field] = value
+    return edit
+
+
+# (how a saved plan is edited, the error it gives): each field of the saved form, checked on reading
+PLAN_EDITS = {
+    "layers as a list": (lambda d: d.update(layers=list(d["layers"].values())),
+                         r"layers: expected an object \{layer name: statistics\}, got a list"),
+    "guarded as a string": (lambda d: d.update(guarded="blocks.1.attn"),
+                            "guarded: expected a list of layer names, got the string 'blocks.1.attn'"),
+    "guarded with a number": (lambda d: d.update(guarded=[1]), r"guarded\[0\]: expected a string, got 1"),
+    "policy as a name": (lambda d: d.update(policy="fast"),
+                         "policy: expected the policy's fields as an object .* got the string 'fast'"),
+    "guard policy of an unknown field": (lambda d: d["guard_policy"].update(anchors=128),
+                                         "guard_policy: unknown field 'anchors'"),
+    "policy of a bad value": (lambda d: d["policy"].update(shift="16"), r"policy: .*shift \(L\) must be an integer"),
+    "a statistic of 1e999": (_layer_edit("sampled_max_log2", math.inf),
+                             r"layers\['blocks.1.attn'\].sampled_max_log2: expected a finite number, got inf"),
+    "a statistic as text": (_layer_edit("value", "95"),
+                            r"layers\['blocks.1.attn'\].value: expected a finite number or null, got the string '95'"),
+    "a decision as a number": (_layer_edit("guarded", 1),
+                               r"layers\['blocks.1.attn'\].guarded: expected true or false, got 1"),
+    "heads as true": (_layer_edit("num_heads", True),
+                      r"layers\['blocks.1.attn'\].num_heads: expected an integer >= 0, got true"),
+    "a layer under another name": (_layer_edit("name", "blocks.2.attn"),
+                                   r"layers\['blocks.1.attn'\].name: expected the layer's key"),
+    "a layer without its statistic": (lambda d: d["layers"]["blocks.1.attn"].pop("sampled_max_log2"),
+                                      r"layers\['blocks.1.attn'\]: missing field 'sampled_max_log2'"),
+    "an unknown field": (lambda d: d.update(guard_layers=[]), "unknown field 'guard_layers'"),
+    "no guarded field": (lambda d: d.pop("guarded"), "missing field 'guarded'"),
+    "a rule of an unknown statistic": (lambda d: d["rule"].update(statistic="median"),
+                                       "rule.statistic: expected 'sampled' or 'full', got 'median'"),
+    "a rule threshold of 1e999": (lambda d: d["rule"].update(threshold=math.inf),
+                                  "rule.threshold: expected a finite number or null, got inf"),
+    "a fingerprint of one number": (lambda d: d["architecture"].update({"blocks.1.attn": [2]}),
+                                    r"architecture\['blocks.1.attn'\]: expected \[heads, head dim\].*"
+                                    r"got the list \[2\]"),
+    "a version that is true": (lambda d: d.update(version=True), "guard plan version True is not supported"),
+    "samples as text": (lambda d: d.update(n_samples="128"), "n_samples: expected an integer >= 1"),
+}
+
+
+def test_plan_files_are_checked_field_by_field(vit, tmp_path):
+    """Every field GuardPlan.save writes is checked on reading (types, finite statistics, required and unknown
+    fields): one GuardPlanError naming the file and the field, where a list of layers raised AttributeError,
+    a guarded name was read letter by letter, a policy name and a statistic of 1e999 (inf) were taken."""
+    plan = fp4vis.calibrate(vit, _images(1), policy="fast", model_id="tiny-vit")
+    saved = json.loads(json.dumps(plan.to_dict()))
+    assert GuardPlan.from_dict(saved).to_dict() == plan.to_dict()
+    for case, (edit, expected) in PLAN_EDITS.items():
+        d = json.loads(json.dumps(saved))
+        edit(d)
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps(d).replace("Infinity", "1e999"))   # how JSON writes a number read as inf
+        with pytest.raises(fp4vis.GuardPlanError, match="plan.json': " + expected) as exc:
+            GuardPlan.load(path)
+        assert isinstance(exc.value, ValueError), case
+    # what the writer writes for a layer never recorded ("-inf"), and plans written before fingerprints
+    old = json.loads(json.dumps(saved))
+    old.pop("architecture")
+    old["layers"]["blocks.0.attn"].update(sampled_max_log2="-inf", calls=0)
+    back = GuardPlan.from_dict(old)
+    assert back.architecture == {} and back.stats["blocks.0.attn"].sampled_max_log2 == -math.inf
