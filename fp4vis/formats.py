@@ -220,6 +220,12 @@ class ScaleRange:
     def __add__(self, other: ScaleRange) -> ScaleRange:
         return ScaleRange(self.underflow + other.underflow, self.overflow + other.overflow)
 
+    @classmethod
+    def of(cls, counts: torch.Tensor) -> ScaleRange:
+        """From the (underflow, overflow) tensor of a ``*_scale_counts`` function (a host synchronisation)."""
+        under, over = counts.tolist()
+        return cls(under, over)
+
 
 @dataclass(frozen=True)
 class NVFP4Tensor:
@@ -288,30 +294,40 @@ def nvfp4_quantize(x: torch.Tensor, layout: str = "block16", global_scale: bool 
         xf, tensor_scale = xf * g, 1.0 / g
     vals, scales = _nvfp4_chunked(xf, layout)
     codes = pack_fp4(e2m1_encode(vals, name=name))
-    return NVFP4Tensor(codes, e4m3_encode(scales), layout, tensor_scale, nvfp4_scale_range(xf, scales, layout))
+    return NVFP4Tensor(codes, e4m3_encode(scales), layout, tensor_scale,
+                       ScaleRange.of(nvfp4_scale_counts(xf, scales, layout)))
 
 
 def nvfp4_qdq(x: torch.Tensor, layout: str = "block16") -> torch.Tensor:
     """NVFP4 quantize-dequantize: float32 ``c * sc`` of ``nvfp4_quantize(x, layout)`` without the
     storage round trip, the checks or a host synchronisation (what a kernel's pre-pass computes).
     The caller guarantees finite input and a valid last dim."""
-    vals, scales = _nvfp4_chunked(x.to(torch.bfloat16).float(), layout)
+    return nvfp4_qdq_counted(x, layout)[0]
+
+
+def nvfp4_qdq_counted(x: torch.Tensor, layout: str = "block16") -> tuple[torch.Tensor, torch.Tensor]:
+    """``nvfp4_qdq`` and the ``nvfp4_scale_counts`` of its scales, without a host synchronisation."""
+    xf = x.to(torch.bfloat16).float()
+    vals, scales = _nvfp4_chunked(xf, layout)
+    counts = nvfp4_scale_counts(xf, scales, layout)
     if layout == "folded64_mse":
         scales = torch.cat((scales, scales), dim=-1)
-    return (vals.unflatten(-1, (-1, NVFP4_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
+    return (vals.unflatten(-1, (-1, NVFP4_BLOCK)) * scales.unsqueeze(-1)).flatten(-2), counts
 
 
-def nvfp4_scale_range(xf: torch.Tensor, scales: torch.Tensor, layout: str) -> ScaleRange:
-    """The ``ScaleRange`` of NVFP4 storage: ``xf`` the BF16-valued float32 values that were quantized (times
-    the per-tensor scale, if any), ``scales`` their float32 scales (..., D/16 or D/32). Underflow: a scale
-    group (16 values, or the 32 of a folded pair) with a nonzero value and a zero scale. Overflow: a group
-    whose amax/6 exceeds ``E4M3_SATURATION``."""
+def nvfp4_scale_counts(xf: torch.Tensor, scales: torch.Tensor, layout: str) -> torch.Tensor:
+    """The blocks of NVFP4 storage whose scale leaves E4M3's range, as an int32 tensor (underflow, overflow),
+    without a host synchronisation: ``xf`` the BF16-valued float32 values that were quantized (times the
+    per-tensor scale, if any), ``scales`` their float32 scales (..., D/16 or D/32). Underflow: a scale group
+    (16 values, or the 32 of a folded pair) with a nonzero value and a zero scale. Overflow: a group whose
+    amax/6 exceeds ``E4M3_SATURATION`` (infinite values are non-finite inputs, not counted)."""
     blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK))
     if layout == "folded64_mse":
         half = blocks.shape[-2] // 2
         blocks = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)
     amax = blocks.abs().amax(-1)
-    return ScaleRange(int(((scales == 0) & (amax > 0)).sum()), int((_over_six(amax) > E4M3_SATURATION).sum()))
+    over = (_over_six(amax) > E4M3_SATURATION) & (amax < math.inf)
+    return torch.stack(((scales == 0) & (amax > 0), over)).flatten(1).sum(1, dtype=torch.int32)
 
 
 def _nvfp4_chunked(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,7 +448,7 @@ def mxfp4_quantize(v: torch.Tensor, name: str = "v") -> MXFP4Tensor:
         raise ValueError(f"{name}: last dim must be even for packed MXFP4, got {d}")
     vals, u = _mxfp4_blocks(v)
     codes = e2m1_encode(vals, name=name).flatten(-3, -2)[..., :s, :]
-    return MXFP4Tensor(pack_fp4(codes), u, s, mxfp4_scale_range(v))
+    return MXFP4Tensor(pack_fp4(codes), u, s, ScaleRange.of(mxfp4_scale_counts(v)))
 
 
 def mxfp4_qdq(v: torch.Tensor, *, times_six: bool = False) -> torch.Tensor:
@@ -470,12 +486,8 @@ def fp8_pow2_quantize(x: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, t
     attention activations) decodes to inf; groups below 2**-119 lose bits to the E = -126 floor.
     (In the Hopper kernel, scales fold into products s * 2**(Eq+Ek), exact while those stay normal
     float32: score scales between about 2**-100 and 2**100.)"""
-    xf = x.float()
-    s = xf.shape[-2]
-    pad = (-s) % group_rows
-    if pad:
-        xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
-    groups = xf.unflatten(-2, (-1, group_rows))                    # (..., ng, g, D)
+    s = x.shape[-2]
+    groups = _padded_groups(x, group_rows)                          # (..., ng, g, D)
     e = fp8_group_exponent(groups.abs().amax(dim=(-2, -1)))         # (..., ng)
     vals = e4m3_round(groups * pow2(-e)[..., None, None]).flatten(-3, -2)[..., :s, :]
     return vals, pow2(e).unsqueeze(-1)
@@ -487,39 +499,40 @@ def fp8_pow2_qdq(x: torch.Tensor, group_rows: int) -> torch.Tensor:
     return vals * scales.repeat_interleave(group_rows, dim=-2)[..., : x.shape[-2], :]
 
 
-def mxfp4_scale_range(v: torch.Tensor) -> ScaleRange:
-    """The ``ScaleRange`` of ``mxfp4_quantize(v)``: underflow, a 32-token block of a column with a nonzero
-    value and amax <= ``MXFP4_ZERO_AMAX`` (u = 0: its codes are 0, or clip where amax is near 1e-38); overflow, a
-    block whose nearest power of two is above 2**127 (u clamps at 254: its values clip)."""
-    vf = v.float()
-    pad = (-v.shape[-2]) % MXFP4_BLOCK
-    if pad:
-        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
-    amax = vf.unflatten(-2, (-1, MXFP4_BLOCK)).abs().amax(-2)
-    over = amax >= 1.5 * 2.0**127      # u = e + 1 + 127 = 255 before the clamp (the tie too: e = 127 is odd)
-    return ScaleRange(int(((amax > 0) & (amax <= MXFP4_ZERO_AMAX)).sum()), int(over.sum()))
-
-
-def fp8_pow2_scale_range(x: torch.Tensor, group_rows: int) -> ScaleRange:
-    """The ``ScaleRange`` of ``fp8_pow2_quantize(x, group_rows)``: underflow, a group with a nonzero maximum
-    below 2**-119, whose exponent E is floored at -126 (its values lose bits, the smallest flush); no overflow
-    is counted (a value that decodes to Inf gives a non-finite output, which is reported as such)."""
+def _padded_groups(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """float32 x (..., S, D) as (..., ceil(S/rows), rows, D), the last group zero-padded."""
     xf = x.float()
-    pad = (-xf.shape[-2]) % group_rows
+    pad = (-xf.shape[-2]) % rows
     if pad:
         xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
-    amax = xf.unflatten(-2, (-1, group_rows)).abs().amax(dim=(-2, -1))
+    return xf.unflatten(-2, (-1, rows))
+
+
+def mxfp4_scale_counts(v: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``mxfp4_quantize(v)`` whose scale leaves E8M0's range, as an int32 tensor (underflow,
+    overflow), without a host synchronisation: underflow, a 32-token block of a column with a nonzero value
+    and amax <= ``MXFP4_ZERO_AMAX`` (u = 0: its codes are 0, or clip where amax is near 1e-38); overflow, a
+    finite block whose nearest power of two is above 2**127 (u clamps at 254: its values clip)."""
+    amax = _padded_groups(v, MXFP4_BLOCK).abs().amax(-2)
+    # u = e + 1 + 127 = 255 before the clamp (the tie too: e = 127 is odd)
+    over = (amax >= 1.5 * 2.0**127) & (amax < math.inf)
+    return torch.stack(((amax > 0) & (amax <= MXFP4_ZERO_AMAX), over)).flatten(1).sum(1, dtype=torch.int32)
+
+
+def fp8_pow2_scale_counts(x: torch.Tensor, group_rows: int) -> torch.Tensor:
+    """The groups of ``fp8_pow2_quantize(x, group_rows)`` whose scale leaves its range, as an int32 tensor
+    (underflow, overflow), without a host synchronisation: underflow, a group with a nonzero maximum below
+    2**-119, whose exponent E is floored at -126 (its values lose bits, the smallest flush); no overflow is
+    counted (a value that decodes to Inf gives a non-finite output, which is reported as such)."""
+    amax = _padded_groups(x, group_rows).abs().amax(dim=(-2, -1))
     field = (amax.view(torch.int32) >> 23) & 0xFF
-    return ScaleRange(int(((amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)).sum()), 0)
+    under = ((amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)).sum(dtype=torch.int32)
+    return torch.stack((under, torch.zeros_like(under)))
 
 
 def _mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E2M1 values (..., nblk, 32, D) of ``6 v / alpha`` and the E8M0 bytes u (..., nblk, D)."""
-    vf = v.float()
-    pad = (-v.shape[-2]) % MXFP4_BLOCK
-    if pad:
-        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
-    blocks = vf.unflatten(-2, (-1, MXFP4_BLOCK))  # (..., nblk, 32, D)
+    blocks = _padded_groups(v, MXFP4_BLOCK)  # (..., nblk, 32, D)
     u = e8m0_nearest_pow2(blocks.abs().amax(-2))  # (..., nblk, D)
     inv_alpha = pow2(127 - u.to(torch.int32)).unsqueeze(-2)  # exact: u in [0, 254]
     # v / alpha is exact (a power of two); 6 (v / alpha) is exact in float64, not always in float32

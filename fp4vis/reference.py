@@ -32,7 +32,7 @@ from fp4vis.formats import (
     e2m1_round,
     e4m3_round,
     fp8_pow2_qdq,
-    fp8_pow2_scale_range,
+    fp8_pow2_scale_counts,
     mxfp4_quantize,
     nvfp4_quantize,
 )
@@ -191,7 +191,7 @@ def quantize_qk_operand(x: torch.Tensor, policy: Policy, name: str) -> tuple[tor
     if policy.qk_fp8:
         check_no_nan(x, name)
         rows = 1 if name == "q" else KEY_BLOCK
-        return fp8_pow2_qdq(x, rows), 1.0, fp8_pow2_scale_range(x, rows)
+        return fp8_pow2_qdq(x, rows), 1.0, ScaleRange.of(fp8_pow2_scale_counts(x, rows))
     x = pad_last(x, 16)
     xq = nvfp4_quantize(x, qk_layout(policy, x.shape[-1]), policy.qk_global_scale, name=name)
     return xq.dequantize(tensor_scale=False), xq.tensor_scale, xq.scale_range

@@ -207,36 +207,26 @@ def get_kernel(index: int, cfg: KernelConfig):
 # the op
 # ---------------------------------------------------------------------------------------------
 
-_NO_RECORD: dict[torch.device, torch.Tensor] = {}
-
-
-def _no_record(device: torch.device) -> torch.Tensor:
-    """Int32 words the kernel's record pointers take where a call records nothing (CALL = 0)."""
-    t = _NO_RECORD.get(device)
-    if t is None:
-        t = _NO_RECORD[device] = torch.zeros(range_record.NUM_FIELDS, dtype=torch.int32, device=device)
-    return t
-
-
 def run_unchecked(q, k, v, scale, affine_a, affine_b, shift, native_exp2, anchor, margin_raw, qk_fmt,
                   launcher=None, call_number: int = 0, record=None) -> torch.Tensor:
     """Pre-pass + kernel of (B, H, S, D) tensors, without the self-check gate (the self-check runs
     this). ``launcher(cfg, grid, args)``: inject another launch (tests). ``call_number`` > 0: the
     kernel adds its range counts to ``record`` (a ``fp4vis.backends.range_record.RangeRecord``;
     default: the device's) under that number."""
+    from ..scale_record import placeholder
     from .kernel import grid, runtime_args
     index = _index(q.device)
     cfg = kernel_config(index, q.shape[-1], q.dtype, native_exp2, anchor > 0)
-    ops = prepare(q, k, v, qk_fmt, anchor, cfg.block_m, cfg.block_n)
+    if call_number:   # the record's words, which the pre-pass and the kernel add to
+        rec = record if record is not None else range_record.record_for(q.device)
+        words = (rec.fields, rec.flag, call_number)
+    else:
+        words = (placeholder(q.device), placeholder(q.device), 0)
+    ops = prepare(q, k, v, qk_fmt, anchor, cfg.block_m, cfg.block_n, record=words if call_number else None)
     b, h = q.shape[:2]
     out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
     params = dict(s_log2=scale * LOG2E, margin_raw=margin_raw, affine_a=affine_a, affine_b=affine_b, shift=shift,
                   n_anchor=min(anchor, k.shape[-2]))
-    if call_number:
-        rec = record if record is not None else range_record.record_for(q.device)
-        words = (rec.fields, rec.flag, call_number)
-    else:
-        words = (_no_record(q.device), _no_record(q.device), 0)
     args = runtime_args(ops, out, params, words)
     if launcher is None:
         get_kernel(index, cfg)(grid(cfg, ops), args)

@@ -25,7 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from fp4vis.config import cached_setting
-from fp4vis.formats import _E2M1_INDEX_OF_TWICE_MAG, _mxfp4_blocks, _nvfp4_chunked
+from fp4vis.formats import (
+    _E2M1_INDEX_OF_TWICE_MAG,
+    _mxfp4_blocks,
+    _nvfp4_chunked,
+    mxfp4_scale_counts,
+    nvfp4_scale_counts,
+)
 from fp4vis.layout import anchor_permutation
 
 from .config import E8M0_NAN, KEY_BLOCK
@@ -61,11 +67,23 @@ def _pack_last(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def nvfp4_operand(x: torch.Tensor, layout: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _count(counts: torch.Tensor, record: tuple | None, operand: int) -> None:
+    """Add a ``*_scale_counts`` tensor to the range record (``kernels/scale_record.py``; Triton, imported only
+    where a call records)."""
+    if record is not None and record[2]:
+        from ..scale_record import add_counts
+        add_counts(counts, record, operand)
+
+
+def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, record: tuple | None = None,
+                  operand: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes (G, rows, D/2) u8, scales (G, rows, D/16) float8_e4m3fn) of x (G, S, D), rows >= S
     (zero rows below). One E4M3 scale per 16 along D: a folded-K64 scale is written for both of
-    its blocks."""
-    vals, scales = _nvfp4_chunked(x.to(torch.bfloat16).float(), layout)
+    its blocks. The scale range is counted into ``record`` as ``operand`` (0 q, 1 k)."""
+    xf = x.to(torch.bfloat16).float()
+    vals, scales = _nvfp4_chunked(xf, layout)
+    if record is not None:
+        _count(nvfp4_scale_counts(xf, scales, layout), record, operand)
     if layout == "folded64_mse":
         scales = torch.cat((scales, scales), dim=-1)
     pad = rows - x.shape[-2]
@@ -77,9 +95,12 @@ def nvfp4_operand(x: torch.Tensor, layout: str, rows: int) -> tuple[torch.Tensor
     return codes.contiguous(), sc.contiguous()
 
 
-def mxfp4_v_operand(v: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_v_operand(v: torch.Tensor, keys: int, record: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes (G, D, keys/2) u8 packed along tokens, scales (G, D, keys/32) E8M0 u8) of V
-    (G, S, D), keys a multiple of 32 >= S (zero tokens below: u = 0, code 0)."""
+    (G, S, D), keys a multiple of 32 >= S (zero tokens below: u = 0, code 0); its scale range counted
+    into ``record``."""
+    if record is not None:
+        _count(mxfp4_scale_counts(v), record, 2)
     vf = v.float()
     if keys > v.shape[-2]:
         vf = F.pad(vf, (0, 0, 0, keys - v.shape[-2]))
@@ -120,10 +141,12 @@ def _fused_module(x: torch.Tensor, fused: bool | None):
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, anchor: int,
-            block_m: int, block_n: int, fused: bool | None = None) -> Operands:
+            block_m: int, block_n: int, fused: bool | None = None, record: tuple | None = None) -> Operands:
     """Operands of (B, H, S, D) q, k, v for a policy with Q/K layout ``qk_layout`` ("block16" or
     "folded64_mse") and ``anchor`` samples (0: none), tiles of block_m rows and block_n keys.
-    ``fused``: the Triton pre-pass (default on CUDA tensors), else the PyTorch statement."""
+    ``fused``: the Triton pre-pass (default on CUDA tensors), else the PyTorch statement. ``record``: the
+    range record's (fields, flag, call) that the blocks whose scale leaves its format are counted into
+    (docs/numerics.md section 1, "Scale range"; ``kernels/scale_record.py``), on either path."""
     q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
     sq, skv = q.shape[-2], k.shape[-2]
     rows_q = -(-sq // block_m) * block_m
@@ -137,16 +160,16 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, a
     # test_fused_folded_prepass_on_gpu).
     fuse_qk = tp is not None and (qk_layout == "block16" or fused is True)
     if tp is not None:
-        vc, vs = tp.mxfp4_v_operand(v, keys, perm)
+        vc, vs = tp.mxfp4_v_operand(v, keys, perm, record)
     if fuse_qk:
-        qc, qs = tp.nvfp4_operand(q, qk_layout, rows_q, None)
-        kc, ks = tp.nvfp4_operand(k, qk_layout, keys, perm)
+        qc, qs = tp.nvfp4_operand(q, qk_layout, rows_q, None, record, 0)
+        kc, ks = tp.nvfp4_operand(k, qk_layout, keys, perm, record, 1)
     else:
         kp, vp = (k.index_select(-2, perm), v.index_select(-2, perm)) if perm is not None else (k, v)
-        qc, qs = nvfp4_operand(q, qk_layout, rows_q)
-        kc, ks = nvfp4_operand(kp, qk_layout, keys)
+        qc, qs = nvfp4_operand(q, qk_layout, rows_q, record, 0)
+        kc, ks = nvfp4_operand(kp, qk_layout, keys, record, 1)
         if tp is None:
-            vc, vs = mxfp4_v_operand(vp, keys)
+            vc, vs = mxfp4_v_operand(vp, keys, record)
     # docs/numerics.md section 6 without a host sync: a head with a non-finite input gets NaN V scales
     bad = ~(torch.isfinite(q).flatten(1).all(1) & torch.isfinite(k).flatten(1).all(1)
             & torch.isfinite(v).flatten(1).all(1))

@@ -27,6 +27,9 @@ import triton.language as tl
 
 from fp4vis.formats import E4M3_MAX, FOLDED_MSE_MULTIPLIERS, MXFP4_ZERO_AMAX
 
+from ..scale_record import mxfp4_scale_counts, nvfp4_scale_counts, record_scale_range
+from ..scale_record import words as record_words
+from ..triton_shared import exact_f32
 from .kernel import _e2m1_index, _e2m1_value  # the one E2M1 emulation of the Blackwell sources
 
 # _candidate below computes the multipliers as k / 16 (exact); keep the two in step
@@ -99,11 +102,12 @@ def _candidate(k: tl.constexpr):
     return m
 
 
-@triton.jit
-def _nvfp4_rows(X, PERM, C, S, ROWS_IN, ROWS_OUT, D: tl.constexpr, FOLDED: tl.constexpr,
+@triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "OPERAND"])
+def _nvfp4_rows(X, PERM, C, S, REC, FLAG, CALL, OPERAND, ROWS_IN, ROWS_OUT, D: tl.constexpr, FOLDED: tl.constexpr,
                 HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rows [r0, r0 + BLOCK_R) of head g: C (G, ROWS_OUT, D/2) packed codes, S (G, ROWS_OUT, D/16)
-    E4M3 bytes; rows >= ROWS_IN are zero."""
+    E4M3 bytes; rows >= ROWS_IN are zero. The scale range is counted into the range record (REC, FLAG)
+    as OPERAND (0 q, 1 k) where CALL > 0 (``kernels/scale_record.py``)."""
     g = tl.program_id(1).to(tl.int64)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < ROWS_IN
@@ -146,6 +150,8 @@ def _nvfp4_rows(X, PERM, C, S, ROWS_IN, ROWS_OUT, D: tl.constexpr, FOLDED: tl.co
         # huge groups (amax >= 48 x the largest candidate, formats._HUGE_RATIO): the first candidate
         # with the largest scale; only its value matters
         best_sc = tl.where(amax >= 48.0 * top_sc, top_sc, best_sc)
+        under, over = nvfp4_scale_counts(best_sc, amax, base)
+        record_scale_range(REC, FLAG, CALL, OPERAND, under, over)
         bsc3 = tl.broadcast_to(best_sc[:, :, None], aa.shape)
         ca = tl.reshape(_codes(a3, bsc3), (BLOCK_R, D // 2))
         cb = tl.reshape(_codes(b3, bsc3), (BLOCK_R, D // 2))
@@ -165,7 +171,10 @@ def _nvfp4_rows(X, PERM, C, S, ROWS_IN, ROWS_OUT, D: tl.constexpr, FOLDED: tl.co
         x = _bf16_rne(tl.load(xrow + od[None, :], mask=live2, other=0.0).to(tl.float32))
         xb = tl.reshape(x, (BLOCK_R, NB, 16))
         amax = tl.max(tl.abs(xb), axis=2)
-        sc = _e4m3(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+        base = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+        sc = _e4m3(base)
+        under, over = nvfp4_scale_counts(sc, amax, base)
+        record_scale_range(REC, FLAG, CALL, OPERAND, under, over)
         codes = tl.reshape(_codes(xb, tl.broadcast_to(sc[:, :, None], xb.shape)), (BLOCK_R, D))
         lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, D // 2, 2)))
         packed = tl.where(live2, lo | (hi << 4), 0).to(tl.uint8)
@@ -176,10 +185,10 @@ def _nvfp4_rows(X, PERM, C, S, ROWS_IN, ROWS_OUT, D: tl.constexpr, FOLDED: tl.co
         tl.store(S + g * ROWS_OUT * NB + r[:, None] * NB + ods[None, :], sbytes, mask=rows_ok[:, None])
 
 
-@triton.jit
-def _mxfp4_v(V, PERM, VC, VS, ROWS_IN, KEYS, D: tl.constexpr, HAS_PERM: tl.constexpr):
+@triton.jit(do_not_specialize=["REC", "FLAG", "CALL"])
+def _mxfp4_v(V, PERM, VC, VS, REC, FLAG, CALL, ROWS_IN, KEYS, D: tl.constexpr, HAS_PERM: tl.constexpr):
     """One 32-token block of head g: VC (G, D, KEYS/2) codes packed along tokens, VS (G, D, KEYS/32)
-    E8M0 bytes; tokens >= ROWS_IN are zero."""
+    E8M0 bytes; tokens >= ROWS_IN are zero. The scale range is counted as ``_nvfp4_rows`` does (operand 2)."""
     g = tl.program_id(1).to(tl.int64)
     blk = tl.program_id(0)
     t = blk * 32 + tl.arange(0, 32)
@@ -188,9 +197,11 @@ def _mxfp4_v(V, PERM, VC, VS, ROWS_IN, KEYS, D: tl.constexpr, HAS_PERM: tl.const
     if HAS_PERM:
         src = tl.load(PERM + t, mask=live, other=0)
     od = tl.arange(0, D)
-    v = tl.load(V + g * ROWS_IN * D + src[:, None].to(tl.int64) * D + od[None, :], mask=live[:, None],
-                other=0.0).to(tl.float32)
+    v = exact_f32(tl.load(V + g * ROWS_IN * D + src[:, None].to(tl.int64) * D + od[None, :], mask=live[:, None],
+                          other=0.0))
     amax = tl.max(tl.abs(v), axis=0)                                  # (D,)
+    under, over = mxfp4_scale_counts(amax)
+    record_scale_range(REC, FLAG, CALL, 2, under, over)
     bits = amax.to(tl.int32, bitcast=True)
     ef = (bits >> 23) & 0xFF
     mant = bits & 0x7FFFFF
@@ -214,25 +225,29 @@ def _mxfp4_v(V, PERM, VC, VS, ROWS_IN, KEYS, D: tl.constexpr, HAS_PERM: tl.const
     tl.store(VS + g * D * (KEYS // 32) + od * (KEYS // 32) + blk, u.to(tl.uint8))
 
 
-def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, perm: torch.Tensor | None):
+def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, perm: torch.Tensor | None, record: tuple | None = None,
+                  operand: int = 0):
     """Fused form of ``prepass.nvfp4_operand`` (after an optional row gather ``perm``) for
-    (G, S, D) x: (codes (G, rows, D/2) u8, scales (G, rows, D/16) float8_e4m3fn)."""
+    (G, S, D) x: (codes (G, rows, D/2) u8, scales (G, rows, D/16) float8_e4m3fn); ``record``, ``operand`` as
+    there."""
     g, s, d = x.shape
     x = x.contiguous()
     codes = torch.empty(g, rows, d // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(g, rows, d // 16, dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(rows, BLOCK_R), g)
-    _nvfp4_rows[grid](x, perm if perm is not None else codes, codes, scales, s, rows, D=d,
+    _nvfp4_rows[grid](x, perm if perm is not None else codes, codes, scales, *record_words(record, x.device), operand,
+                      s, rows, D=d,
                       FOLDED=layout == "folded64_mse", HAS_PERM=perm is not None, BLOCK_R=BLOCK_R, num_warps=4)
     return codes, scales.view(torch.float8_e4m3fn)
 
 
-def mxfp4_v_operand(v: torch.Tensor, keys: int, perm: torch.Tensor | None):
+def mxfp4_v_operand(v: torch.Tensor, keys: int, perm: torch.Tensor | None, record: tuple | None = None):
     """Fused form of ``prepass.mxfp4_v_operand`` (after an optional row gather ``perm``)."""
     g, s, d = v.shape
     v = v.contiguous()
     codes = torch.empty(g, d, keys // 2, dtype=torch.uint8, device=v.device)
     scales = torch.empty(g, d, keys // 32, dtype=torch.uint8, device=v.device)
-    _mxfp4_v[(keys // 32, g)](v, perm if perm is not None else codes, codes, scales, s, keys, D=d,
+    _mxfp4_v[(keys // 32, g)](v, perm if perm is not None else codes, codes, scales, *record_words(record, v.device),
+                              s, keys, D=d,
                               HAS_PERM=perm is not None, num_warps=4)
     return codes, scales

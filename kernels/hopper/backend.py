@@ -267,7 +267,11 @@ def _attention(q, k, v, qk, scale, affine_a, affine_b, shift, native_exp2, ancho
                record_flag=0, call_number=0) -> torch.Tensor:
     """``hopper_attention_eager`` with ``qk``: None, or the ``fp4vis.qk_transform.QKTransform`` that
     makes the attention's q and k from the raw projections q, k (folded into the pre-pass)."""
-    ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor, qk=qk)
+    record = None
+    if call_number:   # the pre-pass counts the scale range into the record the kernel writes
+        rec = range_record.record_for(q.device)
+        record = (rec.fields, rec.flag, call_number)
+    ops = prepare_kernel_operands(q, k, v, qk_fmt, anchor, qk=qk, record=record)
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     cfg = kernel_config(q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", affine_a, affine_b,
                         shift, native_exp2, anchor, schedule, p_path, num_wg, code_rounding, qk_fmt == QK_FP8,

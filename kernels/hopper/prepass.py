@@ -16,7 +16,8 @@ CPU tests check bit equality), written without host synchronisation (no NaN chec
 indexing, the permutation built once on the host and cached per device) so that it runs inside
 CUDA-graph capture and torch.compile. Non-finite inputs become NaN operands on every path (never
 a finite code): the kernel propagates them and ``fp4vis.attention`` turns that into an error
-naming the input.
+naming the input. Given the range record (``record``: its (fields, flag, call), ``kernels/scale_record.py``),
+every path counts the blocks whose scale leaves its format into it (docs/numerics.md section 1, "Scale range").
 On CUDA tensors the default is the fused Triton version (``prepass_triton``: one launch,
 one read of each input, one write of each operand, anchor permutation folded into the loads; for
 either kind of Q/K operand); the PyTorch formulation here (several elementwise passes) is the
@@ -30,7 +31,7 @@ import os
 import torch
 
 from fp4vis.config import cached_setting
-from fp4vis.formats import fp8_pow2_quantize, mxfp4_qdq, nvfp4_qdq
+from fp4vis.formats import fp8_pow2_quantize, fp8_pow2_scale_counts, mxfp4_qdq, mxfp4_scale_counts, nvfp4_qdq_counted
 from fp4vis.layout import anchor_permutation
 from fp4vis.policy import QK_FP8
 
@@ -55,20 +56,37 @@ def _nan_where_not_finite(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x_hat, torch.nan).contiguous()
 
 
-def _qk_hat(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """Decoded NVFP4 of x in BF16 (exact), from the project's one quantizer."""
-    return _nan_where_not_finite(nvfp4_qdq(x, layout).to(torch.bfloat16), x)
+def _count(counts: torch.Tensor, record: tuple | None, operand: int) -> None:
+    """Add a ``*_scale_counts`` tensor to the range record (Triton, imported only where a call records)."""
+    if record is not None and record[2]:
+        from ..scale_record import add_counts
+        add_counts(counts, record, operand)
 
 
-def _fp8_values(x: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _qk_hat(x: torch.Tensor, layout: str, record: tuple | None = None, operand: int = 0) -> torch.Tensor:
+    """Decoded NVFP4 of x in BF16 (exact), from the project's one quantizer; its scale range counted into
+    ``record`` as ``operand`` (0 q, 1 k)."""
+    x_hat, counts = nvfp4_qdq_counted(x, layout)
+    _count(counts, record, operand)
+    return _nan_where_not_finite(x_hat.to(torch.bfloat16), x)
+
+
+def _fp8_values(x: torch.Tensor, group_rows: int, record: tuple | None = None,
+                operand: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 values as float8_e4m3fn, NaN where x is not finite; float32 scales (..., groups)) of
-    x, from the project's one quantizer (its values are E4M3 already: the cast is exact)."""
+    x, from the project's one quantizer (its values are E4M3 already: the cast is exact); its scale range
+    counted as in ``_qk_hat``."""
     vals, scales = fp8_pow2_quantize(x, group_rows)
+    if record is not None:
+        _count(fp8_pow2_scale_counts(x, group_rows), record, operand)
     return _nan_where_not_finite(vals, x).to(torch.float8_e4m3fn), scales.squeeze(-1).contiguous()
 
 
-def _v6(v: torch.Tensor) -> torch.Tensor:
-    """MXFP4 ``alpha * c`` of V in BF16 (exact), NaN where v is not finite."""
+def _v6(v: torch.Tensor, record: tuple | None = None) -> torch.Tensor:
+    """MXFP4 ``alpha * c`` of V in BF16 (exact), NaN where v is not finite; its scale range counted into
+    ``record``."""
+    if record is not None:
+        _count(mxfp4_scale_counts(v), record, 2)
     return _nan_where_not_finite(mxfp4_qdq(v, times_six=True).to(torch.bfloat16), v)
 
 
@@ -128,9 +146,10 @@ def _with_transform(q: torch.Tensor, k: torch.Tensor, qk, tp) -> tuple[torch.Ten
 
 
 def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, anchor: int,
-                     fused: bool | None = None, qk=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     fused: bool | None = None, qk=None,
+                     record: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_hat, k_hat, v6), BF16, (B, H, S, D) contiguous, from (B, H, S, D) inputs (views: the fused
-    path reads them in place). ``qk``: see ``_with_transform``.
+    path reads them in place). ``qk``: see ``_with_transform``; ``record``: the module docstring.
 
     ``fused`` (default: on CUDA tensors when Triton imports) runs the Triton pre-pass of
     ``prepass_triton``: one launch for Q, K and V, the three operands views of one buffer;
@@ -144,14 +163,14 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layou
         q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
         perm = _int32_permutation(k, anchor)
         if one_launch:
-            return tp.prepass(q, k, v, qk_layout, perm, qk=qk)
+            return tp.prepass(q, k, v, qk_layout, perm, qk=qk, record=record)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        v6 = tp.mxfp4_v6(v, perm)
+        v6 = tp.mxfp4_v6(v, perm, record)
         if anchor > 0:
             k = k.index_select(-2, cached_anchor_permutation(k.shape[-2], anchor, k.device))
-        return _qk_hat(q, qk_layout), _qk_hat(k, qk_layout), v6
+        return _qk_hat(q, qk_layout, record, 0), _qk_hat(k, qk_layout, record, 1), v6
     k, v = _physical_keys(k, v, anchor)
-    return _qk_hat(q, qk_layout), _qk_hat(k, qk_layout), _v6(v)
+    return _qk_hat(q, qk_layout, record, 0), _qk_hat(k, qk_layout, record, 1), _v6(v, record)
 
 
 def _fp8_fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -162,7 +181,7 @@ def _fp8_fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prepare_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchor: int,
-                         fused: bool | None = None, qk=None):
+                         fused: bool | None = None, qk=None, record: tuple | None = None):
     """(q8, k8, v6, q_scale, k_scale) for ``qk_format="fp8_e4m3"`` from (B, H, S, D) inputs (Sq may
     differ from Skv), all contiguous:
 
@@ -175,7 +194,8 @@ def prepare_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anch
     NaN or Inf in q or k gives NaN in q8 / k8 at that position (the scales are then unspecified).
     ``fused`` as in ``prepare_operands`` (the Triton pre-pass where D is a power of two and V is
     shaped like K; the PyTorch formulation otherwise, through ``fp4vis.formats.fp8_pow2_quantize``).
-    No host synchronisation on either path (CUDA-graph capture). ``qk``: see ``_with_transform``."""
+    No host synchronisation on either path (CUDA-graph capture). ``qk``: see ``_with_transform``; ``record``:
+    the module docstring."""
     tp = _fused_module(q, fused)
     if tp is not None and not _fp8_fusable(q, k, v):
         if fused:
@@ -185,21 +205,22 @@ def prepare_fp8_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anch
     q, k, qk = _with_transform(q, k, qk, tp)
     if tp is not None:
         q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-        return tp.fp8_prepass(q, k, v, _int32_permutation(k, anchor), qk=qk)
+        return tp.fp8_prepass(q, k, v, _int32_permutation(k, anchor), qk=qk, record=record)
     k, v = _physical_keys(k, v, anchor)
-    q8, q_scale = _fp8_values(q, 1)
-    k8, k_scale = _fp8_values(k, FP8_KEY_GROUP)
+    q8, q_scale = _fp8_values(q, 1, record, 0)
+    k8, k_scale = _fp8_values(k, FP8_KEY_GROUP, record, 1)
     k_scale = torch.nn.functional.pad(k_scale, (0, fp8_key_scale_blocks(k.shape[-2]) - k_scale.shape[-1]),
                                       value=1.0)
-    return q8, k8, _v6(v), q_scale, k_scale
+    return q8, k8, _v6(v, record), q_scale, k_scale
 
 
 def prepare_kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_fmt: str, anchor: int,
-                            fused: bool | None = None, qk=None):
+                            fused: bool | None = None, qk=None, record: tuple | None = None):
     """(q_hat, k_hat, v6, q_scale, k_scale) for the kernel, whichever the Q/K format: the FP8 operands
     of ``prepare_fp8_operands`` for ``"fp8_e4m3"``, else ``prepare_operands`` with both scales None
     (the NVFP4 operands are decoded values: the kernel reads no scales). ``qk``: a
-    ``fp4vis.qk_transform.QKTransform`` of raw projections q, k (``_with_transform``)."""
+    ``fp4vis.qk_transform.QKTransform`` of raw projections q, k (``_with_transform``). ``record``: the range
+    record's (fields, flag, call) that the scale range is counted into (module docstring)."""
     if qk_fmt == QK_FP8:
-        return prepare_fp8_operands(q, k, v, anchor, fused, qk)
-    return (*prepare_operands(q, k, v, qk_fmt, anchor, fused, qk), None, None)
+        return prepare_fp8_operands(q, k, v, anchor, fused, qk, record)
+    return (*prepare_operands(q, k, v, qk_fmt, anchor, fused, qk, record), None, None)

@@ -73,6 +73,17 @@ from fp4vis.formats import (
     FP8_MIN_GROUP_EXP,
 )
 
+from ..scale_record import (
+    K_OPERAND,
+    Q_OPERAND,
+    V_OPERAND,
+    fp8_scale_underflow,
+    mxfp4_scale_counts,
+    nvfp4_scale_counts,
+    record_scale_range,
+)
+from ..scale_record import words as record_words
+from ..triton_shared import exact_f32 as _f32
 from .layout import fp8_key_scale_blocks
 
 # _mult_rt below computes these as k / 16 for candidates 1..11, _contender_scale the contenders (m = 1.0,
@@ -86,6 +97,8 @@ _FP8_TOP_EXP = tl.constexpr(FP8_GROUP_TOP_EXP)
 _FP8_MIN_EXP = tl.constexpr(FP8_MIN_GROUP_EXP)
 _E4M3_NAN = tl.constexpr(0x7F)
 _E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
+# the range record's operand index of each part (kernels/scale_record.py)
+Q_PART, K_PART, V_PART = tl.constexpr(Q_OPERAND), tl.constexpr(K_OPERAND), tl.constexpr(V_OPERAND)
 
 
 @triton.jit
@@ -97,16 +110,6 @@ def _round_pow2_grid(mag, min_exp_plus: tl.constexpr, floor_bits: tl.constexpr):
     c = tl.maximum(c, floor_bits)
     cf = c.to(tl.float32, bitcast=True)
     return (mag + cf) - cf
-
-
-@triton.jit
-def _f32(x):
-    """BF16 or FP16 x in float32, exactly. BF16 by moving its bits up 16 places, which is what the
-    GPU's conversion does; Triton's interpreter flushes BF16 subnormals to 0 instead."""
-    if x.dtype == tl.bfloat16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
@@ -432,7 +435,8 @@ def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, FULL_SEARCH: tl.constexpr):
     """Decoded folded-K64 NVFP4 of (R, D/32, 16) halves lo, hi (column j*16 + t and that + D/2: one
     64-value group per j), the scale of each group chosen by the exact MSE search: among the
     contenders (``_contender_scale``), or every candidate where FULL_SEARCH (the same choice; for
-    measurement) or where a candidate saturates E4M3 somewhere in the tile."""
+    measurement) or where a candidate saturates E4M3 somewhere in the tile; and the tile's scale-range
+    counts (underflow, overflow)."""
     alo = tl.abs(lo)
     ahi = tl.abs(hi)
     amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))   # (R, NB2)
@@ -456,16 +460,22 @@ def _nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, FULL_SEARCH: tl.constexpr):
     r3 = _rcp(best_sc, CODES_F16)[:, :, None]
     out_lo = _nan_if_not_finite(_signed(_code(alo, r3, CODES_F16) * sc3, lo, sc3), alo)
     out_hi = _nan_if_not_finite(_signed(_code(ahi, r3, CODES_F16) * sc3, hi, sc3), ahi)
-    return out_lo, out_hi
+    under, over = nvfp4_scale_counts(best_sc, amax, base)
+    return out_lo, out_hi, under, over
 
 
 @triton.jit
 def _nvfp4_block16(x, CODES_F16: tl.constexpr):
-    """Decoded block16 NVFP4 of (R, D/16, 16) x (one group per middle index)."""
+    """Decoded block16 NVFP4 of (R, D/16, 16) x (one group per middle index) and the tile's scale-range
+    counts (underflow, overflow)."""
     ax = tl.abs(x)
-    sc = _e4m3(tl.math.div_rn(tl.max(ax, axis=2), 6.0))
+    amax = tl.max(ax, axis=2)
+    base = tl.math.div_rn(amax, 6.0)
+    sc = _e4m3(base)
     sc3 = sc[:, :, None]
-    return _nan_if_not_finite(_signed(_code(ax, _rcp(sc, CODES_F16)[:, :, None], CODES_F16) * sc3, x, sc3), ax)
+    under, over = nvfp4_scale_counts(sc, amax, base)
+    return (_nan_if_not_finite(_signed(_code(ax, _rcp(sc, CODES_F16)[:, :, None], CODES_F16) * sc3, x, sc3), ax),
+            under, over)
 
 
 @triton.jit
@@ -474,7 +484,8 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN,
                 NORM: tl.constexpr, ROPE: tl.constexpr, FULL_SEARCH: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """BLOCK_R rows of one NVFP4 operand: rows (g, s) of the (B, H, S, D) view X (strides sb, sh,
     ss, 1; N = B*H*S rows) -> decoded BF16 rows g * S + s in Y; rows gathered by PERM where HAS_PERM
-    and the runtime flag use_perm (the K part) are set; values as ``_qk_values``."""
+    and the runtime flag use_perm (the K part) are set; values as ``_qk_values``. Returns the rows'
+    scale-range counts (underflow, overflow)."""
     rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)          # global row = g * S + s (physical)
     rmask = rows < N
     rows = tl.where(rmask, rows, 0)
@@ -494,14 +505,16 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN,
         col = tl.arange(0, NB2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]   # (1, NB2, 16)
         lo = _qk_values(X, src, col, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
         hi = _qk_values(X, src, col + D // 2, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
-        out_lo, out_hi = _nvfp4_folded(lo, hi, CODES_F16, FULL_SEARCH)
+        out_lo, out_hi, under, over = _nvfp4_folded(lo, hi, CODES_F16, FULL_SEARCH)
         tl.store(Y + dst + col, out_lo.to(tl.bfloat16), mask=m3)
         tl.store(Y + dst + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
         NB: tl.constexpr = D // 16
         col = tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
         x = _qk_values(X, src, col, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
-        tl.store(Y + dst + col, _nvfp4_block16(x, CODES_F16).to(tl.bfloat16), mask=m3)
+        y, under, over = _nvfp4_block16(x, CODES_F16)
+        tl.store(Y + dst + col, y.to(tl.bfloat16), mask=m3)
+    return under, over
 
 
 @triton.jit
@@ -529,14 +542,19 @@ def _key_block_rows(PERM, blk, g, S, HAS_PERM: tl.constexpr):
 def _mxfp4_block(V, Y, PERM, blk, g, S, H, sb, sh, ss, D: tl.constexpr, HAS_PERM: tl.constexpr,
                  BLOCK_D: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """One 32-token block of V (head group g; a (B, H, S, D) view with strides sb, sh, ss, 1) ->
-    alpha * c in BF16."""
+    alpha * c in BF16; returns the block's scale-range counts (underflow, overflow)."""
     valid, s, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
     src, _b, _h = _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN)
     dst = dst * D
+    under = 0
+    over = 0
     for d0 in tl.static_range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
         v = _f32(tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0))
         amax = tl.max(tl.abs(v), axis=0)                                  # (BLOCK_D,)
+        n_under, n_over = mxfp4_scale_counts(amax)
+        under += n_under
+        over += n_over
         bits = amax.to(tl.int32, bitcast=True)
         e = ((bits >> 23) & 0xFF) - 127                                   # floor(log2 amax), normals
         mid = 1.5 * _pow2(e)
@@ -547,6 +565,7 @@ def _mxfp4_block(V, Y, PERM, blk, g, S, H, sb, sh, ss, D: tl.constexpr, HAS_PERM
         codes = _e2m1((6.0 * v) * _pow2(127 - u)[None, :])
         out = _nan_if_not_finite(codes * _pow2(u - 127)[None, :], tl.abs(v))
         tl.store(Y + dst[:, None] + dcol[None, :], _bf16_exact(out), mask=valid[:, None])
+    return under, over
 
 
 # runtime integers of both pre-pass kernels (not specialised: one compile serves every shape)
@@ -554,16 +573,17 @@ _RUNTIME_INTS = ["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB", "NKB", "H", "QSB", "
                  "VSB", "VSH", "VSS"]
 
 
-@triton.jit(do_not_specialize=[n for n in _RUNTIME_INTS if n != "NKB"])
-def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, NK, SK, TQ, TK, NVB, H,
-                    QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
+@triton.jit(do_not_specialize=["REC", "FLAG", "CALL"] + [n for n in _RUNTIME_INTS if n != "NKB"])
+def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, NQ, SQ, NK, SK, TQ, TK, NVB,
+                    H, QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
                     FULL_SEARCH: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): Q row tiles; [TQ, TQ + TK): K row tiles (rows gathered by PERM);
     the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM). Q, K, V: (B, H, S, D)
     views with the given strides; with NORM/ROPE, Q and K are the raw projections and ``_qk_values``
-    normalises (rstd RQ/RK, weights WQ/WK) and rotates (COS, SIN) them on the way in."""
+    normalises (rstd RQ/RK, weights WQ/WK) and rotates (COS, SIN) them on the way in. Each program adds
+    its scale-range counts to the range record (REC, FLAG) where CALL > 0 (``kernels/scale_record.py``)."""
     pid = tl.program_id(0)
     if pid < TQ + TK:
         # Q and K share one copy of the (large) quantizer code: pick the part's pointers and sizes
@@ -571,12 +591,15 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ,
             X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = Q, YQ, pid, NQ, SQ, False, RQ, WQ, QSB, QSH, QSS
         else:
             X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = K, YK, pid - TQ, NK, SK, True, RK, WK, KSB, KSH, KSS
-        _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D, FOLDED, HAS_PERM, BLOCK_R,
-                    CODES_F16, NORM, ROPE, FULL_SEARCH, ROW_ALIGN)
+        under, over = _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D, FOLDED,
+                                  HAS_PERM, BLOCK_R, CODES_F16, NORM, ROPE, FULL_SEARCH, ROW_ALIGN)
+        record_scale_range(REC, FLAG, CALL, tl.where(pid < TQ, Q_PART, K_PART), under, over)
     else:
         vid = pid - TQ - TK
         g = vid // NVB
-        _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D, ROW_ALIGN)
+        under, over = _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D,
+                                   ROW_ALIGN)
+        record_scale_range(REC, FLAG, CALL, V_PART, under, over)
 
 
 @triton.jit
@@ -604,7 +627,7 @@ def _fp8_e4m3(x, e):
 def _fp8_query_rows(Q, Q8, QS, tile, NQ, S, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
                     BLOCK_Q: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """BLOCK_Q rows of Q (NQ rows (g, s) of a (B, H, S, D) view in all), one scale per row: E4M3 in
-    Q8, 2^E in QS; values as ``_qk_values``."""
+    Q8, 2^E in QS; values as ``_qk_values``. Returns the rows' scale underflows."""
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     rmask = rows < NQ
     rows = tl.where(rmask, rows, 0)
@@ -614,9 +637,11 @@ def _fp8_query_rows(Q, Q8, QS, tile, NQ, S, H, sb, sh, ss, R, W, COS, SIN, D: tl
     col = tl.arange(0, D)[None, :]
     x = _qk_values(Q, src[:, None], col, rmask[:, None], R, (b * S + s)[:, None], W, (h * D)[:, None], COS, SIN,
                    (s.to(tl.int64) * D)[:, None], NORM, ROPE, False)
-    e = _fp8_group_exponent(tl.max(tl.abs(x), axis=1))
+    amax = tl.max(tl.abs(x), axis=1)
+    e = _fp8_group_exponent(amax)
     tl.store(Q8 + rows.to(tl.int64)[:, None] * D + col, _fp8_e4m3(x, e[:, None]), mask=rmask[:, None])
     tl.store(QS + rows, _pow2(e), mask=rmask)
+    return fp8_scale_underflow(amax)
 
 
 @triton.jit
@@ -624,37 +649,44 @@ def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, H, sb, sh, ss, R, W, COS, SI
                    HAS_PERM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Physical 32-key block blk of head group g, one scale for the block (its valid keys only):
     E4M3 in K8, 2^E in KS (NKB entries per head group; blocks past the sequence, which pad the
-    scales to whole kernel tiles, get 1.0); values as ``_qk_values``."""
+    scales to whole kernel tiles, get 1.0); values as ``_qk_values``. Returns its scale underflow (0 or 1)."""
     valid, s, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
     src, b, h = _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN)
     col = tl.arange(0, D)[None, :]
     x = _qk_values(K, src[:, None], col, valid[:, None], R, (b * S + s)[:, None], W, (h * D)[:, None], COS, SIN,
                    (s.to(tl.int64) * D)[:, None], NORM, ROPE, False)
-    e = _fp8_group_exponent(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    e = _fp8_group_exponent(amax)
     tl.store(K8 + dst[:, None] * D + col, _fp8_e4m3(x, e), mask=valid[:, None])
     tl.store(KS + g * NKB + blk, tl.where(blk * 32 < S, _pow2(e), 1.0))
+    return fp8_scale_underflow(tl.zeros((1,), tl.float32) + amax)
 
 
-@triton.jit(do_not_specialize=[n for n in _RUNTIME_INTS if n not in ("NK", "TK")])
-def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, NQ, SQ, TQ, SK, NKB, NVB, H,
+@triton.jit(do_not_specialize=["REC", "FLAG", "CALL"] + [n for n in _RUNTIME_INTS if n not in ("NK", "TK")])
+def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, NQ, SQ, TQ, SK,
+                        NKB, NVB, H,
                         QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                         D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                         NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): Q row tiles; the rest one (head group, 32-key block) each, NKB blocks per
     group (scales padded to whole kernel tiles): the K block and, for the NVB blocks that hold keys,
-    the V block at the same physical keys (both gathered by PERM). Views and NORM/ROPE as
-    ``_prepass_kernel``."""
+    the V block at the same physical keys (both gathered by PERM). Views, NORM/ROPE and the range
+    record (REC, FLAG, CALL) as ``_prepass_kernel``."""
     pid = tl.program_id(0)
     if pid < TQ:
-        _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D, BLOCK_Q, NORM, ROPE, ROW_ALIGN)
+        under = _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D, BLOCK_Q, NORM, ROPE,
+                                ROW_ALIGN)
+        record_scale_range(REC, FLAG, CALL, Q_PART, under, 0)
     else:
         kid = pid - TQ
         g = kid // NKB
         blk = kid - g * NKB
-        _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, H, KSB, KSH, KSS, RK, WK, COS, SIN, D, HAS_PERM, NORM, ROPE,
-                       ROW_ALIGN)
+        under = _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, H, KSB, KSH, KSS, RK, WK, COS, SIN, D, HAS_PERM, NORM,
+                               ROPE, ROW_ALIGN)
+        record_scale_range(REC, FLAG, CALL, K_PART, under, 0)
         if blk < NVB:
-            _mxfp4_block(V, V6, PERM, blk, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D, ROW_ALIGN)
+            under, over = _mxfp4_block(V, V6, PERM, blk, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D, ROW_ALIGN)
+            record_scale_range(REC, FLAG, CALL, V_PART, under, over)
 
 
 @triton.jit
@@ -797,7 +829,8 @@ def compile_signature(fp8: bool, dtype: str = "bf16", rope_dtype: str = "fp32") 
         (("YQ", "*bf16"), ("YK", "*bf16"), ("YV", "*bf16"))
     sig = dict.fromkeys(("Q", "K", "V"), f"*{dtype}") | dict(outs) | {"PERM": "*i32", "RQ": "*fp32", "RK": "*fp32",
                                                                        "WQ": f"*{dtype}", "WK": f"*{dtype}",
-                                                                       "COS": f"*{rope_dtype}", "SIN": f"*{rope_dtype}"}
+                                                                       "COS": f"*{rope_dtype}", "SIN": f"*{rope_dtype}",
+                                                                       "REC": "*i32", "FLAG": "i64", "CALL": "i32"}
     ints = ("NQ", "SQ", "TQ", "SK", "NKB", "NVB") if fp8 else ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")
     return sig | dict.fromkeys(ints + tuple(n for n in _RUNTIME_INTS if n.startswith(("H", "QS", "KS", "VS"))), "i32")
 
@@ -909,9 +942,9 @@ def _transform_key(qk) -> tuple:
 
 
 def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, num_warps: int | None = None,
-            f16_codes: bool | None = None):
-    """One ordinary Triton launch over the parts whose tensors are given (None: skipped); returns
-    the compiled kernel (or None)."""
+            f16_codes: bool | None = None, record: tuple | None = None):
+    """One ordinary Triton launch over the parts whose tensors are given (None: skipped), counting into
+    ``record`` (``kernels/scale_record.py``); returns the compiled kernel (or None)."""
     ref = q if q is not None else (k if k is not None else v)
     d = ref.shape[-1]
     rows, warps, cap = nvfp4_launch(d)
@@ -923,7 +956,8 @@ def _launch(q, k, v, yq, yk, yv, layout: str, perm, block_r: int | None = None, 
     if grid == 0:
         return None
     qv, kv, vv = (ref if t is None else t for t in (q, k, v))
-    ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm)) + (ref,) * 6
+    ptrs = tuple(ref if t is None else t for t in (q, k, v, yq, yk, yv, perm)) + (ref,) * 6 + record_words(
+        record, ref.device)
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     return _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
                                     perm is not None, block_r, min(d, 64), f16, False, False, full_search_default(),
@@ -968,7 +1002,7 @@ def _aligned(inputs: tuple) -> bool:
 
 def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
             block_r: int | None = None, num_warps: int | None = None, f16_codes: bool | None = None, qk=None,
-            full_search: bool | None = None, max_registers: int | None = None):
+            full_search: bool | None = None, max_registers: int | None = None, record: tuple | None = None):
     """(q_hat, k_hat, v6) of (B, H, S, D) views q, k, v (unit stride along D, any other strides) in
     one launch; BF16, contiguous, views of one buffer. ``perm`` (int32, length Skv) gathers the rows
     of K and V (anchor permutation). ``f16_codes``: the E2M1 code form (None: ``f16_codes_default()``;
@@ -977,7 +1011,9 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     way in (one more, small launch for the rstd). ``full_search``: the folded-K64 scale search over every
     candidate, not only the contenders (None: ``full_search_default()``; the same bits either way).
     ``block_r``, ``num_warps``, ``max_registers`` (ptxas's register cap, 0: none): the launch, for measurement
-    (None: ``nvfp4_launch``'s; its cap applies also where rows or warps are given)."""
+    (None: ``nvfp4_launch``'s; its cap applies also where rows or warps are given). ``record``: the range
+    record's (fields, flag, call) that the blocks whose scale leaves its format are counted into
+    (``kernels/scale_record.py``; None: not counted)."""
     _check_views(q, k, v)
     f16 = f16_codes_default() if f16_codes is None else f16_codes
     full_search = full_search_default() if full_search is None else full_search
@@ -1005,7 +1041,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     else:
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
-    ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs
+    ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs + record_words(record, q.device)
     _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, warps, cap)
     return yq, yk, yv
 
@@ -1057,12 +1093,12 @@ def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.
 
 
 def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None,
-                num_warps: int | None = None, qk=None, max_registers: int | None = None):
+                num_warps: int | None = None, qk=None, max_registers: int | None = None, record: tuple | None = None):
     """(q8, k8, v6, q_scale, k_scale) of (B, H, S, D) views q, k, v (unit stride along D; v shaped
     like k, D a power of two) in one launch (see ``prepass.prepare_fp8_operands`` for what they are);
     views of one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor
-    permutation). ``qk`` as in ``prepass``; ``num_warps``, ``max_registers`` (ptxas's register cap, 0: none): the
-    launch, for measurement (None: ``default_warps``, ``FP8_MAX_REGISTERS``)."""
+    permutation). ``qk`` and ``record`` as in ``prepass``; ``num_warps``, ``max_registers`` (ptxas's register cap,
+    0: none): the launch, for measurement (None: ``default_warps``, ``FP8_MAX_REGISTERS``)."""
     _check_views(q, k, v)
     key = fp8_meta_key(q, k, v, perm, num_warps, qk, max_registers)
     qk_ptrs, flags = _transform_args(q, k, qk)
@@ -1076,7 +1112,7 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     typed = {dtype: buf.view(dtype) for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)}
     outs = tuple(typed[dtype].as_strided(shape, strides, off) for dtype, shape, strides, off in parts)
     if grid:
-        ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs
+        ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs + record_words(record, q.device)
         _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, warps, cap)
     return outs
 
@@ -1091,8 +1127,9 @@ def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None) ->
     return y
 
 
-def mxfp4_v6(v: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """``alpha * c`` of MXFP4 V (contiguous (B, H, S, D)), BF16, keys optionally permuted."""
+def mxfp4_v6(v: torch.Tensor, perm: torch.Tensor | None = None, record: tuple | None = None) -> torch.Tensor:
+    """``alpha * c`` of MXFP4 V (contiguous (B, H, S, D)), BF16, keys optionally permuted; ``record`` as in
+    ``prepass``."""
     y = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
-    _launch(None, None, v, None, None, y, "block16", perm)
+    _launch(None, None, v, None, None, y, "block16", perm, record=record)
     return y

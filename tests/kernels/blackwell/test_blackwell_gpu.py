@@ -168,13 +168,14 @@ def test_auto_never_picks_verification_route_on_sm90():
 @pytest.mark.parametrize("policy", POLICIES)
 def test_range_record_counts_what_the_reference_reports(policy):
     """The kernel's range record on this GPU (docs/numerics.md section 8): saturating logits (q and k
-    scaled up), rows that underflow (anchored policies at a large scale) and inputs in range; the
-    saturated blocks and empty rows are the reference's, reported by fp4vis.check_range."""
+    scaled up), rows that underflow (anchored policies at a large scale), block scales out of their format
+    (q rows 1e-4, k rows 3e3, a V block of subnormals: counted by the pre-pass) and inputs in range; the
+    counts are the reference's, reported by fp4vis.check_range."""
     from fp4vis.backends import range_record
     from fp4vis.backends.reference import ReferenceBackend
     pol = fp4vis.get_policy(policy)
     fp4vis.check_range()
-    for kind in ("saturated", "underflow", "in_range"):
+    for kind in ("saturated", "underflow", "scale_range", "in_range"):
         if kind == "underflow" and pol.anchor == 0:
             continue
         q, k, v = make_inputs((1, 2, 150, 300, 128), torch.bfloat16, "gauss", policy, seed=5, device="cuda")
@@ -183,6 +184,10 @@ def test_range_record_counts_what_the_reference_reports(policy):
             q, k = q * 12, k * 12
         if kind == "underflow":
             q[:, :, :40] *= 0.01
+        if kind == "scale_range":
+            q[:, :, ::3] *= 1e-4
+            k[:, :, 5:40] *= 3e3
+            v[:, :, 64:96] *= 1e-40
         expected = ReferenceBackend().forward(q, k, v, pol, scale)[1]
         out = fp4vis.attention(q, k, v, policy=policy, scale=scale, backend="blackwell")
         if expected.ok:
@@ -197,4 +202,8 @@ def test_range_record_counts_what_the_reference_reports(policy):
             assert f"{expected.saturated_blocks} saturated P blocks" in msg, (msg, expected)
         if expected.empty_rows:
             assert f"{expected.empty_rows} rows whose probabilities all underflowed" in msg, (msg, expected)
+        for name, under, over in zip("qkv", expected.scale_underflow, expected.scale_overflow):
+            assert not under or f"{under} blocks of {name} whose scale underflows" in msg, (msg, expected)
+            assert not over or f"{over} blocks of {name} whose scale saturates" in msg, (msg, expected)
+        assert kind != "scale_range" or expected.scale_underflow[0] > 0
         assert out.shape == q.shape

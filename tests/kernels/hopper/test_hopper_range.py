@@ -2,10 +2,12 @@
 
 For every policy the kernel runs, on inputs that stay in range and on inputs that leave it (Student-t(3)
 q and k, twice scaled, whose logits reach |z| of a few hundred: saturated P blocks; with a huge V also non-finite
-outputs; anchored policies at a large softmax scale: rows whose probabilities all underflow), the
+outputs; anchored policies at a large softmax scale: rows whose probabilities all underflow; operands whose
+block scales leave their format: some q rows 1e-4, some k rows 3e3, a V block of subnormals), the
 record's counts are the reference's: the same saturated blocks and empty rows (bit-exact policies;
-for the FP8 Q/K policy, whose scores differ slightly, the same verdict), and as many non-finite
-outputs as the kernel's output holds. On every kernel variant (schedules, P paths, block-constant
+for the FP8 Q/K policy, whose scores differ slightly, the same verdict), the same blocks whose scale
+leaves its format (counted by the pre-pass, every policy), and as many non-finite outputs as the
+kernel's output holds. On every kernel variant (schedules, P paths, block-constant
 modes, the short-sequence variant). Through ``fp4vis.attention``: no error at the call, the error at
 the next call or ``fp4vis.check_range()``, naming the call; in a patched model at the end of its
 forward, naming the layer."""
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.gpu(capability=(9, 0))
 POLICIES = ["fast", "wan_fast", "accurate", "guard", "fast_bf16round", "fast_fp8qk"]
 # (B, H, Sq, Skv, D): the short-sequence variant (both <= 768), the default kernel, D = 64
 SHAPES = [(1, 2, 300, 520, 128), (1, 2, 1000, 1100, 128), (2, 1, 77, 900, 64)]
-KINDS = ["gauss", "student", "student_big_v", "underflow"]
+KINDS = ["gauss", "student", "student_big_v", "underflow", "scale_range"]
 
 
 def inputs(shape, kind, dtype=torch.bfloat16, seed=0):
@@ -44,6 +46,10 @@ def inputs(shape, kind, dtype=torch.bfloat16, seed=0):
         if kind == "underflow":
             q[:, :, : sq // 4] *= 0.01
             scale = 6.0
+        if kind == "scale_range":   # docs/numerics.md section 1, "Scale range"
+            q[:, :, ::3] *= 1e-4
+            k[:, :, 5:40] *= 3e3
+            v[:, :, 64:96] *= 1e-40
     return *(x.to(dtype).cuda() for x in (q, k, v)), scale
 
 
@@ -72,6 +78,8 @@ def reference_report(q, k, v, policy, scale):
 def assert_counts(out, report, expected, policy):
     nonfinite = int((~torch.isfinite(out)).sum())
     assert report.nonfinite_outputs == nonfinite, (report, nonfinite)
+    assert (report.scale_underflow, report.scale_overflow) == (expected.scale_underflow, expected.scale_overflow), (
+        report, expected)
     if fp4vis.get_policy(policy).qk_fp8:   # FP8 accumulation moves scores: the verdict, not the count
         assert bool(report.saturated_blocks) == bool(expected.saturated_blocks), (report, expected)
         assert bool(report.empty_rows) == bool(expected.empty_rows), (report, expected)
@@ -93,6 +101,9 @@ def test_record_counts_what_the_reference_reports(policy, shape, kind):
     expected = reference_report(q, k, v, policy, scale)
     if kind == "gauss":
         assert expected.ok
+    elif kind == "scale_range":   # FP8 group exponents hold these q and k (v's block counts, unpermuted)
+        assert not expected.ok
+        assert fp4vis.get_policy(policy).qk_fp8 or (expected.scale_underflow[0] > 0 and expected.scale_overflow[1] > 0)
     elif kind == "student" and policy in ("fast", "wan_fast", "fast_fp8qk"):
         assert expected.saturated_blocks > 0
     out, report = kernel_run(q, k, v, policy, scale)
