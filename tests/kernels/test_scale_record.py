@@ -8,11 +8,6 @@ tests/kernels/blackwell/test_blackwell_gpu.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 _SCRIPT = r"""
@@ -92,14 +87,8 @@ print("RESULT" + json.dumps(res))
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    script = tmp_path_factory.mktemp("scale_record") / "scale_record.py"   # a file: triton.jit reads its source
-    script.write_text(_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
-    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT")]
-    assert res.returncode == 0 and line, res.stdout[-3000:] + res.stderr[-5000:]
-    return json.loads(line[0][len("RESULT"):])
+def interpreted(interpreted_result):
+    return interpreted_result(_SCRIPT, "scale_record")
 
 
 def test_every_pre_pass_counts_what_the_formats_count(interpreted):

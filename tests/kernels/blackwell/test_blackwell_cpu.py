@@ -5,11 +5,9 @@ test_blackwell_compile.py.)"""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
-import subprocess
 import sys
 
 import pytest
@@ -201,14 +199,8 @@ CASE_IDS = ([f"{name}-{d}-{kind}" for name, d in (("fast", 64), ("wan_fast", 128
 
 
 @pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    script = tmp_path_factory.mktemp("interpreted") / "interpreted.py"   # a file: triton.jit reads its source
-    script.write_text(_INTERPRETED)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT")]
-    assert res.returncode == 0 and line, res.stdout[-3000:] + res.stderr[-5000:]
-    return json.loads(line[0][len("RESULT"):])
+def interpreted(interpreted_result):
+    return interpreted_result(_INTERPRETED, "interpreted", timeout=600)
 
 
 @pytest.mark.parametrize("case", CASE_IDS)
@@ -415,7 +407,6 @@ def test_triton_version_message(monkeypatch):
 def test_cubin_build_and_launch_abi(tmp_path, monkeypatch):
     """The AOT route's host side without a GPU: the sm_90 cubin and its metadata, and the argument
     list a launch hands to CuPy (a stand-in module records it)."""
-    import sys
     import types
 
     import numpy as np
