@@ -426,10 +426,12 @@ def initial_latents(pipe, *, height: int, width: int, frames: int, seed: int) ->
 
 
 def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> int:
-    """Self-attention sequence length of the transformer for this video size."""
-    _, _, t, h, w = latent_shape(pipe, height=height, width=width, frames=frames)
-    p = pipe.transformer.config.patch_size
-    return (t // p[0]) * (h // p[1]) * (w // p[2])
+    """Self-attention sequence length of the transformer for this video size (arithmetic only: also for a size
+    that this pipeline's rotary embedding cannot generate, as the CPU estimate asks of a small model)."""
+    geometry = WanGeometry.of_pipeline(pipe)
+    p = geometry.patch
+    sf = geometry.spatial
+    return (geometry.latent_frames(frames) // p[0]) * (height // sf // p[1]) * (width // sf // p[2])
 
 
 WAN_VAE_SCALE = (4, 8)   # the Wan2.1 VAE's downsampling in time and space (build_random_wan_pipeline's too)
