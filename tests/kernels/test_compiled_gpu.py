@@ -94,6 +94,45 @@ def test_compiled_range_error_surfaces(backend, no_recompiles):
     fp4vis.check_range()
 
 
+def unbalanced(shape, seed):
+    """q 1e-3, k 1e3 (the logits of unit inputs): q's NVFP4 blocks flush, k's clip (docs/numerics.md section 1,
+    "Scale range")."""
+    q, k, v = gaussian(shape, seed)
+    return q * 1e-3, k * 1e3, v
+
+
+@pytest.mark.parametrize("backend", [HOPPER, BLACKWELL])
+def test_compiled_and_graphed_calls_report_the_scale_range(backend, no_recompiles):
+    """The pre-pass's scale-range counts surface from a compiled call and from CUDA-graph replays, naming q and
+    k, with no error at the call."""
+    shape = (1, 2, 512, 128)
+    compiled = torch.compile(lambda q, k, v: fp4vis.attention(q, k, v, policy="fast", backend=backend),
+                             fullgraph=True)
+    compiled(*gaussian(shape, 0))
+    fp4vis.check_range()
+    compiled(*unbalanced(shape, 1))
+    with pytest.raises(range_record.DeferredRangeError,
+                       match=r"blocks of q whose scale underflows.*blocks of k whose scale saturates"):
+        fp4vis.check_range()
+    # a graph captured on unit inputs, replayed on unbalanced ones copied into them
+    q, k, v = gaussian(shape, 2)
+    fp4vis.attention(q, k, v, policy="fast", backend=backend)
+    fp4vis.check_range()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        fp4vis.attention(q, k, v, policy="fast", backend=backend)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    fp4vis.check_range()
+    for dst, src in zip((q, k, v), unbalanced(shape, 3)):
+        dst.copy_(src)
+    graph.replay()
+    with pytest.raises(range_record.DeferredRangeError, match=r"blocks of q whose scale underflows"):
+        fp4vis.check_range()
+    fp4vis.check_range()
+
+
 @torch.no_grad()
 def test_compiled_patched_vit_matches_eager_and_raises_at_the_end_of_its_forward(no_recompiles):
     """A timm ViT (head dim 64) patched with the Hopper kernel and compiled whole (inductor, fullgraph): its
