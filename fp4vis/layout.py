@@ -6,6 +6,7 @@ from here, so that a key means the same position everywhere."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,32 @@ def native_positions(num_keys: int, device=None) -> torch.Tensor:
     quarter = (j // KEY_BLOCK) % 4
     pair = (j % KEY_BLOCK) // 2
     return (pair == quarter) | (pair == quarter + 8) | (pair == 4) | (pair == 12)
+
+
+@dataclass(frozen=True)
+class KernelParams:
+    """What a Direct-P kernel takes of a policy for one call (``kernel_params``): the affine code, the shift L,
+    native positions, anchors and their margin in raw-score units, the Q/K layout, the code rounding, and
+    ``s_log2`` (the softmax scale times log2 e)."""
+
+    s_log2: float
+    margin_raw: float
+    affine_a: float
+    affine_b: float
+    shift: int
+    native_exp2: bool
+    anchor: int
+    qk_layout: str
+    code_rounding: str
+
+
+def kernel_params(policy: Policy, head_dim: int, scale: float) -> KernelParams:
+    """The one conversion of a policy to a kernel's parameters (both kernel backends; the reference computes
+    from the policy, with the same ``Policy.margin_raw``)."""
+    s_log2 = scale * LOG2E
+    return KernelParams(s_log2, float(policy.margin_raw(s_log2)), float(policy.affine_a), float(policy.affine_b),
+                        int(policy.shift), bool(policy.native_exp2), int(policy.anchor), qk_layout(policy, head_dim),
+                        policy.code_rounding)
 
 
 def qk_layout(policy: Policy, head_dim: int) -> str:

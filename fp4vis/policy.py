@@ -23,6 +23,7 @@ CodeRounding = Literal["exact", "bf16"]
 # docs/numerics.md section 2: representable block exponents relative to the row reference are [L-126, 127];
 # an anchored policy needs its margin plus its stored shift to stay inside that window.
 MAX_MARGIN_PLUS_SHIFT = 126
+_LN2 = math.log(2.0)   # fp4vis.layout.LN2 (which imports this module)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,26 @@ class Policy:
             return self
         return self.replace(name=f"{self.name}_spec", code_rounding="exact",
                             qk_format="folded64_mse" if self.qk_fp8 else self.qk_format)
+
+    def margin_raw(self, s_log2: float, tensor_scale: float = 1.0) -> float:
+        """The anchored row reference's margin above the anchor maximum, in raw-score units (docs/numerics.md
+        section 4), for scores whose binary exponent is ``raw * s_log2`` (the softmax scale times log2 e, times
+        ``tensor_scale``): ``M ln 2 / tensor_scale`` in code units, ``M / s_log2`` in the paper's (M binary
+        exponents of P); 0 without anchors. ``tensor_scale``: the product of q's and k's per-tensor decode
+        scales, which raw scores computed from the scaled operands leave out. The one margin formula: the
+        reference and both kernels take it from here, the guard ``margin_log2``."""
+        if self.anchor == 0:
+            return 0.0
+        if self.margin_units == "code":
+            return self.margin * _LN2 / tensor_scale
+        return self.margin / s_log2
+
+    def margin_log2(self, scale: float) -> float:
+        """The same margin in binary exponents of P, for a softmax scale (the guard's statistics): ``M * scale``
+        in code units, ``M`` in the paper's."""
+        if self.anchor == 0:
+            return 0.0
+        return self.margin * scale if self.margin_units == "code" else float(self.margin)
 
     def replace(self, **changes) -> Policy:
         """A copy with some fields changed (validated again)."""

@@ -36,7 +36,7 @@ from fp4vis.formats import (
     mxfp4_quantize,
     nvfp4_quantize,
 )
-from fp4vis.layout import KEY_BLOCK, LN2, LOG2E, anchor_permutation, native_positions, qk_layout
+from fp4vis.layout import KEY_BLOCK, LOG2E, anchor_permutation, native_positions, qk_layout
 from fp4vis.policy import Policy
 
 LOG2_6 = math.log2(6.0)
@@ -231,9 +231,7 @@ def row_reference(q: torch.Tensor, k: torch.Tensor, num_keys: int, s: float, pol
         return torch.zeros(*q.shape[:-1], 1, dtype=torch.float64, device=q.device)
     n = min(policy.anchor, num_keys)
     a = (q @ k[:, :n].mT).amax(-1, keepdim=True).double()
-    if policy.margin_units == "code":
-        return a + policy.margin * LN2 / tensor_scale
-    return a + policy.margin / s  # M binary exponents of P: M ln2 / scale = M / (scale log2 e)
+    return a + policy.margin_raw(s, tensor_scale)
 
 
 @dataclass

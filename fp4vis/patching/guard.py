@@ -105,16 +105,9 @@ def logit_stats(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *,
     return out
 
 
-def margin_log2(policy: Policy, scale: float) -> float:
-    """The anchored row reference's margin above the anchor maximum, in binary exponents of P."""
-    if policy.anchor == 0:
-        return 0.0
-    return policy.margin * scale if policy.margin_units == "code" else float(policy.margin)
-
-
 def policy_limit(policy: Policy, scale: float) -> float:
     """Largest tolerable value of the rule's statistic before P blocks saturate."""
-    return EXP_LIMIT + margin_log2(policy, scale)
+    return EXP_LIMIT + policy.margin_log2(scale)
 
 
 @dataclass

@@ -27,7 +27,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import math
 import os
 import threading
 import time
@@ -46,7 +45,7 @@ from fp4vis.backends.base import (
     need_head_dims,
     need_nonempty,
 )
-from fp4vis.layout import qk_layout
+from fp4vis.layout import kernel_params
 from fp4vis.policy import Policy
 from fp4vis.tracing import constant_at_trace_time
 
@@ -261,13 +260,10 @@ def _blackwell_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_
 
 
 def policy_args(policy: Policy, head_dim: int, scale: float) -> dict:
-    """The op's keyword arguments for a policy (docs/numerics.md section 4: the margin in raw-score units)."""
-    margin_raw = 0.0
-    if policy.anchor > 0:
-        margin_raw = policy.margin * math.log(2.0) if policy.margin_units == "code" else policy.margin / (scale * LOG2E)
-    return dict(affine_a=float(policy.affine_a), affine_b=float(policy.affine_b), shift=int(policy.shift),
-                native_exp2=bool(policy.native_exp2), anchor=int(policy.anchor), margin_raw=float(margin_raw),
-                qk_fmt=qk_layout(policy, head_dim))
+    """The op's keyword arguments for a policy (``fp4vis.layout.kernel_params``, flattened for the op)."""
+    p = kernel_params(policy, head_dim, scale)
+    return dict(affine_a=p.affine_a, affine_b=p.affine_b, shift=p.shift, native_exp2=p.native_exp2, anchor=p.anchor,
+                margin_raw=p.margin_raw, qk_fmt=p.qk_layout)
 
 
 # ---------------------------------------------------------------------------------------------

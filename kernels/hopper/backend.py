@@ -45,7 +45,7 @@ from fp4vis.backends.base import (
     need_nonempty,
 )
 from fp4vis.config import cached_setting, setting
-from fp4vis.layout import LN2, LOG2E, qk_layout
+from fp4vis.layout import LOG2E, kernel_params
 from fp4vis.policy import QK_FP8, Policy
 from fp4vis.qk_transform import QKTransform
 
@@ -293,14 +293,10 @@ def _hopper_attention_fake(q, k, v, scale, affine_a, affine_b, shift, native_exp
 
 
 def policy_args(policy: Policy, head_dim: int, scale: float) -> dict:
-    """The custom op's keyword arguments for a policy."""
-    s = scale * LOG2E
-    margin_raw = 0.0
-    if policy.anchor > 0:
-        margin_raw = policy.margin * LN2 if policy.margin_units == "code" else policy.margin / s
-    return dict(affine_a=float(policy.affine_a), affine_b=float(policy.affine_b), shift=int(policy.shift),
-                native_exp2=bool(policy.native_exp2), anchor=int(policy.anchor), margin_raw=float(margin_raw),
-                qk_fmt=qk_layout(policy, head_dim), code_rounding=policy.code_rounding)
+    """The custom op's keyword arguments for a policy (``fp4vis.layout.kernel_params``, flattened for the op)."""
+    p = kernel_params(policy, head_dim, scale)
+    return dict(affine_a=p.affine_a, affine_b=p.affine_b, shift=p.shift, native_exp2=p.native_exp2, anchor=p.anchor,
+                margin_raw=p.margin_raw, qk_fmt=p.qk_layout, code_rounding=p.code_rounding)
 
 
 class HopperBackend(Backend):
