@@ -11,6 +11,7 @@ import torch
 
 from fp4vis.backends import range_record
 from fp4vis.backends.registry import select_backend
+from fp4vis.call import AttentionCall
 from fp4vis.policy import Policy, get_policy
 from fp4vis.qk_transform import QKTransform
 from fp4vis.reference import RangeExceededError, enforce_range
@@ -176,32 +177,29 @@ def attention(
     if pol.method != "exact" and grad:
         _warn_straight_through(pol)
         grad_inputs, (q, k, v) = (q, k, v), (q.detach(), k.detach(), v.detach())
-    chosen = select_backend(backend, q, k, v, pol, float(scale))
-    fused = {}
-    if qk_transform is not None:
-        if chosen.fuses_qk_transform:
-            fused = {"qk_transform": qk_transform}
-        else:
-            q, k = qk_transform.apply(q, k, "bhsd")
+    call = AttentionCall(q, k, v, pol, float(scale), qk_transform)
+    chosen = select_backend(backend, call)
+    if qk_transform is not None and not chosen.fuses_qk_transform:
+        q_applied, k_applied = qk_transform.apply(q, k, "bhsd")
+        call = call._replace(q=q_applied, k=k_applied, qk_transform=None)
     checked = range_check != "off"
     if torch.compiler.is_compiling():
         # every backend's op reports the call's range itself, at run time (range_record: call sites)
-        site = range_record.call_site(chosen.name, pol, range_check, layout, label)
-        out, report = chosen.forward(q, k, v, pol, float(scale), record_site=site, **fused)
+        call = call._replace(record_site=range_record.call_site(chosen.name, pol, range_check, layout, label))
         checked = False
     elif chosen.records_range and checked:
         # the record works in CUDA-graph capture too: a replay reports as the captured call
-        record = range_record.record_for(q.device).start_call(chosen.name, pol, range_check, layout, given, label)
-        out, report = chosen.forward(q, k, v, pol, float(scale), record=record, **fused)
+        call = call._replace(record=range_record.record_for(q.device).start_call(chosen.name, pol, range_check,
+                                                                                 layout, given, label))
         checked = False   # reported by the record
     else:
-        out, report = chosen.forward(q, k, v, pol, float(scale), **fused)
         checked = checked and not range_record.capturing()
+    out, report = chosen.run(call)
     if grad_inputs is not None:
         exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, scale=float(scale))
         out = out + (exact - exact.detach())
     if report is None and checked:
-        _check_kernel_output(out, q, k, v, chosen.name)
+        _check_kernel_output(out, call.q, call.k, call.v, chosen.name)
     enforce_range(report, pol, range_check, stacklevel=2)
     return out.transpose(1, 2) if layout == "bshd" else out
 

@@ -1,12 +1,13 @@
 """What every attention backend is: the ``Backend`` interface, the backend names (one place), the
 device-capability lookup, and the small named checks that backends compose their
-``unsupported_reason`` from. Imports only core modules: kernel backends import this, never the
+``supports`` from. Imports only core modules: kernel backends import this, never the
 registry that loads them."""
 
 from __future__ import annotations
 
 import torch
 
+from fp4vis.call import AttentionCall
 from fp4vis.policy import Policy
 from fp4vis.reference import RangeReport
 
@@ -21,18 +22,19 @@ BLACKWELL_CAPABILITIES = ((10, 0), (10, 3), (12, 0))
 
 
 class Backend:
-    """Interface of an attention backend. ``forward`` gets validated (B, H, S, D) tensors.
+    """Interface of an attention backend: ``supports`` and ``run`` take the validated call
+    (``fp4vis.call.AttentionCall``).
 
-    Under torch.compile ``fp4vis.attention`` calls ``forward(..., record_site=N)`` instead, ``N`` from
-    ``range_record.call_site`` (the call's policy, range_check, layout and layer): the backend runs a
-    custom op that takes ``N`` and reports the call's range itself at run time (the reference raises
-    or warns in its op; a kernel starts its record there), and returns None for the RangeReport."""
+    Under torch.compile the call carries its ``record_site`` (``range_record.call_site``: the call's policy,
+    range_check, layout and layer): the backend runs a custom op that takes it and reports the call's range
+    itself at run time (the reference raises or warns in its op; a kernel starts its record there), and
+    returns None for the RangeReport."""
 
     name: str = "?"
-    #: True where ``forward`` takes ``record=`` (the range record's launch arguments,
+    #: True where ``run`` uses the call's ``record`` (the range record's launch arguments,
     #: ``fp4vis.backends.range_record``): the kernel reports its range on the device
     records_range: bool = False
-    #: True where ``forward`` takes ``qk_transform=`` (a ``fp4vis.qk_transform.QKTransform``: q and k
+    #: True where ``run`` takes a call with a ``qk_transform`` (a ``fp4vis.qk_transform.QKTransform``: q and k
     #: are then raw projections that the backend normalises and rotates itself, e.g. in its pre-pass)
     fuses_qk_transform: bool = False
 
@@ -40,16 +42,13 @@ class Backend:
         """None when the backend can run on this machine at all, else why not."""
         return None
 
-    def unsupported_reason(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
-                           scale: float) -> str | None:
+    def supports(self, call: AttentionCall) -> str | None:
         """None when this backend can run the call, else a short reason."""
         raise NotImplementedError
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
-                scale: float) -> tuple[torch.Tensor, RangeReport | None]:
-        """Attention of (B, H, S, D) tensors; returns the output (q's dtype) and a RangeReport
-        (None when the backend does not check its range, or reports it through the range record:
-        ``records_range``)."""
+    def run(self, call: AttentionCall) -> tuple[torch.Tensor, RangeReport | None]:
+        """The attention output (q's dtype, (B, H, Sq, Dv)) and a RangeReport (None when the backend does not
+        check its range, or reports it through the range record: ``records_range``)."""
         raise NotImplementedError
 
 
@@ -69,7 +68,7 @@ def device_capability(index: int | None) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------------------
 # Named checks: each returns None when the call passes, else the reason (a backend's
-# unsupported_reason is the first reason of its list of checks).
+# ``supports`` is the first reason of its list of checks).
 
 
 def first_reason(*reasons: str | None) -> str | None:

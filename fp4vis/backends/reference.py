@@ -19,17 +19,18 @@ from .base import REFERENCE, Backend
 class ReferenceBackend(Backend):
     name = REFERENCE
 
-    def unsupported_reason(self, q, k, v, policy, scale):
+    def supports(self, call):
         return None
 
-    def forward(self, q, k, v, policy, scale, record_site: int = 0):
-        if record_site:
+    def run(self, call):
+        q, k, v, policy, scale = call.q, call.k, call.v, call.policy, call.scale
+        if call.record_site:
             if policy.method == "exact":
                 # SDPA itself, traced: differentiable (the one policy that is), where the emulation's op is not;
                 # as SDPA, no input check and no float64 recompute of scores that overflow
                 return F.scaled_dot_product_attention(q, k, v, scale=scale), None
             return torch.ops.fp4vis.reference_attention(q, k, v, float(scale), range_record.policy_text(policy),
-                                                        record_site), None
+                                                        call.record_site), None
         return _forward(q, k, v, policy, scale)
 
 

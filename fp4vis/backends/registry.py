@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from fp4vis.policy import Policy
+from fp4vis.call import AttentionCall
 from fp4vis.tracing import constant_at_trace_time, warn_once
 
 from .base import (
@@ -102,17 +102,17 @@ def kernel_backend_name(device: torch.device) -> str | None:
     return AUTO_BY_CAPABILITY.get(device_capability(device.index))
 
 
-def select_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
-                   scale: float) -> Backend:
+def select_backend(name: str, call: AttentionCall) -> Backend:
     """The backend that runs this call. An explicit name raises when it cannot; ``auto`` takes the
     kernel for this GPU when it supports the call and otherwise falls back to the reference with
     one warning per reason."""
+    q = call.q
     _load_kernel_backends()
     if name != AUTO:
         backend = get_backend(name)
         if backend is None:
             raise RuntimeError(f"backend={name!r} is not available here: {load_error(name)}")
-        reason = backend.unsupported_reason(q, k, v, policy, scale)
+        reason = backend.supports(call)
         if reason is not None:
             raise RuntimeError(f"backend={name!r} cannot run this call: {reason}")
         return backend
@@ -129,7 +129,7 @@ def select_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         warn_once(("import", kernel), f"fp4vis: the {kernel} backend cannot load "
                    f"({load_error(kernel)}); using the reference emulation (slow)")
         return reference
-    reason = backend.unsupported_reason(q, k, v, policy, scale)
+    reason = backend.supports(call)
     if reason is not None:
         warn_once(("unsupported", kernel, reason), f"fp4vis: {kernel} backend does not support this call "
                    f"({reason}); using the reference emulation (slow)")

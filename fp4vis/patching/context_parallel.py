@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from fp4vis.attention import default_scale, enforce_range
 from fp4vis.backends import REFERENCE, registry
+from fp4vis.call import AttentionCall
 from fp4vis.policy import Policy
 from fp4vis.reference import DirectPAccumulator, key_stream_reason
 
@@ -168,7 +169,7 @@ def ring_strategy(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.
     if reason is not None:
         return reason
     qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
-    backend = registry.select_backend(state.backend, qb, kb, vb, policy, default_scale(q.shape[-1]))
+    backend = registry.select_backend(state.backend, AttentionCall(qb, kb, vb, policy, default_scale(q.shape[-1])))
     if backend.name != REFERENCE:
         return f"the {backend.name} backend returns normalised outputs, not Direct-P's partial sums"
     return None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fp4vis.backends import range_record, registry
+from fp4vis.call import AttentionCall
 from fp4vis.policy import Policy, get_policy
 from fp4vis.tracing import warn_once
 
@@ -216,6 +217,6 @@ def backend_reason(q, k, v, policy, scale, backend: str) -> str | None:
     if be is None:
         return f"backend {name!r} unavailable"
     try:
-        return be.unsupported_reason(q, k, v, policy, scale if scale is not None else q.shape[-1] ** -0.5)
+        return be.supports(AttentionCall(q, k, v, policy, scale if scale is not None else q.shape[-1] ** -0.5))
     except Exception as exc:  # noqa: BLE001
         return f"backend {name!r} cannot check these inputs ({exc})"

@@ -291,7 +291,8 @@ class BlackwellBackend(Backend):
             reasons.append(r)
         return "; ".join(sorted(set(reasons)))
 
-    def unsupported_reason(self, q, k, v, policy, scale) -> str | None:
+    def supports(self, call) -> str | None:
+        q, k, v, policy = call.q, call.k, call.v, call.policy
         reason = need_direct_p(policy) or (None if q.is_cuda else "tensors are not on a CUDA device")
         if reason is not None:
             return reason
@@ -351,16 +352,16 @@ class BlackwellBackend(Backend):
                               for v in selfcheck._VERDICTS.values()}}
 
     # --- the call
-    def forward(self, q, k, v, policy, scale, record=None, record_site=0):
+    def run(self, call):
+        q, k, v, policy, scale = call.q, call.k, call.v, call.policy, call.scale
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if self.kernel_fn is not None:  # a test's injected kernel goes through the same gate
             self.ensure_verified(q.device)
             return self.kernel_fn(q, k, v, policy, scale), None
         traced = torch.compiler.is_compiling() or grad
         op = torch.ops.fp4vis.blackwell_attention if traced else blackwell_attention_eager
-        out = op(q.contiguous(), k.contiguous(), v.contiguous(), float(scale),
-                 **policy_args(policy, q.shape[-1], float(scale)), call_number=record[2] if record else 0,
-                 record_site=record_site)
+        out = op(q.contiguous(), k.contiguous(), v.contiguous(), scale, **policy_args(policy, q.shape[-1], scale),
+                 call_number=call.record[2] if call.record else 0, record_site=call.record_site)
         return out, None
 
 

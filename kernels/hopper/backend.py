@@ -7,7 +7,7 @@
   cross-attention), Direct-P policies without the per-tensor global Q/K scale (``fast``,
   ``wan_fast``, ``accurate``, ``guard`` and user policies within those rules, anchors <= 128), and
   the FP8 Q/K policy ``fast_fp8qk`` (``qk_format="fp8_e4m3"``, without anchors).
-  Anything else: ``unsupported_reason`` says why, and ``backend="auto"`` falls back visibly.
+  Anything else: ``supports`` says why, and ``backend="auto"`` falls back visibly.
 * The op ``torch.ops.fp4vis.hopper_attention`` is a ``torch.library.custom_op`` with a fake
   implementation, so torch.compile keeps it as one node (no graph break); it launches on the
   current CUDA stream and allocates nothing that outlives the call, so CUDA-graph capture then
@@ -313,7 +313,8 @@ class HopperBackend(Backend):
             return "no sm_90 (Hopper) GPU"
         return _cutlass_import_error()
 
-    def unsupported_reason(self, q, k, v, policy, scale) -> str | None:
+    def supports(self, call) -> str | None:
+        q, k, v, policy = call.q, call.k, call.v, call.policy
         return first_reason(
             need_direct_p(policy),
             need_cuda_capability(q, HOPPER_CAPABILITIES, "sm_90"),
@@ -323,19 +324,20 @@ class HopperBackend(Backend):
             _policy_reason(policy),
             _cutlass_import_error())
 
-    def forward(self, q, k, v, policy, scale, record=None, record_site=0, qk_transform=None):
+    def run(self, call):
         # the custom op under torch.compile (one graph node: the views, the q/k transform and the call's
         # site go in, the pre-pass reads them in place and the record starts at run time) and where
         # autograd would need it (it has no backward: it then fails at backward, not silently); the
         # same function, undispatched, otherwise (the dispatcher costs tens of microseconds a call)
+        q, k, v, scale = call.q, call.k, call.v, call.scale
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        rec = {} if record is None else dict(zip(("record_fields", "record_flag", "call_number"), record))
-        args = dict(policy_args(policy, q.shape[-1], float(scale)), **rec)
+        rec = {} if call.record is None else dict(zip(("record_fields", "record_flag", "call_number"), call.record))
+        args = dict(policy_args(call.policy, q.shape[-1], scale), **rec)
         if torch.compiler.is_compiling() or grad:
-            out = torch.ops.fp4vis.hopper_attention(q, k, v, float(scale), **args, record_site=record_site,
-                                                    **transform_args(qk_transform))
+            out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **args, record_site=call.record_site,
+                                                    **transform_args(call.qk_transform))
             return out, None
-        return _attention(q, k, v, qk_transform, float(scale), **args), None
+        return _attention(q, k, v, call.qk_transform, scale, **args), None
 
 
 def _policy_reason(policy: Policy) -> str | None:

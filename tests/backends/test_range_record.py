@@ -19,6 +19,7 @@ from fp4vis.backends import range_record
 from fp4vis.backends.base import Backend
 from fp4vis.backends.reference import ReferenceBackend
 from fp4vis.backends.registry import _REGISTRY, register_backend
+from fp4vis.call import AttentionCall
 from fp4vis.reference import RangeReport
 
 NAME = "recording_reference"
@@ -34,19 +35,20 @@ class RecordingReference(Backend):
     def __init__(self):
         self.records = []
 
-    def unsupported_reason(self, q, k, v, policy, scale):
+    def supports(self, call):
         return None
 
-    def forward(self, q, k, v, policy, scale, record=None, record_site=0):
-        if record_site:   # under torch.compile: an op, which starts the record at run time (as the kernels' ops)
-            return torch.ops.fp4vis_tests.recording_attention(q, k, v, scale, record_site), None
-        self.records.append(record)
-        return attention_recorded(q, k, v, policy, scale, record), None
+    def run(self, call):
+        if call.record_site:   # under torch.compile: an op, which starts the record at run time (as the kernels')
+            return torch.ops.fp4vis_tests.recording_attention(call.q, call.k, call.v, call.scale,
+                                                              call.record_site), None
+        self.records.append(call.record)
+        return attention_recorded(call.q, call.k, call.v, call.policy, call.scale, call.record), None
 
 
 def attention_recorded(q, k, v, policy, scale, record):
     if all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
-        out, report = ReferenceBackend().forward(q, k, v, policy, scale)
+        out, report = ReferenceBackend().run(AttentionCall(q, k, v, policy, scale))
     else:
         out = torch.full(q.shape[:-1] + v.shape[-1:], math.nan, dtype=q.dtype)
         report = RangeReport(nonfinite_outputs=out.numel())

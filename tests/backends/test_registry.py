@@ -1,5 +1,5 @@
 """The backend registry: names, lazy loading of kernel backends, the choice for a call, and the
-named checks backends compose their ``unsupported_reason`` from."""
+named checks backends compose their ``supports`` from."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 import fp4vis
 from fp4vis.backends import base, registry
+from fp4vis.call import AttentionCall
 from fp4vis.policy import POLICIES
 
 
@@ -25,7 +26,7 @@ def test_names_in_one_place():
 
 def test_auto_on_cpu_is_the_reference():
     q = gaussian(1, 1, 8, 64)
-    chosen = registry.select_backend("auto", q, q, q, POLICIES["fast"], 0.125)
+    chosen = registry.select_backend("auto", AttentionCall(q, q, q, POLICIES["fast"], 0.125))
     assert chosen.name == "reference"
     assert registry.kernel_backend_name(q.device) is None
 
@@ -34,11 +35,12 @@ def test_a_registered_backend_is_selectable_and_its_reason_raises(monkeypatch):
     class Half(base.Backend):
         name = "half"
 
-        def unsupported_reason(self, q, k, v, policy, scale):
-            return base.first_reason(base.need_direct_p(policy), base.need_head_dims(q, k, v, (64,)))
+        def supports(self, call):
+            return base.first_reason(base.need_direct_p(call.policy),
+                                     base.need_head_dims(call.q, call.k, call.v, (64,)))
 
-        def forward(self, q, k, v, policy, scale):
-            return registry.get_backend("reference").forward(q, k, v, policy, scale)
+        def run(self, call):
+            return registry.get_backend("reference").run(call)
 
     monkeypatch.setitem(registry._REGISTRY, "half", Half())
     q = gaussian(1, 2, 8, 64)
@@ -74,8 +76,8 @@ def test_backend_registers_and_explains_cpu():
     backend = registry.get_backend("hopper")
     assert isinstance(backend, hopper_backend.HopperBackend)
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
-    assert backend.unsupported_reason(q, q, q, POLICIES["fast"], 0.125) == "tensors are not on a CUDA device"
-    assert backend.unsupported_reason(q, q, q, POLICIES["bf16"], 0.125) == "policy 'bf16' is not a Direct-P policy"
+    assert backend.supports(AttentionCall(q, q, q, POLICIES["fast"], 0.125)) == "tensors are not on a CUDA device"
+    assert backend.supports(AttentionCall(q, q, q, POLICIES["bf16"], 0.125)) == "policy 'bf16' is not a Direct-P policy"
     if not torch.cuda.is_available():
         assert fp4vis.available_backends()["hopper"] is not None
         with pytest.raises(RuntimeError):

@@ -15,6 +15,7 @@ SOURCES = {"fp4vis": "fp4vis", "kernels": "fp4vis.kernels", "pipelines": "fp4vis
 LAYERS = {  # module prefix -> layer (lower imports nothing higher)
     "fp4vis.config": 0, "fp4vis.formats": 0, "fp4vis.policy": 0, "fp4vis.layout": 0, "fp4vis.reference": 0,
     "fp4vis.metrics": 0, "fp4vis.attention": 0, "fp4vis.files": 0, "fp4vis.qk_transform": 0, "fp4vis.tracing": 0,
+    "fp4vis.call": 0,
     "fp4vis.toplevel": 0,
     "fp4vis.backends": 1, "fp4vis.kernels": 1,
     "fp4vis.patching": 2,

@@ -237,11 +237,11 @@ def test_backend_lacking_the_head_dim_keeps_exact_attention(model, x, monkeypatc
     class NoD32(dispatch.Backend):
         name = "no_d32_test"
 
-        def unsupported_reason(self, q, k, v, policy, scale):
-            return "head dim 32 is not supported" if q.shape[-1] == 32 else None
+        def supports(self, call):
+            return "head dim 32 is not supported" if call.q.shape[-1] == 32 else None
 
-        def forward(self, q, k, v, policy, scale):  # pragma: no cover - never reached here
-            return dispatch.get_backend("reference").forward(q, k, v, policy, scale)
+        def run(self, call):  # pragma: no cover - never reached here
+            return dispatch.get_backend("reference").run(call)
 
     monkeypatch.setitem(dispatch._REGISTRY, NoD32.name, NoD32())
     ref = model(x)

@@ -15,6 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from fp4vis.call import AttentionCall  # noqa: E402
 from fp4vis.kernels.blackwell import prepass, selfcheck  # noqa: E402
 from fp4vis.kernels.blackwell.config import LOG2E, KernelConfig  # noqa: E402
 from fp4vis.layout import qk_layout  # noqa: E402
@@ -327,13 +328,13 @@ def test_backend_forward_refuses_a_wrong_kernel(cache, monkeypatch):
     monkeypatch.setattr(BACKEND, "identity", lambda device: {"device": "injected-wrong"})
     q, k, v = _qkv(1, 1, 16, 16, 64)
     with pytest.raises(selfcheck.SelfCheckError, match="guard"):
-        BACKEND.forward(q, k, v, POLICIES["fast"], 0.125)
+        BACKEND.run(AttentionCall(q, k, v, POLICIES["fast"], 0.125))
     assert {p[0] for p in full} == {"fast", "wan_fast", "accurate", "guard"}
     assert {(p[1], p[2]) for p in full} == {(64, "bf16"), (64, "fp16"), (128, "bf16"), (128, "fp16")}
     assert {p[5] != p[6] for p in full} == {True, False}   # cross-attention and self-attention
     monkeypatch.setattr(BACKEND, "kernel_fn", _reference_kernel)
     monkeypatch.setattr(BACKEND, "identity", lambda device: {"device": "injected-right"})
-    out, report = BACKEND.forward(q, k, v, POLICIES["fast"], 0.125)
+    out, report = BACKEND.run(AttentionCall(q, k, v, POLICIES["fast"], 0.125))
     assert report is None and out.shape == q.shape
 
 
@@ -348,8 +349,8 @@ def test_backend_host_logic_without_gpu():
         pytest.skip("CPU-only test")
     assert fp4vis.available_backends()["blackwell"] == "no CUDA device"
     q, k, v = _qkv(1, 1, 8, 8, 64)
-    assert backend.BACKEND.unsupported_reason(q, k, v, POLICIES["fast"], 0.1) == "tensors are not on a CUDA device"
-    assert "not a Direct-P" in backend.BACKEND.unsupported_reason(q, k, v, POLICIES["bf16"], 0.1)
+    assert backend.BACKEND.supports(AttentionCall(q, k, v, POLICIES["fast"], 0.1)) == "tensors are not on a CUDA device"
+    assert "not a Direct-P" in backend.BACKEND.supports(AttentionCall(q, k, v, POLICIES["bf16"], 0.1))
     with pytest.raises(RuntimeError, match="blackwell.*not on a CUDA device"):
         fp4vis.attention(q, k, v, backend="blackwell")
     args = backend.policy_args(USER_POLICY, 64, 0.125)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fp4vis
+from fp4vis.call import AttentionCall
 from fp4vis.config import setting
 from fp4vis.kernels.blackwell.selfcheck import make_inputs
 from fp4vis.metrics import rel_l2
@@ -161,7 +162,7 @@ def test_auto_never_picks_verification_route_on_sm90():
     from fp4vis.backends.registry import select_backend
     from fp4vis.policy import POLICIES as P
     q, k, v = make_inputs((1, 1, 64, 64, 128), torch.bfloat16, "gauss", "fast", device="cuda")
-    assert select_backend("auto", q, k, v, P["fast"], 0.1).name != "blackwell"
+    assert select_backend("auto", AttentionCall(q, k, v, P["fast"], 0.1)).name != "blackwell"
     assert fp4vis.available_backends()["blackwell"] is None
 
 
@@ -188,7 +189,7 @@ def test_range_record_counts_what_the_reference_reports(policy):
             q[:, :, ::3] *= 1e-4
             k[:, :, 5:40] *= 3e3
             v[:, :, 64:96] *= 1e-40
-        expected = ReferenceBackend().forward(q, k, v, pol, scale)[1]
+        expected = ReferenceBackend().run(AttentionCall(q, k, v, pol, scale))[1]
         out = fp4vis.attention(q, k, v, policy=policy, scale=scale, backend="blackwell")
         if expected.ok:
             assert kind != "saturated" or policy not in ("fast", "wan_fast"), expected

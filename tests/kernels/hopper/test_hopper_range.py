@@ -22,6 +22,7 @@ from test_hopper_kernel import KERNEL_VARIANTS, variant_kwargs
 import fp4vis
 from fp4vis.backends import range_record
 from fp4vis.backends.reference import ReferenceBackend
+from fp4vis.call import AttentionCall
 from fp4vis.reference import RangeReport
 
 pytestmark = pytest.mark.gpu(capability=(9, 0))
@@ -72,7 +73,7 @@ def kernel_run(q, k, v, policy, scale, variant=None):
 
 
 def reference_report(q, k, v, policy, scale):
-    return ReferenceBackend().forward(q, k, v, fp4vis.get_policy(policy), scale)[1]
+    return ReferenceBackend().run(AttentionCall(q, k, v, fp4vis.get_policy(policy), scale))[1]
 
 
 def assert_counts(out, report, expected, policy):
