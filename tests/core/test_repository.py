@@ -1,4 +1,4 @@
-"""The repository stands on its own: no tracked file (code, docs, the notebook in docs/log, benchmark
+"""The repository stands on its own: no tracked file (code, docs, benchmark
 scripts and results) cites a document that is not in it. Facts are cited from docs/numerics.md, the
 kernel docs or benchmarks/results, or stated with what they rest on."""
 
