@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import train_digits_video as T  # noqa: E402
 
-from fp4vis.services import environment, write_json  # noqa: E402
+from fp4vis.services.environment import environment  # noqa: E402
+from fp4vis.services.outputs import write_json  # noqa: E402
 from fp4vis.zoo import moving_digits as md  # noqa: E402
 
 VARIANTS = {   # changes to the script's Config

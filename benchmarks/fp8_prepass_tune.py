@@ -24,7 +24,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from fp4vis.kernels.hopper import prepass_triton as tp
-    from fp4vis.services import environment, time_cuda, write_json
+    from fp4vis.services.environment import environment
+    from fp4vis.services.outputs import write_json
+    from fp4vis.services.timing import time_cuda
     default_block = tp.FP8_BLOCK_Q
     rows = []
     for b, s, h, d in SHAPES:

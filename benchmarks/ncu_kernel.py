@@ -48,9 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="", help="SCHEDULE/P_PATH/NUM_WG (empty parts: the defaults)")
     ap.add_argument("--calls", type=int, default=4)
     a = ap.parse_args(argv)
-    from fp4vis.evals.kernel_bench import _hopper_parts, split_variant
+    from fp4vis.evals.kernel_bench import hopper_parts, split_variant
     b, s, h = (int(x) for x in a.shape.split(","))
-    pre, ker = _hopper_parts(a.policy, **split_variant(f"hopper_kernel@{a.variant}")[1])
+    pre, ker = hopper_parts(a.policy, **split_variant(f"hopper_kernel@{a.variant}")[1])
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
     scale = 1 / math.sqrt(128)

@@ -55,7 +55,9 @@ import traceback
 import torch
 
 from fp4vis.layout import LOG2E
-from fp4vis.services import HOST_BUDGET_S, environment, input_copies, time_events, time_graph, time_host, write_json
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
+from fp4vis.services.timing import HOST_BUDGET_S, input_copies, time_events, time_graph, time_host
 
 SHAPES = [(1, 4096, 24, 128), (1, 32768, 24, 128), (1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64),
           (8, 577, 16, 64)]

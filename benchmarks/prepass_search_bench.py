@@ -37,7 +37,9 @@ import traceback
 
 import torch
 
-from fp4vis.services import environment, input_copies, run_sections, time_events, time_graph, write_json
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
+from fp4vis.services.timing import input_copies, run_sections, time_events, time_graph
 
 SHAPES = {"vit_b64_s197_h12_d64": (64, 197, 12, 64), "b1_s4096_h24": (1, 4096, 24, 128),
           "b4_s4096_h32": (4, 4096, 32, 128), "wan13_s32760_h12": (1, 32760, 12, 128),
@@ -195,10 +197,10 @@ def _call_policy(policy: str, full: bool, sets: list, scale: float) -> dict:
     """Kernel alone, pre-pass alone and the whole call of one policy (``full``: the full search)."""
     import fp4vis
     from fp4vis import config
-    from fp4vis.evals.kernel_bench import _hopper_parts
+    from fp4vis.evals.kernel_bench import hopper_parts
     copies = len(sets)
     with config.overridden(FP4VIS_PREPASS_FULL_SEARCH="1" if full else "0"):
-        pre, ker = _hopper_parts(policy)
+        pre, ker = hopper_parts(policy)
         ops = [pre(q, k, v, scale) for q, k, v in sets]
 
         def call(i):

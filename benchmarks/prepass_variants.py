@@ -20,7 +20,9 @@ import sys
 
 import torch
 
-from fp4vis.services import environment, input_copies, run_sections, time_graph, write_json
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
+from fp4vis.services.timing import input_copies, run_sections, time_graph
 
 SHAPES = {"vit_b64_s197_h12_d64": (64, 197, 12, 64), "b1_s4096_h24": (1, 4096, 24, 128),
           "b4_s4096_h32": (4, 4096, 32, 128), "wan13_s32760_h12": (1, 32760, 12, 128),

@@ -6,7 +6,7 @@ side by side in one run on the GPU: the evidence for its default (docs/numerics.
 Cost. The scale needs amax over the whole of q and of k before either is quantized: at least one more
 read of both, a reduction each, ahead of the pre-pass (the multiply itself folds into the pre-pass, and
 1/(G_q G_k) into the softmax scale). Per shape (B, S, H, D; BF16, self-attention), GPU time per call from
-CUDA graphs over rotated inputs (``fp4vis.services.time_graph``):
+CUDA graphs over rotated inputs (``fp4vis.services.timing.time_graph``):
 * ``fast_ms``: the whole ``fp4vis.attention(..., policy="fast", backend="hopper")`` call today;
 * ``amax_ms``: ``q.abs().amax()`` and ``k.abs().amax()`` (PyTorch's reductions), the least the scale adds;
 * ``fa4_ms``, ``sdpa_ms``: flash-attn-4's BF16 forward and SDPA (cuDNN), where they run;
@@ -26,7 +26,9 @@ import torch
 
 import fp4vis
 from fp4vis.evals.baselines import attention_function, unavailable
-from fp4vis.services import environment, input_copies, time_graph, write_json
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
+from fp4vis.services.timing import input_copies, time_graph
 
 # B, S, H, D: ViT-B/16 at 224 (batch 64), the grid's S4096 H24, Wan2.1 1.3B and 14B self-attention at 480x832x81
 SHAPES = [(64, 197, 12, 64), (1, 4096, 24, 128), (1, 32760, 12, 128), (1, 32760, 40, 128)]

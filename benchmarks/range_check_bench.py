@@ -6,7 +6,7 @@
 Per shape (B, S, H, D; self-attention, BF16, layout bhsd) and policy (``fast``, ``fast_fp8qk``,
 ``guard``), the whole call through ``fp4vis.attention(..., backend="hopper")`` in each mode:
 
-* ``{raise,off}_host_us``: host time per call (``fp4vis.services.time_host``: the launch path alone,
+* ``{raise,off}_host_us``: host time per call (``fp4vis.services.timing.time_host``: the launch path alone,
   the queue kept short), where the record's bookkeeping shows (numbering the call, reading the flag);
 * ``{raise,off}_events_ms``: CUDA events per call over rotated inputs, host included where it is
   longer than the GPU work;
@@ -30,7 +30,9 @@ import torch
 from short_seq_bench import parse_shapes  # the same B,S,H,D;... option (this folder is on sys.path)
 
 import fp4vis
-from fp4vis.services import environment, input_copies, time_events, time_graph, time_host, write_json
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
+from fp4vis.services.timing import input_copies, time_events, time_graph, time_host
 
 SHAPES = [(64, 197, 12, 64), (1, 4096, 24, 128)]
 POLICIES = ("fast", "fast_fp8qk", "guard")

@@ -75,7 +75,8 @@ def main() -> None:
             print(f"{args.device:5s} {shape:20s} {policy:9s} {row['seconds']:9.2f} s "
                   f"{row['ns_per_score']:8.2f} ns/score  peak {row['peak_bytes'] / 2**30:6.2f} GiB", flush=True)
     if args.out:
-        from fp4vis.services import environment, write_json
+        from fp4vis.services.environment import environment
+        from fp4vis.services.outputs import write_json
 
         write_json(args.out, {"environment": dict(environment(), device=args.device), "results": rows})
         print("wrote", args.out)

@@ -12,7 +12,7 @@ once by the pre-pass (``prepass.prepare_kernel_operands``), the kernel alone
 * ``{default,short}_events_ms``: CUDA events per launch, median, inputs rotated over up to
   ``KERNEL_COPIES`` operand sets (not always past the 50 MB L2; short shapes are launch-bound here:
   this includes the host's launch path);
-* ``{default,short}_graph_ms``: GPU time per launch replayed from a CUDA graph (``fp4vis.services.time_graph``:
+* ``{default,short}_graph_ms``: GPU time per launch replayed from a CUDA graph (``fp4vis.services.timing.time_graph``:
   the same operands every launch, so L2-warm where they fit);
 * ``{default,short}_call_graph_ms``: the whole call (pre-pass + kernel, ``hopper_attention_eager``) from a
   CUDA graph, for the end-to-end picture;
@@ -37,7 +37,9 @@ import torch
 
 from fp4vis.config import overridden, setting
 from fp4vis.layout import LOG2E
-from fp4vis.services import environment, input_copies, time_events, time_graph, write_json
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
+from fp4vis.services.timing import input_copies, time_events, time_graph
 
 SHAPES = [(1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64), (32, 197, 16, 64), (8, 577, 16, 64),
           (1, 4096, 24, 128)]

@@ -26,7 +26,9 @@ from collections import defaultdict
 
 import torch
 
-from fp4vis.services import environment, run_sections, write_json
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
+from fp4vis.services.timing import run_sections
 
 CATEGORIES = (   # first match; inductor's kernels first: some are named after the attention they feed
     ("prepass", r"_prepass_kernel|_fp8_prepass_kernel|_rms_rstd_kernel"),
@@ -70,8 +72,9 @@ def _summary(table: list, wall_s: float, profiled_wall_s: float) -> dict:
 
 
 def _runs(model: str, compiled: bool, which: tuple[str, ...]) -> dict:
-    from fp4vis.evals.wan_fidelity import _baseline_attention
+    from fp4vis.evals.wan_fidelity import baseline_attention
     from fp4vis.pipelines.wan_video import (
+        GenerationConfig,
         build_random_wan_pipeline,
         compile_transformers,
         generate,
@@ -84,27 +87,27 @@ def _runs(model: str, compiled: bool, which: tuple[str, ...]) -> dict:
         compile_transformers(pipe, "regional")
     pe, npe = random_prompt_embeds(0)
     latents = initial_latents(pipe, height=HEIGHT, width=WIDTH, frames=FRAMES, seed=0)
-    common = dict(prompt_embeds=pe, negative_prompt_embeds=npe, height=HEIGHT, width=WIDTH, frames=FRAMES,
-                  guidance_scale=GUIDANCE, seed=0, backend="hopper", progress=False, latents=latents, steps=1,
-                  decode=False)
+    common = GenerationConfig(prompt_embeds=pe, negative_prompt_embeds=npe, height=HEIGHT, width=WIDTH, frames=FRAMES,
+                              guidance_scale=GUIDANCE, seed=0, backend="hopper", progress=False, latents=latents,
+                              steps=1, decode=False)
     out = {}
     for run in which:
         baseline = run.split("=", 1)[1] if run.startswith("attn1=") else None
         policy = "bf16" if baseline is not None or run == "bf16" else run
-        with _baseline_attention(pipe, baseline):
+        with baseline_attention(pipe, baseline):
             if compiled:
                 torch._dynamo.reset()
             t0 = time.perf_counter()
-            generate(pipe, policy=policy, **common)          # warm-up: compiles
+            generate(pipe, common, policy=policy)          # warm-up: compiles
             warm = time.perf_counter() - t0
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            generate(pipe, policy=policy, **common)
+            generate(pipe, common, policy=policy)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 t0 = time.perf_counter()
-                generate(pipe, policy=policy, **common)
+                generate(pipe, common, policy=policy)
                 torch.cuda.synchronize()
                 pwall = time.perf_counter() - t0
         out[run] = dict(_summary(_kernel_table(prof), wall, pwall), warmup_s=warm)

@@ -134,7 +134,7 @@ def weights_checksum(pipe) -> float:
 def timed_run(pipe, args: argparse.Namespace, device: torch.device, *, size, policy: str, embeds, latents,
               steps: int) -> dict[str, Any]:
     """One generation under ``policy``: seconds per step (this rank), peak memory, final latents."""
-    from fp4vis.services import policy_applied
+    from fp4vis.services.policies import policy_applied
 
     height, width, frames = size
     pe, npe = embeds
@@ -236,7 +236,9 @@ def run_mode(args, device, mode: str, cp, policies, sizes, steps, record, single
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from fp4vis.pipelines.context_parallel import ContextParallel, Session, distributed, torchrun_env
-    from fp4vis.services import environment, resolve_device, write_json
+    from fp4vis.services.environment import environment
+    from fp4vis.services.outputs import write_json
+    from fp4vis.services.runtime import resolve_device
 
     args = parse_args(argv)
     sizes = parse_sizes(args.sizes or ("32x64x5" if args.dry_run else DEFAULT_SIZES))

@@ -39,7 +39,8 @@ import argparse
 
 import torch
 
-from fp4vis.services import environment, input_copies, run_sections, time_events, time_graph
+from fp4vis.services.environment import environment
+from fp4vis.services.timing import input_copies, run_sections, time_events, time_graph
 
 WIDTHS = ((12, 128), (40, 128))          # Wan2.1 1.3B and 14B: heads, head dim
 SEQS = (4096, 32760)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4vis.services import UsageError
+from fp4vis.services.usage import UsageError
 
 LAYOUTS = ("bhsd", "bshd")
 AttentionFn = Callable[..., torch.Tensor]   # fn(q, k, v, scale=None) -> out, in the layout it was built for

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fp4vis.services import UsageError
+from fp4vis.services.usage import UsageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CIFAR_FOLDER = "cifar-10-batches-py"

@@ -39,11 +39,14 @@ from fp4vis.evals.common import AttentionRecorder, error_metrics, per_sample
 from fp4vis.evals.demo_defaults import DEFAULT_CLIPS, DEFAULT_LIMIT, DEMO_POLICIES, VIDEO_MODEL
 from fp4vis.evals.demo_video import run_video as run_video_section
 from fp4vis.evals.demo_video import text_table, video_summary
-from fp4vis.evals.mae_psnr import load_mae, masking_noise, run_mae_eval
+from fp4vis.evals.mae_psnr import MaeEvalConfig, load_mae, masking_noise, run_mae_eval
 from fp4vis.evals.report import markdown_table, mean_ci95, write_report
-from fp4vis.evals.vit_top1 import run_vit_eval
+from fp4vis.evals.vit_top1 import VitEvalConfig, run_vit_eval
 from fp4vis.files import atomic_path
-from fp4vis.services import Timer, UsageError, check_model_source, policy_applied, resolve_policies
+from fp4vis.services.policies import policy_applied, resolve_policies
+from fp4vis.services.sources import check_model_source
+from fp4vis.services.timing import Timer
+from fp4vis.services.usage import UsageError
 from fp4vis.zoo import PREFIX, model_path, verify
 from fp4vis.zoo.digits import HELDOUT_FILE, MAE_SIZE, load_heldout, model_pixels, write_image_folder
 
@@ -87,15 +90,16 @@ def run_demo(out_dir: str | os.PathLike, *, policies: str | Sequence[str] = DEMO
         data = write_image_folder(digits, Path(tmp) / "digits")
         say(f"ViT {PREFIX}{VIT_MODEL}: {len(digits)} held-out digits, policies {', '.join(names)}")
         with Timer() as t:
-            vit = run_vit_eval(PREFIX + VIT_MODEL, data, policies=fp4, batch_size=BATCH_SIZE, labels="index",
-                               device="cpu", dtype="bfloat16", backend=BACKEND, per_layer=True, seed=SEED,
-                               out_dir=out, name=f"{NAME}_vit_top1", progress=progress)
+            vit = run_vit_eval(VitEvalConfig(PREFIX + VIT_MODEL, data, policies=fp4, batch_size=BATCH_SIZE,
+                                             labels="index", device="cpu", dtype="bfloat16", backend=BACKEND,
+                                             per_layer=True, seed=SEED, out_dir=out, name=f"{NAME}_vit_top1",
+                                             progress=progress))
         timings["vit_s"] = t.seconds
         say(f"MAE {PREFIX}{MAE_MODEL}: masked-patch PSNR")
         with Timer() as t:
-            mae = run_mae_eval(PREFIX + MAE_MODEL, data, policies=fp4, batch_size=BATCH_SIZE, seed=SEED,
-                               device="cpu", dtype="bfloat16", backend=BACKEND, out_dir=out,
-                               name=f"{NAME}_mae_psnr", progress=progress)
+            mae = run_mae_eval(MaeEvalConfig(PREFIX + MAE_MODEL, data, policies=fp4, batch_size=BATCH_SIZE,
+                                             seed=SEED, device="cpu", dtype="bfloat16", backend=BACKEND, out_dir=out,
+                                             name=f"{NAME}_mae_psnr", progress=progress))
         timings["mae_s"] = t.seconds
         say("MAE: per-layer attention error of the encoder")
         with Timer() as t:

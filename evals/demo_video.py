@@ -43,6 +43,7 @@ from fp4vis.evals.plots import frame_strip
 from fp4vis.evals.report import fmt, markdown_table, mean_ci95, wilson_ci95, write_report
 from fp4vis.evals.wan_fidelity import OperatorError, frame_metrics
 from fp4vis.pipelines.wan_video import (
+    GenerationConfig,
     decode_clips,
     encode_prompt,
     generate,
@@ -52,7 +53,10 @@ from fp4vis.pipelines.wan_video import (
     save_mp4,
     tokens_per_frame_sequence,
 )
-from fp4vis.services import Timer, UsageError, display_source, resolve_policies
+from fp4vis.services.policies import resolve_policies
+from fp4vis.services.sources import display_source
+from fp4vis.services.timing import Timer
+from fp4vis.services.usage import UsageError
 from fp4vis.zoo import moving_digits as md
 
 VIDEO_DTYPE = "float32"   # machine-independent figures (module docstring)
@@ -148,9 +152,9 @@ def run_video(video_model: str | None, source: str | None, names: Sequence[str],
     steps = int(gen["steps"])
     keep = tuple(k for k in LATENT_STEPS if k < steps)
     measured = (*keep, steps)
-    common = dict(prompt_embeds=pe, negative_prompt_embeds=npe, height=gen["height"], width=gen["width"],
-                  frames=gen["frames"], steps=steps, guidance_scale=gen["guidance_scale"], seed=SEED,
-                  backend=BACKEND, progress=progress, latents=latents, decode=False, latents_after=keep)
+    common = GenerationConfig(prompt_embeds=pe, negative_prompt_embeds=npe, height=gen["height"], width=gen["width"],
+                              frames=gen["frames"], steps=steps, guidance_scale=gen["guidance_scale"], seed=SEED,
+                              backend=BACKEND, progress=progress, latents=latents, decode=False, latents_after=keep)
     reader = md.load_reader()
     op_error = OperatorError(pipe, fp4, backend=BACKEND, steps=measured)
     calls = TransformerCalls(pipe.transformer, measured)
@@ -160,9 +164,9 @@ def run_video(video_model: str | None, source: str | None, names: Sequence[str],
         with Timer() as t:
             if name == "bf16":
                 with op_error.recorder, calls:
-                    res = generate(pipe, policy=name, callbacks=(op_error, calls), **common)
+                    res = generate(pipe, common, policy=name, callbacks=(op_error, calls))
             else:
-                res = generate(pipe, policy=name, **common)
+                res = generate(pipe, common, policy=name)
             frames[name] = decode_clips(pipe, res.latents)
             seen = md.read_clips(md.from_frames(frames[name]), reader, min_travel=min_travel(gen))
         runs[name] = {"result": res, "reading": seen, "seconds": t.seconds}

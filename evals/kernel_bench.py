@@ -31,7 +31,7 @@ Timing, the same two ways for every backend, so that no backend's host overhead 
 another: ``ms``, CUDA events around each eager call after warm-up (median over repetitions, inputs
 rotated over enough copies to exceed the L2 cache; a call whose host work outlasts its GPU work is
 timed at the host's pace), and ``graph_ms``, GPU time per call replayed from a CUDA graph of
-``GRAPH_CALLS`` calls (``fp4vis.services.time_graph``: host work excluded; the same inputs each call,
+``GRAPH_CALLS`` calls (``fp4vis.services.timing.time_graph``: host work excluded; the same inputs each call,
 L2-warm where they fit; ``graph_error`` where a backend cannot be captured). Speedups and geo-means
 are given for both (``speedup_vs_*``, ``graph_speedup_vs_*``). Errors: relative L2 against the reference emulation
 (``backend="reference"``, on a sample of heads and query rows against all keys, since the
@@ -54,9 +54,12 @@ from pathlib import Path
 import torch
 
 from fp4vis.evals.baselines import BASELINES, attention_function, unavailable
+from fp4vis.files import atomic_write
 from fp4vis.layout import LOG2E
 from fp4vis.policy import get_policy
-from fp4vis.services import atomic_write, environment, time_cpu, time_cuda, time_graph, write_json
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
+from fp4vis.services.timing import time_cpu, time_cuda, time_graph
 
 # (B, S, H) at D = 128: the issue's nine-shape grid plus the large video shapes
 GRID_D128 = [(1, 256, 16), (1, 1024, 16), (4, 4096, 16), (1, 32768, 16), (4, 4096, 32), (1, 4096, 12),
@@ -125,7 +128,7 @@ def split_variant(backend: str) -> tuple[str, dict]:
     return base, kw
 
 
-def _hopper(policy: str, **variant):
+def hopper_call(policy: str, **variant):
     """The whole call. The default variant goes through the public API (``fp4vis.attention``,
     ``backend="hopper"``: what users and the patchers run); variants call the backend's function."""
     import fp4vis
@@ -140,7 +143,7 @@ def _hopper(policy: str, **variant):
     return call
 
 
-def _hopper_parts(policy: str, **variant):
+def hopper_parts(policy: str, **variant):
     """(prepass(q,k,v) -> operands, kernel(operands) -> out) for the split timings."""
     hb = _kmod("hopper.backend")
     policy_args, run_kernel = hb.policy_args, hb.run_kernel
@@ -207,7 +210,7 @@ def _scaled_mm_fast_accum(q8: torch.Tensor, k8: torch.Tensor) -> torch.Tensor:
                                          use_fast_accum=True)[:sq] for g in range(q8.shape[0])])
 
 
-def _blackwell(policy: str):
+def blackwell_call(policy: str):
     """The Blackwell backend's whole call through the public API (its self-check runs at the first,
     untimed call)."""
     import fp4vis
@@ -217,7 +220,7 @@ def _blackwell(policy: str):
     return call
 
 
-def _reference(policy: str):
+def reference_call(policy: str):
     import fp4vis
 
     def call(q, k, v, scale):
@@ -327,7 +330,7 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
     out0 = None
     base, variant = split_variant(backend)
     if base in ("prepass", "prepass_fused", "hopper_kernel"):
-        pre, ker = _hopper_parts(pol, **variant)
+        pre, ker = hopper_parts(pol, **variant)
         ops = [pre(q, k, v, scale) for q, k, v in sets] if base == "hopper_kernel" else None
         if base == "prepass":
             fn = lambda i: pre(*sets[i], scale)  # noqa: E731
@@ -337,11 +340,11 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
             fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
             out0 = ker(ops[0], sets[0][0], scale)
     else:
-        fp4vis_calls = {"hopper": lambda: _hopper(pol, **variant),
-                        "hopper_plain": lambda: _hopper(pol, schedule="serial"),
-                        "hopper_overlap": lambda: _hopper(pol, schedule="overlap"),
-                        "hopper_fused": lambda: _hopper(pol),   # the default since the fused folded pre-pass
-                        "reference": lambda: _reference(pol), "blackwell": lambda: _blackwell(pol)}
+        fp4vis_calls = {"hopper": lambda: hopper_call(pol, **variant),
+                        "hopper_plain": lambda: hopper_call(pol, schedule="serial"),
+                        "hopper_overlap": lambda: hopper_call(pol, schedule="overlap"),
+                        "hopper_fused": lambda: hopper_call(pol),   # the default since the fused folded pre-pass
+                        "reference": lambda: reference_call(pol), "blackwell": lambda: blackwell_call(pol)}
         call = attention_function(base, "bhsd") if base in BASELINES else fp4vis_calls[base]()
         fn = lambda i: call(*sets[i], scale)  # noqa: E731
         out0 = call(*sets[0], scale)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,25 +31,13 @@ import torch
 from fp4vis.evals.common import check_image_folder, error_metrics, image_list, images_markdown, per_sample
 from fp4vis.evals.datasets import open_images, sample_indices
 from fp4vis.evals.report import markdown_table, mean_ci95, write_report
-from fp4vis.services import (
-    UsageError,
-    WarningLog,
-    backend_in_use,
-    check_backend,
-    check_model_source,
-    display_source,
-    environment,
-    guard_plan_summary,
-    hub_error,
-    is_network_error,
-    load_guard_plan,
-    plan_for,
-    policy_applied,
-    require,
-    resolve_device,
-    resolve_dtype,
-    resolve_policies,
-)
+from fp4vis.services.console import WarningLog
+from fp4vis.services.environment import environment
+from fp4vis.services.guard_plans import guard_plan_summary, load_guard_plan, plan_for
+from fp4vis.services.policies import backend_in_use, check_backend, policy_applied, resolve_policies
+from fp4vis.services.runtime import resolve_device, resolve_dtype
+from fp4vis.services.sources import check_model_source, display_source, hub_error, is_network_error
+from fp4vis.services.usage import UsageError, require
 
 DEFAULT_CONFIG = "config:default"
 PSNR_STATEMENT = ("PSNR per image in [0, 1] RGB pixel space (normalisation undone, reconstruction clamped "
@@ -177,14 +166,39 @@ def calibration_inputs(model, mean, std, data: str | os.PathLike, *, limit: int,
     return inputs
 
 
-def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[str] = "fast,accurate",
-                 resolution: int | None = None, batch_size: int = 8, limit: int | None = None,
-                 random_weights: bool = False, mask_ratio: float | None = None, seed: int = 0,
-                 device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
-                 guard_plan: str | None = None, decoder: bool = False, num_workers: int = 0,
-                 out_dir: str | os.PathLike | None = None, name: str = "mae_psnr",
-                 progress: bool = True, sample_seed: int | None = None,
-                 say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MaeEvalConfig:
+    """What ``run_mae_eval`` runs (the CLI builds it from ``fp4vis eval mae``'s options): the ViTMAE ``model``
+    on the images of ``data``, BF16 and each of ``policies``, with the same masks (seeded by ``seed`` and the
+    image's index; ``mask_ratio`` None: the model's). ``limit`` images: the first ones, or drawn at random
+    with ``sample_seed`` (the protocols' subsets); ``decoder``: the decoder's attention under the policy too
+    (default: the encoder's alone); ``out_dir``: where ``<name>.json`` / ``.md`` go (None: nothing written)."""
+
+    model: str
+    data: str | os.PathLike
+    policies: str | list[str] = "fast,accurate"
+    resolution: int | None = None
+    batch_size: int = 8
+    limit: int | None = None
+    random_weights: bool = False
+    mask_ratio: float | None = None
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    backend: str = "auto"
+    guard_plan: str | None = None
+    decoder: bool = False
+    num_workers: int = 0
+    out_dir: str | os.PathLike | None = None
+    name: str = "mae_psnr"
+    progress: bool = True
+    sample_seed: int | None = None
+
+
+def run_mae_eval(config: MaeEvalConfig, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """Run the eval of ``config`` (``MaeEvalConfig``; see the module docstring); returns the result dict and,
+    with ``config.out_dir``, writes ``<name>.json``/``.md``. ``say``: told what the eval runs, once the model
+    and the images are loaded (the CLI's header)."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, Subset
     from torchmetrics.functional.image import peak_signal_noise_ratio as psnr
@@ -192,36 +206,37 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
     from tqdm.auto import tqdm
 
     require("torchvision", what="the MAE eval")
-    dev = resolve_device(device)
-    check_backend(backend, dev)
-    pols = resolve_policies(policies, allow_bf16=False)
-    root = check_image_folder(data)
-    plan = load_guard_plan(guard_plan)
-    if mask_ratio is not None and not 0 < mask_ratio < 1:
-        raise UsageError(f"mask ratio must be in (0, 1), got {mask_ratio}")
+    dev = resolve_device(config.device)
+    check_backend(config.backend, dev)
+    pols = resolve_policies(config.policies, allow_bf16=False)
+    root = check_image_folder(config.data)
+    plan = load_guard_plan(config.guard_plan)
+    if config.mask_ratio is not None and not 0 < config.mask_ratio < 1:
+        raise UsageError(f"mask ratio must be in (0, 1), got {config.mask_ratio}")
     acc = Accelerator(cpu=dev.type == "cpu")
-    mdtype = resolve_dtype(dtype)
-    mae, mean_t, std_t, random_weights = load_mae(model, random_weights=random_weights, device=acc.device,
-                                                  dtype=mdtype, seed=seed, mask_ratio=mask_ratio)
+    mdtype = resolve_dtype(config.dtype)
+    mae, mean_t, std_t, random_weights = load_mae(config.model, random_weights=config.random_weights,
+                                                  device=acc.device, dtype=mdtype, seed=config.seed,
+                                                  mask_ratio=config.mask_ratio)
     cfg = mae.config
     native = int(cfg.image_size if isinstance(cfg.image_size, int) else cfg.image_size[0])
     patch = int(cfg.patch_size if isinstance(cfg.patch_size, int) else cfg.patch_size[0])
-    res = int(resolution or native)
+    res = int(config.resolution or native)
     if res % patch:
         raise UsageError(f"resolution {res} is not a multiple of the patch size {patch}")
     num_patches = (res // patch) ** 2
     tf = T.Compose([T.Resize(res, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(res), T.ToTensor()])
     dataset: Any = open_images(root, transform=tf)
-    indices = sample_indices(len(dataset), limit, sample_seed)
+    indices = sample_indices(len(dataset), config.limit, config.sample_seed)
     files = image_list(dataset, indices)
     if len(indices) < len(dataset):
         dataset = Subset(dataset, indices)
-    loader = acc.prepare_data_loader(DataLoader(_Indexed(dataset), batch_size=batch_size, shuffle=False,
-                                                num_workers=num_workers))
+    loader = acc.prepare_data_loader(DataLoader(_Indexed(dataset), batch_size=config.batch_size, shuffle=False,
+                                                num_workers=config.num_workers))
     if say is not None:   # what runs, once the model and the images are loaded (the CLI's header)
-        say(f"eval mae: {model} at {res} px ({num_patches} patches, {mae.config.mask_ratio:.0%} masked), "
+        say(f"eval mae: {config.model} at {res} px ({num_patches} patches, {mae.config.mask_ratio:.0%} masked), "
             f"{len(indices)} images from {root}; bf16 (the model's attention) and {', '.join(p.name for p in pols)} "
-            f"on the {backend_in_use(backend, acc.device)} backend{' with a guard plan' if plan else ''}")
+            f"on the {backend_in_use(config.backend, acc.device)} backend{' with a guard plan' if plan else ''}")
     mean = torch.tensor(mean_t, device=acc.device).view(1, 3, 1, 1)
     std = torch.tensor(std_t, device=acc.device).view(1, 3, 1, 1)
     cosine, rel_l2 = error_metrics()
@@ -243,15 +258,15 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
         return psnr(img, ref, data_range=1.0, reduction="none", dim=(1, 2, 3))
 
     with torch.no_grad(), WarningLog() as wlog:
-        for x, idx in tqdm(loader, desc="mae eval", disable=not (progress and acc.is_local_main_process)):
+        for x, idx in tqdm(loader, desc="mae eval", disable=not (config.progress and acc.is_local_main_process)):
             x = x.to(acc.device, torch.float32)
-            noise = masking_noise(idx.cpu(), num_patches, seed)
+            noise = masking_noise(idx.cpu(), num_patches, config.seed)
             ref_img, ref_mask, ref_pred = reconstruct(mae, x, mean, std, noise, interp)
             batch: dict[str, torch.Tensor] = {"index": idx.to(acc.device),
                                               "bf16/masked": masked_psnr(ref_img, x, ref_mask),
                                               "bf16/full": full_psnr(ref_img, x)}
             for p in pols:
-                with policy_applied(mae, p, guard=plan_for(plan, p), backend=backend, decoder=decoder):
+                with policy_applied(mae, p, guard=plan_for(plan, p), backend=config.backend, decoder=config.decoder):
                     img, mask, pred = reconstruct(mae, x, mean, std, noise, interp)
                 if not torch.equal(mask, ref_mask):  # same noise must give the same mask
                     raise RuntimeError("MAE masks differ between BF16 and FP4 runs")
@@ -273,13 +288,13 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                 "max": float(t.max())}
 
     result: dict[str, Any] = {
-        "eval": "mae_psnr", "model": display_source(model), "random_weights": random_weights,
+        "eval": "mae_psnr", "model": display_source(config.model), "random_weights": random_weights,
         "data": display_source(str(root)), "images": n,
         "image_files": files,
         "resolution": res, "native_resolution": native, "patch_size": patch, "tokens_encoder":
         int(round(num_patches * (1 - cfg.mask_ratio))) + 1, "mask_ratio": cfg.mask_ratio,
-        "norm_pix_loss": bool(cfg.norm_pix_loss), "seed": seed, "dtype": str(mdtype).replace("torch.", ""),
-        "backend": backend, "decoder_patched": decoder, "num_processes": acc.num_processes,
+        "norm_pix_loss": bool(cfg.norm_pix_loss), "seed": config.seed, "dtype": str(mdtype).replace("torch.", ""),
+        "backend": config.backend, "decoder_patched": config.decoder, "num_processes": acc.num_processes,
         "guard_plan": guard_plan_summary(plan), "psnr_reduction": PSNR_STATEMENT,
         "image_index": g["index"].long().tolist(),
         "bf16": {"masked_psnr": stats(g["bf16/masked"]), "full_psnr": stats(g["bf16/full"]),
@@ -301,8 +316,9 @@ def run_mae_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
         }
     result["warnings"] = wlog.messages
     result["environment"] = environment()
-    if out_dir is not None and acc.is_main_process:
-        result["files"] = {k: str(v) for k, v in write_report(out_dir, name, result, mae_markdown(result)).items()}
+    if config.out_dir is not None and acc.is_main_process:
+        written = write_report(config.out_dir, config.name, result, mae_markdown(result))
+        result["files"] = {k: str(v) for k, v in written.items()}
     return result
 
 

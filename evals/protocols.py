@@ -24,7 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp4vis.services import UsageError, display_source
+from fp4vis.services.sources import display_source
+from fp4vis.services.usage import UsageError
 
 from .report import markdown_table, write_report
 
@@ -103,16 +104,17 @@ def run_vit_protocol(data: str | os.PathLike, *, model: str | None = None, proto
                      out_dir: str | os.PathLike | None = None, name: str = "vit_paper", **common: Any) -> dict:
     """Every run of the ViT protocol (``fp4vis.evals.vit_top1.run_vit_eval``, one report per run) and a
     report of them beside the published top-1."""
-    from .vit_top1 import run_vit_eval
+    from .vit_top1 import VitEvalConfig, run_vit_eval
 
     model = model or protocol.model
     result: dict[str, Any] = {"eval": "vit_protocol", "protocol": "paper", "model": display_source(model),
                               "data": display_source(str(data)), "seed": protocol.seed, "runs": {},
                               "random_weights": False}
     for run in protocol.runs:
-        r = run_vit_eval(model, data, policies=list(protocol.policies), resolution=run.resolution,
-                         limit=run.images, sample_seed=protocol.seed, labels="names", seed=protocol.seed,
-                         out_dir=out_dir, name=f"{name}_{run.label}", per_layer=False, **common)
+        r = run_vit_eval(VitEvalConfig(model, data, policies=list(protocol.policies), resolution=run.resolution,
+                                       limit=run.images, sample_seed=protocol.seed, labels="names",
+                                       seed=protocol.seed, out_dir=out_dir, name=f"{name}_{run.label}",
+                                       per_layer=False, **common))
         top1 = {"bf16": r["bf16"]["top1"], **{p: v["top1"] for p, v in r["policies"].items()}}
         result["runs"][run.label] = {
             "resolution": run.resolution, "tokens": r["tokens"], "images": r["images"],
@@ -136,12 +138,12 @@ def vit_protocol_markdown(r: dict) -> str:
 def run_mae_protocol(data: str | os.PathLike, *, model: str | None = None, protocol: MaeProtocol = PAPER["mae"],
                      out_dir: str | os.PathLike | None = None, name: str = "mae_paper", **common: Any) -> dict:
     """The MAE protocol (``fp4vis.evals.mae_psnr.run_mae_eval``) beside the published PSNR."""
-    from .mae_psnr import run_mae_eval
+    from .mae_psnr import MaeEvalConfig, run_mae_eval
 
     model = model or protocol.model
-    r = run_mae_eval(model, data, policies=list(protocol.policies), limit=protocol.images,
-                     sample_seed=protocol.seed, mask_ratio=protocol.mask_ratio, seed=protocol.seed, decoder=False,
-                     out_dir=out_dir, name=f"{name}_run", **common)
+    r = run_mae_eval(MaeEvalConfig(model, data, policies=list(protocol.policies), limit=protocol.images,
+                                   sample_seed=protocol.seed, mask_ratio=protocol.mask_ratio, seed=protocol.seed,
+                                   decoder=False, out_dir=out_dir, name=f"{name}_run", **common))
     result: dict[str, Any] = {
         "eval": "mae_protocol", "protocol": "paper", "model": display_source(model),
         "data": display_source(str(data)), "seed": protocol.seed,
@@ -170,7 +172,7 @@ def run_wan_protocol(*, model: str | None = None, protocol: WanProtocol = PAPER[
     """The Wan protocol: one run of each length (``fp4vis.evals.wan_fidelity.run_wan_eval``, latents only)
     and the final latents' cosine / relL2 against BF16 beside the published ones of that model size.
     Fidelity only: no BF16 attention baselines (they are speed figures, and not the published protocol's)."""
-    from .wan_fidelity import DEFAULT_PROMPT, run_wan_eval
+    from .wan_fidelity import DEFAULT_PROMPT, WanEvalConfig, run_wan_eval
 
     model = model or protocol.model
     size = protocol.size_of(model)
@@ -180,10 +182,11 @@ def run_wan_protocol(*, model: str | None = None, protocol: WanProtocol = PAPER[
                               "seed": protocol.seed, "steps": {}, "random_weights": False}
     published = protocol.published.get(size, {}) if size else {}
     for steps in protocol.steps:
-        r = run_wan_eval(model, policies=list(protocol.policies), prompt=DEFAULT_PROMPT, height=protocol.height,
-                         width=protocol.width, frames=protocol.frames, steps=steps,
-                         guidance_scale=protocol.guidance_scale, seed=protocol.seed, decode=False, warmup=False,
-                         baselines="none", out_dir=out_dir, name=f"{name}_{steps}steps", **common)
+        r = run_wan_eval(WanEvalConfig(model, policies=list(protocol.policies), prompt=DEFAULT_PROMPT,
+                                       height=protocol.height, width=protocol.width, frames=protocol.frames,
+                                       steps=steps, guidance_scale=protocol.guidance_scale, seed=protocol.seed,
+                                       decode=False, warmup=False, baselines="none", out_dir=out_dir,
+                                       name=f"{name}_{steps}steps", **common))
         result["steps"][steps] = {
             p: {"latent_cosine": run.get("latent_cosine"), "latent_rel_l2": run.get("latent_rel_l2"),
                 "published": published.get(p, {}).get(steps), "error": run.get("error")}

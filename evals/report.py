@@ -1,4 +1,4 @@
-"""Reports of the evals: JSON + short Markdown (the environment record from ``fp4vis.services``),
+"""Reports of the evals: JSON + short Markdown (the environment record from ``fp4vis.services.environment``),
 table formatting and the 95 % interval of a mean.
 
 Every eval writes ``<out_dir>/<name>.json`` (the raw numbers, machine readable, including the
@@ -14,7 +14,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp4vis.services import atomic_write, environment, write_json
+from fp4vis.files import atomic_write
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import write_json
 
 
 def write_report(out_dir: str | os.PathLike, name: str, result: dict[str, Any], markdown: str) -> dict[str, Path]:
@@ -42,7 +44,7 @@ def environment_markdown(env: dict[str, Any]) -> str:
     text = (f"Environment: GPU {gpu_txt}; Python {env.get('python')}; {vers}; "
             f"commit {env.get('git_commit') or 'unknown'}; {env.get('timestamp_utc')}.")
     library = env.get("library_warnings") or []
-    if library:   # counted, not printed, while the command ran (fp4vis.services.WarningLog)
+    if library:   # counted, not printed, while the command ran (fp4vis.services.console.WarningLog)
         text += "\n\nLibrary warnings (not printed during the run): " + "; ".join(
             f"{w['module']} {w['category']} x{w['count']}: {_first_words(w['message'])}" for w in library) + "."
     return text

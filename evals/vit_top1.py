@@ -40,26 +40,14 @@ from fp4vis.evals.common import (
 )
 from fp4vis.evals.datasets import open_images, sample_indices
 from fp4vis.evals.report import markdown_table, paired_rate_difference_ci95, write_report
-from fp4vis.services import (
-    Timer,
-    UsageError,
-    WarningLog,
-    backend_in_use,
-    check_backend,
-    check_model_source,
-    display_source,
-    environment,
-    guard_plan_summary,
-    hub_error,
-    is_network_error,
-    load_guard_plan,
-    plan_for,
-    policy_applied,
-    require,
-    resolve_device,
-    resolve_dtype,
-    resolve_policies,
-)
+from fp4vis.services.console import WarningLog
+from fp4vis.services.environment import environment
+from fp4vis.services.guard_plans import guard_plan_summary, load_guard_plan, plan_for
+from fp4vis.services.policies import backend_in_use, check_backend, policy_applied, resolve_policies
+from fp4vis.services.runtime import resolve_device, resolve_dtype
+from fp4vis.services.sources import check_model_source, display_source, hub_error, is_network_error
+from fp4vis.services.timing import Timer
+from fp4vis.services.usage import UsageError, require
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -283,47 +271,69 @@ def label_mapping(class_names: list[str], clf: Classifier, mode: str = "auto") -
     return None, "none"
 
 
-def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[str] = "fast,accurate",
-                 resolution: int | None = None, batch_size: int = 8, limit: int | None = None,
-                 labels: str = "auto", random_weights: bool = False, device: str = "auto",
-                 dtype: str = "bfloat16", backend: str = "auto", guard_plan: str | None = None,
-                 per_layer: bool = True, seed: int = 0, num_workers: int = 0,
-                 out_dir: str | os.PathLike | None = None, name: str = "vit_top1",
-                 progress: bool = True, sample_seed: int | None = None,
-                 say: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """Run the eval; returns the result dict and, with ``out_dir``, writes ``<name>.json``/``.md``.
-    ``limit`` images: the first ones, or drawn at random with ``sample_seed`` (the protocols' subsets);
-    ``say``: told what the eval runs, once the model and the images are loaded (the CLI's header)."""
+@dataclass(frozen=True)
+class VitEvalConfig:
+    """What ``run_vit_eval`` runs (the CLI builds it from ``fp4vis eval vit``'s options): the classifier
+    ``model`` on the images of ``data`` (an ImageFolder root), BF16 and each of ``policies``. ``limit``
+    images: the first ones, or drawn at random with ``sample_seed`` (the protocols' subsets); ``labels``: how
+    class folders map to the model's classes (``label_mapping``); ``per_layer``: each attention layer's error
+    too; ``out_dir``: where ``<name>.json`` / ``.md`` go (None: nothing written)."""
+
+    model: str
+    data: str | os.PathLike
+    policies: str | list[str] = "fast,accurate"
+    resolution: int | None = None
+    batch_size: int = 8
+    limit: int | None = None
+    labels: str = "auto"
+    random_weights: bool = False
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    backend: str = "auto"
+    guard_plan: str | None = None
+    per_layer: bool = True
+    seed: int = 0
+    num_workers: int = 0
+    out_dir: str | os.PathLike | None = None
+    name: str = "vit_top1"
+    progress: bool = True
+    sample_seed: int | None = None
+
+
+def run_vit_eval(config: VitEvalConfig, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """Run the eval of ``config`` (``VitEvalConfig``); returns the result dict and, with ``config.out_dir``,
+    writes ``<name>.json``/``.md``. ``say``: told what the eval runs, once the model and the images are
+    loaded (the CLI's header)."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, Subset
     from torchmetrics.functional.classification import multiclass_accuracy
     from tqdm.auto import tqdm
 
     require("torchvision", what="the ViT eval")
-    dev = resolve_device(device)
-    check_backend(backend, dev)
-    pols = resolve_policies(policies, allow_bf16=False) if policies else []
+    dev = resolve_device(config.device)
+    check_backend(config.backend, dev)
+    pols = resolve_policies(config.policies, allow_bf16=False) if config.policies else []
     if not pols:
         raise UsageError("policies: give at least one FP4 policy (bf16 is always the baseline)")
-    root = check_image_folder(data)
-    plan = load_guard_plan(guard_plan)
+    root = check_image_folder(config.data)
+    plan = load_guard_plan(config.guard_plan)
     acc = Accelerator(cpu=dev.type == "cpu")
-    clf = load_classifier(model, resolution=resolution, random_weights=random_weights, device=acc.device,
-                          dtype=resolve_dtype(dtype), seed=seed)
+    clf = load_classifier(config.model, resolution=config.resolution, random_weights=config.random_weights,
+                          device=acc.device, dtype=resolve_dtype(config.dtype), seed=config.seed)
     dataset = open_images(root, transform=build_transform(clf))
-    indices = sample_indices(len(dataset), limit, sample_seed)
+    indices = sample_indices(len(dataset), config.limit, config.sample_seed)
     files = image_list(dataset, indices)
-    mapping, label_mode = label_mapping(dataset.classes, clf, labels if dataset.classes else "none")
+    mapping, label_mode = label_mapping(dataset.classes, clf, config.labels if dataset.classes else "none")
     if say is not None:
-        say(f"eval vit: {model} at {clf.resolution} px ({clf.tokens} tokens), {len(indices)} images from {root} "
+        say(f"eval vit: {config.model} at {clf.resolution} px ({clf.tokens} tokens), {len(indices)} images from {root} "
             f"(labels: {label_mode}); bf16 (the model's attention) and {', '.join(p.name for p in pols)} on the "
-            f"{backend_in_use(backend, acc.device)} backend{' with a guard plan' if plan else ''}")
+            f"{backend_in_use(config.backend, acc.device)} backend{' with a guard plan' if plan else ''}")
     if len(indices) < len(dataset):
         dataset = Subset(dataset, indices)
-    loader = acc.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=False,
-                                                num_workers=num_workers))
+    loader = acc.prepare_data_loader(DataLoader(dataset, batch_size=config.batch_size, shuffle=False,
+                                                num_workers=config.num_workers))
     cosine, rel_l2 = error_metrics()
-    model_dtype = resolve_dtype(dtype)
+    model_dtype = resolve_dtype(config.dtype)
     layer_names: list[str] = []
 
     rows: dict[str, list[torch.Tensor]] = {"target": [], "bf16_pred": []}
@@ -333,21 +343,21 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
     times = {"bf16": 0.0, **{p.name: 0.0 for p in pols}}
 
     with torch.no_grad(), WarningLog() as wlog:
-        for x, y in tqdm(loader, desc="vit eval", disable=not (progress and acc.is_local_main_process)):
+        for x, y in tqdm(loader, desc="vit eval", disable=not (config.progress and acc.is_local_main_process)):
             x = x.to(acc.device, model_dtype)
             target = torch.tensor([mapping[int(c)] for c in y] if mapping else [-1] * len(y), device=acc.device)
             recorder = AttentionRecorder(clf.model)
             layer_names = [n for n, _ in recorder.modules]
-            with Timer() as t, (recorder if per_layer else _null()):
+            with Timer() as t, (recorder if config.per_layer else _null()):
                 ref = clf(x).float()
             times["bf16"] += t.seconds
             batch: dict[str, torch.Tensor] = {"target": target, "bf16_pred": ref.argmax(-1)}
             for p in pols:
-                with policy_applied(clf.model, p, guard=plan_for(plan, p), backend=backend):
+                with policy_applied(clf.model, p, guard=plan_for(plan, p), backend=config.backend):
                     with Timer() as t:
                         out = clf(x).float()
                     times[p.name] += t.seconds
-                    layers = recorder.rerun() if per_layer else {}
+                    layers = recorder.rerun() if config.per_layer else {}
                 batch[f"{p.name}/pred"] = out.argmax(-1)
                 batch[f"{p.name}/logit_cos"] = torch.tensor(per_sample(cosine, out, ref), device=acc.device)
                 batch[f"{p.name}/logit_rel"] = torch.tensor(per_sample(rel_l2, out, ref), device=acc.device)
@@ -377,12 +387,13 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
                                          ignore_index=-1))
 
     result: dict[str, Any] = {
-        "eval": "vit_top1", "model": display_source(model), "model_kind": clf.kind, "random_weights": random_weights,
+        "eval": "vit_top1", "model": display_source(config.model), "model_kind": clf.kind,
+        "random_weights": config.random_weights,
         "data": display_source(str(root)), "images": n, "image_files": files, "labels": label_mode,
         "classes_in_data": len(mapping or []) or None,
         "resolution": clf.resolution, "native_resolution": clf.native_resolution, "tokens": clf.tokens,
-        "dtype": str(model_dtype).replace("torch.", ""), "backend": backend, "batch_size": batch_size,
-        "seed": seed, "num_processes": acc.num_processes, "guard_plan": guard_plan_summary(plan),
+        "dtype": str(model_dtype).replace("torch.", ""), "backend": config.backend, "batch_size": config.batch_size,
+        "seed": config.seed, "num_processes": acc.num_processes, "guard_plan": guard_plan_summary(plan),
         "layers": layer_names, "bf16": {"top1": top1(gathered["bf16_pred"]), "forward_s": times["bf16"]},
         "policies": {},
     }
@@ -401,14 +412,16 @@ def run_vit_eval(model: str, data: str | os.PathLike, *, policies: str | list[st
             "logit_rel_l2_mean": float(gathered[f"{p.name}/logit_rel"].mean()),
             "logit_rel_l2_max": float(gathered[f"{p.name}/logit_rel"].max()),
             "per_layer": {"cosine_mean": lc.mean(0).tolist(), "rel_l2_mean": lr.mean(0).tolist(),
-                          "cosine_min": lc.min(0).values.tolist() if per_layer else [],
-                          "rel_l2_max": lr.max(0).values.tolist() if per_layer else []} if per_layer else None,
+                          "cosine_min": lc.min(0).values.tolist() if config.per_layer else [],
+                          "rel_l2_max": lr.max(0).values.tolist() if config.per_layer else []}
+            if config.per_layer else None,
             "forward_s": times[p.name],
         }
     result["warnings"] = wlog.messages
     result["environment"] = environment()
-    if out_dir is not None and acc.is_main_process:
-        result["files"] = {k: str(v) for k, v in write_report(out_dir, name, result, vit_markdown(result)).items()}
+    if config.out_dir is not None and acc.is_main_process:
+        written = write_report(config.out_dir, config.name, result, vit_markdown(result))
+        result["files"] = {k: str(v) for k, v in written.items()}
     return result
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from fp4vis.evals.report import fmt, markdown_table, write_report
 from fp4vis.patching.wan import attention_function_applied
 from fp4vis.pipelines.wan_video import (
     WAN_TRANSFORMER_CONFIGS,
+    GenerationConfig,
     build_random_wan_pipeline,
     check_cpu_size,
     compile_transformers,
@@ -55,23 +57,14 @@ from fp4vis.pipelines.wan_video import (
     tokens_per_frame_sequence,
     wan_tokens,
 )
-from fp4vis.services import (
-    COMPILE_MODES,
-    Timer,
-    UsageError,
-    WarningLog,
-    attention_label,
-    backend_in_use,
-    check_backend,
-    display_source,
-    environment,
-    guard_plan_summary,
-    load_guard_plan,
-    plan_for,
-    policy_applied,
-    resolve_device,
-    resolve_policies,
-)
+from fp4vis.services.console import WarningLog
+from fp4vis.services.environment import environment
+from fp4vis.services.guard_plans import guard_plan_summary, load_guard_plan, plan_for
+from fp4vis.services.policies import attention_label, backend_in_use, check_backend, policy_applied, resolve_policies
+from fp4vis.services.runtime import COMPILE_MODES, resolve_device
+from fp4vis.services.sources import display_source
+from fp4vis.services.timing import Timer
+from fp4vis.services.usage import UsageError
 
 DEFAULT_PROMPT = "A red fox trotting through fresh snow in a birch forest, morning light, cinematic"
 BASELINE_LAYERS = "attn1"   # the layers a baseline replaces: self-attention, where a video model's time goes
@@ -82,7 +75,7 @@ def baseline_run(name: str) -> str:
     return f"{BASELINE_LAYERS}={name}"
 
 
-def _baseline_attention(pipe, baseline: str | None) -> AbstractContextManager:
+def baseline_attention(pipe, baseline: str | None) -> AbstractContextManager:
     """The block of a run: ``baseline``'s attention in the ``attn1`` layers, or the model as it is (None)."""
     if baseline is None:
         return nullcontext()
@@ -151,112 +144,148 @@ class OperatorError:
         return out
 
 
-def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
-                 policies: str | list[str] = "wan_fast,fast,accurate", prompt: str = DEFAULT_PROMPT,
-                 negative_prompt: str | None = None, height: int = 480, width: int = 832, frames: int = 81,
-                 steps: int = 10, guidance_scale: float = 5.0, seed: int = 0, device: str = "auto",
-                 dtype: str = "bfloat16", backend: str = "auto", guard_plan: str | None = None,
-                 decode: bool | None = None, warmup: bool = True, save_videos: bool = False,
-                 out_dir: str | os.PathLike | None = None, name: str | None = None,
-                 progress: bool = True, latent_steps: tuple[int, ...] = (), operator_error: bool = False,
-                 operator_error_steps: tuple[int, ...] | None = None, fps: int = 16,
-                 frames_sink: dict[str, Any] | None = None, baselines: str | list[str] | None = "auto",
-                 say: Callable[[str], Any] | None = None, compile: str | None = None) -> dict[str, Any]:
-    """Run BF16, the BF16 baselines and every policy; returns the result dict, and writes JSON/Markdown to
-    ``out_dir``. ``latent_steps``: latent metrics after these numbers of steps too; ``operator_error``: see
-    the module docstring (after every step, or after ``operator_error_steps``); ``frames_sink``: a dict
-    that receives each run's decoded frames, by run name; ``baselines``: "auto", "none" (or "" / None),
-    or names (``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a UsageError);
-    ``say``: told what the eval runs once its options are checked (the CLI's header);
+@dataclass(frozen=True)
+class WanEvalConfig:
+    """What ``run_wan_eval`` runs (the CLI builds it from ``fp4vis eval wan``'s options): a ``model`` (Hub id,
+    local diffusers folder, shipped name) or ``speed_only`` (``"1.3B"``, ``"14B"``: that architecture with
+    random weights, module docstring), the FP4 ``policies``, the BF16 attention ``baselines`` ("auto", "none"
+    (or "" / None), or names: ``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a
+    UsageError), the prompt, size and schedule every run shares, and the runtime. ``decode`` None: decode
+    with a model, not in speed-only mode; ``latent_steps``: latent metrics after these numbers of steps too;
+    ``operator_error``: see the module docstring (after every step, or after ``operator_error_steps``);
     ``compile``: every run with the transformer compiled (``compile_transformers``: "regional" or "full"),
-    each compiled afresh in its warm-up, whose time (``warmup_s``) the run reports apart."""
-    if (model is None) == (speed_only is None):
+    each compiled afresh in its warm-up, whose time (``warmup_s``) the run reports apart; ``out_dir``: where
+    ``name``.json / .md go (and with ``save_videos`` each run's MP4 at ``fps``); ``name`` None: wan_fidelity,
+    or wan_speed in speed-only mode."""
+
+    model: str | None = None
+    speed_only: str | None = None
+    policies: str | list[str] = "wan_fast,fast,accurate"
+    prompt: str = DEFAULT_PROMPT
+    negative_prompt: str | None = None
+    height: int = 480
+    width: int = 832
+    frames: int = 81
+    steps: int = 10
+    guidance_scale: float = 5.0
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    backend: str = "auto"
+    guard_plan: str | None = None
+    decode: bool | None = None
+    warmup: bool = True
+    save_videos: bool = False
+    out_dir: str | os.PathLike | None = None
+    name: str | None = None
+    progress: bool = True
+    latent_steps: tuple[int, ...] = ()
+    operator_error: bool = False
+    operator_error_steps: tuple[int, ...] | None = None
+    fps: int = 16
+    baselines: str | list[str] | None = "auto"
+    compile: str | None = None
+
+
+def run_wan_eval(config: WanEvalConfig, *, say: Callable[[str], Any] | None = None,
+                 frames_sink: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run BF16, the BF16 baselines and every policy of ``config`` (``WanEvalConfig``); returns the result
+    dict, and writes JSON/Markdown to ``config.out_dir``. ``say``: told what the eval runs once its options
+    are checked (the CLI's header); ``frames_sink``: a dict that receives each run's decoded frames, by run
+    name."""
+    if (config.model is None) == (config.speed_only is None):
         raise UsageError("give either a model (Hub id or local path) or speed_only='1.3B' / '14B'")
-    if compile is not None and compile not in COMPILE_MODES:
-        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
-    if compile is not None and not warmup:
+    if config.compile is not None and config.compile not in COMPILE_MODES:
+        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {config.compile!r}")
+    if config.compile is not None and not config.warmup:
         raise UsageError("compile: needs the warm-up run (each run compiles there, outside its timing)")
-    dev = resolve_device(device)
-    check_backend(backend, dev)
-    pols = resolve_policies(policies, allow_bf16=False)
-    baseline_names, baselines_skipped = select_baselines(baselines, dev)
-    plan = load_guard_plan(guard_plan)
+    dev = resolve_device(config.device)
+    check_backend(config.backend, dev)
+    pols = resolve_policies(config.policies, allow_bf16=False)
+    baseline_names, baselines_skipped = select_baselines(config.baselines, dev)
+    plan = load_guard_plan(config.guard_plan)
     cosine, rel_l2 = error_metrics()
-    random_weights = speed_only is not None
-    if decode is None:
-        decode = not random_weights
+    random_weights = config.speed_only is not None
+    decode = not random_weights if config.decode is None else config.decode
     text_s = 0.0
-    if random_weights and dev.type == "cpu" and speed_only in WAN_TRANSFORMER_CONFIGS:   # before building it
-        check_cpu_size(f"speed-only {speed_only} on the CPU",
-                       wan_tokens(speed_only, height=height, width=width, frames=frames),
-                       height=height, width=width, frames=frames)
-    what = f"Wan2.1-T2V-{speed_only} architecture, random weights (speed only)" if random_weights else model
+    size = dict(height=config.height, width=config.width, frames=config.frames)
+    if random_weights and dev.type == "cpu" and config.speed_only in WAN_TRANSFORMER_CONFIGS:   # before building it
+        check_cpu_size(f"speed-only {config.speed_only} on the CPU", wan_tokens(config.speed_only, **size), **size)
+    what = (f"Wan2.1-T2V-{config.speed_only} architecture, random weights (speed only)" if random_weights
+            else config.model)
     bf16_runs = ", ".join(["bf16 (the model's attention)"] + [baseline_run(b) for b in baseline_names])
-    header = (f"eval wan: {what}, {width}x{height}, {frames} frames, {steps} steps, guidance {guidance_scale}; runs "
-              f"{bf16_runs}, then {', '.join(p.name for p in pols)} on the {backend_in_use(backend, dev)} backend"
-              + (f"; every run compiled ({compile}, fullgraph), in its warm-up" if compile else ""))
+    header = (f"eval wan: {what}, {config.width}x{config.height}, {config.frames} frames, {config.steps} steps, "
+              f"guidance {config.guidance_scale}; runs {bf16_runs}, then {', '.join(p.name for p in pols)} on the "
+              f"{backend_in_use(config.backend, dev)} backend"
+              + (f"; every run compiled ({config.compile}, fullgraph), in its warm-up" if config.compile else ""))
     if random_weights:
         if say is not None:
             say(header)
-        pipe = build_random_wan_pipeline(speed_only, device=dev, dtype=dtype, seed=seed, vae=decode)
-        pe, npe = random_prompt_embeds(seed)
+        pipe = build_random_wan_pipeline(config.speed_only, device=dev, dtype=config.dtype, seed=config.seed,
+                                         vae=decode)
+        pe, npe = random_prompt_embeds(config.seed)
         prompt_used = None
     else:
-        pipe = load_wan_pipeline(model, device=dev, dtype=dtype)
+        pipe = load_wan_pipeline(config.model, device=dev, dtype=config.dtype)
+        prompt = config.prompt
         if getattr(pipe, "text_encoder", None) is not None:
-            pe, npe, text_s = encode_prompt(pipe, prompt, negative_prompt, guidance_scale=guidance_scale)
+            pe, npe, text_s = encode_prompt(pipe, prompt, config.negative_prompt,
+                                            guidance_scale=config.guidance_scale)
         else:  # a pipeline saved without its text encoder: seeded embeddings of the right width
             dim = pipe.transformer.config.text_dim
-            pe, npe = random_prompt_embeds(seed, dim=dim, length=64)
+            pe, npe = random_prompt_embeds(config.seed, dim=dim, length=64)
             prompt = None
         prompt_used = prompt
-    if compile is not None:
-        compile_transformers(pipe, compile)
-    latents = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed)
-    tokens = tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)
+    if config.compile is not None:
+        compile_transformers(pipe, config.compile)
+    latents = initial_latents(pipe, **size, seed=config.seed)
+    tokens = tokens_per_frame_sequence(pipe, **size)
     if dev.type == "cpu":
-        check_cpu_size(f"{model or speed_only} on the CPU", tokens, height=height, width=width, frames=frames)
+        check_cpu_size(f"{config.model or config.speed_only} on the CPU", tokens, **size)
     if say is not None and not random_weights:
         say(header)
-    common = dict(prompt_embeds=pe, negative_prompt_embeds=npe, height=height, width=width, frames=frames,
-                  guidance_scale=guidance_scale, seed=seed, backend=backend, progress=progress, latents=latents)
+    # what every run's generation shares: the prompt embeddings, the initial latents, the size and schedule
+    shared = GenerationConfig(prompt_embeds=pe, negative_prompt_embeds=npe, **size, steps=config.steps,
+                              guidance_scale=config.guidance_scale, seed=config.seed, backend=config.backend,
+                              progress=config.progress, latents=latents, decode=decode)
 
     runs: dict[str, Any] = {}
     cfg = pipe.transformer.config
     result: dict[str, Any] = {
         "eval": "wan_fidelity", "mode": "speed_only" if random_weights else "fidelity",
-        "model": display_source(model) if model else f"Wan2.1-T2V-{speed_only} architecture",
+        "model": display_source(config.model) if config.model else f"Wan2.1-T2V-{config.speed_only} architecture",
         "random_weights": random_weights,
-        "prompt": prompt_used, "negative_prompt": negative_prompt, "height": height, "width": width,
-        "frames": frames, "latent_frames": int(latents.shape[2]), "tokens": tokens, "steps": steps,
-        "guidance_scale": guidance_scale, "seed": seed, "dtype": str(pipe.transformer.dtype).replace("torch.", ""),
-        "backend": backend, "device": dev.type, "decode": decode, "warmup": warmup, "compile": compile,
+        "prompt": prompt_used, "negative_prompt": config.negative_prompt, **size,
+        "latent_frames": int(latents.shape[2]), "tokens": tokens, "steps": config.steps,
+        "guidance_scale": config.guidance_scale, "seed": config.seed,
+        "dtype": str(pipe.transformer.dtype).replace("torch.", ""), "backend": config.backend, "device": dev.type,
+        "decode": decode, "warmup": config.warmup, "compile": config.compile,
         "guard_plan": guard_plan_summary(plan),
         "transformer": {"num_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
                         "attention_head_dim": cfg.attention_head_dim, "ffn_dim": cfg.ffn_dim},
-        "latent_steps": sorted({int(k) for k in latent_steps if 0 < int(k) < steps} | {steps}),
+        "latent_steps": sorted({int(k) for k in config.latent_steps if 0 < int(k) < config.steps} | {config.steps}),
         "baselines": baseline_names, "baselines_skipped": baselines_skipped, "baseline_layers": BASELINE_LAYERS,
         "runs": runs, "complete": False, "warnings": [],
     }
-    mp4_skip = mp4_unavailable() if save_videos and decode and out_dir is not None else None
+    mp4_skip = mp4_unavailable() if config.save_videos and decode and config.out_dir is not None else None
     if mp4_skip:
         result["mp4_skipped"] = mp4_skip
         result["warnings"].append(f"MP4 clips not written: {mp4_skip}")
-    op_error = (OperatorError(pipe, pols, guard=plan, backend=backend, steps=operator_error_steps)
-                if operator_error else None)
-    keep = tuple(k for k in result["latent_steps"] if k < steps)
+    op_error = (OperatorError(pipe, pols, guard=plan, backend=config.backend, steps=config.operator_error_steps)
+                if config.operator_error else None)
+    keep = tuple(k for k in result["latent_steps"] if k < config.steps)
     try:
         import fp4vis
 
         result["backends_available"] = fp4vis.available_backends()
     except Exception as e:  # informational only
         result["backends_available"] = {"error": str(e)}
-    name = name or ("wan_speed" if random_weights else "wan_fidelity")
+    name = config.name or ("wan_speed" if random_weights else "wan_fidelity")
 
     def write() -> None:
-        if out_dir is not None:
+        if config.out_dir is not None:
             result["environment"] = environment()
-            files = write_report(out_dir, name, result, wan_markdown(result))
+            files = write_report(config.out_dir, name, result, wan_markdown(result))
             result["files"] = {k: str(v) for k, v in files.items()}
 
     # (run name, policy, baseline): BF16 first (the reference of every metric), then the baselines, the policies
@@ -270,26 +299,25 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         measure_op = run_name == "bf16" and op_error is not None
         # what the bar says runs: the baseline in attn1, else the policy and its backend (generate's default)
         label = (f"{BASELINES[baseline].label} in {BASELINE_LAYERS}" if baseline is not None
-                 else attention_label(pol, backend, dev, guard))
+                 else attention_label(pol, config.backend, dev, guard))
         try:
-            with wlog, _baseline_attention(pipe, baseline):
+            with wlog, baseline_attention(pipe, baseline):
                 warmup_s = None
-                if warmup:
-                    if compile is not None:
+                if config.warmup:
+                    if config.compile is not None:
                         torch._dynamo.reset()   # this run's attention compiles afresh, in its warm-up
                     with Timer() as tw:
-                        generate(pipe, policy=pol, guard=guard, steps=1, decode=False,
-                                 label=f"{label}; warm-up, untimed", **common)
+                        generate(pipe, replace(shared, policy=pol, guard=guard, steps=1, decode=False,
+                                               label=f"{label}; warm-up, untimed"))
                     warmup_s = tw.seconds
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
+                timed = replace(shared, policy=pol, guard=guard, latents_after=keep, label=label)
                 if measure_op:
                     with op_error.recorder:
-                        res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
-                                       callbacks=(op_error,), label=label, **common)
+                        res = generate(pipe, replace(timed, callbacks=(op_error,)))
                 else:
-                    res = generate(pipe, policy=pol, guard=guard, steps=steps, decode=decode, latents_after=keep,
-                                   label=label, **common)
+                    res = generate(pipe, timed)
         except Exception as e:  # one failing run (e.g. an unavailable kernel) does not lose the others
             if run_name == "bf16":
                 raise
@@ -305,7 +333,7 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
         t["text_encode_s"] = text_s
         t["total_s"] = text_s + t["denoise_s"] + t["decode_s"]
         t["warmup_s"] = warmup_s
-        run: dict[str, Any] = {"timings": t, "step_s": t["denoise_s"] / steps}
+        run: dict[str, Any] = {"timings": t, "step_s": t["denoise_s"] / config.steps}
         if baseline is not None:
             run["baseline"] = {"name": baseline, "attention": BASELINES[baseline].description,
                                "layers": BASELINE_LAYERS}
@@ -319,16 +347,17 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
             run["speedup_end_to_end"] = rt["total_s"] / t["total_s"]
             run["latent_cosine"] = cosine(res.latents, ref.latents)
             run["latent_rel_l2"] = rel_l2(res.latents, ref.latents)
-            after = {**{k: (res.step_latents[k], ref.step_latents[k]) for k in keep}, steps: (res.latents, ref.latents)}
+            after = {**{k: (res.step_latents[k], ref.step_latents[k]) for k in keep},
+                     config.steps: (res.latents, ref.latents)}
             run["latents_after_steps"] = [{"steps": k, "cosine": cosine(a, b), "rel_l2": rel_l2(a, b)}
                                           for k, (a, b) in after.items()]
             if decode:
                 run["video"] = frame_metrics(res.frames, ref.frames)
             if op_error is not None and run_name in op_error.errors:
                 run["attention_rel_l2"] = op_error.summary()[run_name]
-        if save_videos and decode and out_dir is not None and not mp4_skip:
-            clip = os.path.join(out_dir, f"{name}_{run_name.replace('=', '-')}.mp4")
-            run["mp4"] = str(save_mp4(res.frames, clip, fps=fps))
+        if config.save_videos and decode and config.out_dir is not None and not mp4_skip:
+            clip = os.path.join(config.out_dir, f"{name}_{run_name.replace('=', '-')}.mp4")
+            run["mp4"] = str(save_mp4(res.frames, clip, fps=config.fps))
         if frames_sink is not None and res.frames is not None:
             frames_sink[run_name] = res.frames
         runs[run_name] = run
@@ -338,7 +367,7 @@ def run_wan_eval(model: str | None = None, *, speed_only: str | None = None,
 
     result["complete"] = True
     write()
-    if out_dir is None:
+    if config.out_dir is None:
         result["environment"] = environment()
     return result
 

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from fp4vis.services import UsageError, resolve_device
+from fp4vis.services.runtime import resolve_device
+from fp4vis.services.usage import UsageError
 
 OPTION = "--cp"
 _PART = re.compile(r"^\s*(ulysses|ring)\s*=\s*(\S+?)\s*$")
@@ -236,7 +237,7 @@ def enable_context_parallel(transformer: torch.nn.Module, cp: ContextParallel, o
     if torch.accelerator.device_count() > 0:
         transformer.enable_parallelism(config=cp.config())
     else:
-        _enable_without_accelerator(transformer, cp.config())
+        enable_without_accelerator(transformer, cp.config())
 
 
 def _set_self_attention_backend(model: torch.nn.Module, backend: str) -> None:
@@ -251,7 +252,7 @@ def _set_self_attention_backend(model: torch.nn.Module, backend: str) -> None:
             processor._attention_backend = AttentionBackendName(backend)
 
 
-def _enable_without_accelerator(model: torch.nn.Module, cp_config: Any) -> None:
+def enable_without_accelerator(model: torch.nn.Module, cp_config: Any) -> None:
     """``ModelMixin.enable_parallelism`` for context parallelism, step by step, on a CPU-only machine
     (diffusers 0.42 computes ``rank % torch.accelerator.device_count()`` there, a division by zero):
     the device mesh on the CPU, the config recorded on the model and its attention processors, the

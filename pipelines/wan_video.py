@@ -8,7 +8,9 @@
 ``generate`` times the three stages separately (text encoding, denoising, VAE decode), draws the
 initial latents from a CPU generator seeded with ``seed`` (identical on every device and for every
 policy), and applies the policy with ``fp4vis.patch`` only for the duration of the call. ``bf16``
-is the pipeline's own attention. ``run_generate`` is the ``fp4vis generate`` command: it also writes
+is the pipeline's own attention. Its settings are one ``GenerationConfig``, given as keywords (as above)
+or built once and varied per call (``generate(pipe, base, policy="accurate")``).
+``run_generate(GenerateConfig(model, prompt, ...))`` is the ``fp4vis generate`` command: it also writes
 the MP4 (imageio-ffmpeg) and a JSON sidecar (model, prompt, seed, frames, steps, policy, guard
 plan, timings, versions, GPU); with ``cp="ulysses=2"`` (or ``ring``, or both) under torchrun it spreads
 each transformer pass over the ranks (``fp4vis.pipelines.context_parallel``) and rank 0 writes.
@@ -27,7 +29,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,27 +38,14 @@ import torch
 
 from fp4vis.files import atomic_path
 from fp4vis.policy import get_policy
-from fp4vis.services import (
-    COMPILE_MODES,
-    Timer,
-    UsageError,
-    attention_label,
-    check_backend,
-    check_model_source,
-    check_output_file,
-    check_plan_policy,
-    derived_seed,
-    environment,
-    guard_plan_summary,
-    hub_error,
-    is_network_error,
-    load_guard_plan,
-    policy_applied,
-    resolve_device,
-    resolve_dtype,
-    warn_reference_fallback,
-    write_json,
-)
+from fp4vis.services.environment import environment
+from fp4vis.services.guard_plans import check_plan_policy, guard_plan_summary, load_guard_plan
+from fp4vis.services.outputs import check_output_file, write_json
+from fp4vis.services.policies import attention_label, check_backend, policy_applied, warn_reference_fallback
+from fp4vis.services.runtime import COMPILE_MODES, derived_seed, resolve_device, resolve_dtype
+from fp4vis.services.sources import check_model_source, hub_error, is_network_error
+from fp4vis.services.timing import Timer
+from fp4vis.services.usage import UsageError
 
 GENERATE_POLICIES = ("fast", "accurate", "wan_fast", "bf16", "guard", "nv_fp8")
 
@@ -490,71 +479,102 @@ def decode_clips(pipe, latents: torch.Tensor) -> np.ndarray:
     return np.asarray(frames, dtype=np.float32)
 
 
-def generate(pipe, *, prompt: str | None = None, negative_prompt: str | None = None,
-             prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
-             image: Any = None, height: int = 480, width: int = 832, frames: int = 81, steps: int = 50,
-             guidance_scale: float = 5.0, seed: int = 0, policy: str = "fast", guard: Any = None,
-             backend: str = "auto", decode: bool = True, progress: bool = True, latents: torch.Tensor | None = None,
-             layers: Any = None, max_sequence_length: int = 512,
-             exact_steps: tuple[int, ...] | None = None, latents_after: tuple[int, ...] = (),
-             callbacks: tuple[Any, ...] = (), label: str | None = None) -> GenerationResult:
-    """One generation under ``policy``; see the module docstring. ``exact_steps`` (e.g. ``(0, -1)``)
-    runs those denoising steps with the model's exact attention (fp4vis' per-step callback);
-    ``latents_after`` keeps the latents after those numbers of steps (``step_latents``); ``callbacks``:
-    more ``callback_on_step_end`` callbacks (``PipelineCallback`` objects), run after fp4vis' own;
-    ``label``: what the denoising bar says runs, ``denoise (<label>)`` (default: ``attention_label``, the
-    policy and the backend that runs it; a caller that changed the model's attention itself says so)."""
-    pol = get_policy(policy)
-    check_steps(exact_steps, steps, "exact_steps")
+@dataclass(frozen=True, eq=False)
+class GenerationConfig:
+    """One generation (``generate``): a prompt, or its embeddings (a pipeline without a text encoder), and
+    ``image`` for an image-to-video pipeline; the size and schedule; the seed of the initial noise, or the
+    initial ``latents`` themselves; the attention (``policy``, a ``guard`` plan, the ``backend``, per-layer
+    ``layers``); and what the call does besides: ``exact_steps`` (e.g. ``(0, -1)``) runs those denoising
+    steps with the model's exact attention (fp4vis' per-step callback); ``latents_after`` keeps the latents
+    after those numbers of steps (``step_latents``); ``callbacks``: more ``callback_on_step_end`` callbacks
+    (``PipelineCallback`` objects), run after fp4vis' own; ``label``: what the denoising bar says runs,
+    ``denoise (<label>)`` (default: ``attention_label``, the policy and the backend that runs it; a caller
+    that changed the model's attention itself says so)."""
+
+    prompt: str | None = None
+    negative_prompt: str | None = None
+    prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    image: Any = None
+    height: int = 480
+    width: int = 832
+    frames: int = 81
+    steps: int = 50
+    guidance_scale: float = 5.0
+    seed: int = 0
+    policy: str = "fast"
+    guard: Any = None
+    backend: str = "auto"
+    decode: bool = True
+    progress: bool = True
+    latents: torch.Tensor | None = None
+    layers: Any = None
+    max_sequence_length: int = 512
+    exact_steps: tuple[int, ...] | None = None
+    latents_after: tuple[int, ...] = ()
+    callbacks: tuple[Any, ...] = ()
+    label: str | None = None
+
+
+def generate(pipe, config: GenerationConfig | None = None, /, **settings: Any) -> GenerationResult:
+    """One generation of ``config`` (``GenerationConfig``; see the module docstring). ``settings``, fields of
+    the config by name, replace its values (``generate(pipe, base, policy="accurate")``) or, without a config,
+    the defaults (``generate(pipe, prompt="a red fox", steps=50)``)."""
+    cfg = GenerationConfig(**settings) if config is None else replace(config, **settings)
+    pol = get_policy(cfg.policy)
+    check_steps(cfg.exact_steps, cfg.steps, "exact_steps")
     dev = pipe._execution_device
-    check_backend(backend, torch.device(dev))
+    check_backend(cfg.backend, torch.device(dev))
     timings = {"text_encode_s": 0.0}
+    prompt_embeds, negative_prompt_embeds = cfg.prompt_embeds, cfg.negative_prompt_embeds
     if prompt_embeds is None:
-        if prompt is None:
+        if cfg.prompt is None:
             raise UsageError("give a prompt or prompt_embeds")
         prompt_embeds, negative_prompt_embeds, timings["text_encode_s"] = encode_prompt(
-            pipe, prompt, negative_prompt, guidance_scale=guidance_scale, max_sequence_length=max_sequence_length)
-    if guidance_scale > 1.0 and negative_prompt_embeds is None:
+            pipe, cfg.prompt, cfg.negative_prompt, guidance_scale=cfg.guidance_scale,
+            max_sequence_length=cfg.max_sequence_length)
+    if cfg.guidance_scale > 1.0 and negative_prompt_embeds is None:
         negative_prompt_embeds = torch.zeros_like(prompt_embeds)
+    latents = cfg.latents
     if latents is None:
-        latents = initial_latents(pipe, height=height, width=width, frames=frames, seed=seed)
-    label = label or attention_label(pol, backend, torch.device(dev), guard)
-    pipe.set_progress_bar_config(disable=not progress, desc=f"denoise ({label})")
+        latents = initial_latents(pipe, height=cfg.height, width=cfg.width, frames=cfg.frames, seed=cfg.seed)
+    label = cfg.label or attention_label(pol, cfg.backend, torch.device(dev), cfg.guard)
+    pipe.set_progress_bar_config(disable=not cfg.progress, desc=f"denoise ({label})")
     kwargs: dict[str, Any] = {}
-    if image is not None:
-        kwargs["image"] = image
-    keep = LatentsAfterSteps(tuple(latents_after))
-    with policy_applied(pipe, pol, guard=guard, backend=backend, layers=layers) as handle:
+    if cfg.image is not None:
+        kwargs["image"] = cfg.image
+    keep = LatentsAfterSteps(tuple(cfg.latents_after))
+    with policy_applied(pipe, pol, guard=cfg.guard, backend=cfg.backend, layers=cfg.layers) as handle:
         chain: list[Any] = []
-        if exact_steps and handle is not None:
+        if cfg.exact_steps and handle is not None:
             from fp4vis.patching.wan import exact_steps as step_callback
 
-            chain.append(step_callback(handle, steps=tuple(exact_steps), num_inference_steps=steps))
-        chain += [*callbacks, *([keep] if latents_after else [])]
+            chain.append(step_callback(handle, steps=tuple(cfg.exact_steps), num_inference_steps=cfg.steps))
+        chain += [*cfg.callbacks, *([keep] if cfg.latents_after else [])]
         if chain:
             kwargs["callback_on_step_end"] = _chained(chain)
         with Timer() as t:
             out = pipe(prompt_embeds=prompt_embeds.to(dev), negative_prompt_embeds=(
                 negative_prompt_embeds.to(dev) if negative_prompt_embeds is not None else None),
-                latents=latents.to(dev), height=height, width=width, num_frames=frames,
-                num_inference_steps=steps, guidance_scale=guidance_scale, output_type="latent",
-                generator=torch.Generator().manual_seed(seed), **kwargs)
+                latents=latents.to(dev), height=cfg.height, width=cfg.width, num_frames=cfg.frames,
+                num_inference_steps=cfg.steps, guidance_scale=cfg.guidance_scale, output_type="latent",
+                generator=torch.Generator().manual_seed(cfg.seed), **kwargs)
     timings["denoise_s"] = t.seconds
     final = out.frames.float().cpu()
     video = None
     timings["decode_s"] = 0.0
-    if decode:
+    if cfg.decode:
         from tqdm.auto import tqdm
 
-        with Timer() as t, tqdm(total=1, desc=f"VAE decode ({frames} frames)", disable=not progress) as bar:
+        with Timer() as t, tqdm(total=1, desc=f"VAE decode ({cfg.frames} frames)", disable=not cfg.progress) as bar:
             video = decode_latents(pipe, final)
             bar.update(1)
         timings["decode_s"] = t.seconds
     timings["total_s"] = timings["text_encode_s"] + timings["denoise_s"] + timings["decode_s"]
-    info = {"policy": pol.name, "height": height, "width": width, "frames": frames, "steps": steps,
-            "guidance_scale": guidance_scale, "seed": seed, "backend": backend,
-            "exact_steps": list(exact_steps) if exact_steps else None,
-            "tokens": tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)}
+    info = {"policy": pol.name, "height": cfg.height, "width": cfg.width, "frames": cfg.frames, "steps": cfg.steps,
+            "guidance_scale": cfg.guidance_scale, "seed": cfg.seed, "backend": cfg.backend,
+            "exact_steps": list(cfg.exact_steps) if cfg.exact_steps else None,
+            "tokens": tokens_per_frame_sequence(pipe, height=cfg.height, width=cfg.width, frames=cfg.frames)}
     return GenerationResult(latents=final, frames=video, timings=timings, info=info, step_latents=keep.latents)
 
 
@@ -609,119 +629,138 @@ def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16, progres
     return path
 
 
-def run_generate(model: str, prompt: str, *, output: str | os.PathLike = "video.mp4",
-                 negative_prompt: str | None = None, image: str | None = None, policy: str = "fast",
-                 guard_plan: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
-                 frames: int | None = None, steps: int | None = None, guidance_scale: float | None = None,
-                 fps: int | None = None, device: str = "auto", dtype: str = "bfloat16", backend: str = "auto",
-                 exact_steps: tuple[int, ...] | None = None, progress: bool = True,
-                 cp: Any = None, say: Callable[[str], Any] | None = None, force: bool = False,
-                 compile: str | None = None) -> dict[str, Any]:
-    """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json). Sizes,
-    frames, steps, guidance and fps left None come from ``generation_defaults(model)``; ``say`` is told what
-    runs once the model is loaded (the CLI's header; rank 0 alone under ``cp``). A prompt the model does not
-    know is refused (``check_prompt``; ``force``: a warning), and so, before loading, are step indices that do
-    not exist and sizes or frames the model's VAE and transformer cannot take (``check_steps``,
-    ``wan_geometry``: errors name the options). ``compile``: a mode of ``compile_transformers``
-    (the first step then includes the compilation).
+# the settings a model's training record gives (``generation_defaults``) where a GenerateConfig leaves them None
+MODEL_DEFAULTS = ("height", "width", "frames", "steps", "guidance_scale", "fps")
 
-    ``cp`` (``"ulysses=2"``, ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context
-    parallelism over the processes of a torchrun launch (``fp4vis.pipelines.context_parallel``);
-    every rank denoises, rank 0 alone decodes and writes (the others return ``video`` None)."""
-    given = dict(height=height, width=width, frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps)
-    gen = {**generation_defaults(model), **{k: v for k, v in given.items() if v is not None}}
-    height, width, frames, steps, guidance_scale, fps = (gen[k] for k in given)
-    if policy not in GENERATE_POLICIES:
-        get_policy(policy)  # raises the standard message for unknown names
-    check_prompt(model, prompt, force=force)
-    check_steps(exact_steps, steps, "--exact-steps")
-    if cp is None:
-        return _run_generate(model, prompt, output=output, negative_prompt=negative_prompt, image=image,
-                             policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
-                             frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps,
-                             dev=resolve_device(device), dtype=dtype, backend=backend, exact_steps=exact_steps,
-                             progress=progress, say=say, compile=compile)
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """What ``fp4vis generate`` makes (``run_generate``; the CLI builds it from its options). ``height``,
+    ``width``, ``frames``, ``steps``, ``guidance_scale`` and ``fps`` left None come from
+    ``generation_defaults(model)``; ``image`` (image-to-video) and ``guard_plan`` are paths; ``force``: a
+    prompt the model does not know generates, with a warning (``check_prompt``); ``compile``: a mode of
+    ``compile_transformers`` (the first step then includes the compilation); ``cp`` (``"ulysses=2"``,
+    ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context parallelism over the processes of
+    a torchrun launch (``fp4vis.pipelines.context_parallel``)."""
+
+    model: str
+    prompt: str
+    output: str | os.PathLike = "video.mp4"
+    negative_prompt: str | None = None
+    image: str | None = None
+    policy: str = "fast"
+    guard_plan: str | None = None
+    seed: int = 0
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None
+    steps: int | None = None
+    guidance_scale: float | None = None
+    fps: int | None = None
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    backend: str = "auto"
+    exact_steps: tuple[int, ...] | None = None
+    progress: bool = True
+    cp: Any = None
+    force: bool = False
+    compile: str | None = None
+
+
+def run_generate(config: GenerateConfig, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json) of ``config``
+    (``GenerateConfig``); ``say`` is told what runs once the model is loaded (the CLI's header; rank 0 alone
+    under ``cp``). A prompt the model does not know is refused (``check_prompt``; ``force``: a warning), and
+    so, before loading, are step indices that do not exist and sizes or frames the model's VAE and
+    transformer cannot take (``check_steps``, ``wan_geometry``: errors name the options).
+
+    Under ``cp`` every rank denoises, rank 0 alone decodes and writes (the others return ``video`` None)."""
+    given = {k: getattr(config, k) for k in MODEL_DEFAULTS}
+    gen = {**generation_defaults(config.model), **{k: v for k, v in given.items() if v is not None}}
+    config = replace(config, **{k: gen[k] for k in MODEL_DEFAULTS})
+    if config.policy not in GENERATE_POLICIES:
+        get_policy(config.policy)  # raises the standard message for unknown names
+    check_prompt(config.model, config.prompt, force=config.force)
+    check_steps(config.exact_steps, config.steps, "--exact-steps")
+    if config.cp is None:
+        return _run_generate(config, resolve_device(config.device), say=say)
     from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
 
-    cp = cp if isinstance(cp, ContextParallel) else parse_cp(cp)
-    with distributed(cp, device) as session:
-        return _run_generate(model, prompt, output=output, negative_prompt=negative_prompt, image=image,
-                             policy=policy, guard_plan=guard_plan, seed=seed, height=height, width=width,
-                             frames=frames, steps=steps, guidance_scale=guidance_scale, fps=fps, dev=session.device,
-                             dtype=dtype, backend=backend, exact_steps=exact_steps,
-                             progress=progress and session.is_main, cp=cp, main=session.is_main,
-                             say=say if session.is_main else None, compile=compile)
+    cp = config.cp if isinstance(config.cp, ContextParallel) else parse_cp(config.cp)
+    with distributed(cp, config.device) as session:
+        return _run_generate(replace(config, cp=cp, progress=config.progress and session.is_main), session.device,
+                             main=session.is_main, say=say if session.is_main else None)
 
 
-def _run_generate(model: str, prompt: str, *, output: str | os.PathLike, negative_prompt: str | None,
-                  image: str | None, policy: str, guard_plan: str | None, seed: int, height: int, width: int,
-                  frames: int, steps: int, guidance_scale: float, fps: int, dev: torch.device, dtype: str,
-                  backend: str, exact_steps: tuple[int, ...] | None, progress: bool, cp: Any = None,
-                  main: bool = True, say: Callable[[str], Any] | None = None,
-                  compile: str | None = None) -> dict[str, Any]:
-    check_backend(backend, dev)
-    if compile is not None and compile not in COMPILE_MODES:
-        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
-    plan = load_guard_plan(guard_plan)
-    check_plan_policy(plan, policy, "guard_plan")
+def _run_generate(config: GenerateConfig, dev: torch.device, *, main: bool = True,
+                  say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """``run_generate`` on this process's device ``dev`` once the model's defaults are in ``config`` (and
+    ``config.cp`` is a ``ContextParallel`` or None); ``main``: the process that decodes and writes."""
+    c = config
+    check_backend(c.backend, dev)
+    if c.compile is not None and c.compile not in COMPILE_MODES:
+        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {c.compile!r}")
+    plan = load_guard_plan(c.guard_plan)
+    check_plan_policy(plan, c.policy, "guard_plan")
     pil = None
-    if image is not None:
-        if not Path(image).is_file():
-            raise UsageError(f"image: file {image!r} does not exist")
+    if c.image is not None:
+        if not Path(c.image).is_file():
+            raise UsageError(f"image: file {c.image!r} does not exist")
         from PIL import Image
 
-        pil = Image.open(image).convert("RGB")
-    if cp is None:
-        output = check_output_file(output, "output")
+        pil = Image.open(c.image).convert("RGB")
+    if c.cp is None:
+        output = check_output_file(c.output, "output")
     else:  # rank 0 alone touches the output folder; every rank stops on its error
         from fp4vis.pipelines.context_parallel import agree, check_exact_under_ring
 
-        output = agree(lambda: check_output_file(output, "output"))
-        exact = ("--policy bf16" if get_policy(policy).method == "exact"
-                 else "--exact-steps" if exact_steps else None)
-        check_exact_under_ring(cp, dev, resolve_dtype(dtype), exact)
+        output = agree(lambda: check_output_file(c.output, "output"))
+        exact = ("--policy bf16" if get_policy(c.policy).method == "exact"
+                 else "--exact-steps" if c.exact_steps else None)
+        check_exact_under_ring(c.cp, dev, resolve_dtype(c.dtype), exact)
     # the size against the model's configs, before its weights load
-    wan_geometry(model).check(height=height, width=width, frames=frames, model=model, prefix="--")
-    src, is_local = check_model_source(_resolve(model))
+    wan_geometry(c.model).check(height=c.height, width=c.width, frames=c.frames, model=c.model, prefix="--")
+    src, is_local = check_model_source(_resolve(c.model))
     if pil is not None and is_local and "ImageToVideo" not in str(_model_index(src).get("_class_name", "")):
-        raise UsageError(f"image: {model!r} is a text-to-video model ({_model_index(src).get('_class_name')}); "
+        raise UsageError(f"image: {c.model!r} is a text-to-video model ({_model_index(src).get('_class_name')}); "
                          "drop --image, or give an image-to-video checkpoint")
     with Timer() as tload:
-        pipe = load_wan_pipeline(model, device=dev, dtype=dtype, i2v=True if pil is not None else None)
+        pipe = load_wan_pipeline(c.model, device=dev, dtype=c.dtype, i2v=True if pil is not None else None)
     if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
-        raise UsageError(f"{model!r} is an image-to-video model: pass --image")
+        raise UsageError(f"{c.model!r} is an image-to-video model: pass --image")
     if say is not None:
-        exact = f", exact attention in steps {', '.join(map(str, exact_steps))}" if exact_steps else ""
-        say(f"generate: {model}, \"{prompt}\"{' from ' + str(image) if image else ''}, {width}x{height}, {frames} "
-            f"frames, {steps} steps, guidance {guidance_scale}, seed {seed}; attention: "
-            f"{attention_label(policy, backend, dev, plan)}{exact}"
-            f"{f'; transformer compiled ({compile}, fullgraph) in the first step' if compile else ''} -> {output}")
-    warn_reference_fallback(backend, dev, policy, "fp4vis generate")   # after the line saying what runs
+        exact = f", exact attention in steps {', '.join(map(str, c.exact_steps))}" if c.exact_steps else ""
+        say(f"generate: {c.model}, \"{c.prompt}\"{' from ' + str(c.image) if c.image else ''}, {c.width}x{c.height}, "
+            f"{c.frames} frames, {c.steps} steps, guidance {c.guidance_scale}, seed {c.seed}; attention: "
+            f"{attention_label(c.policy, c.backend, dev, plan)}{exact}"
+            f"{f'; transformer compiled ({c.compile}, fullgraph) in the first step' if c.compile else ''} -> {output}")
+    warn_reference_fallback(c.backend, dev, c.policy, "fp4vis generate")   # after the line saying what runs
     if dev.type == "cpu":
-        warn_if_impractical_on_cpu(pipe, policy, height=height, width=width, frames=frames, steps=steps,
-                                   guidance_scale=guidance_scale)
-    if cp is not None:
+        warn_if_impractical_on_cpu(pipe, c.policy, height=c.height, width=c.width, frames=c.frames, steps=c.steps,
+                                   guidance_scale=c.guidance_scale)
+    if c.cp is not None:
         from fp4vis.pipelines.context_parallel import check_tokens, enable_context_parallel
 
-        check_tokens(tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames), cp)
-        enable_context_parallel(pipe.transformer, cp)
-    if compile is not None:
-        compile_transformers(pipe, compile)
-    res = generate(pipe, prompt=prompt, negative_prompt=negative_prompt, image=pil, height=height, width=width,
-                   frames=frames, steps=steps, guidance_scale=guidance_scale, seed=seed, policy=policy,
-                   guard=plan, backend=backend, progress=progress, exact_steps=exact_steps, decode=main)
+        check_tokens(tokens_per_frame_sequence(pipe, height=c.height, width=c.width, frames=c.frames), c.cp)
+        enable_context_parallel(pipe.transformer, c.cp)
+    if c.compile is not None:
+        compile_transformers(pipe, c.compile)
+    res = generate(pipe, GenerationConfig(
+        prompt=c.prompt, negative_prompt=c.negative_prompt, image=pil, height=c.height, width=c.width,
+        frames=c.frames, steps=c.steps, guidance_scale=c.guidance_scale, seed=c.seed, policy=c.policy, guard=plan,
+        backend=c.backend, progress=c.progress, exact_steps=c.exact_steps, decode=main))
     timings = {"load_s": tload.seconds, **res.timings}
     if not main:
         return {"video": None, "sidecar": None, "timings": timings, "result": res}
-    out = save_mp4(res.frames, output, fps=fps, progress=progress)
+    out = save_mp4(res.frames, output, fps=c.fps, progress=c.progress)
     sidecar = {
-        "model": model, "pipeline": type(pipe).__name__, "prompt": prompt, "negative_prompt": negative_prompt,
-        "image": image, "seed": seed, "frames": frames, "height": height, "width": width, "steps": steps,
-        "guidance_scale": guidance_scale, "fps": fps, "policy": get_policy(policy).name, "backend": backend,
-        "dtype": str(resolve_dtype(dtype)).replace("torch.", ""), "guard_plan": guard_plan,
+        "model": c.model, "pipeline": type(pipe).__name__, "prompt": c.prompt, "negative_prompt": c.negative_prompt,
+        "image": c.image, "seed": c.seed, "frames": c.frames, "height": c.height, "width": c.width, "steps": c.steps,
+        "guidance_scale": c.guidance_scale, "fps": c.fps, "policy": get_policy(c.policy).name, "backend": c.backend,
+        "dtype": str(resolve_dtype(c.dtype)).replace("torch.", ""), "guard_plan": c.guard_plan,
         "guard_plan_content": guard_plan_summary(plan), "exact_steps": res.info["exact_steps"],
-        "tokens": res.info["tokens"], "context_parallel": cp.to_dict() if cp is not None else None,
-        "compile": compile,
+        "tokens": res.info["tokens"], "context_parallel": c.cp.to_dict() if c.cp is not None else None,
+        "compile": c.compile,
         "timings": timings, "video": str(out), "environment": environment(),
     }
     side = write_json(out.with_suffix(".json"), sidecar)

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp4vis.services import atomic_write, environment, write_json  # noqa: E402
+from fp4vis.files import atomic_write  # noqa: E402
+from fp4vis.services.environment import environment  # noqa: E402
+from fp4vis.services.outputs import write_json  # noqa: E402
 from fp4vis.zoo import MODELS, TRAINING_FILE, WEIGHTS_FILE  # noqa: E402
 from fp4vis.zoo.digits import (  # noqa: E402
     HELDOUT_FILE,

@@ -65,7 +65,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fp4vis.files import atomic_folder, atomic_write  # noqa: E402
-from fp4vis.services import environment, resolve_device, write_json  # noqa: E402
+from fp4vis.services.environment import environment  # noqa: E402
+from fp4vis.services.outputs import write_json  # noqa: E402
+from fp4vis.services.runtime import resolve_device  # noqa: E402
 from fp4vis.zoo import MODELS, TRAINING_FILE, weight_checksums  # noqa: E402
 from fp4vis.zoo import moving_digits as md  # noqa: E402
 from fp4vis.zoo.digits import HELDOUT_FILE, NUM_CLASSES, array_checksum, file_checksum, load_heldout  # noqa: E402
@@ -420,17 +422,34 @@ def wrong_prompts(prompts: torch.Tensor) -> torch.Tensor:
     return ((digit + 3) % NUM_CLASSES) * len(md.DIRECTIONS) + (direction ^ 1)
 
 
-def train_transformer(cfg: Config, vae, latents_mean, latents_std, digits, labels, emb, budget: Budget,
-                      device: torch.device, seed: int, z_held, p_held, log: list[dict[str, Any]]):
+@dataclass(frozen=True)
+class TransformerData:
+    """What the transformer trains on: the trained VAE and its latent statistics (``latent_stats``), the
+    training digits and their labels, the prompt embeddings (``prompt_embeddings``: the empty prompt last),
+    and the held-out clips' normalised latents and prompts (its held-out flow loss)."""
+
+    vae: Any
+    latents_mean: list[float]
+    latents_std: list[float]
+    digits: torch.Tensor
+    labels: torch.Tensor
+    emb: torch.Tensor
+    z_held: torch.Tensor
+    p_held: torch.Tensor
+
+
+def train_transformer(cfg: Config, data: TransformerData, budget: Budget, device: torch.device, seed: int,
+                      log: list[dict[str, Any]]):
     from diffusers import WanTransformer3DModel
 
+    vae, digits, labels, emb, z_held, p_held = data.vae, data.digits, data.labels, data.emb, data.z_held, data.p_held
     torch.manual_seed(seed + 1)
     model = WanTransformer3DModel(**cfg.transformer).to(device).train()
     ema = copy.deepcopy(model).requires_grad_(False)
     params, ema_params = list(model.parameters()), list(ema.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.99), fused=device.type == "cuda")
-    mean = torch.tensor(latents_mean, device=device).view(1, -1, 1, 1, 1)
-    std = torch.tensor(latents_std, device=device).view(1, -1, 1, 1, 1)
+    mean = torch.tensor(data.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(data.latents_std, device=device).view(1, -1, 1, 1, 1)
     g = torch.Generator().manual_seed(seed + 20)
     gn = torch.Generator(device).manual_seed(seed + 21)
     uncond = len(md.PROMPTS)   # the index of "" in emb
@@ -622,9 +641,9 @@ def train(args: argparse.Namespace) -> int:
     dit_log: list[dict[str, Any]] = []
     steps = args.steps or (20 if args.smoke else None)
     dit_budget = Budget(max(1.0, train_s - (time.time() - t_start)), steps, 2 * cfg.warmup_steps)
-    transformer, steps_done, epochs = train_transformer(cfg, vae, latents_mean, latents_std, digits,
-                                                        labels.to(device), emb, dit_budget, device, args.seed, z_held,
-                                                        held_prompts.to(device), dit_log)
+    data = TransformerData(vae, latents_mean, latents_std, digits, labels.to(device), emb, z_held,
+                           held_prompts.to(device))
+    transformer, steps_done, epochs = train_transformer(cfg, data, dit_budget, device, args.seed, dit_log)
 
     out = Path(args.out)
     n_check = args.check_prompts or (4 if args.smoke else len(md.PROMPTS))

@@ -25,7 +25,9 @@ from collections.abc import Sequence
 
 from fp4vis.attention import RangeExceededError
 from fp4vis.patching import GuardPlanError
-from fp4vis.services import UsageError, WarningLog, fp4vis_version, loading_bars
+from fp4vis.services.console import WarningLog, loading_bars
+from fp4vis.services.environment import fp4vis_version
+from fp4vis.services.usage import UsageError
 
 from . import bench, calibrate, demo, evaluate, generate, info, selfcheck, zoo
 from .options import EPILOG, Formatter, Parser, fill_help, innermost
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """The message of a user error on one line; one raised in a DataLoader worker comes back with the
     worker's traceback in it (torch re-raises it as 'Caught UsageError in DataLoader worker ...'): its
     last line."""
@@ -74,13 +76,13 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         with WarningLog():   # fp4vis' warnings printed, the libraries' counted for the reports (services)
             return COMMANDS[args.command].run(args)
     except (UsageError, GuardPlanError) as e:   # a plan that cannot be read, or does not fit the model
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, NotImplementedError) as e:  # missing files; a model fp4vis cannot patch
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except RangeExceededError as e:
-        print(f"{prog}: error: {_one_line(e)} At the command line: calibrate a guard plan (`fp4vis calibrate ...`) "
+        print(f"{prog}: error: {one_line(e)} At the command line: calibrate a guard plan (`fp4vis calibrate ...`) "
               "and pass it with --guard-plan, or use --policy accurate.", file=sys.stderr)
         return 3
     except KeyboardInterrupt:

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from fp4vis.services import UsageError, check_output_dir, resolve_policies
+from fp4vis.services.outputs import check_output_dir
+from fp4vis.services.policies import resolve_policies
+from fp4vis.services.usage import UsageError
 
 from .options import Formatter, policy_list
 

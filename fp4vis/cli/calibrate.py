@@ -56,7 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from fp4vis.patching.guard import GuardRule, calibrate
     from fp4vis.policy import get_policy
-    from fp4vis.services import UsageError, check_output_file, resolve_device, resolve_dtype
+    from fp4vis.services.outputs import check_output_file
+    from fp4vis.services.runtime import resolve_device, resolve_dtype
+    from fp4vis.services.usage import UsageError
 
     # every option is checked before the model loads (minutes on a real checkpoint)
     if not get_policy(args.policy).is_direct_p:

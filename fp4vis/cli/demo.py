@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fp4vis.evals.demo import run_demo, summary_table
-    from fp4vis.services import check_output_dir
+    from fp4vis.services.outputs import check_output_dir
 
     out_dir = check_output_dir(args.out_dir, "--out-dir")
     log = None if args.no_progress else (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from fp4vis.services import COMPILE_MODES
+from fp4vis.services.runtime import COMPILE_MODES
 
 from .options import (
     Formatter,
@@ -135,7 +135,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _run_protocol(args: argparse.Namespace, common: dict) -> int:
     """``--protocol paper``: the published protocol's runs and its report beside the published figures."""
     from fp4vis.evals import protocols
-    from fp4vis.services import UsageError
+    from fp4vis.services.usage import UsageError
 
     if getattr(args, "speed_only", None):
         raise UsageError("--protocol: needs the real weights (--model), not --speed-only")
@@ -180,7 +180,8 @@ def _wan_run_line(name: str, run: dict, emulated: bool = False) -> str:
 def _announcer(args: argparse.Namespace):
     """``say`` of an eval: the line saying what it runs (``announcer``), then, on a device without an FP4 kernel,
     the one warning that the policies run on the reference (``warn_reference_fallback``)."""
-    from fp4vis.services import resolve_device, warn_reference_fallback
+    from fp4vis.services.policies import warn_reference_fallback
+    from fp4vis.services.runtime import resolve_device
 
     header = announcer(args)
 
@@ -198,7 +199,7 @@ def _check_wan_eval_options(args: argparse.Namespace, size: dict[str, int]) -> N
     """Before anything loads: --latent-steps within the run's steps, and the size and frames the model's VAE
     and transformer can take (read from its configs, or the --speed-only architecture's)."""
     from fp4vis.pipelines.wan_video import WanGeometry, wan_geometry
-    from fp4vis.services import UsageError
+    from fp4vis.services.usage import UsageError
 
     bad = [k for k in args.latent_steps if not 1 <= k <= args.steps]
     if bad:
@@ -213,7 +214,8 @@ def _fmt(x) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fp4vis.services import UsageError, check_output_dir
+    from fp4vis.services.outputs import check_output_dir
+    from fp4vis.services.usage import UsageError
 
     args.out_dir = check_output_dir(args.out_dir, "--out-dir")
     common = dict(device=args.device, dtype=args.dtype, backend=args.backend, guard_plan=args.guard_plan,
@@ -225,12 +227,13 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_command == "wan" and args.model is None and args.speed_only is None:
         raise UsageError("--model or --speed-only: one is required (or --protocol paper)")
     if args.eval_command == "vit":
-        from fp4vis.evals.vit_top1 import run_vit_eval
+        from fp4vis.evals.vit_top1 import VitEvalConfig, run_vit_eval
 
-        r = run_vit_eval(args.model, args.data, policies=args.policies, resolution=args.resolution,
-                         batch_size=args.batch_size, limit=args.limit, labels=args.labels,
-                         random_weights=args.random_weights, per_layer=not args.no_per_layer, seed=args.seed,
-                         num_workers=args.workers, name=args.name, say=_announcer(args), **common)
+        config = VitEvalConfig(args.model, args.data, policies=args.policies, resolution=args.resolution,
+                               batch_size=args.batch_size, limit=args.limit, labels=args.labels,
+                               random_weights=args.random_weights, per_layer=not args.no_per_layer, seed=args.seed,
+                               num_workers=args.workers, name=args.name, **common)
+        r = run_vit_eval(config, say=_announcer(args))
         if not main_process():
             return 0
         base = r["bf16"]["top1"]
@@ -241,12 +244,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"{pol}: {top1}agreement {p['agreement_with_bf16']:.4f}, logit cosine {p['logit_cosine_mean']:.5f}, "
                   f"relL2 {p['logit_rel_l2_mean']:.4f}")
     elif args.eval_command == "mae":
-        from fp4vis.evals.mae_psnr import run_mae_eval
+        from fp4vis.evals.mae_psnr import MaeEvalConfig, run_mae_eval
 
-        r = run_mae_eval(args.model, args.data, policies=args.policies, resolution=args.resolution,
-                         batch_size=args.batch_size, limit=args.limit, random_weights=args.random_weights,
-                         mask_ratio=args.mask_ratio, seed=args.seed, decoder=args.decoder,
-                         num_workers=args.workers, name=args.name, say=_announcer(args), **common)
+        config = MaeEvalConfig(args.model, args.data, policies=args.policies, resolution=args.resolution,
+                               batch_size=args.batch_size, limit=args.limit, random_weights=args.random_weights,
+                               mask_ratio=args.mask_ratio, seed=args.seed, decoder=args.decoder,
+                               num_workers=args.workers, name=args.name, **common)
+        r = run_mae_eval(config, say=_announcer(args))
         if not main_process():
             return 0
         print(f"bf16 (baseline): masked-patch PSNR {r['bf16']['masked_psnr']['mean']:.3f} dB, the model's own "
@@ -256,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{pol}: masked-patch PSNR {p['masked_psnr']['mean']:.3f} dB, FP4-BF16 {d['mean']:+.4f} dB, "
                   f"recon PSNR vs BF16 {p['recon_psnr_vs_bf16']['mean']:.2f} dB")
     else:
-        from fp4vis.evals.wan_fidelity import DEFAULT_PROMPT, run_wan_eval
+        from fp4vis.evals.wan_fidelity import DEFAULT_PROMPT, WanEvalConfig, run_wan_eval
         from fp4vis.pipelines.wan_video import WAN_GENERATION, check_prompt, generation_defaults, training_record
 
         gen = generation_defaults(args.model) if args.model else WAN_GENERATION
@@ -267,13 +271,14 @@ def run(args: argparse.Namespace) -> int:
         size = dict(height=args.height or gen["height"], width=args.width or gen["width"],
                     frames=args.frames or gen["frames"])
         _check_wan_eval_options(args, size)
-        r = run_wan_eval(args.model, speed_only=args.speed_only, policies=args.policies,
-                         prompt=prompt, negative_prompt=args.negative_prompt, **size, steps=args.steps,
-                         guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance,
-                         seed=args.seed, decode=args.decode, warmup=not args.no_warmup, save_videos=args.save_videos,
-                         name=args.name, latent_steps=args.latent_steps, operator_error=args.operator_error,
-                         fps=gen["fps"], baselines=args.baselines, say=_announcer(args), compile=args.compile,
-                         **common)
+        config = WanEvalConfig(
+            args.model, speed_only=args.speed_only, policies=args.policies, prompt=prompt,
+            negative_prompt=args.negative_prompt, **size, steps=args.steps,
+            guidance_scale=gen["guidance_scale"] if args.guidance is None else args.guidance, seed=args.seed,
+            decode=args.decode, warmup=not args.no_warmup, save_videos=args.save_videos, name=args.name,
+            latent_steps=args.latent_steps, operator_error=args.operator_error, fps=gen["fps"],
+            baselines=args.baselines, compile=args.compile, **common)
+        r = run_wan_eval(config, say=_announcer(args))
         for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
             print(f"baseline skipped, {why}")
         from fp4vis.evals.wan_fidelity import reference_timed

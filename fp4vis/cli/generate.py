@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fp4vis.services import COMPILE_MODES
+from fp4vis.services.runtime import COMPILE_MODES
 
 from .options import POLICY_HELP, Formatter, add_runtime, announcer, guidance, int_list, policy, positive_int, seed
 
@@ -56,8 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fp4vis.pipelines.wan_video import run_generate
-    from fp4vis.services import check_output_file
+    from fp4vis.pipelines.wan_video import GenerateConfig, run_generate
+    from fp4vis.services.outputs import check_output_file
 
     cp = None
     if args.cp is not None:
@@ -67,12 +67,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         args.output = check_output_file(args.output, "--output")
 
-    out = run_generate(args.model, args.prompt, output=args.output, negative_prompt=args.negative_prompt,
-                       image=args.image, policy=args.policy, guard_plan=args.guard_plan, seed=args.seed,
-                       height=args.height, width=args.width, frames=args.frames, steps=args.steps,
-                       guidance_scale=args.guidance, fps=args.fps, device=args.device, dtype=args.dtype,
-                       backend=args.backend, exact_steps=args.exact_steps, progress=not args.no_progress, cp=cp,
-                       say=announcer(args), force=args.force, compile=args.compile)
+    config = GenerateConfig(
+        model=args.model, prompt=args.prompt, output=args.output, negative_prompt=args.negative_prompt,
+        image=args.image, policy=args.policy, guard_plan=args.guard_plan, seed=args.seed, height=args.height,
+        width=args.width, frames=args.frames, steps=args.steps, guidance_scale=args.guidance, fps=args.fps,
+        device=args.device, dtype=args.dtype, backend=args.backend, exact_steps=args.exact_steps,
+        progress=not args.no_progress, cp=cp, force=args.force, compile=args.compile)
+    out = run_generate(config, say=announcer(args))
     if out["video"] is None:  # a rank other than 0 of a --cp run: rank 0 reports
         return 0
     t = out["timings"]

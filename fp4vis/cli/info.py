@@ -9,7 +9,7 @@ import torch
 
 from fp4vis.backends import available_backends, get_backend
 from fp4vis.policy import POLICIES
-from fp4vis.services import fp4vis_version, gpu_info, package_versions
+from fp4vis.services.environment import fp4vis_version, gpu_info, package_versions
 
 from .options import Formatter
 

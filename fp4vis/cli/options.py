@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from fp4vis.backends import backend_names
 from fp4vis.policy import POLICIES
-from fp4vis.services import SEED_MAX, SEED_MIN
+from fp4vis.services.runtime import SEED_MAX, SEED_MIN
 
 POLICY_HELP = ", ".join(sorted(POLICIES))
 EPILOG = ("Weights: a Hugging Face Hub id (org/name, downloaded by the Hub client as usual) or a local "
@@ -100,7 +100,7 @@ def non_negative_int(s: str) -> int:
 
 
 def seed(s: str) -> int:
-    """A seed within what torch's generators accept (``services.SEED_MIN`` .. ``SEED_MAX``)."""
+    """A seed within what torch's generators accept (``fp4vis.services.runtime.SEED_MIN`` .. ``SEED_MAX``)."""
     return _int_within(s, SEED_MIN, SEED_MAX,
                        "must be an integer in [-2**63, 2**64 - 1] (what torch's generators accept)")
 

@@ -24,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
 
     from fp4vis.backends import BLACKWELL, get_backend
     from fp4vis.backends.registry import load_error
-    from fp4vis.services import UsageError, resolve_device
+    from fp4vis.services.runtime import resolve_device
+    from fp4vis.services.usage import UsageError
 
     if not torch.cuda.is_available():   # resolve_device's advice (--device cpu) does not apply here
         raise UsageError("the self-check needs a CUDA GPU (it checks the Blackwell kernel there: sm_100, sm_103 or "

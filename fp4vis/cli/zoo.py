@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{zoo.PREFIX}{m.name:<12} {m.kind:<18} {here:<16} {m.description}")
         return 0
     from fp4vis.files import atomic_folder
-    from fp4vis.services import UsageError, check_output_dir
+    from fp4vis.services.outputs import check_output_dir
+    from fp4vis.services.usage import UsageError
     from fp4vis.zoo.digits import load_heldout, write_image_folder
 
     dest = check_output_dir(args.dir, "DIR")

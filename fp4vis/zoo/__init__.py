@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4vis.services import UsageError
+from fp4vis.services.usage import UsageError
 
 from .digits import file_checksum
 

@@ -392,12 +392,12 @@ def test_user_errors_exit_2_with_one_line(case, assets, bad, capsys):
 def test_a_user_error_from_a_dataloader_worker_is_one_line():
     """torch re-raises a worker's UsageError with the worker's traceback in its message; the CLI prints
     the last line only."""
-    from fp4vis.cli import _one_line
-    from fp4vis.services import UsageError
+    from fp4vis.cli import one_line
+    from fp4vis.services.usage import UsageError
 
     worker = UsageError("Caught UsageError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
-                        "last):\n  File \"x.py\", line 1\nfp4vis.services.UsageError: data: 'b.jpg' is not a "
+                        "last):\n  File \"x.py\", line 1\nfp4vis.services.usage.UsageError: data: 'b.jpg' is not a "
                         "readable image")
-    assert _one_line(worker) == "data: 'b.jpg' is not a readable image"
-    assert _one_line(UsageError("plain message")) == "plain message"
-    assert _one_line(UsageError("a message\n  over two lines\n")) == "a message over two lines"
+    assert one_line(worker) == "data: 'b.jpg' is not a readable image"
+    assert one_line(UsageError("plain message")) == "plain message"
+    assert one_line(UsageError("a message\n  over two lines\n")) == "a message over two lines"

@@ -13,7 +13,7 @@ from fp4vis.pipelines.context_parallel import (
     parse_cp,
     ring_exact_backend,
 )
-from fp4vis.services import UsageError
+from fp4vis.services.usage import UsageError
 
 
 @pytest.mark.parametrize(("text", "expected"), [("ulysses=2", (2, 1)), ("ring=4", (1, 4)),

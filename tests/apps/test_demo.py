@@ -11,7 +11,7 @@ import pytest
 
 from fp4vis.cli import demo as demo_cmd
 from fp4vis.evals.demo import demo_policies, run_demo
-from fp4vis.services import UsageError
+from fp4vis.services.usage import UsageError
 
 
 def _args(*argv: str) -> argparse.Namespace:

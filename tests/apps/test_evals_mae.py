@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from fp4vis.evals.mae_psnr import load_mae, masking_noise, run_mae_eval
+from fp4vis.evals.mae_psnr import MaeEvalConfig, load_mae, masking_noise, run_mae_eval
 from fp4vis.evals.tiny import make_tiny_mae
-from fp4vis.services import UsageError
+from fp4vis.services.usage import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +18,8 @@ def assets(tmp_path_factory, tiny_mae, image_folder):
 
 
 def test_masked_psnr_same_masks_and_interval(assets, tmp_path):
-    r = run_mae_eval(str(assets["mae"]), assets["data"], policies="fast,accurate", batch_size=3,
-                     out_dir=tmp_path, progress=False, backend="reference")
+    r = run_mae_eval(MaeEvalConfig(str(assets["mae"]), assets["data"], policies="fast,accurate", batch_size=3,
+                                   out_dir=tmp_path, progress=False, backend="reference"))
     assert r["images"] == 4 and r["mask_ratio"] == 0.75 and r["image_index"] == [0, 1, 2, 3]
     bf16 = r["bf16"]["masked_psnr_per_image"]
     for name in ("fast", "accurate"):
@@ -41,8 +41,8 @@ def test_masked_psnr_same_masks_and_interval(assets, tmp_path):
 
 def test_masks_do_not_depend_on_batching(assets):
     kw = dict(policies="fast", progress=False, limit=3)
-    a = run_mae_eval(str(assets["mae"]), assets["data"], batch_size=1, **kw)
-    b = run_mae_eval(str(assets["mae"]), assets["data"], batch_size=3, **kw)
+    a = run_mae_eval(MaeEvalConfig(str(assets["mae"]), assets["data"], batch_size=1, **kw))
+    b = run_mae_eval(MaeEvalConfig(str(assets["mae"]), assets["data"], batch_size=3, **kw))
     assert a["bf16"]["masked_psnr_per_image"] == pytest.approx(b["bf16"]["masked_psnr_per_image"], abs=1e-3)
     n1 = masking_noise(torch.tensor([2]), 16, seed=5)
     n2 = masking_noise(torch.tensor([0, 1, 2]), 16, seed=5)[2:]
@@ -50,8 +50,8 @@ def test_masks_do_not_depend_on_batching(assets):
 
 
 def test_norm_pix_loss_and_decoder(assets):
-    r = run_mae_eval(str(assets["mae_norm"]), assets["data"], policies="fast", decoder=True, progress=False,
-                     limit=2, batch_size=2, resolution=48)
+    r = run_mae_eval(MaeEvalConfig(str(assets["mae_norm"]), assets["data"], policies="fast", decoder=True,
+                                   progress=False, limit=2, batch_size=2, resolution=48))
     assert r["norm_pix_loss"] and r["decoder_patched"] and r["resolution"] == 48 and r["native_resolution"] == 32
     assert r["policies"]["fast"]["recon_psnr_vs_bf16"]["mean"] > 15
 
@@ -60,6 +60,6 @@ def test_random_weights_and_errors(assets, tmp_path):
     model, mean, std, rw = load_mae(str(assets["mae"]), random_weights=True, dtype=torch.float32)
     assert rw and model.config.hidden_size == 64 and len(mean) == 3
     with pytest.raises(UsageError, match="does not exist"):
-        run_mae_eval(str(tmp_path / "missing"), assets["data"], progress=False)
+        run_mae_eval(MaeEvalConfig(str(tmp_path / "missing"), assets["data"], progress=False))
     with pytest.raises(UsageError, match="mask ratio"):
-        run_mae_eval(str(assets["mae"]), assets["data"], mask_ratio=1.5, progress=False)
+        run_mae_eval(MaeEvalConfig(str(assets["mae"]), assets["data"], mask_ratio=1.5, progress=False))

@@ -15,7 +15,7 @@ from fp4vis.evals.report import (
     wilson_ci95,
     write_report,
 )
-from fp4vis.services import environment
+from fp4vis.services.environment import environment
 
 # scipy.stats.t.ppf(0.975, df), 6 decimals
 T975 = {1: 12.706205, 2: 4.302653, 3: 3.182446, 5: 2.570582, 9: 2.262157, 10: 2.228139, 30: 2.042272,
@@ -119,7 +119,7 @@ def test_bench_runs_the_blackwell_backend_where_it_exists():
     assert kb.available("blackwell") == "no CUDA device"
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="backend='blackwell'"):
-        kb._blackwell("fast")(q, q, q, 0.125)
+        kb.blackwell_call("fast")(q, q, q, 0.125)
 
 
 def test_bench_baselines_resolve_through_the_shared_module():

@@ -11,8 +11,8 @@ import torch
 
 from fp4vis.evals.common import AttentionRecorder, find_attention_modules
 from fp4vis.evals.tiny import make_image_folder, make_tiny_hf_vit, make_tiny_timm_vit
-from fp4vis.evals.vit_top1 import label_mapping, load_classifier, run_vit_eval
-from fp4vis.services import UsageError
+from fp4vis.evals.vit_top1 import VitEvalConfig, label_mapping, load_classifier, run_vit_eval
+from fp4vis.services.usage import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,8 @@ def assets(tmp_path_factory):
 
 
 def test_timm_local_dir_other_resolution(assets, tmp_path):
-    r = run_vit_eval(str(assets["timm"]), assets["data_index"], policies="fast,accurate", resolution=64,
-                     batch_size=3, out_dir=tmp_path, progress=False, backend="reference")
+    r = run_vit_eval(VitEvalConfig(str(assets["timm"]), assets["data_index"], policies="fast,accurate", resolution=64,
+                                   batch_size=3, out_dir=tmp_path, progress=False, backend="reference"))
     # 64 px / patch 8 = 8x8 patches + cls token: the position embeddings were resampled on load
     assert r["tokens"] == 65 and r["resolution"] == 64 and r["native_resolution"] == 32
     assert r["images"] == 4 and r["labels"] == "index" and r["num_processes"] == 1
@@ -49,28 +49,28 @@ def test_timm_local_dir_other_resolution(assets, tmp_path):
 
 def test_deterministic_and_batch_independent(assets):
     kw = dict(policies="fast", progress=False, per_layer=False)
-    a = run_vit_eval(str(assets["timm"]), assets["data_index"], batch_size=4, **kw)
-    b = run_vit_eval(str(assets["timm"]), assets["data_index"], batch_size=4, **kw)
+    a = run_vit_eval(VitEvalConfig(str(assets["timm"]), assets["data_index"], batch_size=4, **kw))
+    b = run_vit_eval(VitEvalConfig(str(assets["timm"]), assets["data_index"], batch_size=4, **kw))
     timing = ("forward_s",)
     strip = lambda r: {k: v for k, v in r["policies"]["fast"].items() if k not in timing}  # noqa: E731
     assert strip(a) == strip(b)   # deterministic: the same run twice
-    c = run_vit_eval(str(assets["timm"]), assets["data_index"], batch_size=1, **kw)
+    c = run_vit_eval(VitEvalConfig(str(assets["timm"]), assets["data_index"], batch_size=1, **kw))
     for key in ("logit_rel_l2_mean", "logit_cosine_mean", "agreement_with_bf16", "top1"):   # batch-independent
         assert c["policies"]["fast"][key] == pytest.approx(a["policies"]["fast"][key], rel=1e-3, abs=1e-6), key
     assert a["policies"]["fast"]["per_layer"] is None
 
 
 def test_transformers_vit_names_labels_and_interpolation(assets):
-    r = run_vit_eval(str(assets["hf"]), assets["data_names"], policies="fast", resolution=48, batch_size=2,
-                     progress=False)
+    r = run_vit_eval(VitEvalConfig(str(assets["hf"]), assets["data_names"], policies="fast", resolution=48,
+                                   batch_size=2, progress=False))
     assert r["model_kind"] == "transformers" and r["labels"] == "names" and r["tokens"] == 37
     assert r["policies"]["fast"]["logit_cosine_mean"] > 0.9
     assert len(r["layers"]) == 2 and all(n.endswith(".attention") for n in r["layers"])
 
 
 def test_random_weights_from_timm_registry_name(assets):
-    r = run_vit_eval("timm:vit_tiny_patch16_224", assets["data_names"], policies="fast", resolution=32,
-                     random_weights=True, labels="none", progress=False, per_layer=False)
+    r = run_vit_eval(VitEvalConfig("timm:vit_tiny_patch16_224", assets["data_names"], policies="fast", resolution=32,
+                                   random_weights=True, labels="none", progress=False, per_layer=False))
     assert r["random_weights"] and r["labels"] == "none" and r["policies"]["fast"]["top1"] is None
     assert r["tokens"] == 5
 
@@ -105,20 +105,20 @@ def test_attention_recorder_reruns_layers_in_isolation(assets):
 
 def test_errors(assets, tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
-        run_vit_eval(str(tmp_path / "nope"), assets["data_index"], progress=False)
+        run_vit_eval(VitEvalConfig(str(tmp_path / "nope"), assets["data_index"], progress=False))
     with pytest.raises(UsageError, match="does not exist"):
-        run_vit_eval(str(assets["timm"]), tmp_path / "no_data", progress=False)
+        run_vit_eval(VitEvalConfig(str(assets["timm"]), tmp_path / "no_data", progress=False))
     (tmp_path / "flat").mkdir()
     with pytest.raises(UsageError, match="no images .* give an ImageFolder"):
-        run_vit_eval(str(assets["timm"]), tmp_path / "flat", progress=False)
+        run_vit_eval(VitEvalConfig(str(assets["timm"]), tmp_path / "flat", progress=False))
     with pytest.raises(UsageError, match="unknown policy"):
-        run_vit_eval(str(assets["timm"]), assets["data_index"], policies="fastest", progress=False)
+        run_vit_eval(VitEvalConfig(str(assets["timm"]), assets["data_index"], policies="fastest", progress=False))
     # a headless transformers ViT (an encoder) would get a random classifier: refused before the run
     from transformers import ViTConfig, ViTModel
     ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
                        intermediate_size=64)).save_pretrained(tmp_path / "encoder")
     with pytest.raises(UsageError, match="no classification head .*classifier.weight"):
-        run_vit_eval(str(tmp_path / "encoder"), assets["data_index"], progress=False)
+        run_vit_eval(VitEvalConfig(str(tmp_path / "encoder"), assets["data_index"], progress=False))
 
 
 def test_sharded_over_two_processes_matches_one(assets, tmp_path):
@@ -135,8 +135,8 @@ def test_sharded_over_two_processes_matches_one(assets, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("fast: top-1") == 1  # only the main process reports
     two = json.loads((tmp_path / "two" / "vit_top1.json").read_text())
-    one = run_vit_eval(str(assets["timm"]), assets["data_index"], policies="fast", batch_size=1, limit=3,
-                       device="cpu", progress=False)
+    one = run_vit_eval(VitEvalConfig(str(assets["timm"]), assets["data_index"], policies="fast", batch_size=1, limit=3,
+                                     device="cpu", progress=False))
     assert two["num_processes"] == 2 and two["images"] == 3
     assert two["policies"]["fast"]["logit_rel_l2_mean"] == pytest.approx(one["policies"]["fast"]["logit_rel_l2_mean"])
     for key in ("cosine_mean", "rel_l2_mean"):

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from fp4vis.evals.wan_fidelity import run_wan_eval
+from fp4vis.evals.wan_fidelity import WanEvalConfig, run_wan_eval
 from fp4vis.pipelines import wan_video as wv
-from fp4vis.services import UsageError
+from fp4vis.services.usage import UsageError
 
 KW = dict(height=32, width=32, frames=5, steps=2, progress=False)
 
@@ -19,7 +19,8 @@ def tiny(tiny_wan):
 
 
 def test_fidelity_mode(tiny, tmp_path):
-    r = run_wan_eval(str(tiny), policies="wan_fast,accurate", out_dir=tmp_path, backend="reference", **KW)
+    r = run_wan_eval(WanEvalConfig(str(tiny), policies="wan_fast,accurate", out_dir=tmp_path, backend="reference",
+                                   **KW))
     assert r["mode"] == "fidelity" and not r["random_weights"] and r["decode"] and r["complete"]
     assert list(r["runs"]) == ["bf16", "wan_fast", "accurate"]
     assert r["tokens"] == 8 and r["latent_frames"] == 2
@@ -45,8 +46,8 @@ def test_fidelity_mode(tiny, tmp_path):
 def test_speed_only_mode_is_labelled(monkeypatch, tmp_path):
     tiny_cfg = dict(wv.WAN_TRANSFORMER_CONFIGS["1.3B"], num_layers=1, num_attention_heads=2, ffn_dim=32)
     monkeypatch.setitem(wv.WAN_TRANSFORMER_CONFIGS, "1.3B", tiny_cfg)
-    r = run_wan_eval(speed_only="1.3B", policies="fast", out_dir=tmp_path, height=32, width=32, frames=5, steps=1,
-                     progress=False, warmup=False)
+    r = run_wan_eval(WanEvalConfig(speed_only="1.3B", policies="fast", out_dir=tmp_path, height=32, width=32, frames=5,
+                                   steps=1, progress=False, warmup=False))
     assert r["mode"] == "speed_only" and r["random_weights"] and r["decode"] is False
     assert r["transformer"]["attention_head_dim"] == 128
     assert math.isfinite(r["runs"]["fast"]["speedup_denoise"]) and "video" not in r["runs"]["fast"]
@@ -57,27 +58,27 @@ def test_speed_only_mode_is_labelled(monkeypatch, tmp_path):
 def test_failing_policy_is_reported_not_fatal(tiny, monkeypatch):
     real = wv.generate
 
-    def flaky(pipe, *, policy, **kw):
-        if getattr(policy, "name", policy) == "accurate":
+    def flaky(pipe, config):
+        if getattr(config.policy, "name", config.policy) == "accurate":
             raise RuntimeError("kernel unavailable")
-        return real(pipe, policy=policy, **kw)
+        return real(pipe, config)
 
     monkeypatch.setattr("fp4vis.evals.wan_fidelity.generate", flaky)
-    r = run_wan_eval(str(tiny), policies="fast,accurate", warmup=False, decode=False, **KW)
+    r = run_wan_eval(WanEvalConfig(str(tiny), policies="fast,accurate", warmup=False, decode=False, **KW))
     assert "error" in r["runs"]["accurate"] and "kernel unavailable" in r["runs"]["accurate"]["error"]
     assert "latent_cosine" in r["runs"]["fast"]
 
 
 def test_argument_errors(tiny):
     with pytest.raises(UsageError, match="either a model"):
-        run_wan_eval(None, **KW)
+        run_wan_eval(WanEvalConfig(None, **KW))
     with pytest.raises(UsageError, match="either a model"):
-        run_wan_eval(str(tiny), speed_only="1.3B", **KW)
+        run_wan_eval(WanEvalConfig(str(tiny), speed_only="1.3B", **KW))
 
 
 def test_auto_baselines_are_skipped_with_reasons_on_the_cpu(tiny, tmp_path):
-    r = run_wan_eval(str(tiny), policies="fast", baselines="auto", device="cpu", warmup=False, decode=False,
-                     out_dir=tmp_path, **KW)
+    r = run_wan_eval(WanEvalConfig(str(tiny), policies="fast", baselines="auto", device="cpu", warmup=False,
+                                   decode=False, out_dir=tmp_path, **KW))
     assert r["complete"] and r["baselines"] == [] and list(r["runs"]) == ["bf16", "fast"]
     assert set(r["baselines_skipped"]) == {"fa4", "sage"} and all(r["baselines_skipped"].values())
     fast = r["runs"]["fast"]
@@ -94,9 +95,9 @@ def test_a_baseline_runs_in_attn1_through_the_processor(tiny, tmp_path, monkeypa
 
     labels = []
 
-    def generate(*args, label=None, **kwargs):
-        labels.append(label)
-        return wv.generate(*args, label=label, **kwargs)
+    def generate(pipe, config):
+        labels.append(config.label)
+        return wv.generate(pipe, config)
 
     monkeypatch.setattr(wan_fidelity, "generate", generate)
 
@@ -112,8 +113,8 @@ def test_a_baseline_runs_in_attn1_through_the_processor(tiny, tmp_path, monkeypa
 
     monkeypatch.setitem(baselines.BASELINES, "cpu_sdpa",
                         baselines.Baseline("cpu_sdpa", "CPU SDPA", "torch SDPA (a test's)", build, needs_cuda=False))
-    r = run_wan_eval(str(tiny), policies="fast", baselines="cpu_sdpa", decode=False, out_dir=tmp_path,
-                     backend="reference", **KW)
+    r = run_wan_eval(WanEvalConfig(str(tiny), policies="fast", baselines="cpu_sdpa", decode=False, out_dir=tmp_path,
+                                   backend="reference", **KW))
     assert labels == [f"{run}{warm}" for run in ("bf16, the model's attention", "CPU SDPA in attn1", "fast, reference")
                       for warm in ("; warm-up, untimed", "")]
     assert r["baselines"] == ["cpu_sdpa"] and r["baselines_skipped"] == {}
@@ -135,10 +136,10 @@ def test_a_baseline_runs_in_attn1_through_the_processor(tiny, tmp_path, monkeypa
 def test_baseline_errors_come_before_any_work(tmp_path):
     missing = str(tmp_path / "no_such_model")   # never loaded: the option is checked first
     with pytest.raises(UsageError, match="baselines: unknown baseline 'nope'"):
-        run_wan_eval(missing, baselines="fa4,nope", device="cpu", **KW)
+        run_wan_eval(WanEvalConfig(missing, baselines="fa4,nope", device="cpu", **KW))
     with pytest.raises(UsageError, match="baselines: 'fa4' cannot run here: "):
-        run_wan_eval(missing, baselines=["fa4"], device="cpu", **KW)
-    assert run_wan_eval.__kwdefaults__["baselines"] == "auto"
+        run_wan_eval(WanEvalConfig(missing, baselines=["fa4"], device="cpu", **KW))
+    assert WanEvalConfig().baselines == "auto"
 
 
 def test_compiled_runs_give_the_eager_latents_and_report_their_warmup(tiny, tmp_path, monkeypatch):
@@ -150,9 +151,9 @@ def test_compiled_runs_give_the_eager_latents_and_report_their_warmup(tiny, tmp_
     from fp4vis.evals import wan_fidelity as wf
 
     kw = dict(KW, steps=1, policies="fast", backend="reference", decode=False, baselines="none")
-    eager = run_wan_eval(str(tiny), **kw)
+    eager = run_wan_eval(WanEvalConfig(str(tiny), **kw))
     monkeypatch.setattr(wf, "compile_transformers", functools.partial(wv.compile_transformers, backend="aot_eager"))
-    compiled = run_wan_eval(str(tiny), compile="regional", out_dir=tmp_path, **kw)
+    compiled = run_wan_eval(WanEvalConfig(str(tiny), compile="regional", out_dir=tmp_path, **kw))
     assert compiled["compile"] == "regional" and eager["compile"] is None
     for name in ("bf16", "fast"):
         assert compiled["runs"][name]["timings"]["warmup_s"] > 0
@@ -160,6 +161,6 @@ def test_compiled_runs_give_the_eager_latents_and_report_their_warmup(tiny, tmp_
     md = (tmp_path / "wan_fidelity.md").read_text()
     assert "**compiled** (`transformer.compile_repeated_blocks(fullgraph=True)`" in md
     with pytest.raises(UsageError, match="compile: needs the warm-up"):
-        run_wan_eval(str(tiny), compile="full", warmup=False, **kw)
+        run_wan_eval(WanEvalConfig(str(tiny), compile="full", warmup=False, **kw))
     with pytest.raises(UsageError, match="compile: must be one of regional, full"):
-        run_wan_eval(str(tiny), compile="max", **kw)
+        run_wan_eval(WanEvalConfig(str(tiny), compile="max", **kw))

@@ -10,7 +10,8 @@ import torch
 
 from fp4vis.cli import options
 from fp4vis.pipelines import wan_video as wv
-from fp4vis.services import SEED_MAX, SEED_MIN, UsageError, derived_seed
+from fp4vis.services.runtime import SEED_MAX, SEED_MIN, derived_seed
+from fp4vis.services.usage import UsageError
 
 
 def test_seed_bounds_are_what_torch_generators_accept():

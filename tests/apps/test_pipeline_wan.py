@@ -10,7 +10,7 @@ import torch
 from fp4vis.evals.tiny import make_image_folder, make_tiny_wan, make_tiny_wan_i2v
 from fp4vis.metrics import cosine
 from fp4vis.pipelines import wan_video as wv
-from fp4vis.services import UsageError
+from fp4vis.services.usage import UsageError
 
 KW = dict(height=32, width=32, frames=5, steps=2, progress=False)
 
@@ -64,8 +64,9 @@ def test_prompt_embeds_without_text_encoder(tiny, tmp_path):
 
 def test_run_generate_writes_mp4_and_sidecar(tiny, tmp_path):
     path, _ = tiny
-    out = wv.run_generate(str(path), "a dog on the beach", output=tmp_path / "v.mp4", policy="fast", seed=1,
-                          height=32, width=32, frames=5, steps=1, fps=8, device="cpu", progress=False)
+    out = wv.run_generate(wv.GenerateConfig(str(path), "a dog on the beach", output=tmp_path / "v.mp4", policy="fast",
+                                            seed=1, height=32, width=32, frames=5, steps=1, fps=8, device="cpu",
+                                            progress=False))
     frames = _read_mp4(out["video"])
     assert frames.shape == (5, 32, 32, 3)
     side = json.loads(out["sidecar"].read_text())
@@ -97,7 +98,7 @@ def test_errors(tiny, tmp_path):
     with pytest.raises(UsageError, match="CUDA GPU"):
         wv.generate(pipe, prompt="a cat", policy="fast", backend="hopper", **KW)
     with pytest.raises(UsageError, match="image: file"):
-        wv.run_generate(str(path), "x", image=str(tmp_path / "nope.png"), device="cpu")
+        wv.run_generate(wv.GenerateConfig(str(path), "x", image=str(tmp_path / "nope.png"), device="cpu"))
 
 
 def test_random_architecture_builder():
@@ -114,14 +115,15 @@ def test_random_architecture_builder():
 def test_image_to_video(tmp_path):
     path = make_tiny_wan_i2v(tmp_path / "i2v")
     img = make_image_folder(tmp_path / "img", classes=("a",), per_class=1, size=32) / "a" / "img0.png"
-    out = wv.run_generate(str(path), "a cat", image=str(img), output=tmp_path / "i2v.mp4", policy="fast",
-                          height=32, width=32, frames=5, steps=1, device="cpu", progress=False)
+    out = wv.run_generate(wv.GenerateConfig(str(path), "a cat", image=str(img), output=tmp_path / "i2v.mp4",
+                                            policy="fast", height=32, width=32, frames=5, steps=1, device="cpu",
+                                            progress=False))
     side = json.loads(out["sidecar"].read_text())
     assert side["pipeline"] == "WanImageToVideoPipeline" and side["image"] == str(img)
     assert out["result"].frames.shape == (5, 32, 32, 3)
     with pytest.raises(UsageError, match="image-to-video model: pass --image"):
-        wv.run_generate(str(path), "a cat", output=tmp_path / "x.mp4", height=32, width=32, frames=5, steps=1,
-                        device="cpu", progress=False)
+        wv.run_generate(wv.GenerateConfig(str(path), "a cat", output=tmp_path / "x.mp4", height=32, width=32, frames=5,
+                                          steps=1, device="cpu", progress=False))
 
 
 def test_gpu_sized_generation_on_the_cpu_warns_with_an_estimate(tiny_wan):

@@ -13,16 +13,11 @@ import pytest
 import torch
 
 from fp4vis import files
-from fp4vis.services import (
-    UsageError,
-    WarningLog,
-    check_output_dir,
-    check_output_file,
-    environment,
-    library_warnings,
-    resolve_device,
-    write_json,
-)
+from fp4vis.services.console import WarningLog, library_warnings
+from fp4vis.services.environment import environment
+from fp4vis.services.outputs import check_output_dir, check_output_file, write_json
+from fp4vis.services.runtime import resolve_device
+from fp4vis.services.usage import UsageError
 
 
 def _full_disk(fd):
@@ -137,12 +132,12 @@ def test_output_paths_are_checked(tmp_path):
 
 def test_labels_say_what_runs(monkeypatch):
     """Progress bars and headers name the backend that computes a policy's attention, auto's pick included."""
-    from fp4vis import services
+    from fp4vis.services import policies
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert services.backend_in_use("auto", cpu) == "reference" and services.backend_in_use("hopper", cpu) == "hopper"
-    assert services.attention_label("bf16", "auto", cpu) == "bf16, the model's attention"
-    assert services.attention_label("guard", "auto", cpu, guard=object()) == "guard + guard plan, reference"
+    assert policies.backend_in_use("auto", cpu) == "reference" and policies.backend_in_use("hopper", cpu) == "hopper"
+    assert policies.attention_label("bf16", "auto", cpu) == "bf16, the model's attention"
+    assert policies.attention_label("guard", "auto", cpu, guard=object()) == "guard + guard plan, reference"
 
     class Kernel:
         reason = None
@@ -151,11 +146,11 @@ def test_labels_say_what_runs(monkeypatch):
             return self.reason
 
     kernel = Kernel()
-    monkeypatch.setattr(services, "kernel_backend_name", lambda device: "hopper")
-    monkeypatch.setattr(services, "get_backend", lambda name: kernel)
-    assert services.attention_label("fast", "auto", gpu) == "fast, hopper"
+    monkeypatch.setattr(policies, "kernel_backend_name", lambda device: "hopper")
+    monkeypatch.setattr(policies, "get_backend", lambda name: kernel)
+    assert policies.attention_label("fast", "auto", gpu) == "fast, hopper"
     kernel.reason = "CuTe DSL is not installed"
-    assert services.attention_label("fast", "auto", gpu) == "fast, reference"
+    assert policies.attention_label("fast", "auto", gpu) == "fast, reference"
 
 
 def test_bad_device_names_the_option():
@@ -258,7 +253,7 @@ def test_a_command_on_the_cpu_says_once_that_it_runs_the_reference():
 
     import torch
 
-    from fp4vis.services import warn_reference_fallback
+    from fp4vis.services.policies import warn_reference_fallback
 
     cpu = torch.device("cpu")
     with pytest.warns(UserWarning, match="runs on the reference emulation"):
@@ -271,7 +266,7 @@ def test_a_command_on_the_cpu_says_once_that_it_runs_the_reference():
 
 
 def test_reports_show_no_absolute_path(tmp_path, monkeypatch):
-    from fp4vis.services import display_source
+    from fp4vis.services.sources import display_source
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "vit").mkdir(parents=True)
@@ -284,9 +279,9 @@ def test_reports_show_no_absolute_path(tmp_path, monkeypatch):
 
 
 def test_run_sections_keeps_what_ran_before_a_failing_section(tmp_path):
-    """A benchmark's sections (fp4vis.services.run_sections): each one's output or its traceback under its
+    """A benchmark's sections (fp4vis.services.timing.run_sections): each one's output or its traceback under its
     name, written after every section, skipped ones left out."""
-    from fp4vis.services import run_sections
+    from fp4vis.services.timing import run_sections
 
     out = tmp_path / "r.json"
     r = run_sections({"env": "x"}, (("ok", lambda: 3), ("bad", lambda: 1 / 0), ("later", lambda: [1])), out,

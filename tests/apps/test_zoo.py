@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fp4vis import zoo
-from fp4vis.evals.mae_psnr import load_mae, run_mae_eval
-from fp4vis.evals.vit_top1 import load_classifier, run_vit_eval
-from fp4vis.services import UsageError
+from fp4vis.evals.mae_psnr import MaeEvalConfig, load_mae, run_mae_eval
+from fp4vis.evals.vit_top1 import VitEvalConfig, load_classifier, run_vit_eval
+from fp4vis.services.usage import UsageError
 from fp4vis.zoo.digits import (
     HELDOUT_FILE,
     NUM_CLASSES,
@@ -114,8 +114,8 @@ def test_random_weights_fail_the_quality_bar(digits_folder):
 
 
 def test_vit_fast_within_margin_of_bf16(digits_folder):
-    r = run_vit_eval(str(zoo.model_path("digits-vit")), digits_folder, policies="fast", batch_size=50,
-                     labels="index", device="cpu", backend="reference", per_layer=False, progress=False)
+    r = run_vit_eval(VitEvalConfig(str(zoo.model_path("digits-vit")), digits_folder, policies="fast", batch_size=50,
+                                   labels="index", device="cpu", backend="reference", per_layer=False, progress=False))
     assert r["images"] == 100 and r["tokens"] == 49
     bf16, fast = r["bf16"]["top1"], r["policies"]["fast"]
     assert bf16 >= VIT_MIN_TOP1 - 0.02   # BF16 inference of the float32-trained model, 100 digits
@@ -130,8 +130,8 @@ def test_mae_psnr_finite_and_within_margin(digits_folder):
     assert mean == pytest.approx((0.1307,) * 3) and not random   # the shipped preprocessor was read
     # the fixed sin-cos positions were saved and read back (a model built from its config has zeros there)
     assert mae.vit.embeddings.position_embeddings.abs().sum() > 0 and mae.decoder.decoder_pos_embed.abs().sum() > 0
-    r = run_mae_eval(str(zoo.model_path("digits-mae")), digits_folder, policies="fast", batch_size=50, limit=50,
-                     device="cpu", backend="reference", progress=False)
+    r = run_mae_eval(MaeEvalConfig(str(zoo.model_path("digits-mae")), digits_folder, policies="fast", batch_size=50,
+                                   limit=50, device="cpu", backend="reference", progress=False))
     bf16 = r["bf16"]["masked_psnr"]["mean"]
     fast = r["policies"]["fast"]
     assert np.isfinite(bf16) and np.isfinite(fast["masked_psnr"]["mean"])

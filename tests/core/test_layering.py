@@ -19,8 +19,11 @@ LAYERS = {  # module prefix -> layer (lower imports nothing higher)
     "fp4vis.toplevel": 0,
     "fp4vis.backends": 1, "fp4vis.kernels": 1,
     "fp4vis.patching": 2,
+    # the apps: fp4vis.services.* (what they share, one module per job: usage, runtime, policies, guard_plans,
+    # sources, console, environment, outputs, timing), the command line, video generation, the evals, the zoo
     "fp4vis.services": 3, "fp4vis.cli": 3, "fp4vis.pipelines": 3, "fp4vis.evals": 3, "fp4vis.zoo": 3,
 }
+SERVICES = "fp4vis.services"   # the apps' shared modules: below every other app, and no facade
 # the calls upwards the design has: the entry point hands the call to the registry and reads the range record
 ALLOWED_UP = {("fp4vis.attention", "fp4vis.backends.registry"), ("fp4vis.attention", "fp4vis.backends.range_record")}
 
@@ -123,3 +126,35 @@ def test_only_apps_import_the_package_root():
                     and any(f"fp4vis.{a.name}" not in MODULES for a in node.names)):
                 offenders.append(m)   # `from fp4vis import patch`: a name of the facade, not a module
     assert offenders == []
+
+
+def test_services_import_no_other_app():
+    """The apps' shared modules are the bottom of the apps: none imports the CLI, a pipeline, an eval or the zoo."""
+    up = {m: sorted(t for t in GRAPH[m] if _layer(t) == 3 and not _in(t, SERVICES))
+          for m in MODULES if _in(m, SERVICES)}
+    assert {m: ts for m, ts in up.items() if ts} == {}
+
+
+def test_services_package_reexports_nothing():
+    """``fp4vis/services/__init__.py`` is a docstring listing its modules: each name is imported from the module
+    that holds it, never through a facade."""
+    body = ast.parse(MODULES[SERVICES].read_text()).body
+    assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+APP_SCRIPTS = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "scripts").glob("*.py")])
+
+
+@pytest.mark.parametrize("path", sorted([p for m, p in MODULES.items() if _layer(m) == 3] + APP_SCRIPTS),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_apps_import_no_private_name(path):
+    """An app, benchmark or script imports no other module's private name (``from m import _name``): what
+    another module uses is public there."""
+    private = [f"{node.module}.{a.name}" for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ImportFrom) and not node.level
+               for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == []

@@ -112,12 +112,12 @@ def _worker(rank: int, out_dir: str, tiny_wan: str, ports: list[int]) -> None:
     # `fp4vis generate --cp` as torchrun starts it: the process group comes from the environment (and
     # goes at the end); rank 0 writes. Rank 1 gets a path of its own, which must stay untouched
     # (torchrun gives every rank the same arguments).
-    from fp4vis.pipelines.wan_video import run_generate
+    from fp4vis.pipelines.wan_video import GenerateConfig, run_generate
 
     os.environ["MASTER_PORT"] = str(ports[0])
     target = out / ("gen" if rank == 0 else "gen_rank1") / "fox.mp4"
-    gen = run_generate(tiny_wan, "a red fox", output=target, frames=5, height=32, width=32, steps=2, policy="fast",
-                       backend="reference", device="cpu", progress=False, cp="ulysses=2")
+    gen = run_generate(GenerateConfig(tiny_wan, "a red fox", output=target, frames=5, height=32, width=32, steps=2,
+                                      policy="fast", backend="reference", device="cpu", progress=False, cp="ulysses=2"))
     res["generate"] = (gen["video"], gen["result"].latents)
 
     # the benchmark's dry run over both ranks (its own process group)
@@ -129,7 +129,7 @@ def _worker(rank: int, out_dir: str, tiny_wan: str, ports: list[int]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import fp4vis
     from fp4vis import reference
-    from fp4vis.pipelines.context_parallel import ContextParallel, _enable_without_accelerator, enable_context_parallel
+    from fp4vis.pipelines.context_parallel import ContextParallel, enable_context_parallel, enable_without_accelerator
 
     reference.KEY_CHUNK = KEY_CHUNK
     for mode in ("ulysses", "ring"):
@@ -154,7 +154,7 @@ def _worker(rank: int, out_dir: str, tiny_wan: str, ports: list[int]) -> None:
     res["heads_usage"] = _error(lambda: enable_context_parallel(three_heads, ContextParallel(ulysses=2)))
     from diffusers import ContextParallelConfig
 
-    _enable_without_accelerator(three_heads, ContextParallelConfig(ulysses_degree=2))  # as enable_parallelism
+    enable_without_accelerator(three_heads, ContextParallelConfig(ulysses_degree=2))  # as enable_parallelism
     h = fp4vis.patch(three_heads, "fast", backend="reference")
     res["heads_processor"] = _error(lambda: three_heads(**_inputs()))
     res["heads_calls"] = sum(st.calls for st in h.states)

@@ -1,0 +1,71 @@
+"""The files the apps write: output paths checked before any work (``check_output_file``,
+``check_output_dir``: a UsageError naming the option) and JSON written atomically (``write_json``, through
+``fp4vis.files``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fp4vis.files import atomic_write
+from fp4vis.services.usage import UsageError
+
+
+def _check_writable_dir(d: Path, option: str) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write in {str(d)!r} ({exc.strerror or exc})") from None
+
+
+def check_output_file(path: str | os.PathLike, option: str) -> Path:
+    """Before any work: ``path`` can be written as a file (not a directory; its folder exists or can be
+    made, and is writable). Raises UsageError naming the option."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_dir():
+        raise UsageError(f"{option}: {str(path)!r} is a directory; give a file name")
+    if p.parent.exists() and not p.parent.is_dir():
+        raise UsageError(f"{option}: {str(p.parent)!r} is a file, not a directory")
+    _check_writable_dir(p.parent, option)
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, option: str) -> Path:
+    """Before any work: ``path`` is a writable directory, or can be made one. Raises UsageError."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{option}: {str(path)!r} is a file, not a directory")
+    _check_writable_dir(p, option)
+    return p
+
+
+def _jsonable(obj: Any) -> Any:
+    """Convert tensors, numpy values, paths, dataclasses and non-finite floats to plain JSON."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)  # "nan", "inf" stay readable
+    if hasattr(obj, "tolist"):  # torch / numpy scalars and arrays
+        return _jsonable(obj.tolist())
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def write_json(path: str | os.PathLike, data: dict[str, Any]) -> Path:
+    """``data`` as indented JSON (tensors, paths, non-finite floats made plain), written atomically."""
+    return atomic_write(path, json.dumps(_jsonable(data), indent=2, sort_keys=False) + "\n")
