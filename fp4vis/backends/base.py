@@ -10,6 +10,7 @@ import torch
 from fp4vis.call import AttentionCall
 from fp4vis.policy import Policy
 from fp4vis.reference import RangeReport
+from fp4vis.tracing import constant_at_trace_time
 
 # backend names: "auto" picks one, the others name one
 AUTO = "auto"
@@ -52,10 +53,12 @@ class Backend:
         raise NotImplementedError
 
 
-# a plain dict, not functools.cache: Dynamo warns on every compiled call site that traces a cached function
+# a plain dict, not functools.cache: Dynamo warns on every compiled call site that traces a cached function;
+# run for real under torch.compile (a traced first call would guard on the dict, and recompile once it is filled)
 _CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
+@constant_at_trace_time
 def device_capability(index: int | None) -> tuple[int, int]:
     """``torch.cuda.get_device_capability`` of CUDA device ``index`` (None: the current device),
     cached (it is asked on every call)."""

@@ -48,6 +48,7 @@ from fp4vis.config import cached_setting, setting
 from fp4vis.layout import LOG2E, kernel_params
 from fp4vis.policy import QK_FP8, Policy
 from fp4vis.qk_transform import QKTransform
+from fp4vis.tracing import constant_at_trace_time
 
 from .layout import fp8_key_scale_blocks
 from .prepass import prepare_kernel_operands
@@ -73,9 +74,12 @@ SHORT_SEQ = 768
 
 # The per-call checks and set-up below are cached: at small S the call is host-bound (SDPA cuDNN
 # takes ~18 us of host time per call), so every microsecond of Python counts.
-_CUTLASS_IMPORT: dict[str, str | None] = {}   # a plain dict: Dynamo warns where it traces functools.cache
+_CUTLASS_IMPORT: dict[str, str | None] = {}
 
 
+# run for real under torch.compile: a traced first call would guard on the dict and recompile at the next
+# call, once it is filled
+@constant_at_trace_time
 def _cutlass_import_error() -> str | None:
     if "error" not in _CUTLASS_IMPORT:
         try:

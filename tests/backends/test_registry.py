@@ -104,7 +104,9 @@ def test_import_is_light_and_the_reference_is_one_op_under_compile():
 def test_the_kernels_availability_check_traces_without_a_cache_warning(monkeypatch):
     """The per-call checks a compiled call traces (the Hopper backend's CuTe DSL import check, the device
     capability) are memoised in plain dicts: Dynamo warns at every compiled call site that traces a
-    ``functools.cache`` function (seen on the H200 under ``eval wan --compile``)."""
+    ``functools.cache`` function (seen on the H200 under ``eval wan --compile``). Dynamo runs them for real:
+    where the process's first call is compiled, the next does not recompile on the memos it filled (seen on
+    the H200, 20261203m's last run)."""
     import warnings
 
     import torch
@@ -118,8 +120,11 @@ def test_the_kernels_availability_check_traces_without_a_cache_warning(monkeypat
     def f(x):
         return x + (1 if hopper._cutlass_import_error() is None else 2) + base.device_capability(0)[0]
 
-    with warnings.catch_warnings(record=True) as caught:
+    monkeypatch.setattr(hopper, "_CUTLASS_IMPORT", {})
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(error_on_recompile=True):
         warnings.simplefilter("always")
         torch._dynamo.reset()
-        torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
+        compiled = torch.compile(f, fullgraph=True, backend="eager")
+        compiled(torch.ones(2))   # the process's first call is compiled: the checks fill their memos then
+        compiled(torch.ones(2))   # and the next call does not recompile on the filled memo
     assert not [w for w in caught if "lru_cache" in str(w.message)]
