@@ -10,8 +10,9 @@ Layers, imports running one way (docs/design.md):
 * patching: ``fp4vis.patching`` (``patch``, guard plans, one module per model library);
 * apps: ``fp4vis.cli``, ``fp4vis.pipelines``, ``fp4vis.evals`` on ``fp4vis.services``.
 
-Follow a call: ``fp4vis.attention`` -> ``fp4vis.backends.registry.select_backend`` -> a backend's
-``forward`` (``fp4vis.backends.reference`` or ``fp4vis.kernels.hopper.backend``) -> its kernel.
+Follow a call: ``fp4vis.attention`` builds the typed call (``fp4vis.call.AttentionCall``) ->
+``fp4vis.backends.registry.select_backend`` -> a backend's ``run`` (``fp4vis.backends.reference`` or
+``fp4vis.kernels.hopper.backend``) -> its kernel.
 """
 
 from fp4vis.attention import RangeExceededError, attention, check_range

@@ -17,7 +17,7 @@ block-scaled FP4 MMAs (sm_100a / sm_103a / sm_120a), self-checked on first use.
   ``fp4vis.kernels.blackwell``) and kept in ``COMPILE_TIMES``.
 * Range checks through the range record (``fp4vis.backends.range_record``), as the Hopper kernel: where
   ``fp4vis.attention`` passes a record, the call's number goes to the kernel, which counts saturated
-  blocks, empty rows and non-finite outputs into the device's record (``forward`` returns None for
+  blocks, empty rows and non-finite outputs into the device's record (``run`` returns None for
   the RangeReport). Rows whose probabilities all underflow give 0.
 """
 

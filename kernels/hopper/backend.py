@@ -18,7 +18,7 @@
   "warn"; under torch.compile the op starts it at run time from the call's site), the kernel
   variant with ``range_record`` counts saturated P blocks,
   empty rows and non-finite outputs on the device and ``fp4vis.backends.range_record`` reports them
-  later (no synchronisation per call); ``forward`` returns ``None`` for the RangeReport. Rows whose
+  later (no synchronisation per call); ``run`` returns ``None`` for the RangeReport. Rows whose
   probabilities all underflow produce 0 rather than NaN.
 """
 
