@@ -42,6 +42,7 @@ from fp4vis.evals.demo_defaults import DEFAULT_CLIPS
 from fp4vis.evals.plots import frame_strip
 from fp4vis.evals.report import fmt, markdown_table, mean_ci95, wilson_ci95, write_report
 from fp4vis.evals.wan_fidelity import OperatorError, frame_metrics
+from fp4vis.pipelines.wan_sizes import tokens_per_frame_sequence
 from fp4vis.pipelines.wan_video import (
     GenerationConfig,
     decode_clips,
@@ -51,7 +52,6 @@ from fp4vis.pipelines.wan_video import (
     load_wan_pipeline,
     mp4_unavailable,
     save_mp4,
-    tokens_per_frame_sequence,
 )
 from fp4vis.services.policies import resolve_policies
 from fp4vis.services.sources import display_source
@@ -215,7 +215,7 @@ def logit_ranges(transformer: torch.nn.Module, inputs: list, fp4: Sequence[Any],
     ``full=True``) on the recorded transformer calls, the limit of every Direct-P policy that ran and the
     rule's decision."""
     from fp4vis import calibrate
-    from fp4vis.patching.guard import policy_limit
+    from fp4vis.patching.guard_plan import policy_limit
 
     plan = calibrate(transformer, inputs, policy="fast", full=True, model_id="digits-wan transformer")
     layers = {}

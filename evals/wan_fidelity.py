@@ -41,11 +41,10 @@ from fp4vis.evals.baselines import BASELINES, attention_function, select_baselin
 from fp4vis.evals.common import AttentionRecorder, error_metrics
 from fp4vis.evals.report import fmt, markdown_table, write_report
 from fp4vis.patching.wan import attention_function_applied
+from fp4vis.pipelines.wan_sizes import WAN_TRANSFORMER_CONFIGS, check_cpu_size, tokens_per_frame_sequence, wan_tokens
 from fp4vis.pipelines.wan_video import (
-    WAN_TRANSFORMER_CONFIGS,
     GenerationConfig,
     build_random_wan_pipeline,
-    check_cpu_size,
     compile_transformers,
     encode_prompt,
     generate,
@@ -54,8 +53,6 @@ from fp4vis.pipelines.wan_video import (
     mp4_unavailable,
     random_prompt_embeds,
     save_mp4,
-    tokens_per_frame_sequence,
-    wan_tokens,
 )
 from fp4vis.services.console import WarningLog
 from fp4vis.services.environment import environment

@@ -10,10 +10,8 @@ initial latents from a CPU generator seeded with ``seed`` (identical on every de
 policy), and applies the policy with ``fp4vis.patch`` only for the duration of the call. ``bf16``
 is the pipeline's own attention. Its settings are one ``GenerationConfig``, given as keywords (as above)
 or built once and varied per call (``generate(pipe, base, policy="accurate")``).
-``run_generate(GenerateConfig(model, prompt, ...))`` is the ``fp4vis generate`` command: it also writes
-the MP4 (imageio-ffmpeg) and a JSON sidecar (model, prompt, seed, frames, steps, policy, guard
-plan, timings, versions, GPU); with ``cp="ulysses=2"`` (or ``ring``, or both) under torchrun it spreads
-each transformer pass over the ranks (``fp4vis.pipelines.context_parallel``) and rank 0 writes.
+``fp4vis generate`` is ``fp4vis.pipelines.wan_generate.run_generate``; the sizes, frames and steps a model takes
+are checked by ``fp4vis.pipelines.wan_sizes``.
 
 ``build_random_wan_pipeline("1.3B" | "14B")`` builds the real Wan2.1 architectures with seeded random
 weights and no text encoder, for speed measurements on machines without the checkpoints.
@@ -26,9 +24,7 @@ steps and guidance a shipped model was trained for, and Wan2.1's otherwise.
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,29 +33,21 @@ import numpy as np
 import torch
 
 from fp4vis.files import atomic_path
+from fp4vis.pipelines.wan_sizes import (
+    WAN_TRANSFORMER_CONFIGS,
+    check_steps,
+    latent_shape,
+    model_index,
+    resolve_model,
+    tokens_per_frame_sequence,
+)
 from fp4vis.policy import get_policy
-from fp4vis.services.environment import environment
-from fp4vis.services.guard_plans import check_plan_policy, guard_plan_summary, load_guard_plan
-from fp4vis.services.outputs import check_output_file, write_json
-from fp4vis.services.policies import attention_label, check_backend, policy_applied, warn_reference_fallback
+from fp4vis.services.policies import attention_label, check_backend, policy_applied
 from fp4vis.services.runtime import COMPILE_MODES, derived_seed, resolve_device, resolve_dtype
 from fp4vis.services.sources import check_model_source, hub_error, is_network_error
 from fp4vis.services.timing import Timer
 from fp4vis.services.usage import UsageError
 
-GENERATE_POLICIES = ("fast", "accurate", "wan_fast", "bf16", "guard", "nv_fp8")
-
-# transformer configs of the published Wan2.1 T2V checkpoints (diffusers format)
-WAN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
-    "1.3B": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
-                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                 qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
-                 rope_max_seq_len=1024),
-    "14B": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
-                rope_max_seq_len=1024),
-}
 WAN_TEXT_LEN, WAN_TEXT_DIM = 512, 4096
 
 
@@ -98,7 +86,7 @@ class GenerationResult:
 def training_record(model: str) -> dict[str, Any]:
     """The training record (``training.json``) of a model folder: the shipped ``fp4vis:digits-wan`` and any
     run of scripts/train_digits_video.py; {} for any other model (a Hub id, a folder without one)."""
-    record = Path(os.path.expanduser(_resolve(model))) / "training.json"
+    record = Path(os.path.expanduser(resolve_model(model))) / "training.json"
     return json.loads(record.read_text()) if record.is_file() else {}
 
 
@@ -156,20 +144,6 @@ class LatentsAfterSteps:
         return callback_kwargs
 
 
-def _resolve(model: str) -> str:
-    from fp4vis import zoo
-
-    return zoo.resolve_source(model, "model") if zoo.is_zoo_source(model) else model
-
-
-def _model_index(path: str) -> dict[str, Any]:
-    f = Path(path) / "model_index.json"
-    if not f.is_file():
-        raise UsageError(f"model: {path!r} is not a diffusers pipeline folder (no model_index.json); save one "
-                         "with pipe.save_pretrained(dir) or pass a Hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
-    return json.loads(f.read_text())
-
-
 def load_wan_pipeline(model: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "bfloat16",
                       i2v: bool | None = None, text_encoder: bool = True, vae_dtype: str | torch.dtype = "float32"):
     """A Wan2.1 pipeline from a Hub id or a local diffusers folder. ``i2v=None`` picks the class
@@ -177,18 +151,18 @@ def load_wan_pipeline(model: str, *, device: str | torch.device = "auto", dtype:
     text encoder and tokenizer (then pass ``prompt_embeds``)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    src, is_local = check_model_source(_resolve(model))
+    src, is_local = check_model_source(resolve_model(model))
     dev = resolve_device(device)
     dt, vdt = resolve_dtype(dtype), resolve_dtype(vae_dtype)
     if i2v is None:
         if is_local:
-            i2v = "ImageToVideo" in str(_model_index(src).get("_class_name", ""))
+            i2v = "ImageToVideo" in str(model_index(src).get("_class_name", ""))
         else:
             i2v = "i2v" in src.lower()
     cls = WanImageToVideoPipeline if i2v else WanPipeline
     kwargs: dict[str, Any] = {"dtype": dt}
     if is_local:  # components saved as null (e.g. a pipeline saved without its text encoder)
-        for key, val in _model_index(src).items():
+        for key, val in model_index(src).items():
             if not key.startswith("_") and (val is None or (isinstance(val, list) and val[0] is None)):
                 kwargs[key] = None
     if not text_encoder:
@@ -284,163 +258,11 @@ def random_prompt_embeds(seed: int = 0, *, length: int = WAN_TEXT_LEN, dim: int 
     return pe.to(dtype), npe.to(dtype)
 
 
-# diffusers' Wan pipelines refuse a height or width that is not a multiple of 16 (check_inputs), whatever the
-# VAE and the patch size allow
-PIPELINE_SIZE_MULTIPLE = 16
-
-
-@dataclass(frozen=True)
-class WanGeometry:
-    """What a Wan pipeline's VAE and transformer need of a video's size, read from their configs: the VAE's
-    scale factors (frames per latent frame after the first, pixels per latent pixel), the transformer's patch
-    (latent frames, rows, columns per token) and its rotary embedding's positions per axis
-    (``rope_max_seq_len``: latent frames per patch, and rows and columns per patch, beyond it fail)."""
-
-    temporal: int
-    spatial: int
-    patch: tuple[int, int, int]
-    rope_max_seq_len: int
-
-    @classmethod
-    def of_pipeline(cls, pipe) -> WanGeometry:
-        transformer = getattr(pipe, "transformer", None)
-        cfg = (transformer if transformer is not None else pipe.transformer_2).config
-        return cls(int(pipe.vae_scale_factor_temporal), int(pipe.vae_scale_factor_spatial),
-                   tuple(int(x) for x in cfg.patch_size), int(cfg.rope_max_seq_len))
-
-    @classmethod
-    def of_size(cls, size: str) -> WanGeometry:
-        """The Wan2.1 architecture ``size`` that ``build_random_wan_pipeline`` builds (default VAE)."""
-        cfg = WAN_TRANSFORMER_CONFIGS[size]
-        return cls(*WAN_VAE_SCALE, tuple(cfg["patch_size"]), int(cfg["rope_max_seq_len"]))
-
-    def size_multiple(self, axis: int) -> int:
-        """Height (axis 1) or width (axis 2) must be a multiple of this: the VAE's factor times the patch,
-        and of the pipeline's 16."""
-        return math.lcm(self.spatial * self.patch[axis], PIPELINE_SIZE_MULTIPLE)
-
-    def max_size(self, axis: int) -> int:
-        """The largest height (axis 1) or width (axis 2) the rotary embedding covers."""
-        most = self.rope_max_seq_len * self.spatial * self.patch[axis]
-        return most // self.size_multiple(axis) * self.size_multiple(axis)
-
-    def latent_frames(self, frames: int) -> int:
-        return (frames - 1) // self.temporal + 1
-
-    @property
-    def max_frames(self) -> int:
-        return (self.rope_max_seq_len * self.patch[0] - 1) * self.temporal + 1
-
-    def check(self, *, height: int, width: int, frames: int, model: str = "the model", prefix: str = "") -> None:
-        """A UsageError naming the option (``prefix`` + frames/height/width: ``--`` at the command line) and
-        what the model needs, for a size its pipeline cannot generate."""
-        tf, pt = self.temporal, self.patch[0]
-        if frames < 1 or (frames - 1) % tf or self.latent_frames(frames) % pt:
-            each = "" if pt == 1 else f", with (frames - 1) / {tf} + 1 a multiple of its patch's {pt}"
-            raise UsageError(f"{prefix}frames: {model} needs frames = {tf}k + 1 (its VAE encodes {tf} frames per "
-                             f"latent frame after the first: 1, {tf + 1}, {2 * tf + 1}, ...{each}), got {frames}")
-        if frames > self.max_frames:
-            raise UsageError(f"{prefix}frames: at most {self.max_frames} for {model} (its transformer's rotary "
-                             f"embedding has {self.rope_max_seq_len} positions in time, rope_max_seq_len), got "
-                             f"{frames}")
-        for axis, option, value in ((1, "height", height), (2, "width", width)):
-            multiple = self.size_multiple(axis)
-            if value < 1 or value % multiple:
-                raise UsageError(f"{prefix}{option}: must be a multiple of {multiple} for {model} (its VAE's "
-                                 f"{self.spatial} px per latent pixel x the transformer's patch of "
-                                 f"{self.patch[axis]}, and diffusers' Wan pipelines take multiples of "
-                                 f"{PIPELINE_SIZE_MULTIPLE}), got {value}")
-            if value > self.max_size(axis):
-                raise UsageError(f"{prefix}{option}: at most {self.max_size(axis)} for {model} (its "
-                                 f"transformer's rotary embedding has {self.rope_max_seq_len} positions per axis, "
-                                 f"rope_max_seq_len, of {self.spatial * self.patch[axis]} px), got {value}")
-
-
-def _config(cls, src: str, subfolder: str) -> dict[str, Any]:
-    """A component's config as its class reads it (defaults of the keys a saved config lacks), without
-    its weights (``load_config``)."""
-    import inspect
-
-    params = inspect.signature(cls.__init__).parameters
-    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
-    return {**defaults, **cls.load_config(src, subfolder=subfolder)}
-
-
-def wan_geometry(model: str) -> WanGeometry:
-    """A Wan pipeline's ``WanGeometry`` from its VAE's and transformer's configs alone (``load_config``:
-    no weights), before it is loaded."""
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
-
-    src, is_local = check_model_source(_resolve(model))
-    transformer = "transformer"
-    if is_local:
-        index = _model_index(src)
-        if index.get("transformer", [None])[0] is None and index.get("transformer_2", [None])[0] is not None:
-            transformer = "transformer_2"   # a Wan2.2 pipeline of its low-noise expert alone
-    try:
-        vae = _config(AutoencoderKLWan, src, "vae")
-        cfg = _config(WanTransformer3DModel, src, transformer)
-    except Exception as e:
-        if not is_local and is_network_error(e):
-            raise hub_error(model, e) from e
-        if is_local and isinstance(e, OSError):
-            raise UsageError(f"model: {model!r} has no readable vae and {transformer} configs ({e})") from None
-        raise
-    return WanGeometry(int(vae["scale_factor_temporal"]), int(vae["scale_factor_spatial"]),
-                       tuple(int(x) for x in cfg["patch_size"]), int(cfg["rope_max_seq_len"]))
-
-
-def check_steps(indices: tuple[int, ...] | None, steps: int, option: str = "exact_steps") -> None:
-    """Denoising step indices exist: ``0 .. steps - 1``, or ``-steps .. -1`` counted from the end (-1: the
-    last). A UsageError naming ``option`` otherwise (the step callback would skip it without a word)."""
-    bad = [i for i in indices or () if not -steps <= i < steps]
-    if bad:
-        raise UsageError(f"{option}: step {bad[0]} does not exist in {steps} denoising step"
-                         f"{'s' if steps > 1 else ''} (indices 0..{steps - 1}, or -{steps}..-1 from the end)")
-
-
-def latent_shape(pipe, *, height: int, width: int, frames: int, batch: int = 1) -> tuple[int, ...]:
-    geometry = WanGeometry.of_pipeline(pipe)
-    geometry.check(height=height, width=width, frames=frames)
-    sf = geometry.spatial
-    # noise channels = the VAE latent channels (I2V transformers take more inputs: noise + condition)
-    return (batch, pipe.vae.config.z_dim, geometry.latent_frames(frames), height // sf, width // sf)
-
-
 def initial_latents(pipe, *, height: int, width: int, frames: int, seed: int) -> torch.Tensor:
     """The initial noise, from a CPU generator: the same on every device and for every policy."""
     g = torch.Generator().manual_seed(int(seed))
     return torch.randn(latent_shape(pipe, height=height, width=width, frames=frames), generator=g,
                        dtype=torch.float32)
-
-
-def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> int:
-    """Self-attention sequence length of the transformer for this video size (arithmetic only: also for a size
-    that this pipeline's rotary embedding cannot generate, as the CPU estimate asks of a small model)."""
-    geometry = WanGeometry.of_pipeline(pipe)
-    p = geometry.patch
-    sf = geometry.spatial
-    return (geometry.latent_frames(frames) // p[0]) * (height // sf // p[1]) * (width // sf // p[2])
-
-
-WAN_VAE_SCALE = (4, 8)   # the Wan2.1 VAE's downsampling in time and space (build_random_wan_pipeline's too)
-
-
-def wan_tokens(size: str, *, height: int, width: int, frames: int) -> int:
-    """``tokens_per_frame_sequence`` of the Wan2.1 architecture ``size`` before it is built."""
-    p = WAN_TRANSFORMER_CONFIGS[size]["patch_size"]
-    tf, sf = WAN_VAE_SCALE
-    return ((frames - 1) // tf + 1) // p[0] * (height // sf // p[1]) * (width // sf // p[2])
-
-
-def check_cpu_size(what: str, tokens: int, *, height: int, width: int, frames: int) -> None:
-    """A measurement at a GPU's size on the CPU is refused before any work (UsageError): above
-    CPU_PRACTICAL_TOKENS a step takes hours there (the reference emulation; ``warn_if_impractical_on_cpu``
-    measures it), so such a run is not one to wait for."""
-    if tokens > CPU_PRACTICAL_TOKENS:
-        raise UsageError(f"{what}: {frames} frames at {height}x{width} are {tokens} tokens per sequence, a GPU's "
-                         f"size: on the CPU a step takes hours. Run it on a GPU (--device cuda), or at most "
-                         f"{CPU_PRACTICAL_TOKENS} tokens here (e.g. --height 128 --width 128 --frames 9)")
 
 
 @torch.no_grad()
@@ -627,176 +449,3 @@ def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16, progres
         for f in tqdm(u8, desc=f"write {path.name}", unit="frame", disable=not progress):
             writer.append_data(f)
     return path
-
-
-# the settings a model's training record gives (``generation_defaults``) where a GenerateConfig leaves them None
-MODEL_DEFAULTS = ("height", "width", "frames", "steps", "guidance_scale", "fps")
-
-
-@dataclass(frozen=True)
-class GenerateConfig:
-    """What ``fp4vis generate`` makes (``run_generate``; the CLI builds it from its options). ``height``,
-    ``width``, ``frames``, ``steps``, ``guidance_scale`` and ``fps`` left None come from
-    ``generation_defaults(model)``; ``image`` (image-to-video) and ``guard_plan`` are paths; ``force``: a
-    prompt the model does not know generates, with a warning (``check_prompt``); ``compile``: a mode of
-    ``compile_transformers`` (the first step then includes the compilation); ``cp`` (``"ulysses=2"``,
-    ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context parallelism over the processes of
-    a torchrun launch (``fp4vis.pipelines.context_parallel``)."""
-
-    model: str
-    prompt: str
-    output: str | os.PathLike = "video.mp4"
-    negative_prompt: str | None = None
-    image: str | None = None
-    policy: str = "fast"
-    guard_plan: str | None = None
-    seed: int = 0
-    height: int | None = None
-    width: int | None = None
-    frames: int | None = None
-    steps: int | None = None
-    guidance_scale: float | None = None
-    fps: int | None = None
-    device: str = "auto"
-    dtype: str = "bfloat16"
-    backend: str = "auto"
-    exact_steps: tuple[int, ...] | None = None
-    progress: bool = True
-    cp: Any = None
-    force: bool = False
-    compile: str | None = None
-
-
-def run_generate(config: GenerateConfig, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json) of ``config``
-    (``GenerateConfig``); ``say`` is told what runs once the model is loaded (the CLI's header; rank 0 alone
-    under ``cp``). A prompt the model does not know is refused (``check_prompt``; ``force``: a warning), and
-    so, before loading, are step indices that do not exist and sizes or frames the model's VAE and
-    transformer cannot take (``check_steps``, ``wan_geometry``: errors name the options).
-
-    Under ``cp`` every rank denoises, rank 0 alone decodes and writes (the others return ``video`` None)."""
-    given = {k: getattr(config, k) for k in MODEL_DEFAULTS}
-    gen = {**generation_defaults(config.model), **{k: v for k, v in given.items() if v is not None}}
-    config = replace(config, **{k: gen[k] for k in MODEL_DEFAULTS})
-    if config.policy not in GENERATE_POLICIES:
-        get_policy(config.policy)  # raises the standard message for unknown names
-    check_prompt(config.model, config.prompt, force=config.force)
-    check_steps(config.exact_steps, config.steps, "--exact-steps")
-    if config.cp is None:
-        return _run_generate(config, resolve_device(config.device), say=say)
-    from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
-
-    cp = config.cp if isinstance(config.cp, ContextParallel) else parse_cp(config.cp)
-    with distributed(cp, config.device) as session:
-        return _run_generate(replace(config, cp=cp, progress=config.progress and session.is_main), session.device,
-                             main=session.is_main, say=say if session.is_main else None)
-
-
-def _run_generate(config: GenerateConfig, dev: torch.device, *, main: bool = True,
-                  say: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """``run_generate`` on this process's device ``dev`` once the model's defaults are in ``config`` (and
-    ``config.cp`` is a ``ContextParallel`` or None); ``main``: the process that decodes and writes."""
-    c = config
-    check_backend(c.backend, dev)
-    if c.compile is not None and c.compile not in COMPILE_MODES:
-        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {c.compile!r}")
-    plan = load_guard_plan(c.guard_plan)
-    check_plan_policy(plan, c.policy, "guard_plan")
-    pil = None
-    if c.image is not None:
-        if not Path(c.image).is_file():
-            raise UsageError(f"image: file {c.image!r} does not exist")
-        from PIL import Image
-
-        pil = Image.open(c.image).convert("RGB")
-    if c.cp is None:
-        output = check_output_file(c.output, "output")
-    else:  # rank 0 alone touches the output folder; every rank stops on its error
-        from fp4vis.pipelines.context_parallel import agree, check_exact_under_ring
-
-        output = agree(lambda: check_output_file(c.output, "output"))
-        exact = ("--policy bf16" if get_policy(c.policy).method == "exact"
-                 else "--exact-steps" if c.exact_steps else None)
-        check_exact_under_ring(c.cp, dev, resolve_dtype(c.dtype), exact)
-    # the size against the model's configs, before its weights load
-    wan_geometry(c.model).check(height=c.height, width=c.width, frames=c.frames, model=c.model, prefix="--")
-    src, is_local = check_model_source(_resolve(c.model))
-    if pil is not None and is_local and "ImageToVideo" not in str(_model_index(src).get("_class_name", "")):
-        raise UsageError(f"image: {c.model!r} is a text-to-video model ({_model_index(src).get('_class_name')}); "
-                         "drop --image, or give an image-to-video checkpoint")
-    with Timer() as tload:
-        pipe = load_wan_pipeline(c.model, device=dev, dtype=c.dtype, i2v=True if pil is not None else None)
-    if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
-        raise UsageError(f"{c.model!r} is an image-to-video model: pass --image")
-    if say is not None:
-        exact = f", exact attention in steps {', '.join(map(str, c.exact_steps))}" if c.exact_steps else ""
-        say(f"generate: {c.model}, \"{c.prompt}\"{' from ' + str(c.image) if c.image else ''}, {c.width}x{c.height}, "
-            f"{c.frames} frames, {c.steps} steps, guidance {c.guidance_scale}, seed {c.seed}; attention: "
-            f"{attention_label(c.policy, c.backend, dev, plan)}{exact}"
-            f"{f'; transformer compiled ({c.compile}, fullgraph) in the first step' if c.compile else ''} -> {output}")
-    warn_reference_fallback(c.backend, dev, c.policy, "fp4vis generate")   # after the line saying what runs
-    if dev.type == "cpu":
-        warn_if_impractical_on_cpu(pipe, c.policy, height=c.height, width=c.width, frames=c.frames, steps=c.steps,
-                                   guidance_scale=c.guidance_scale)
-    if c.cp is not None:
-        from fp4vis.pipelines.context_parallel import check_tokens, enable_context_parallel
-
-        check_tokens(tokens_per_frame_sequence(pipe, height=c.height, width=c.width, frames=c.frames), c.cp)
-        enable_context_parallel(pipe.transformer, c.cp)
-    if c.compile is not None:
-        compile_transformers(pipe, c.compile)
-    res = generate(pipe, GenerationConfig(
-        prompt=c.prompt, negative_prompt=c.negative_prompt, image=pil, height=c.height, width=c.width,
-        frames=c.frames, steps=c.steps, guidance_scale=c.guidance_scale, seed=c.seed, policy=c.policy, guard=plan,
-        backend=c.backend, progress=c.progress, exact_steps=c.exact_steps, decode=main))
-    timings = {"load_s": tload.seconds, **res.timings}
-    if not main:
-        return {"video": None, "sidecar": None, "timings": timings, "result": res}
-    out = save_mp4(res.frames, output, fps=c.fps, progress=c.progress)
-    sidecar = {
-        "model": c.model, "pipeline": type(pipe).__name__, "prompt": c.prompt, "negative_prompt": c.negative_prompt,
-        "image": c.image, "seed": c.seed, "frames": c.frames, "height": c.height, "width": c.width, "steps": c.steps,
-        "guidance_scale": c.guidance_scale, "fps": c.fps, "policy": get_policy(c.policy).name, "backend": c.backend,
-        "dtype": str(resolve_dtype(c.dtype)).replace("torch.", ""), "guard_plan": c.guard_plan,
-        "guard_plan_content": guard_plan_summary(plan), "exact_steps": res.info["exact_steps"],
-        "tokens": res.info["tokens"], "context_parallel": c.cp.to_dict() if c.cp is not None else None,
-        "compile": c.compile,
-        "timings": timings, "video": str(out), "environment": environment(),
-    }
-    side = write_json(out.with_suffix(".json"), sidecar)
-    return {"video": out, "sidecar": side, "timings": sidecar["timings"], "result": res}
-
-
-CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence on the CPU generate warns, the Wan eval refuses
-_CPU_PROBE_TOKENS = 1024
-
-
-def warn_if_impractical_on_cpu(pipe, policy: str, *, height: int, width: int, frames: int, steps: int,
-                               guidance_scale: float) -> float | None:
-    """Sizes made for a GPU (81 frames at 480x832: 32760 tokens) take hours or days on a CPU: warn, with
-    an estimate measured here and the options that make a CPU run practical. The estimate is attention
-    alone, a lower bound: one call of the policy at ``_CPU_PROBE_TOKENS`` tokens timed on this CPU, scaled
-    by the square of the sequence, the layers, the steps and the CFG passes. Returns it (seconds), or None
-    below ``CPU_PRACTICAL_TOKENS``."""
-    import time
-    import warnings
-
-    from fp4vis.attention import attention
-
-    tokens = tokens_per_frame_sequence(pipe, height=height, width=width, frames=frames)
-    if tokens <= CPU_PRACTICAL_TOKENS:
-        return None
-    cfg = pipe.transformer.config
-    heads, head_dim = int(cfg.num_attention_heads), int(cfg.attention_head_dim)
-    q = torch.randn(1, heads, _CPU_PROBE_TOKENS, head_dim)
-    t0 = time.perf_counter()
-    attention(q, q, q, policy=policy, backend="reference", range_check="off")
-    probe = time.perf_counter() - t0
-    passes = steps * (2 if guidance_scale > 1.0 else 1) * int(cfg.num_layers)
-    estimate = probe * (tokens / _CPU_PROBE_TOKENS) ** 2 * passes
-    warnings.warn(f"generate on the CPU: {frames} frames at {height}x{width} are {tokens} tokens per sequence; "
-                  f"{steps} steps would take at least {estimate / 3600:.1f} h of attention alone here (one "
-                  f"{_CPU_PROBE_TOKENS}-token call of {policy!r} took {probe:.2f} s). Sizes made for a GPU: use "
-                  "--device cuda, or e.g. --frames 9 --height 128 --width 128 --steps 8 on the CPU",
-                  UserWarning, stacklevel=3)
-    return estimate

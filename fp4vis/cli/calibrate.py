@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fp4vis.patching.guard import GuardRule, calibrate
+    from fp4vis.patching.guard import calibrate
+    from fp4vis.patching.guard_plan import GuardRule
     from fp4vis.policy import get_policy
     from fp4vis.services.outputs import check_output_file
     from fp4vis.services.runtime import resolve_device, resolve_dtype
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--{option}: {reason}") from None
     out = check_output_file(args.out, "--out")
     if args.calib_kind == "wan":
-        from fp4vis.pipelines.wan_video import check_prompt, wan_geometry
+        from fp4vis.pipelines.wan_sizes import wan_geometry
+        from fp4vis.pipelines.wan_video import check_prompt
 
         for prompt in args.prompt:
             check_prompt(args.model, prompt, force=args.force)

@@ -198,7 +198,7 @@ def _announcer(args: argparse.Namespace):
 def _check_wan_eval_options(args: argparse.Namespace, size: dict[str, int]) -> None:
     """Before anything loads: --latent-steps within the run's steps, and the size and frames the model's VAE
     and transformer can take (read from its configs, or the --speed-only architecture's)."""
-    from fp4vis.pipelines.wan_video import WanGeometry, wan_geometry
+    from fp4vis.pipelines.wan_sizes import WanGeometry, wan_geometry
     from fp4vis.services.usage import UsageError
 
     bad = [k for k in args.latent_steps if not 1 <= k <= args.steps]

@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fp4vis.pipelines.wan_video import GenerateConfig, run_generate
+    from fp4vis.pipelines.wan_generate import GenerateConfig, run_generate
     from fp4vis.services.outputs import check_output_file
 
     cp = None

@@ -3,14 +3,16 @@
 * ``api``: ``patch`` (find the layers, resolve a policy per layer, install) and ``unpatch``;
 * ``handle``: ``PatchHandle`` and the installer; ``discovery``: which layers a model has;
 * ``layer``: ``LayerSpec`` / ``LayerState`` and the fallback rules;
-* ``guard``: calibration statistics, ``GuardPlan``, ``calibrate``;
+* ``guard``: the calibration statistic, ``calibrate``, ``AutoGuard``; ``guard_plan``: ``GuardRule``, ``GuardPlan``
+  (the plan file: its JSON, load/save and their checks), ``GuardPlanError``;
 * one module per library: ``wan`` (diffusers), ``timm_vit`` (timm), ``hf_vit`` (transformers);
 * ``context_parallel``: FP4 attention of the Wan layers under diffusers' context parallelism.
 """
 
 from .api import patch
 from .context_parallel import ContextParallelError
-from .guard import GuardPlan, GuardPlanError, GuardRule, calibrate
+from .guard import calibrate
+from .guard_plan import GuardPlan, GuardPlanError, GuardRule
 from .handle import PatchHandle, unpatch
 from .layer import FallbackError, FallbackWarning, LayerSpec, LayerState
 

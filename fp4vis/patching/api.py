@@ -48,7 +48,8 @@ from fp4vis.backends import registry
 from fp4vis.policy import Policy
 
 from .discovery import find_layers, model_id, select_layers
-from .guard import AutoGuard, GuardPlan
+from .guard import AutoGuard
+from .guard_plan import GuardPlan
 from .handle import PatchHandle, install
 from .layer import FallbackError, FallbackWarning, LayerSpec, resolve_policy
 
@@ -130,7 +131,7 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
             ViT / ViTMAE model (any ``nn.Module`` holding supported attention layers).
         policy: base policy of the default layers (a name, a Policy, or None/"exact").
         layers: ``{index or name pattern: policy}`` overrides, applied in order (module docstring).
-        guard: a :class:`~fp4vis.patching.guard.GuardPlan`, a path to its JSON (str or os.PathLike; anything
+        guard: a :class:`~fp4vis.patching.guard_plan.GuardPlan`, a path to its JSON (str or os.PathLike; anything
             else is a TypeError), or ``"auto"`` (each layer
             calibrates on its first call with ``guard_rule`` and switches to the guard policy when
             the rule says so; ``handle.guard_plan`` collects the result).
@@ -141,7 +142,7 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
         cross_attention: Wan: patch ``attn2`` with the base policy too (default: exact).
         decoder: ViTMAE: patch the decoder with the base policy too (default: encoder only).
         range_check: passed to ``fp4vis.attention`` ("raise", "warn", "off").
-        guard_rule: the :class:`~fp4vis.patching.guard.GuardRule` for ``guard="auto"``.
+        guard_rule: the :class:`~fp4vis.patching.guard_plan.GuardRule` for ``guard="auto"``.
     """
     _check_backend(backend, strict)
     _check_range_check(range_check)

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from fp4vis.evals.wan_fidelity import WanEvalConfig, run_wan_eval
+from fp4vis.pipelines import wan_sizes as ws
 from fp4vis.pipelines import wan_video as wv
 from fp4vis.services.usage import UsageError
 
@@ -44,8 +45,8 @@ def test_fidelity_mode(tiny, tmp_path):
 
 
 def test_speed_only_mode_is_labelled(monkeypatch, tmp_path):
-    tiny_cfg = dict(wv.WAN_TRANSFORMER_CONFIGS["1.3B"], num_layers=1, num_attention_heads=2, ffn_dim=32)
-    monkeypatch.setitem(wv.WAN_TRANSFORMER_CONFIGS, "1.3B", tiny_cfg)
+    tiny_cfg = dict(ws.WAN_TRANSFORMER_CONFIGS["1.3B"], num_layers=1, num_attention_heads=2, ffn_dim=32)
+    monkeypatch.setitem(ws.WAN_TRANSFORMER_CONFIGS, "1.3B", tiny_cfg)
     r = run_wan_eval(WanEvalConfig(speed_only="1.3B", policies="fast", out_dir=tmp_path, height=32, width=32, frames=5,
                                    steps=1, progress=False, warmup=False))
     assert r["mode"] == "speed_only" and r["random_weights"] and r["decode"] is False

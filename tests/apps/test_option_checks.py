@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp4vis.cli import options
-from fp4vis.pipelines import wan_video as wv
+from fp4vis.pipelines import wan_sizes as ws
 from fp4vis.services.runtime import SEED_MAX, SEED_MIN, derived_seed
 from fp4vis.services.usage import UsageError
 
@@ -40,12 +40,12 @@ def test_guidance_is_a_finite_number_at_least_0(text, ok):
 
 
 def test_step_indices_exist():
-    wv.check_steps((0, 1, -1, -2), 2)
-    wv.check_steps(None, 1)
+    ws.check_steps((0, 1, -1, -2), 2)
+    ws.check_steps(None, 1)
     for bad in (2, -3):
         with pytest.raises(UsageError, match=f"--exact-steps: step {bad} does not exist in 2 denoising steps "
                                              r"\(indices 0..1, or -2..-1 from the end\)"):
-            wv.check_steps((0, bad), 2, "--exact-steps")
+            ws.check_steps((0, bad), 2, "--exact-steps")
 
 
 def test_wan_limits_are_read_from_the_model_config_before_loading(tiny_wan):
@@ -53,8 +53,8 @@ def test_wan_limits_are_read_from_the_model_config_before_loading(tiny_wan):
     rotary embedding really stops: the largest frames and size run through it, one step more fails."""
     from diffusers import WanTransformer3DModel
 
-    geometry = wv.wan_geometry(str(tiny_wan))
-    assert geometry == wv.WanGeometry(temporal=4, spatial=8, patch=(1, 2, 2), rope_max_seq_len=32)
+    geometry = ws.wan_geometry(str(tiny_wan))
+    assert geometry == ws.WanGeometry(temporal=4, spatial=8, patch=(1, 2, 2), rope_max_seq_len=32)
     rope = WanTransformer3DModel.from_pretrained(str(tiny_wan), subfolder="transformer").rope
 
     def latent(frames, height, width):
@@ -76,6 +76,6 @@ def test_wan_limits_are_read_from_the_model_config_before_loading(tiny_wan):
 
 def test_wan_size_multiple_is_the_vae_and_patch_and_the_pipeline_16():
     """A patch of 1 leaves the VAE's 8, but diffusers' Wan pipelines refuse any size not a multiple of 16."""
-    assert wv.WanGeometry(4, 8, (1, 1, 1), 1024).size_multiple(1) == 16
-    assert wv.WanGeometry(4, 8, (1, 2, 4), 1024).size_multiple(2) == 32
-    assert wv.WanGeometry.of_size("1.3B").max_frames == 4093 == wv.WanGeometry.of_size("14B").max_frames
+    assert ws.WanGeometry(4, 8, (1, 1, 1), 1024).size_multiple(1) == 16
+    assert ws.WanGeometry(4, 8, (1, 2, 4), 1024).size_multiple(2) == 32
+    assert ws.WanGeometry.of_size("1.3B").max_frames == 4093 == ws.WanGeometry.of_size("14B").max_frames

@@ -1,4 +1,4 @@
-"""Wan2.1 pipeline (pipelines/wan_video.py) on a tiny pipeline saved with save_pretrained and loaded
+"""Wan2.1 pipeline (pipelines/wan_video.py, wan_sizes.py, wan_generate.py) on a tiny pipeline saved with save_pretrained and loaded
 back through load_wan_pipeline: seeded generation, FP4 vs BF16, MP4 + sidecar, errors."""
 
 import json
@@ -9,6 +9,8 @@ import torch
 
 from fp4vis.evals.tiny import make_image_folder, make_tiny_wan, make_tiny_wan_i2v
 from fp4vis.metrics import cosine
+from fp4vis.pipelines import wan_generate as wg
+from fp4vis.pipelines import wan_sizes as ws
 from fp4vis.pipelines import wan_video as wv
 from fp4vis.services.usage import UsageError
 
@@ -25,7 +27,7 @@ def test_load_local_pipeline(tiny):
     path, pipe = tiny
     assert type(pipe).__name__ == "WanPipeline" and pipe.text_encoder is not None
     assert pipe.transformer.dtype == torch.bfloat16 and pipe.vae.dtype == torch.float32
-    assert wv.latent_shape(pipe, height=32, width=32, frames=5) == (1, 16, 2, 4, 4)
+    assert ws.latent_shape(pipe, height=32, width=32, frames=5) == (1, 16, 2, 4, 4)
 
 
 def test_seeded_generation_and_fp4_close_to_bf16(tiny):
@@ -64,7 +66,7 @@ def test_prompt_embeds_without_text_encoder(tiny, tmp_path):
 
 def test_run_generate_writes_mp4_and_sidecar(tiny, tmp_path):
     path, _ = tiny
-    out = wv.run_generate(wv.GenerateConfig(str(path), "a dog on the beach", output=tmp_path / "v.mp4", policy="fast",
+    out = wg.run_generate(wg.GenerateConfig(str(path), "a dog on the beach", output=tmp_path / "v.mp4", policy="fast",
                                             seed=1, height=32, width=32, frames=5, steps=1, fps=8, device="cpu",
                                             progress=False))
     frames = _read_mp4(out["video"])
@@ -98,31 +100,31 @@ def test_errors(tiny, tmp_path):
     with pytest.raises(UsageError, match="CUDA GPU"):
         wv.generate(pipe, prompt="a cat", policy="fast", backend="hopper", **KW)
     with pytest.raises(UsageError, match="image: file"):
-        wv.run_generate(wv.GenerateConfig(str(path), "x", image=str(tmp_path / "nope.png"), device="cpu"))
+        wg.run_generate(wg.GenerateConfig(str(path), "x", image=str(tmp_path / "nope.png"), device="cpu"))
 
 
 def test_random_architecture_builder():
-    cfg = dict(wv.WAN_TRANSFORMER_CONFIGS["1.3B"], num_layers=1, num_attention_heads=2, ffn_dim=32, text_dim=64)
+    cfg = dict(ws.WAN_TRANSFORMER_CONFIGS["1.3B"], num_layers=1, num_attention_heads=2, ffn_dim=32, text_dim=64)
     pipe = wv.build_random_wan_pipeline("1.3B", device="cpu", transformer_config=cfg, vae=False)
     assert pipe.transformer.config.attention_head_dim == 128 and pipe.text_encoder is None
     assert pipe.transformer.scale_shift_table.dtype == torch.float32  # kept in FP32 as from_pretrained does
     assert pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
     with pytest.raises(UsageError, match="unknown Wan2.1 size"):
         wv.build_random_wan_pipeline("7B", device="cpu")
-    assert wv.WAN_TRANSFORMER_CONFIGS["14B"]["num_attention_heads"] == 40
+    assert ws.WAN_TRANSFORMER_CONFIGS["14B"]["num_attention_heads"] == 40
 
 
 def test_image_to_video(tmp_path):
     path = make_tiny_wan_i2v(tmp_path / "i2v")
     img = make_image_folder(tmp_path / "img", classes=("a",), per_class=1, size=32) / "a" / "img0.png"
-    out = wv.run_generate(wv.GenerateConfig(str(path), "a cat", image=str(img), output=tmp_path / "i2v.mp4",
+    out = wg.run_generate(wg.GenerateConfig(str(path), "a cat", image=str(img), output=tmp_path / "i2v.mp4",
                                             policy="fast", height=32, width=32, frames=5, steps=1, device="cpu",
                                             progress=False))
     side = json.loads(out["sidecar"].read_text())
     assert side["pipeline"] == "WanImageToVideoPipeline" and side["image"] == str(img)
     assert out["result"].frames.shape == (5, 32, 32, 3)
     with pytest.raises(UsageError, match="image-to-video model: pass --image"):
-        wv.run_generate(wv.GenerateConfig(str(path), "a cat", output=tmp_path / "x.mp4", height=32, width=32, frames=5,
+        wg.run_generate(wg.GenerateConfig(str(path), "a cat", output=tmp_path / "x.mp4", height=32, width=32, frames=5,
                                           steps=1, device="cpu", progress=False))
 
 
@@ -133,10 +135,10 @@ def test_gpu_sized_generation_on_the_cpu_warns_with_an_estimate(tiny_wan):
 
     pipe = wv.load_wan_pipeline(str(tiny_wan), device="cpu", dtype="float32")
     with pytest.warns(UserWarning, match=r"32760 tokens per sequence; 50 steps would take at least .* --frames 9"):
-        estimate = wv.warn_if_impractical_on_cpu(pipe, "fast", height=480, width=832, frames=81, steps=50,
+        estimate = wg.warn_if_impractical_on_cpu(pipe, "fast", height=480, width=832, frames=81, steps=50,
                                                  guidance_scale=5.0)
     assert estimate > 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert wv.warn_if_impractical_on_cpu(pipe, "fast", height=32, width=32, frames=5, steps=2,
+        assert wg.warn_if_impractical_on_cpu(pipe, "fast", height=32, width=32, frames=5, steps=2,
                                              guidance_scale=5.0) is None

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fp4vis import zoo
+from fp4vis.pipelines import wan_generate as wg
 from fp4vis.pipelines import wan_video as wv
 from fp4vis.services.usage import UsageError
 from fp4vis.zoo import moving_digits as md
@@ -120,7 +121,7 @@ def test_generate_takes_the_model_settings(digits_wan_smoke, tmp_path):
     gen = wv.generation_defaults(str(digits_wan_smoke))
     assert (gen["height"], gen["width"], gen["frames"], gen["steps"]) == (32, 32, 5, 4)
     assert wv.generation_defaults("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == wv.WAN_GENERATION
-    out = wv.run_generate(wv.GenerateConfig(str(digits_wan_smoke), "digit 3 moving right",
+    out = wg.run_generate(wg.GenerateConfig(str(digits_wan_smoke), "digit 3 moving right",
                                             output=tmp_path / "three.mp4", policy="fast", backend="reference",
                                             device="cpu", progress=False))
     side = json.loads(out["sidecar"].read_text())

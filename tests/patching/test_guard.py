@@ -10,7 +10,8 @@ import torch
 
 import fp4vis
 from fp4vis.layout import anchor_indices
-from fp4vis.patching.guard import EXP_LIMIT, GuardPlan, GuardRule, LayerStats, logit_stats, policy_limit
+from fp4vis.patching.guard import logit_stats
+from fp4vis.patching.guard_plan import EXP_LIMIT, GuardPlan, GuardRule, LayerStats, policy_limit
 
 timm = pytest.importorskip("timm")
 

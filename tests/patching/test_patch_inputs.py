@@ -12,7 +12,7 @@ import torch
 timm = pytest.importorskip("timm")
 
 import fp4vis  # noqa: E402
-from fp4vis.patching.guard import GuardPlan  # noqa: E402
+from fp4vis.patching.guard_plan import GuardPlan  # noqa: E402
 
 
 def _vit():

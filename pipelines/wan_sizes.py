@@ -1,0 +1,201 @@
+"""What a Wan pipeline takes, read from its configs before its weights load: ``WanGeometry`` (the VAE's scale
+factors, the transformer's patch and rotary positions) and its size checks, ``wan_geometry(model)`` from a model
+source's configs alone, ``check_steps`` (denoising step indices), the latent shape and tokens per sequence of a
+video size, and the CPU's size limit (``check_cpu_size``). ``WAN_TRANSFORMER_CONFIGS``: the published Wan2.1
+architectures (``fp4vis.pipelines.wan_video.build_random_wan_pipeline`` builds them); ``resolve_model`` and
+``model_index``: where a model source's folder is and what its ``model_index.json`` says.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp4vis.services.sources import check_model_source, hub_error, is_network_error
+from fp4vis.services.usage import UsageError
+
+# transformer configs of the published Wan2.1 T2V checkpoints (diffusers format)
+WAN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
+    "1.3B": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                 qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                 rope_max_seq_len=1024),
+    "14B": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                rope_max_seq_len=1024),
+}
+
+
+def resolve_model(model: str) -> str:
+    """The source ``from_pretrained`` reads: a model fp4vis ships (``fp4vis:...``) is its folder, any other as given."""
+    from fp4vis import zoo
+
+    return zoo.resolve_source(model, "model") if zoo.is_zoo_source(model) else model
+
+
+def model_index(path: str) -> dict[str, Any]:
+    """A local diffusers folder's ``model_index.json`` (a UsageError when it has none)."""
+    f = Path(path) / "model_index.json"
+    if not f.is_file():
+        raise UsageError(f"model: {path!r} is not a diffusers pipeline folder (no model_index.json); save one "
+                         "with pipe.save_pretrained(dir) or pass a Hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+    return json.loads(f.read_text())
+
+
+# diffusers' Wan pipelines refuse a height or width that is not a multiple of 16 (check_inputs), whatever the
+# VAE and the patch size allow
+PIPELINE_SIZE_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class WanGeometry:
+    """What a Wan pipeline's VAE and transformer need of a video's size, read from their configs: the VAE's
+    scale factors (frames per latent frame after the first, pixels per latent pixel), the transformer's patch
+    (latent frames, rows, columns per token) and its rotary embedding's positions per axis
+    (``rope_max_seq_len``: latent frames per patch, and rows and columns per patch, beyond it fail)."""
+
+    temporal: int
+    spatial: int
+    patch: tuple[int, int, int]
+    rope_max_seq_len: int
+
+    @classmethod
+    def of_pipeline(cls, pipe) -> WanGeometry:
+        transformer = getattr(pipe, "transformer", None)
+        cfg = (transformer if transformer is not None else pipe.transformer_2).config
+        return cls(int(pipe.vae_scale_factor_temporal), int(pipe.vae_scale_factor_spatial),
+                   tuple(int(x) for x in cfg.patch_size), int(cfg.rope_max_seq_len))
+
+    @classmethod
+    def of_size(cls, size: str) -> WanGeometry:
+        """The Wan2.1 architecture ``size`` that ``build_random_wan_pipeline`` builds (default VAE)."""
+        cfg = WAN_TRANSFORMER_CONFIGS[size]
+        return cls(*WAN_VAE_SCALE, tuple(cfg["patch_size"]), int(cfg["rope_max_seq_len"]))
+
+    def size_multiple(self, axis: int) -> int:
+        """Height (axis 1) or width (axis 2) must be a multiple of this: the VAE's factor times the patch,
+        and of the pipeline's 16."""
+        return math.lcm(self.spatial * self.patch[axis], PIPELINE_SIZE_MULTIPLE)
+
+    def max_size(self, axis: int) -> int:
+        """The largest height (axis 1) or width (axis 2) the rotary embedding covers."""
+        most = self.rope_max_seq_len * self.spatial * self.patch[axis]
+        return most // self.size_multiple(axis) * self.size_multiple(axis)
+
+    def latent_frames(self, frames: int) -> int:
+        return (frames - 1) // self.temporal + 1
+
+    @property
+    def max_frames(self) -> int:
+        return (self.rope_max_seq_len * self.patch[0] - 1) * self.temporal + 1
+
+    def check(self, *, height: int, width: int, frames: int, model: str = "the model", prefix: str = "") -> None:
+        """A UsageError naming the option (``prefix`` + frames/height/width: ``--`` at the command line) and
+        what the model needs, for a size its pipeline cannot generate."""
+        tf, pt = self.temporal, self.patch[0]
+        if frames < 1 or (frames - 1) % tf or self.latent_frames(frames) % pt:
+            each = "" if pt == 1 else f", with (frames - 1) / {tf} + 1 a multiple of its patch's {pt}"
+            raise UsageError(f"{prefix}frames: {model} needs frames = {tf}k + 1 (its VAE encodes {tf} frames per "
+                             f"latent frame after the first: 1, {tf + 1}, {2 * tf + 1}, ...{each}), got {frames}")
+        if frames > self.max_frames:
+            raise UsageError(f"{prefix}frames: at most {self.max_frames} for {model} (its transformer's rotary "
+                             f"embedding has {self.rope_max_seq_len} positions in time, rope_max_seq_len), got "
+                             f"{frames}")
+        for axis, option, value in ((1, "height", height), (2, "width", width)):
+            multiple = self.size_multiple(axis)
+            if value < 1 or value % multiple:
+                raise UsageError(f"{prefix}{option}: must be a multiple of {multiple} for {model} (its VAE's "
+                                 f"{self.spatial} px per latent pixel x the transformer's patch of "
+                                 f"{self.patch[axis]}, and diffusers' Wan pipelines take multiples of "
+                                 f"{PIPELINE_SIZE_MULTIPLE}), got {value}")
+            if value > self.max_size(axis):
+                raise UsageError(f"{prefix}{option}: at most {self.max_size(axis)} for {model} (its "
+                                 f"transformer's rotary embedding has {self.rope_max_seq_len} positions per axis, "
+                                 f"rope_max_seq_len, of {self.spatial * self.patch[axis]} px), got {value}")
+
+
+def _config(cls, src: str, subfolder: str) -> dict[str, Any]:
+    """A component's config as its class reads it (defaults of the keys a saved config lacks), without
+    its weights (``load_config``)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    return {**defaults, **cls.load_config(src, subfolder=subfolder)}
+
+
+def wan_geometry(model: str) -> WanGeometry:
+    """A Wan pipeline's ``WanGeometry`` from its VAE's and transformer's configs alone (``load_config``:
+    no weights), before it is loaded."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    src, is_local = check_model_source(resolve_model(model))
+    transformer = "transformer"
+    if is_local:
+        index = model_index(src)
+        if index.get("transformer", [None])[0] is None and index.get("transformer_2", [None])[0] is not None:
+            transformer = "transformer_2"   # a Wan2.2 pipeline of its low-noise expert alone
+    try:
+        vae = _config(AutoencoderKLWan, src, "vae")
+        cfg = _config(WanTransformer3DModel, src, transformer)
+    except Exception as e:
+        if not is_local and is_network_error(e):
+            raise hub_error(model, e) from e
+        if is_local and isinstance(e, OSError):
+            raise UsageError(f"model: {model!r} has no readable vae and {transformer} configs ({e})") from None
+        raise
+    return WanGeometry(int(vae["scale_factor_temporal"]), int(vae["scale_factor_spatial"]),
+                       tuple(int(x) for x in cfg["patch_size"]), int(cfg["rope_max_seq_len"]))
+
+
+def check_steps(indices: tuple[int, ...] | None, steps: int, option: str = "exact_steps") -> None:
+    """Denoising step indices exist: ``0 .. steps - 1``, or ``-steps .. -1`` counted from the end (-1: the
+    last). A UsageError naming ``option`` otherwise (the step callback would skip it without a word)."""
+    bad = [i for i in indices or () if not -steps <= i < steps]
+    if bad:
+        raise UsageError(f"{option}: step {bad[0]} does not exist in {steps} denoising step"
+                         f"{'s' if steps > 1 else ''} (indices 0..{steps - 1}, or -{steps}..-1 from the end)")
+
+
+def latent_shape(pipe, *, height: int, width: int, frames: int, batch: int = 1) -> tuple[int, ...]:
+    geometry = WanGeometry.of_pipeline(pipe)
+    geometry.check(height=height, width=width, frames=frames)
+    sf = geometry.spatial
+    # noise channels = the VAE latent channels (I2V transformers take more inputs: noise + condition)
+    return (batch, pipe.vae.config.z_dim, geometry.latent_frames(frames), height // sf, width // sf)
+
+
+def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> int:
+    """Self-attention sequence length of the transformer for this video size (arithmetic only: also for a size
+    that this pipeline's rotary embedding cannot generate, as the CPU estimate asks of a small model)."""
+    geometry = WanGeometry.of_pipeline(pipe)
+    p = geometry.patch
+    sf = geometry.spatial
+    return (geometry.latent_frames(frames) // p[0]) * (height // sf // p[1]) * (width // sf // p[2])
+
+
+WAN_VAE_SCALE = (4, 8)   # the Wan2.1 VAE's downsampling in time and space (build_random_wan_pipeline's too)
+
+
+def wan_tokens(size: str, *, height: int, width: int, frames: int) -> int:
+    """``tokens_per_frame_sequence`` of the Wan2.1 architecture ``size`` before it is built."""
+    p = WAN_TRANSFORMER_CONFIGS[size]["patch_size"]
+    tf, sf = WAN_VAE_SCALE
+    return ((frames - 1) // tf + 1) // p[0] * (height // sf // p[1]) * (width // sf // p[2])
+
+
+CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence on the CPU generate warns, the Wan eval refuses
+
+
+def check_cpu_size(what: str, tokens: int, *, height: int, width: int, frames: int) -> None:
+    """A measurement at a GPU's size on the CPU is refused before any work (UsageError): above
+    CPU_PRACTICAL_TOKENS a step takes hours there (the reference emulation; ``warn_if_impractical_on_cpu``
+    measures it), so such a run is not one to wait for."""
+    if tokens > CPU_PRACTICAL_TOKENS:
+        raise UsageError(f"{what}: {frames} frames at {height}x{width} are {tokens} tokens per sequence, a GPU's "
+                         f"size: on the CPU a step takes hours. Run it on a GPU (--device cuda), or at most "
+                         f"{CPU_PRACTICAL_TOKENS} tokens here (e.g. --height 128 --width 128 --frames 9)")
