@@ -1,5 +1,5 @@
-"""Wan2.1 pipeline (pipelines/wan_video.py, wan_sizes.py, wan_generate.py) on a tiny pipeline saved with save_pretrained and loaded
-back through load_wan_pipeline: seeded generation, FP4 vs BF16, MP4 + sidecar, errors."""
+"""Wan2.1 pipeline (pipelines/wan_video.py, wan_sizes.py, wan_generate.py) on a tiny pipeline saved with
+save_pretrained and loaded back through load_wan_pipeline: seeded generation, FP4 vs BF16, MP4 + sidecar, errors."""
 
 import json
 
