@@ -14,7 +14,7 @@ from fp4vis.backends.registry import select_backend
 from fp4vis.call import AttentionCall
 from fp4vis.policy import Policy, get_policy
 from fp4vis.qk_transform import QKTransform
-from fp4vis.reference import RangeExceededError, enforce_range
+from fp4vis.reference import RangeExceededError, check_key_mask_keeps_keys, enforce_range
 from fp4vis.tracing import warn_once
 
 Layout = Literal["bhsd", "bshd"]
@@ -98,6 +98,7 @@ def attention(
     backend: str = "auto",
     range_check: RangeCheck = "raise",
     qk_transform: QKTransform | None = None,
+    key_mask: torch.Tensor | None = None,
     label: str | None = None,
 ) -> torch.Tensor:
     """FP4 attention (non-causal, no mask), SDPA-compatible.
@@ -124,6 +125,12 @@ def attention(
             across heads, rotary embedding) makes the attention's q and k from them. A backend that
             fuses it (the Hopper kernel's pre-pass) reads the projections and never writes the
             normed q and k; every other path applies it first (``QKTransform.apply``: the same values).
+        key_mask: bool, (B, Skv) or SDPA's broadcast form (B, 1, 1, Skv): True for the keys each batch element
+            attends to (a key-padding mask, as diffusers' image and video models pass). A masked key contributes
+            nothing: each element's result is, bit for bit, the unmasked call on its kept keys in their order
+            (docs/numerics.md section 6, "Key masks"). Other masks (additive, per query) are a TypeError or
+            ValueError naming the form. The kernels do not take masks yet: ``backend="auto"`` runs the reference
+            then, with one warning.
         label: the layer this call belongs to, named in the range record's errors (``fp4vis.patch`` passes
             each layer's name in eager calls). Under torch.compile it is a constant of the graph: another
             value traces the call again.
@@ -163,6 +170,8 @@ def attention(
         raise TypeError(f"label: expected a str or None, got {type(label).__name__}")
     if qk_transform is not None and not isinstance(qk_transform, QKTransform):
         raise TypeError(f"qk_transform: expected a QKTransform, got {type(qk_transform).__name__}")
+    if key_mask is not None:
+        key_mask = _key_mask(key_mask, q, k, layout)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if qk_transform is not None and (pol.method == "exact" or grad):
         q, k = qk_transform.apply(q, k, layout)
@@ -177,7 +186,7 @@ def attention(
     if pol.method != "exact" and grad:
         _warn_straight_through(pol)
         grad_inputs, (q, k, v) = (q, k, v), (q.detach(), k.detach(), v.detach())
-    call = AttentionCall(q, k, v, pol, float(scale), qk_transform)
+    call = AttentionCall(q, k, v, pol, float(scale), qk_transform, key_mask)
     chosen = select_backend(backend, call)
     if qk_transform is not None and not chosen.fuses_qk_transform:
         q_applied, k_applied = qk_transform.apply(q, k, "bhsd")
@@ -196,12 +205,33 @@ def attention(
         checked = checked and not range_record.capturing()
     out, report = chosen.run(call)
     if grad_inputs is not None:
-        exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, scale=float(scale))
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, attn_mask=mask, scale=float(scale))
         out = out + (exact - exact.detach())
     if report is None and checked:
         _check_kernel_output(out, call.q, call.k, call.v, chosen.name)
     enforce_range(report, pol, range_check, stacklevel=2)
     return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def _key_mask(mask, q: torch.Tensor, k: torch.Tensor, layout: str) -> torch.Tensor:
+    """The key mask as a bool (B, Skv) tensor, checked (docs/numerics.md section 6, "Key masks")."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_mask: expected a bool tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_mask: dtype {mask.dtype}; only a bool key-padding mask is supported (True: attend), "
+                        "not an additive or float mask")
+    if mask.device != q.device:
+        raise ValueError(f"key_mask: on {mask.device}, but q is on {q.device}")
+    b, skv = q.shape[0], k.shape[2 if layout == "bhsd" else 1]
+    if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
+        mask = mask[:, 0, 0]
+    if tuple(mask.shape) != (b, skv):
+        raise ValueError(f"key_mask: expected shape (B, Skv) = ({b}, {skv}) or ({b}, 1, 1, {skv}), got "
+                         f"{tuple(mask.shape)} (only key-padding masks: one per batch element and key)")
+    if not torch.compiler.is_compiling():   # compiled calls check it in the reference's op, at run time
+        check_key_mask_keeps_keys(mask)
+    return mask
 
 
 def default_scale(head_dim: int) -> float:

@@ -545,3 +545,29 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, polic
     # counted in the output dtype: a float32 value beyond FP16's range is an Inf the caller gets
     report.nonfinite_outputs = int((~torch.isfinite(out)).sum())
     return out, report
+
+
+def check_key_mask_keeps_keys(key_mask: torch.Tensor) -> None:
+    """A ValueError where a batch element of a bool (B, Skv) key mask keeps no key (a host synchronisation)."""
+    kept = key_mask.any(-1)
+    if not bool(kept.all()):
+        b = int((~kept).nonzero()[0, 0])
+        raise ValueError(f"key_mask: batch element {b} masks every key; attention needs at least one key")
+
+
+def masked_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
+                               policy: Policy, scale: float) -> tuple[torch.Tensor, RangeReport]:
+    """``reference_attention`` of (B, H, S, D) tensors under a bool (B, Skv) key mask (docs/numerics.md section 6,
+    "Key masks"): each batch element is the unmasked call on its kept keys, in their order, so a masked key
+    contributes to nothing (row reference, anchors, block scales, denominator). Output (B, H, Sq, Dv), q's dtype;
+    the reports of the elements added."""
+    outs, total = [], RangeReport()
+    for b in range(q.shape[0]):
+        keep = key_mask[b].nonzero().flatten()
+        out, report = reference_attention(q[b], k[b][:, keep], v[b][:, keep], policy, scale)
+        outs.append(out)
+        total.saturated_blocks += report.saturated_blocks
+        total.empty_rows += report.empty_rows
+        total.nonfinite_outputs += report.nonfinite_outputs
+        total.add_scale_ranges(tuple(ScaleRange(u, o) for u, o in zip(report.scale_underflow, report.scale_overflow)))
+    return torch.stack(outs), total

@@ -43,6 +43,7 @@ from fp4vis.backends.base import (
     need_direct_p,
     need_dtype,
     need_head_dims,
+    need_no_key_mask,
     need_nonempty,
 )
 from fp4vis.layout import kernel_params
@@ -293,7 +294,8 @@ class BlackwellBackend(Backend):
 
     def supports(self, call) -> str | None:
         q, k, v, policy = call.q, call.k, call.v, call.policy
-        reason = need_direct_p(policy) or (None if q.is_cuda else "tensors are not on a CUDA device")
+        reason = need_direct_p(policy) or need_no_key_mask(call) or (
+            None if q.is_cuda else "tensors are not on a CUDA device")
         if reason is not None:
             return reason
         index = _index(q.device)

@@ -42,6 +42,7 @@ from fp4vis.backends.base import (
     need_direct_p,
     need_dtype,
     need_head_dims,
+    need_no_key_mask,
     need_nonempty,
 )
 from fp4vis.config import cached_setting, setting
@@ -321,6 +322,7 @@ class HopperBackend(Backend):
         q, k, v, policy = call.q, call.k, call.v, call.policy
         return first_reason(
             need_direct_p(policy),
+            need_no_key_mask(call),
             need_cuda_capability(q, HOPPER_CAPABILITIES, "sm_90"),
             need_dtype(q, SUPPORTED_DTYPES),
             need_head_dims(q, k, v, SUPPORTED_HEAD_DIMS),
