@@ -302,17 +302,21 @@ def nvfp4_qdq(x: torch.Tensor, layout: str = "block16") -> torch.Tensor:
     """NVFP4 quantize-dequantize: float32 ``c * sc`` of ``nvfp4_quantize(x, layout)`` without the
     storage round trip, the checks or a host synchronisation (what a kernel's pre-pass computes).
     The caller guarantees finite input and a valid last dim."""
-    return nvfp4_qdq_counted(x, layout)[0]
+    return _nvfp4_decoded(*_nvfp4_chunked(x.to(torch.bfloat16).float(), layout), layout)
 
 
 def nvfp4_qdq_counted(x: torch.Tensor, layout: str = "block16") -> tuple[torch.Tensor, torch.Tensor]:
     """``nvfp4_qdq`` and the ``nvfp4_scale_counts`` of its scales, without a host synchronisation."""
     xf = x.to(torch.bfloat16).float()
     vals, scales = _nvfp4_chunked(xf, layout)
-    counts = nvfp4_scale_counts(xf, scales, layout)
+    return _nvfp4_decoded(vals, scales, layout), nvfp4_scale_counts(xf, scales, layout)
+
+
+def _nvfp4_decoded(vals: torch.Tensor, scales: torch.Tensor, layout: str) -> torch.Tensor:
+    """float32 ``c * sc`` from E2M1 values (..., D) and their scales (..., D/16 or D/32)."""
     if layout == "folded64_mse":
         scales = torch.cat((scales, scales), dim=-1)
-    return (vals.unflatten(-1, (-1, NVFP4_BLOCK)) * scales.unsqueeze(-1)).flatten(-2), counts
+    return (vals.unflatten(-1, (-1, NVFP4_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
 
 
 def nvfp4_scale_counts(xf: torch.Tensor, scales: torch.Tensor, layout: str) -> torch.Tensor:

@@ -76,6 +76,14 @@ class RangeReport:
         return not (self.saturated_blocks or self.empty_rows or self.nonfinite_outputs or any(self.scale_underflow)
                     or any(self.scale_overflow))
 
+    def add(self, other: RangeReport) -> None:
+        """Add another call's counts (the elements of a masked call)."""
+        self.saturated_blocks += other.saturated_blocks
+        self.empty_rows += other.empty_rows
+        self.nonfinite_outputs += other.nonfinite_outputs
+        self.scale_underflow = tuple(a + b for a, b in zip(self.scale_underflow, other.scale_underflow))
+        self.scale_overflow = tuple(a + b for a, b in zip(self.scale_overflow, other.scale_overflow))
+
     def add_scale_ranges(self, ranges: tuple[ScaleRange, ScaleRange, ScaleRange]) -> None:
         """Add the ``ScaleRange`` of q, k and v."""
         self.scale_underflow = tuple(a + r.underflow for a, r in zip(self.scale_underflow, ranges))
@@ -566,8 +574,5 @@ def masked_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         keep = key_mask[b].nonzero().flatten()
         out, report = reference_attention(q[b], k[b][:, keep], v[b][:, keep], policy, scale)
         outs.append(out)
-        total.saturated_blocks += report.saturated_blocks
-        total.empty_rows += report.empty_rows
-        total.nonfinite_outputs += report.nonfinite_outputs
-        total.add_scale_ranges(tuple(ScaleRange(u, o) for u, o in zip(report.scale_underflow, report.scale_overflow)))
+        total.add(report)
     return torch.stack(outs), total

@@ -31,7 +31,14 @@ import os
 import torch
 
 from fp4vis.config import cached_setting
-from fp4vis.formats import fp8_pow2_quantize, fp8_pow2_scale_counts, mxfp4_qdq, mxfp4_scale_counts, nvfp4_qdq_counted
+from fp4vis.formats import (
+    fp8_pow2_quantize,
+    fp8_pow2_scale_counts,
+    mxfp4_qdq,
+    mxfp4_scale_counts,
+    nvfp4_qdq,
+    nvfp4_qdq_counted,
+)
 from fp4vis.layout import anchor_permutation
 from fp4vis.policy import QK_FP8
 
@@ -66,8 +73,11 @@ def _count(counts: torch.Tensor, record: tuple | None, operand: int) -> None:
 def _qk_hat(x: torch.Tensor, layout: str, record: tuple | None = None, operand: int = 0) -> torch.Tensor:
     """Decoded NVFP4 of x in BF16 (exact), from the project's one quantizer; its scale range counted into
     ``record`` as ``operand`` (0 q, 1 k)."""
-    x_hat, counts = nvfp4_qdq_counted(x, layout)
-    _count(counts, record, operand)
+    if record is None:
+        x_hat = nvfp4_qdq(x, layout)
+    else:
+        x_hat, counts = nvfp4_qdq_counted(x, layout)
+        _count(counts, record, operand)
     return _nan_where_not_finite(x_hat.to(torch.bfloat16), x)
 
 
