@@ -5,7 +5,7 @@
 * ``layer``: ``LayerSpec`` / ``LayerState`` and the fallback rules;
 * ``guard``: the calibration statistic, ``calibrate``, ``AutoGuard``; ``guard_plan``: ``GuardRule``, ``GuardPlan``
   (the plan file: its JSON, load/save and their checks), ``GuardPlanError``;
-* one module per library: ``wan`` (diffusers), ``timm_vit`` (timm), ``hf_vit`` (transformers);
+* ``patchers``: the patcher registry (one module per library patcher, the four functions each implements);
 * ``context_parallel``: FP4 attention of the Wan layers under diffusers' context parallelism.
 """
 

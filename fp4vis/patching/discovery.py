@@ -4,30 +4,14 @@ patcher modules of the libraries already imported each report their layers (``La
 from __future__ import annotations
 
 import fnmatch
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .layer import LayerSpec
+from .patchers import loaded_patchers
 from .roots import roots
-
-
-def patcher_modules() -> list[Any]:
-    """The patcher modules whose library is already imported (a model of a library that was never
-    imported cannot exist, so this never imports diffusers/timm/transformers itself)."""
-    mods = []
-    if "diffusers" in sys.modules:
-        from fp4vis.patching import wan
-        mods.append(wan)
-    if "timm" in sys.modules:
-        from fp4vis.patching import timm_vit
-        mods.append(timm_vit)
-    if "transformers" in sys.modules:
-        from fp4vis.patching import hf_vit
-        mods.append(hf_vit)
-    return mods
 
 
 def _looks_like_attention(module: torch.nn.Module) -> bool:
@@ -42,12 +26,15 @@ def find_layers(obj: Any, *, cross_attention: bool = False, decoder: bool = Fals
     modules found next to them as (name, class) pairs."""
     specs: list[LayerSpec] = []
     unsupported: list[tuple[str, str]] = []
-    mods = patcher_modules()
+    mods = list(loaded_patchers().values())
     for comp, root in roots(obj):
         found: list[LayerSpec] = []
-        for pm in mods:
-            found.extend(pm.find_layers(root, cross_attention=cross_attention, decoder=decoder))
-        reached = {id(s.module) for s in found}
+        reached: set[int] = set()
+        for pm in mods:   # a layer goes to the first patcher that finds it (patchers.PATCHERS' order)
+            new = [s for s in pm.find_layers(root, cross_attention=cross_attention, decoder=decoder)
+                   if id(s.module) not in reached]
+            found.extend(new)
+            reached.update(id(s.module) for s in new)
         for s in found:
             s.component = comp
             s.local_name = s.name or ROOT_NAME

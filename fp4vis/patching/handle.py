@@ -12,8 +12,8 @@ import torch
 from fp4vis.backends import range_record
 from fp4vis.policy import Policy
 
-from .discovery import patcher_modules
 from .layer import STATE_ATTR, UNSET, LayerSpec, LayerState, resolve_policy
+from .patchers import loaded_patchers
 from .roots import roots
 
 
@@ -118,7 +118,7 @@ def install(target: Any, specs: list[LayerSpec], policies: Mapping[str, Policy |
                            "fp4vis.unpatch(model) first")
     handle = PatchHandle(target=target, backend=backend, strict=strict, range_check=range_check,
                          specs=specs, guard_plan=plan)
-    mods = {m.__name__.rsplit(".", 1)[-1]: m for m in patcher_modules()}
+    mods = loaded_patchers()
     try:
         for s in chosen:
             pol = policies.get(s.name)
