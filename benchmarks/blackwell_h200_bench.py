@@ -37,10 +37,9 @@ def _events(fn, iters: int, warmup: int = 3) -> list[float]:
 
 def bench_shape(shape, iters: int) -> list[dict]:
     import fp4vis
-    from fp4vis.kernels.blackwell import backend as bw
+    from fp4vis.kernels.blackwell import launch as bl
     from fp4vis.kernels.blackwell.kernel import grid, runtime_args
     from fp4vis.kernels.blackwell.prepass import prepare
-    from fp4vis.layout import qk_layout
     from fp4vis.policy import POLICIES
 
     b, h, sq, skv, d = shape
@@ -52,13 +51,11 @@ def bench_shape(shape, iters: int) -> list[dict]:
     scale = 1 / math.sqrt(d)
     for name in ("fast", "guard"):
         pol = POLICIES[name]
-        args = bw.policy_args(pol, d, scale)
-        cfg = bw.kernel_config(index, d, q.dtype, pol.native_exp2, pol.anchor > 0)
-        ops = prepare(q, k, v, qk_layout(pol, d), pol.anchor, cfg.block_m, cfg.block_n)
+        params = pol.kernel_params(d, scale)   # as launch.attention builds the launch
+        cfg = bl.kernel_config(index, d, q.dtype, params.native_exp2, params.anchor > 0)
+        ops = prepare(q, k, v, params.qk_layout, params.anchor, cfg.block_m, cfg.block_n)
         out = torch.empty(b * h, sq, d, dtype=q.dtype, device="cuda")
-        params = dict(s_log2=scale * bw.LOG2E, margin_raw=args["margin_raw"], affine_a=pol.affine_a,
-                      affine_b=pol.affine_b, shift=pol.shift, n_anchor=min(pol.anchor, skv))
-        fn = bw.get_kernel(index, cfg)
+        fn = bl.get_kernel(index, cfg)
         launch = (grid(cfg, ops), runtime_args(ops, out, params))
         kern = _events(lambda fn=fn, launch=launch: fn(*launch), iters)
         call = _events(lambda pol=pol: fp4vis.attention(q, k, v, policy=pol, backend="blackwell", range_check="off"),
@@ -80,7 +77,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import triton
 
-    from fp4vis.kernels.blackwell import backend as bw
+    from fp4vis.kernels.blackwell import route as br
 
     rows = []
     for shape in [(1, 24, 4096, 4096, 128), (1, 12, 32760, 32760, 128), (1, 16, 1024, 1024, 64)]:
@@ -89,10 +86,10 @@ def main(argv=None) -> int:
     props = torch.cuda.get_device_properties(0)
     rec = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(0), "sm_count": props.multi_processor_count,
-           "capability": list(torch.cuda.get_device_capability(0)), "driver": bw.driver_version(),
-           "torch": torch.__version__, "triton_runtime": triton.__version__, "route": str(bw.route(0)),
+           "capability": list(torch.cuda.get_device_capability(0)), "driver": br.driver_version(),
+           "torch": torch.__version__, "triton_runtime": triton.__version__, "route": str(br.route(0)),
            "cubin_triton": "3.8.0 (compiled on the CPU, launched through CuPy)", "python": platform.python_version(),
-           "fp4vis_source": bw._source_hash(), "iters": a.iters,
+           "fp4vis_source": br._source_hash(), "iters": a.iters,
            "note": "sm_90 verification build: FP4 upcast to BF16 + wgmma; not a Blackwell figure", "rows": rows}
     with open(a.out, "w") as f:
         json.dump(rec, f, indent=1)

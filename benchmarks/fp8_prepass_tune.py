@@ -4,7 +4,8 @@
 
 Times (CUDA events, median, inputs rotated past the L2) every (query rows per program, warps) pair at
 a few shapes and checks each variant's output bit for bit against the default's. Only the Q-row
-programs' tile (``FP8_BLOCK_Q``) and ``num_warps`` vary; K/V programs are one 32-key block each.
+programs' tile (``FP8_BLOCK_Q``) and the warps (``PrepassLaunch.num_warps``) vary; K/V programs are one 32-key
+block each.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def main(argv=None) -> int:
             tp.FP8_BLOCK_Q = block_q
             tp._FP8_META.clear()
             try:
-                out = tp.fp8_prepass(*ins[0], num_warps=warps)
+                launch = tp.PrepassLaunch(num_warps=warps)
+                out = tp.fp8_prepass(*ins[0], launch=launch)
                 same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(out, ref))
-                ms = statistics.median(time_cuda(lambda i, ins=ins, w=warps: tp.fp8_prepass(*ins[i], num_warps=w), n,
+                ms = statistics.median(time_cuda(lambda i, ins=ins, lc=launch: tp.fp8_prepass(*ins[i], launch=lc), n,
                                                  budget_s=0.3))
                 rows.append(dict(shape=[b, s, h, d], block_q=block_q, num_warps=warps, ms=round(ms, 5),
                                  gbps=round(per * 5 / 3 / (ms * 1e-3) / 1e9, 1), bit_equal_to_default=same))

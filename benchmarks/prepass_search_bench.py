@@ -8,7 +8,7 @@ and the others still run; the table of the last lines is printed from the JSON):
 1. ``bits``: on CUDA tensors, held-out seeds (1000 + i), counting differing bit patterns: the NVFP4
    pre-pass (``prepass_triton.prepass``, ``folded64_mse``) with the contender search (the default) against
    ``fp4vis.formats`` (``nvfp4_qdq`` for Q and K, ``mxfp4_qdq`` for V) and against the same launch with
-   the full search (``full_search=True``, today's search); Gaussian rows over 2^-8..2^8, tiny rows
+   the full search (``full_search=True``: every candidate); Gaussian rows over 2^-8..2^8, tiny rows
    (E4M3-subnormal scales: the m = 0.625 contender) and small integers times powers of two (exact ties),
    at B64 S197 H12 D64, B1 S4096 H24 D128 and the Wan shapes (S32760, H12 and H40, D128), the Wan shapes
    also through the fused q/k transform (RMS norms, rotary table) against ``fp4vis.formats`` on

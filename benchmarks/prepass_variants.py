@@ -66,10 +66,10 @@ def _shape_row(name: str, b: int, s: int, h: int, d: int) -> dict:
     launches = {}
     for block_r, warps, cap in LAUNCHES:
         key = f"r{block_r}_w{warps}" + (f"_reg{cap}" if cap else "")
-        out = tp.prepass(*sets[0], "folded64_mse", block_r=block_r, num_warps=warps, max_registers=cap)
+        launch = tp.PrepassLaunch(block_r=block_r, num_warps=warps, max_registers=cap)
+        out = tp.prepass(*sets[0], "folded64_mse", launch=launch)
         launches[key] = dict(ms=time_graph_rotating(
-            lambda i, br=block_r, w=warps, c=cap: tp.prepass(*sets[i], "folded64_mse", block_r=br, num_warps=w,
-                                                             max_registers=c), copies),
+            lambda i, launch=launch: tp.prepass(*sets[i], "folded64_mse", launch=launch), copies),
             differing=_differing(out, ref))
         launches[key]["over_floor"] = launches[key]["ms"] / row["copy_floor_nvfp4_ms"]
     row["nvfp4"] = launches
@@ -79,18 +79,19 @@ def _shape_row(name: str, b: int, s: int, h: int, d: int) -> dict:
         def one(i, part=part):
             q, k, v = sets[i]
             y = torch.empty_like(q)
-            args = dict(q=(q, None, None, y, None, None), k=(None, k, None, None, y, None),
-                        v=(None, None, v, None, None, y))[part]
-            tp._launch(*args, "folded64_mse", None)
+            inputs, outputs = dict(q=((q, None, None), (y, None, None)), k=((None, k, None), (None, y, None)),
+                                   v=((None, None, v), (None, None, y)))[part]
+            tp._launch(inputs, outputs, "folded64_mse", None, q.is_cuda)
         parts[part + "_ms"] = time_graph_rotating(one, copies)
     row["nvfp4_parts"] = parts
     row["fp8_ms"] = time_graph_rotating(lambda i: tp.fp8_prepass(*sets[i]), copies)
     fp8_ref = tp.fp8_prepass(*sets[0])
     fp8_caps = {}
     for cap in FP8_CAPS:
-        out = tp.fp8_prepass(*sets[0], max_registers=cap)
+        launch = tp.PrepassLaunch(max_registers=cap)
+        out = tp.fp8_prepass(*sets[0], launch=launch)
         fp8_caps[f"reg{cap}"] = dict(ms=time_graph_rotating(
-            lambda i, c=cap: tp.fp8_prepass(*sets[i], max_registers=c), copies),
+            lambda i, launch=launch: tp.fp8_prepass(*sets[i], launch=launch), copies),
                                      differing=sum(int((x.view(torch.uint8) != y.view(torch.uint8)).sum())
                                                    for x, y in zip(out, fp8_ref, strict=True)))
     row["fp8_caps"] = fp8_caps

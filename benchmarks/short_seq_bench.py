@@ -6,19 +6,20 @@ about 2 minutes.
     python3 benchmarks/short_seq_bench.py --out $OUT/short_seq.json [--shapes 64,197,12,64;...] [--policies fast]
 
 Per shape (B, S, H, D; self-attention, BF16) and policy (``fast``, ``fast_fp8qk``), on operands prepared
-once by the pre-pass (``prepass.prepare_kernel_operands``), the kernel alone
-(``backend.run_kernel``) with each configuration:
+once by the pre-pass (``prepass.kernel_operands``), the kernel alone
+(``backend.launch``) with each configuration (``DirectPConfig``, from ``config.product_config``):
 
 * ``{default,short}_events_ms``: CUDA events per launch, median, inputs rotated over up to
   ``KERNEL_COPIES`` operand sets (not always past the 50 MB L2; short shapes are launch-bound here:
   this includes the host's launch path);
 * ``{default,short}_graph_ms``: GPU time per launch replayed from a CUDA graph (``fp4vis.services.timing.time_graph``:
   the same operands every launch, so L2-warm where they fit);
-* ``{default,short}_call_graph_ms``: the whole call (pre-pass + kernel, ``hopper_attention_eager``) from a
-  CUDA graph, for the end-to-end picture;
+* ``{default,short}_call_graph_ms``: the whole call (pre-pass + kernel, ``backend.attention`` with the
+  configuration) from a CUDA graph, for the end-to-end picture;
 * ``bit_equal`` (torch.equal of the two outputs on the same operands) and ``rel_l2_short_vs_default``
   (must be <= 1e-6 where not bit-equal: ``match``); ``rel_l2_vs_sdpa`` a sanity check of what ran;
-* ``auto_ctas_per_sm``: what the backend's dispatch picks for this sequence length (``SHORT_SEQ``).
+* ``auto_ctas_per_sm``: what the backend's dispatch picks for this sequence length (``product_config`` with
+  ``backend.short_sequences``: ``SHORT_SEQ``).
 
 Per shape also SDPA cuDNN (``sdpa_cudnn_events_ms``, ``sdpa_cudnn_graph_ms``) and the ratios
 ``short_vs_default_graph`` (< 1: the short variant is faster) and ``{default,short}_vs_sdpa_graph``.
@@ -35,8 +36,7 @@ import traceback
 
 import torch
 
-from fp4vis.config import overridden, setting
-from fp4vis.layout import LOG2E
+from fp4vis.config import kernel_settings
 from fp4vis.services.environment import environment
 from fp4vis.services.outputs import write_json
 from fp4vis.services.timing import input_copies, time_events, time_graph
@@ -62,15 +62,14 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
 
 def configs(policy_name: str, d: int, skv: int) -> dict:
     """The default (one CTA per SM), short (two) and automatically dispatched configurations, built as
-    ``hopper_attention_eager`` builds them (``kernel_config``)."""
-    from fp4vis.kernels.hopper import backend as hb
+    ``backend.attention`` builds them (``config.product_config``)."""
+    from fp4vis.kernels.hopper import launch as hb
+    from fp4vis.kernels.hopper.config import product_config
     from fp4vis.policy import POLICIES as ALL
-    from fp4vis.policy import QK_FP8
-    kw = hb.policy_args(ALL[policy_name], d, d ** -0.5)
-    args = (d, "bf16", kw["affine_a"], kw["affine_b"], kw["shift"], kw["native_exp2"], kw["anchor"], "", "", 0,
-            kw["code_rounding"], kw["qk_fmt"] == QK_FP8, "")
-    return dict(default=hb.kernel_config(*args, 1), short=hb.kernel_config(*args, 2),
-                auto=hb.kernel_config(*args, 0, hb.short_sequences(skv, skv)))
+    params = ALL[policy_name].kernel_params(d, d ** -0.5)
+    return dict(default=product_config(params, d, "bf16", False, False),
+                short=product_config(params, d, "bf16", True, False),
+                auto=product_config(params, d, "bf16", hb.short_sequences(skv, skv, kernel_settings()), False))
 
 
 def smem_bytes(cfg) -> int:
@@ -80,12 +79,12 @@ def smem_bytes(cfg) -> int:
 
 
 def occupancy(cfg) -> dict:
-    """CTAs per SM the driver allows the compiled kernel of ``cfg`` (compiled and cached by run_kernel
+    """CTAs per SM the driver allows the compiled kernel of ``cfg`` (compiled and cached by ``launch``
     before), with its registers and shared memory; through the DLPack compile where the TVM-FFI function
     does not expose its library."""
     import cuda.bindings.driver as drv
 
-    from fp4vis.kernels.hopper import backend as hb
+    from fp4vis.kernels.hopper import launch as hb
     from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
 
     def check(res):
@@ -98,12 +97,11 @@ def occupancy(cfg) -> dict:
     try:
         lib = fn.library
     except Exception:   # the TVM-FFI function: compile the same kernel on the DLPack path
-        with overridden(FP4VIS_HOPPER_TVM_FFI="0"):
-            dummy = [torch.zeros(1, 1, 128, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-            if cfg.qk_fp8:
-                dummy[0], dummy[1] = dummy[0].to(torch.uint8), dummy[1].to(torch.uint8)
-            scales = torch.ones(1, 1, 128, device="cuda")
-            lib = hb._compile(cfg, (*dummy, scales, scales))[0].library
+        dummy = [torch.zeros(1, 1, 128, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        if cfg.qk_fp8:
+            dummy[0], dummy[1] = dummy[0].to(torch.uint8), dummy[1].to(torch.uint8)
+        scales = torch.ones(1, 1, 128, device="cuda")
+        lib = hb._compile(cfg, (*dummy, scales, scales), False)[0].library
     clib = drv.CUlibrary(int(lib))
     n = check(drv.cuLibraryGetKernelCount(clib))
     kernels = check(drv.cuLibraryEnumerateKernels(n, clib))
@@ -157,16 +155,19 @@ def bench_shape(shape, policies, budget: float, occ: dict, log) -> dict:
 
 def bench_policy(name, ins, scale, ref, budget: float, occ: dict, sub: dict) -> None:
     """One policy's keys (module doc) into ``sub``: both configurations on the same prepared operands."""
-    from fp4vis.kernels.hopper import backend as hb
-    from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
+    from fp4vis.call import AttentionCall
+    from fp4vis.config import kernel_settings
+    from fp4vis.kernels.hopper import launch as hb
+    from fp4vis.kernels.hopper.prepass import kernel_operands
     from fp4vis.metrics import rel_l2
     from fp4vis.policy import POLICIES as ALL
     d, s = ins[0][0].shape[-1], ins[0][1].shape[-2]
-    kw = hb.policy_args(ALL[name], d, scale)
+    pol, settings = ALL[name], kernel_settings()
+    params = pol.kernel_params(d, scale)
     cfgs = configs(name, d, s)
     sub["auto_ctas_per_sm"] = cfgs["auto"].ctas_per_sm
     m = min(len(ins), KERNEL_COPIES)
-    ops = [prepare_kernel_operands(*ins[i], kw["qk_fmt"], kw["anchor"]) for i in range(m)]
+    ops = [kernel_operands(AttentionCall(*ins[i], pol, scale), params, settings) for i in range(m)]
     outs = [torch.empty_like(ins[i][0]) for i in range(m)]
     res = {}
     for which in ("default", "short"):
@@ -174,10 +175,10 @@ def bench_policy(name, ins, scale, ref, budget: float, occ: dict, sub: dict) -> 
         sub[f"{which}_key"] = list(cfg.key())
 
         def kern(i, cfg=cfg):
-            hb.run_kernel(*ops[i], outs[i], cfg, scale * LOG2E, kw["margin_raw"])
+            hb.launch(cfg, ops[i], outs[i], params, None, settings.hopper_tvm_ffi)
 
-        def call(i, ctas=cfg.ctas_per_sm):
-            return hb.hopper_attention_eager(*ins[i], scale, **kw, ctas_per_sm=ctas)
+        def call(i, cfg=cfg):
+            return hb.attention(AttentionCall(*ins[i], pol, scale), cfg)
 
         kern(0)
         torch.cuda.synchronize()
@@ -216,10 +217,10 @@ def summary_line(row: dict, policies) -> str:
 
 
 def meta() -> dict:
-    from fp4vis.kernels.hopper import backend as hb
     from fp4vis.kernels.hopper import config as hf
+    from fp4vis.kernels.hopper import launch as hb
     return dict(environment(), short_seq=hb.SHORT_SEQ, regs_2cta=list(hf.REGS_2CTA), smem_2cta=hf.SMEM_2CTA,
-                tvm_ffi=setting("FP4VIS_HOPPER_TVM_FFI"))
+                tvm_ffi=kernel_settings().hopper_tvm_ffi)
 
 
 def main(argv=None) -> int:
@@ -276,7 +277,7 @@ def main(argv=None) -> int:
         res["total_s"] = round(time.perf_counter() - t0, 2)
         write_json(a.out, res)
         torch.cuda.empty_cache()
-    from fp4vis.kernels.hopper import backend as hb
+    from fp4vis.kernels.hopper import launch as hb
     res["compile_s"] = {str(k): round(v, 2) for k, v in hb.COMPILE_TIMES.items()}
     res["log"] = lines
     write_json(a.out, res)

@@ -190,12 +190,6 @@ def _layer_checks(dev) -> list:
     return rows
 
 
-def _policy_layout(policy: str) -> str:
-    from fp4vis.layout import qk_layout
-    from fp4vis.policy import get_policy
-    return qk_layout(get_policy(policy), 128)
-
-
 def _rows(make_row, seed: int) -> list:
     """make_row(h, d, s, norm weights, generator) over the timed shapes (the 14B width at S = 32760 only)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -230,7 +224,7 @@ def _prepass_row(h: int, d: int, s: int, weights, g) -> dict:
     row = dict(heads=h, head_dim=d, seq=s, copy_floor_ms=time_events(lambda i: dst.copy_(src), 1),
                rstd_ms=time_events(lambda i: tp.rms_rstd(*_views(raw[i][:2], h), 1e-6, 1e-6), copies))
     for policy in POLICIES:
-        row[policy] = _prepass_policy(_policy_layout(policy), raw, h, norms, rope, tr, copies)
+        row[policy] = _prepass_policy(policy, raw, h, norms, rope, tr, copies)
         row[policy]["fused_over_floor"] = row[policy]["fused_ms"] / row["copy_floor_ms"]
         row[policy]["prepass_over_floor"] = row[policy]["prepass_no_transform_ms"] / row["copy_floor_ms"]
     return row
@@ -241,21 +235,31 @@ def _views(projections, h: int) -> tuple:
     return tuple(t.unflatten(2, (h, -1)).transpose(1, 2) for t in projections)
 
 
-def _prepass_policy(fmt: str, raw: list, h: int, norms, rope, tr, copies: int) -> dict:
+def _prepass_policy(policy: str, raw: list, h: int, norms, rope, tr, copies: int) -> dict:
+    from fp4vis.attention import default_scale
+    from fp4vis.call import AttentionCall
+    from fp4vis.config import kernel_settings
     from fp4vis.kernels.hopper import prepass_triton as tp
-    from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
+    from fp4vis.kernels.hopper.prepass import kernel_operands
+    from fp4vis.policy import get_policy
     from fp4vis.qk_transform import apply_rotary_emb
+    pol, d, settings = get_policy(policy), raw[0][0].shape[-1] // h, kernel_settings()
+    scale = default_scale(d)
+    params = pol.kernel_params(d, scale)
+    fmt = params.qk_layout
+
+    def operands(q, k, v, qk=None):   # the backend's pre-pass of (B, H, S, D) views
+        return kernel_operands(AttentionCall(q, k, v, pol, scale, qk), params, settings)
 
     def today(i):   # what the processor ran before: diffusers' norms and rotary, then the pre-pass
         qp, kp, vp = raw[i]
         q = apply_rotary_emb(norms[0](qp).unflatten(2, (h, -1)), *rope)
         k = apply_rotary_emb(norms[1](kp).unflatten(2, (h, -1)), *rope)
-        return prepare_kernel_operands(q.transpose(1, 2), k.transpose(1, 2), *_views(raw[i][2:], h), fmt, 0)
+        return operands(q.transpose(1, 2), k.transpose(1, 2), *_views(raw[i][2:], h))
 
     r = dict(layout=fmt, today_ms=time_events(today, copies),
-             fused_ms=time_events(lambda i: prepare_kernel_operands(*_views(raw[i], h), fmt, 0, qk=tr), copies),
-             prepass_no_transform_ms=time_events(lambda i: prepare_kernel_operands(*_views(raw[i], h), fmt, 0),
-                                                 copies))
+             fused_ms=time_events(lambda i: operands(*_views(raw[i], h), qk=tr), copies),
+             prepass_no_transform_ms=time_events(lambda i: operands(*_views(raw[i], h)), copies))
     r["today_over_fused"] = r["today_ms"] / r["fused_ms"]
     if fmt == "folded64_mse":   # the scale search over every candidate (FP4VIS_PREPASS_FULL_SEARCH) side by side
         r["prepass_full_search_ms"] = time_events(
@@ -292,21 +296,22 @@ def _call_row(h: int, d: int, s: int, weights, g) -> dict:
 def _call_policy(policy: str, raw: list, tr, copies: int) -> dict:
     import fp4vis
     from fp4vis.attention import default_scale
-    from fp4vis.kernels.hopper import backend as hb
-    from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
-    from fp4vis.layout import LOG2E
+    from fp4vis.call import AttentionCall
+    from fp4vis.config import kernel_settings
+    from fp4vis.kernels.hopper import launch as hb
+    from fp4vis.kernels.hopper.config import product_config
+    from fp4vis.kernels.hopper.prepass import kernel_operands
     from fp4vis.policy import get_policy
     b, s, h, d = raw[0][0].shape
-    scale = default_scale(d)
-    args = hb.policy_args(get_policy(policy), d, scale)
-    ops = [prepare_kernel_operands(*(t.transpose(1, 2) for t in r), args["qk_fmt"], 0, qk=tr) for r in raw]
+    scale, pol, settings = default_scale(d), get_policy(policy), kernel_settings()
+    params = pol.kernel_params(d, scale)
+    ops = [kernel_operands(AttentionCall(*(t.transpose(1, 2) for t in r), pol, scale, tr), params, settings)
+           for r in raw]
     out = torch.empty(b, h, s, d, dtype=torch.bfloat16, device="cuda")
-    cfg = hb.kernel_config(d, "bf16", args["affine_a"], args["affine_b"], args["shift"], args["native_exp2"], 0, "", "",
-                           0, args["code_rounding"], args["qk_fmt"] == "fp8_e4m3", "", 0, hb.short_sequences(s, s),
-                           False)
+    cfg = product_config(params, d, "bf16", hb.short_sequences(s, s, settings), False)
 
     def kernel(i):
-        hb.run_kernel(*ops[i], out, cfg, scale * LOG2E, args["margin_raw"])
+        hb.launch(cfg, ops[i], out, params, None, settings.hopper_tvm_ffi)
 
     def call(i, check="raise"):   # the patched layer's call: raw projections and the transform
         q, k, v = raw[i]

@@ -14,10 +14,8 @@ Backends (each skipped with a reason in its row when it cannot run here):
                     may be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
                     ``hopper@pingpong/packed/3`` or ``hopper_kernel@///lane``; see
                     ``fp4vis.kernels.hopper.config.DirectPConfig``
-  ``hopper_fused``  the same as ``hopper`` (the fused Triton folded-K64 Q/K pre-pass is the default;
-                    the name is kept for the earlier results that used it)
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
-  ``prepass``       the pre-pass alone (``prepass_fused``: the all-Triton one of ``hopper_fused``)
+  ``prepass``       the pre-pass alone
   ``fa4``           flash-attn-4 (``flash_attn.cute``) BF16 forward, non-causal
   ``sdpa_cudnn``    torch SDPA with the cuDNN backend
   ``sdpa_flash``    torch SDPA with the flash backend
@@ -55,7 +53,6 @@ import torch
 
 from fp4vis.evals.baselines import BASELINES, attention_function, unavailable
 from fp4vis.files import atomic_write
-from fp4vis.layout import LOG2E
 from fp4vis.policy import get_policy
 from fp4vis.services.environment import environment
 from fp4vis.services.outputs import write_json
@@ -69,8 +66,7 @@ GRID_D64 = [(1, 197, 12), (64, 197, 12), (32, 197, 16), (8, 577, 16)]
 QUICK_SHAPES = [(1, 64, 2), (1, 200, 2)]
 
 L2_BYTES = 50 * 2**20
-HOPPER_BACKENDS = ("hopper", "hopper_plain", "hopper_overlap", "hopper_fused", "hopper_kernel", "prepass",
-                   "prepass_fused")
+HOPPER_BACKENDS = ("hopper", "hopper_plain", "hopper_overlap", "hopper_kernel", "prepass")
 
 
 @dataclass
@@ -128,42 +124,52 @@ def split_variant(backend: str) -> tuple[str, dict]:
     return base, kw
 
 
+def _variant_config(pol, q: torch.Tensor, variant: dict):
+    """The ``DirectPConfig`` of a named kernel variant (``split_variant``'s fields), None where none is named
+    (the backend's own choice, ``product_config``, the short-sequence variant by sequence length)."""
+    if not variant:
+        return None
+    dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    return _kmod("hopper.config").DirectPConfig.from_policy(pol, q.shape[-1], dtype, **variant)
+
+
 def hopper_call(policy: str, **variant):
     """The whole call. The default variant goes through the public API (``fp4vis.attention``,
-    ``backend="hopper"``: what users and the patchers run); variants call the backend's function."""
+    ``backend="hopper"``: what users and the patchers run); a variant goes to the backend's launcher with its
+    ``DirectPConfig``."""
     import fp4vis
-    hb = _kmod("hopper.backend")
+    from fp4vis.call import AttentionCall
+    hb = _kmod("hopper.launch")
     pol = get_policy(policy)
-    default = not variant
 
     def call(q, k, v, scale):
-        if default:
+        if not variant:
             return fp4vis.attention(q, k, v, policy=pol, scale=scale, backend="hopper", range_check="off")
-        return hb.hopper_attention_eager(q, k, v, scale, **hb.policy_args(pol, q.shape[-1], scale), **variant)
+        return hb.attention(AttentionCall(q, k, v, pol, scale), _variant_config(pol, q, variant))
     return call
 
 
 def hopper_parts(policy: str, **variant):
-    """(prepass(q,k,v) -> operands, kernel(operands) -> out) for the split timings."""
-    hb = _kmod("hopper.backend")
-    policy_args, run_kernel = hb.policy_args, hb.run_kernel
-    DirectPConfig = _kmod("hopper.config").DirectPConfig
-    prepare_kernel_operands = _kmod("hopper.prepass").prepare_kernel_operands
+    """(prepass(q, k, v, scale) -> operands, kernel(operands, q, scale) -> out) for the split timings: the
+    backend's own two steps (``prepass.kernel_operands``, ``backend.launch``)."""
+    from fp4vis.call import AttentionCall
+    from fp4vis.config import kernel_settings
+    hb = _kmod("hopper.launch")
+    product_config = _kmod("hopper.config").product_config
+    kernel_operands = _kmod("hopper.prepass").kernel_operands
     pol = get_policy(policy)
 
-    def pre(q, k, v, scale, fused=None):
-        a = policy_args(pol, q.shape[-1], scale)
-        return prepare_kernel_operands(q, k, v, a["qk_fmt"], a["anchor"], fused=fused)
+    def pre(q, k, v, scale):
+        return kernel_operands(AttentionCall(q, k, v, pol, scale), pol.kernel_params(q.shape[-1], scale),
+                               kernel_settings())
 
     def ker(ops, q, scale):
-        a = policy_args(pol, q.shape[-1], scale)
+        params, settings = pol.kernel_params(q.shape[-1], scale), kernel_settings()
         out = torch.empty_like(q)
-        # from the policy: every numerics field (code rounding, FP8 Q/K) reaches the kernel; the
-        # short-sequence variant where the backend would pick it (ops[0], ops[1]: Q, K as (B, H, S, D))
-        kw = dict(variant, ctas_per_sm=hb.auto_ctas_per_sm(
-            hb.short_sequences(ops[0].shape[-2], ops[1].shape[-2]), **variant))
-        cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", **kw)
-        run_kernel(*ops, out, cfg, scale * LOG2E, a["margin_raw"])
+        cfg = _variant_config(pol, q, variant) or product_config(
+            params, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
+            hb.short_sequences(ops.q.shape[-2], ops.k.shape[-2], settings), False)
+        hb.launch(cfg, ops, out, params, None, settings.hopper_tvm_ffi)
         return out
     return pre, ker
 
@@ -329,13 +335,11 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
     shape_flops = 4.0 * row["b"] * row["h"] * row["s"] * row["skv"] * row["d"]
     out0 = None
     base, variant = split_variant(backend)
-    if base in ("prepass", "prepass_fused", "hopper_kernel"):
+    if base in ("prepass", "hopper_kernel"):
         pre, ker = hopper_parts(pol, **variant)
         ops = [pre(q, k, v, scale) for q, k, v in sets] if base == "hopper_kernel" else None
         if base == "prepass":
             fn = lambda i: pre(*sets[i], scale)  # noqa: E731
-        elif base == "prepass_fused":
-            fn = lambda i: pre(*sets[i], scale, True)  # noqa: E731
         else:
             fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
             out0 = ker(ops[0], sets[0][0], scale)
@@ -343,7 +347,6 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
         fp4vis_calls = {"hopper": lambda: hopper_call(pol, **variant),
                         "hopper_plain": lambda: hopper_call(pol, schedule="serial"),
                         "hopper_overlap": lambda: hopper_call(pol, schedule="overlap"),
-                        "hopper_fused": lambda: hopper_call(pol),   # the default since the fused folded pre-pass
                         "reference": lambda: reference_call(pol), "blackwell": lambda: blackwell_call(pol)}
         call = attention_function(base, "bhsd") if base in BASELINES else fp4vis_calls[base]()
         fn = lambda i: call(*sets[i], scale)  # noqa: E731
@@ -386,13 +389,12 @@ def add_speedups(rows: list[dict]) -> None:
             if "graph_ms" in r:
                 graph[(r["shape"], r["backend"])] = r["graph_ms"]
     pre = {(r["shape"], r.get("policy"), r["backend"]): r["ms"] for r in rows
-           if r.get("backend") in ("prepass", "prepass_fused") and "ms" in r}
+           if r.get("backend") == "prepass" and "ms" in r}
     for r in rows:
         if "ms" not in r:
             continue
-        which = {"hopper": "prepass", "hopper_fused": "prepass_fused"}.get(r.get("backend"))
-        if which and (r["shape"], r.get("policy"), which) in pre:
-            r["prepass_fraction"] = round(pre[(r["shape"], r.get("policy"), which)] / r["ms"], 4)
+        if r.get("backend") == "hopper" and (r["shape"], r.get("policy"), "prepass") in pre:
+            r["prepass_fraction"] = round(pre[(r["shape"], r.get("policy"), "prepass")] / r["ms"], 4)
         for b in ("fa4", "sdpa_cudnn"):
             if (r["shape"], b) in base:
                 r[f"speedup_vs_{b}"] = round(base[(r["shape"], b)] / r["ms"], 3)

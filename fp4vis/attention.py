@@ -99,7 +99,6 @@ def attention(
     range_check: RangeCheck = "raise",
     qk_transform: QKTransform | None = None,
     key_mask: torch.Tensor | None = None,
-    label: str | None = None,
 ) -> torch.Tensor:
     """FP4 attention (non-causal, no mask), SDPA-compatible.
 
@@ -131,9 +130,6 @@ def attention(
             (docs/numerics.md section 6, "Key masks"). Other masks (additive, per query) are a TypeError or
             ValueError naming the form. The kernels do not take masks yet: ``backend="auto"`` runs the reference
             then, with one warning.
-        label: the layer this call belongs to, named in the range record's errors (``fp4vis.patch`` passes
-            each layer's name in eager calls). Under torch.compile it is a constant of the graph: another
-            value traces the call again.
 
     Returns:
         The attention output, q's dtype, in ``layout``.
@@ -166,8 +162,6 @@ def attention(
         scale = default_scale(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
-    if label is not None and not isinstance(label, str):
-        raise TypeError(f"label: expected a str or None, got {type(label).__name__}")
     if qk_transform is not None and not isinstance(qk_transform, QKTransform):
         raise TypeError(f"qk_transform: expected a QKTransform, got {type(qk_transform).__name__}")
     if key_mask is not None:
@@ -188,18 +182,19 @@ def attention(
         grad_inputs, (q, k, v) = (q, k, v), (q.detach(), k.detach(), v.detach())
     call = AttentionCall(q, k, v, pol, float(scale), qk_transform, key_mask)
     chosen = select_backend(backend, call)
-    if qk_transform is not None and not chosen.fuses_qk_transform:
+    if qk_transform is not None and not chosen.fuses_qk_transform(call):
         q_applied, k_applied = qk_transform.apply(q, k, "bhsd")
         call = call._replace(q=q_applied, k=k_applied, qk_transform=None)
     checked = range_check != "off"
     if torch.compiler.is_compiling():
         # every backend's op reports the call's range itself, at run time (range_record: call sites)
-        call = call._replace(record_site=range_record.call_site(chosen.name, pol, range_check, layout, label))
+        call = call._replace(record_site=range_record.call_site(chosen.name, pol, range_check, layout, None))
         checked = False
     elif chosen.records_range and checked:
         # the record works in CUDA-graph capture too: a replay reports as the captured call
-        call = call._replace(record=range_record.record_for(q.device).start_call(chosen.name, pol, range_check,
-                                                                                 layout, given, label))
+        # the layer the call belongs to (a patched layer's ``range_record.layer_scope``) is named in its errors
+        call = call._replace(record=range_record.record_for(q.device).start_call(
+            chosen.name, pol, range_check, layout, given, range_record.current_layer()))
         checked = False   # reported by the record
     else:
         checked = checked and not range_record.capturing()

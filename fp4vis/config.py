@@ -1,10 +1,11 @@
 """Settings from the environment: every ``FP4VIS_*`` variable is declared here, and read when it is
 used (``setting(name)``), never at import. docs/configuration.md lists them (a test keeps the two in
-step). They select kernel variants for measurement and debugging; the defaults are the product.
+step). The defaults are the product.
 
-Per-call paths read ``cached_setting(name)``: the value at its first use in the process
-(``overridden`` and ``refresh`` re-read). Where a setting feeds a cached object (a compiled kernel
-configuration), it is read when that object is first made.
+The kernel switches are read once, together (``kernel_settings()``: the values at their first use in the
+process; ``overridden`` and ``refresh`` read them again), and each backend hands them to its kernels as
+configuration. Kernel variants for measurement are not settings: a benchmark builds the variant's
+configuration and hands it to the backend's launcher.
 """
 
 from __future__ import annotations
@@ -20,51 +21,33 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Setting:
-    """One environment variable: its default and, for a choice, the values it accepts."""
+    """One environment variable: its default; a boolean flag unless ``text``."""
 
     name: str
     default: str
     doc: str
-    choices: tuple[str, ...] = ()   # empty: a boolean flag (unless ``text``)
     text: bool = False              # free text (a path), returned as given
 
     def parse(self, raw: str) -> str | bool:
         if self.text:
             return raw
         value = raw.strip().lower()
-        if not self.choices:
-            if value in _TRUE:
-                return True
-            if value in _FALSE:
-                return False
-            raise ValueError(f"{self.name}: expected 1 or 0, got {raw!r}")
-        if value not in self.choices:
-            raise ValueError(f"{self.name}: expected one of {', '.join(self.choices)}, got {raw!r}")
-        return value
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise ValueError(f"{self.name}: expected 1 or 0, got {raw!r}")
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("FP4VIS_HOPPER_SCHEDULE", "pingpong", "Hopper kernel: schedule of the consumer warpgroups "
-            "(`DirectPConfig.schedule`)", ("pingpong", "serial", "overlap")),
-    Setting("FP4VIS_HOPPER_P_PATH", "packed", "Hopper kernel: how P codes are made; `none`, `timing_scales` "
-            "and `timing_codes` leave stages out and give wrong results (timing only)",
-            ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")),
-    Setting("FP4VIS_HOPPER_BLOCK_SCALES", "quad", "Hopper kernel: block constants once per quad or per "
-            "thread (same bits)", ("quad", "lane")),
-    Setting("FP4VIS_HOPPER_EIGHTHS", "1", "Hopper kernel: affine codes computed as q/8 with a saturating "
-            "FMA (same bits); 0 rounds max(y, 0)"),
     Setting("FP4VIS_HOPPER_TVM_FFI", "1", "Hopper kernel: launch through TVM-FFI where apache-tvm-ffi "
             "imports (a few microseconds per call); 0 uses the DLPack path"),
     Setting("FP4VIS_HOPPER_SHORT", "1", "Hopper backend: the short-sequence variant (two 64-row CTAs per "
             "SM) where both sequences are at most 768 keys; 0 never uses it"),
-    Setting("FP4VIS_PREPASS_FUSED_FOLDED", "1", "Hopper pre-pass: the folded-K64 Q/K quantizer in the "
-            "fused Triton launch; 0 runs it through `fp4vis.formats` (same bits, slow)"),
     Setting("FP4VIS_PREPASS_F16_CODES", "1", "Hopper pre-pass: E2M1 codes on FP16 pairs on the GPU "
             "(same bits); 0 selects the float32 form"),
     Setting("FP4VIS_PREPASS_FULL_SEARCH", "0", "Hopper pre-pass: the folded-K64 scale search over every "
             "candidate instead of the contenders (same bits, slower: for measurement); 1 turns it on"),
-    Setting("FP4VIS_PREPASS_FUSED_QK", "1", "Hopper pre-pass: fold a layer's q/k transform (RMS norms, rotary "
-            "embedding) into the pre-pass; 0 applies it in PyTorch first (same bits)"),
     Setting("FP4VIS_PREPASS_DIRECT_LAUNCH", "1", "Hopper pre-pass: launch the compiled Triton kernel "
             "directly (skips Triton's per-call argument binding); 0 uses the ordinary launch"),
     Setting("FP4VIS_BLACKWELL_CUBINS", "", "Blackwell backend: a folder of precompiled sm_90 cubins of its kernel "
@@ -78,20 +61,36 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 )}
 
 
+@dataclass(frozen=True)
+class KernelSettings:
+    """The kernel switches, read from the environment once (``kernel_settings()``); each backend reads them at
+    one place and hands them to its kernels as configuration (a compiled variant, a launcher's option)."""
+
+    hopper_tvm_ffi: bool
+    hopper_short: bool
+    prepass_f16_codes: bool
+    prepass_full_search: bool
+    prepass_direct_launch: bool
+    blackwell_cubins: str
+    blackwell_prepass_fused: bool
+
+
 @functools.cache
-def cached_setting(name: str) -> str | bool:
-    """``setting(name)`` as read at its first use in the process (per-call paths: an environment
-    lookup costs about a microsecond there); ``overridden`` and ``refresh`` re-read it."""
-    return setting(name)
+def kernel_settings() -> KernelSettings:
+    """The ``KernelSettings`` as the environment had them at the first call of the process (``overridden`` and
+    ``refresh`` read them again)."""
+    return KernelSettings(*(setting(name) for name in (
+        "FP4VIS_HOPPER_TVM_FFI", "FP4VIS_HOPPER_SHORT", "FP4VIS_PREPASS_F16_CODES", "FP4VIS_PREPASS_FULL_SEARCH",
+        "FP4VIS_PREPASS_DIRECT_LAUNCH", "FP4VIS_BLACKWELL_CUBINS", "FP4VIS_BLACKWELL_PREPASS_FUSED")))
 
 
 def refresh() -> None:
-    """Forget the values ``cached_setting`` read (after changing the environment by hand)."""
-    cached_setting.cache_clear()
+    """Forget the values ``kernel_settings`` read (after changing the environment by hand)."""
+    kernel_settings.cache_clear()
 
 
 def setting(name: str) -> str | bool:
-    """The value of ``name`` now: a bool for a flag, the lower-case choice otherwise. An unknown
+    """The value of ``name`` now: a bool for a flag, the text as given for a text setting. An unknown
     name is a programming error (KeyError); a bad value raises ValueError naming the variable."""
     s = SETTINGS[name]
     return s.parse(os.environ.get(name, s.default))
@@ -121,7 +120,7 @@ def markdown_table() -> str:
     """The settings as docs/configuration.md lists them (``python -m fp4vis.config`` prints it)."""
     rows = ["| variable | default | values | what |", "|---|---|---|---|"]
     for s in SETTINGS.values():
-        values = "a path" if s.text else ", ".join(f"`{c}`" for c in s.choices) if s.choices else "`1`, `0`"
+        values = "a path" if s.text else "`1`, `0`"
         rows.append(f"| `{s.name}` | `{s.default}` | {values} | {s.doc} |")
     return "\n".join(rows)
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, NamedTuple
 
 Method = Literal["direct_p", "nv_fp8", "exact"]
 QKFormat = Literal["block16", "folded64_mse", "fp8_e4m3"]
@@ -23,7 +23,24 @@ CodeRounding = Literal["exact", "bf16"]
 # docs/numerics.md section 2: representable block exponents relative to the row reference are [L-126, 127];
 # an anchored policy needs its margin plus its stored shift to stay inside that window.
 MAX_MARGIN_PLUS_SHIFT = 126
-_LN2 = math.log(2.0)   # fp4vis.layout.LN2 (which imports this module)
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2   # a softmax scale times LOG2E: the scores' binary exponent per raw unit (s_log2)
+
+
+class KernelParams(NamedTuple):
+    """What a Direct-P kernel takes of a policy for one call (``Policy.kernel_params``): ``s_log2`` (the softmax
+    scale times log2 e), the anchors' margin in raw-score units, the affine code, the shift L, native positions,
+    anchors, the Q/K layout actually used and the code rounding."""
+
+    s_log2: float
+    margin_raw: float
+    affine_a: float
+    affine_b: float
+    shift: int
+    native_exp2: bool
+    anchor: int
+    qk_layout: str
+    code_rounding: str
 
 
 @dataclass(frozen=True)
@@ -147,8 +164,23 @@ class Policy:
         if self.anchor == 0:
             return 0.0
         if self.margin_units == "code":
-            return self.margin * _LN2 / tensor_scale
+            return self.margin * LN2 / tensor_scale
         return self.margin / s_log2
+
+    def qk_layout(self, head_dim: int) -> str:
+        """The Q/K format actually used at a head dim: folded64_mse needs D % 32 == 0 (docs/numerics.md), else
+        block16; ``fp8_e4m3`` as given."""
+        if self.qk_fp8:
+            return QK_FP8
+        return "folded64_mse" if self.qk_format == "folded64_mse" and head_dim % 32 == 0 else "block16"
+
+    def kernel_params(self, head_dim: int, scale: float) -> KernelParams:
+        """The one conversion of a policy to a kernel's parameters for a call (both kernel backends; the
+        reference computes from the policy with the same ``margin_raw`` and ``qk_layout``)."""
+        s_log2 = scale * LOG2E
+        return KernelParams(s_log2, float(self.margin_raw(s_log2)), float(self.affine_a), float(self.affine_b),
+                            int(self.shift), bool(self.native_exp2), int(self.anchor), self.qk_layout(head_dim),
+                            self.code_rounding)
 
     def margin_log2(self, scale: float) -> float:
         """The same margin in binary exponents of P, for a softmax scale (the guard's statistics): ``M * scale``

@@ -36,8 +36,8 @@ from fp4vis.formats import (
     mxfp4_quantize,
     nvfp4_quantize,
 )
-from fp4vis.layout import KEY_BLOCK, LOG2E, anchor_permutation, native_positions, qk_layout
-from fp4vis.policy import Policy
+from fp4vis.layout import KEY_BLOCK, anchor_permutation, native_positions
+from fp4vis.policy import LOG2E, Policy
 
 LOG2_6 = math.log2(6.0)
 LOG2_1P5 = math.log2(1.5)
@@ -201,7 +201,7 @@ def quantize_qk_operand(x: torch.Tensor, policy: Policy, name: str) -> tuple[tor
         rows = 1 if name == "q" else KEY_BLOCK
         return fp8_pow2_qdq(x, rows), 1.0, ScaleRange.of(fp8_pow2_scale_counts(x, rows))
     x = pad_last(x, 16)
-    xq = nvfp4_quantize(x, qk_layout(policy, x.shape[-1]), policy.qk_global_scale, name=name)
+    xq = nvfp4_quantize(x, policy.qk_layout(x.shape[-1]), policy.qk_global_scale, name=name)
     return xq.dequantize(tensor_scale=False), xq.tensor_scale, xq.scale_range
 
 

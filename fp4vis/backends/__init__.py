@@ -1,7 +1,7 @@
 """Attention backends behind ``fp4vis.attention``: the interface (``base``), the reference
 (``reference``) and the registry that picks one per call (``registry``)."""
 
-from .base import AUTO, BLACKWELL, HOPPER, REFERENCE, Backend, device_capability
+from .base import AUTO, REFERENCE, Backend, device_capability
 from .registry import (
                        available_backends,
                        backend_names,
@@ -11,5 +11,5 @@ from .registry import (
                        select_backend,
 )
 
-__all__ = ["AUTO", "BLACKWELL", "HOPPER", "REFERENCE", "Backend", "available_backends", "backend_names",
+__all__ = ["AUTO", "REFERENCE", "Backend", "available_backends", "backend_names",
            "device_capability", "get_backend", "kernel_backend_name", "register_backend", "select_backend"]

@@ -1,7 +1,6 @@
-"""What every attention backend is: the ``Backend`` interface, the backend names (one place), the
-device-capability lookup, and the small named checks that backends compose their
-``supports`` from. Imports only core modules: kernel backends import this, never the
-registry that loads them."""
+"""What every attention backend is: the ``Backend`` interface (each backend declares its own name and the GPUs
+``auto`` picks it on), the device-capability lookup, and the small named checks that backends compose their
+``supports`` from. Imports only core modules: kernel backends import this, never the registry that loads them."""
 
 from __future__ import annotations
 
@@ -12,14 +11,10 @@ from fp4vis.policy import Policy
 from fp4vis.reference import RangeReport
 from fp4vis.tracing import constant_at_trace_time
 
-# backend names: "auto" picks one, the others name one
+# the names every registry has: "auto" picks a backend per call, "reference" is the exact emulation; kernel
+# backends name themselves (``Backend.name``)
 AUTO = "auto"
 REFERENCE = "reference"
-HOPPER = "hopper"
-BLACKWELL = "blackwell"
-# compute capabilities of the GPUs each kernel backend is built for ("auto" picks it there)
-HOPPER_CAPABILITIES = ((9, 0),)
-BLACKWELL_CAPABILITIES = ((10, 0), (10, 3), (12, 0))
 
 
 class Backend:
@@ -32,12 +27,17 @@ class Backend:
     returns None for the RangeReport."""
 
     name: str = "?"
-    #: True where ``run`` uses the call's ``record`` (the range record's launch arguments,
-    #: ``fp4vis.backends.range_record``): the kernel reports its range on the device
+    #: the compute capabilities of the GPUs on which ``backend="auto"`` tries this backend first
+    auto_capabilities: tuple[tuple[int, int], ...] = ()
+    #: True where ``run`` uses the call's ``record`` (its ``fp4vis.call.RecordSlot``): the
+    #: kernel reports its range on the device
     records_range: bool = False
-    #: True where ``run`` takes a call with a ``qk_transform`` (a ``fp4vis.qk_transform.QKTransform``: q and k
-    #: are then raw projections that the backend normalises and rotates itself, e.g. in its pre-pass)
-    fuses_qk_transform: bool = False
+
+    def fuses_qk_transform(self, call: AttentionCall) -> bool:
+        """True where ``run`` takes this call with its ``qk_transform`` (a ``fp4vis.qk_transform.QKTransform``: q
+        and k are then raw projections that the backend normalises and rotates itself, e.g. in its pre-pass);
+        otherwise ``fp4vis.attention`` applies the transform first."""
+        return False
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can run on this machine at all, else why not."""

@@ -41,6 +41,8 @@ which the kernels propagate to the output: named where the inputs are still aliv
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import functools
 import itertools
 import json
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4vis.call import RecordSlot
 from fp4vis.policy import Policy
 from fp4vis.reference import RangeExceededError, RangeReport
 from fp4vis.tracing import constant_at_trace_time
@@ -108,7 +111,6 @@ class RangeRecord:
         # pinned host memory is mapped into the device's address space (UVA): the kernel stores here
         self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._flag = self.flag.numpy()
-        self._addresses = (self.fields.data_ptr(), self.flag.data_ptr())
         self.calls: collections.deque[tuple] = collections.deque(maxlen=KEPT_CALLS)   # CallInfo fields
         self._numbers = itertools.count(1)   # thread-safe under the GIL
         self.unchecked = False   # calls recorded since the last check
@@ -118,11 +120,11 @@ class RangeRecord:
 
     def start_call(self, backend: str, policy: Policy, mode: str, layout: str,
                    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], layer: str | None = None,
-                   compiled: bool = False, shapes: tuple | None = None) -> tuple[int, int, int]:
+                   compiled: bool = False, shapes: tuple | None = None) -> RecordSlot:
         """Number a call (q, k, v as given to ``fp4vis.attention``, in ``layout``, or, ``compiled``, as its op
-        got them, with ``shapes`` as given; ``layer``: its label); returns the kernel's launch arguments
-        (fields address, flag address, number). A call in CUDA-graph capture marks the record ``captured``:
-        its replays run no Python, so every later check waits for the device."""
+        got them, with ``shapes`` as given; ``layer``: its label); returns its ``RecordSlot``. A call in CUDA-graph
+        capture marks the record ``captured``: its replays run no Python, so every later check waits for the
+        device."""
         q, k, v = inputs
         number = next(self._numbers) % (NO_CALL - 1) + 1    # 1 .. NO_CALL - 1
         self.unchecked = True
@@ -130,7 +132,7 @@ class RangeRecord:
             self.captured = True
         self.calls.append((number, backend, policy, mode, layout, layer, shapes or (q.shape, k.shape, v.shape),
                            q.dtype, (weakref.ref(q), weakref.ref(k), weakref.ref(v)), compiled))
-        return (*self._addresses, number)
+        return RecordSlot(self.fields, self.flag, number)
 
     @property
     def last_number(self) -> int | None:
@@ -248,15 +250,14 @@ def site_of(number: int) -> CallSite:
     return _SITE_LIST[number]
 
 
-def start_site_call(number: int, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
+def start_site_call(number: int, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> RecordSlot | None:
     """In a kernel backend's op, at run time, for a compiled call: report what finished kernels raised
     (``poll``), then number the call as ``fp4vis.attention`` does an eager one. ``inputs``: the op's
-    (B, H, S, D) q, k, v. Returns the kernel's launch arguments, (0, 0, 0) where the site's
-    range_check is "off"."""
+    (B, H, S, D) q, k, v. Returns its ``RecordSlot``, None where the site's range_check is "off"."""
     site = site_of(number)
     poll()
     if site.mode == "off":
-        return (0, 0, 0)
+        return None
     shapes = tuple(t.transpose(1, 2).shape if site.layout == "bshd" else t.shape for t in inputs)
     return record_for(inputs[0].device).start_call(site.backend, site.policy, site.mode, site.layout, inputs,
                                                    layer=site.layer, compiled=True, shapes=shapes)
@@ -281,6 +282,25 @@ keeps it in the graph."""
 @check_after.register_fake
 def _check_after_fake(token, after, where):
     return None
+
+
+_LAYER: contextvars.ContextVar[str | None] = contextvars.ContextVar("fp4vis_layer", default=None)
+
+
+@contextlib.contextmanager
+def layer_scope(name: str):
+    """Eager ``fp4vis.attention`` calls made inside are the layer ``name``'s: the record keeps the name for their
+    errors (a patched layer's calls run in one: ``LayerState.fp4_call``)."""
+    token = _LAYER.set(name)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def current_layer() -> str | None:
+    """The layer of ``layer_scope`` around this call, None outside one."""
+    return _LAYER.get()
 
 
 def labelled(message: str, layer: str | None) -> str:

@@ -1,38 +1,25 @@
 """The registry of attention backends and the one place that picks a backend for a call.
 
-The reference is always registered. Kernel backends live in ``fp4vis.kernels.<name>``; the registry
-imports such a module only when a call could use it (so ``import fp4vis`` never touches CUDA or
-CuTe DSL) and registers the module's ``BACKEND``. The kernel modules import ``fp4vis.backends.base``
-only: nothing they load calls back into this module.
+The reference is always registered. Kernel backends declare themselves where they are defined (their name, the
+GPUs ``auto`` picks them on, their ``supports``) and are listed as entry points of the group ``fp4vis.backends``
+(pyproject.toml: ``hopper = "fp4vis.kernels.hopper.backend:BACKEND"``; another package can add its own): the
+registry loads them at the first lookup (so ``import fp4vis`` never touches CUDA or CuTe DSL). Core names no
+kernel. The kernel modules import ``fp4vis.backends.base`` only: nothing they load calls back into this module.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 
 import torch
 
 from fp4vis.call import AttentionCall
 from fp4vis.tracing import constant_at_trace_time, warn_once
 
-from .base import (
-    AUTO,
-    BLACKWELL,
-    BLACKWELL_CAPABILITIES,
-    HOPPER,
-    HOPPER_CAPABILITIES,
-    REFERENCE,
-    Backend,
-    device_capability,
-)
+from .base import AUTO, REFERENCE, Backend, device_capability
 from .reference import ReferenceBackend
 
-# kernel backend name -> module holding its BACKEND
-KERNEL_MODULES = {HOPPER: "fp4vis.kernels.hopper.backend", BLACKWELL: "fp4vis.kernels.blackwell.backend"}
-# the kernel backend "auto" tries on a CUDA device of each compute capability (the Blackwell kernel's
-# sm_90 build is a verification path: "auto" never picks it on a Hopper GPU)
-AUTO_BY_CAPABILITY = {**{cap: HOPPER for cap in HOPPER_CAPABILITIES},
-                      **{cap: BLACKWELL for cap in BLACKWELL_CAPABILITIES}}
+ENTRY_POINT_GROUP = "fp4vis.backends"
 
 _REGISTRY: dict[str, Backend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
@@ -46,9 +33,16 @@ def register_backend(backend: Backend) -> None:
 register_backend(ReferenceBackend())
 
 
+def kernel_entry_points() -> tuple:
+    """The kernel backends installed (entry points of ``ENTRY_POINT_GROUP``, in their packages' order); none is
+    loaded."""
+    return tuple(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
 def backend_names() -> list[str]:
     """Every name ``backend=`` accepts, "auto" first."""
-    return [AUTO, REFERENCE, *KERNEL_MODULES, *sorted(set(_REGISTRY) - {REFERENCE, *KERNEL_MODULES})]
+    kernels = [ep.name for ep in kernel_entry_points()]
+    return [AUTO, REFERENCE, *kernels, *sorted(set(_REGISTRY) - {REFERENCE, *kernels})]
 
 
 _LOADED: list[bool] = []
@@ -61,13 +55,13 @@ def _load_kernel_backends() -> bool:
     DSL): under torch.compile Dynamo runs this for real instead of tracing the imports, before any
     lookup in the trace reads the registry."""
     if not _LOADED:
-        for name, module in KERNEL_MODULES.items():
-            if name in _REGISTRY:   # registered by the user under a kernel's name: theirs stays
+        for ep in kernel_entry_points():
+            if ep.name in _REGISTRY:   # registered by the user under a kernel's name: theirs stays
                 continue
             try:
-                register_backend(importlib.import_module(module).BACKEND)
+                register_backend(ep.load())
             except Exception as exc:  # a kernel backend that cannot load here is reported, not fatal
-                _IMPORT_ERRORS[name] = f"{type(exc).__name__}: {exc}"
+                _IMPORT_ERRORS[ep.name] = f"{type(exc).__name__}: {exc}"
         _LOADED.append(True)
     return True
 
@@ -76,7 +70,7 @@ def get_backend(name: str) -> Backend | None:
     """The backend registered under ``name`` (kernel backends are loaded at the first lookup); None (and
     the import error kept for ``available_backends``) when it cannot be loaded here."""
     _load_kernel_backends()
-    if name not in _REGISTRY and name not in KERNEL_MODULES:
+    if name not in _REGISTRY and name not in _IMPORT_ERRORS:
         raise ValueError(f"backend: unknown backend {name!r}; known backends are {', '.join(backend_names())}")
     return _REGISTRY.get(name)
 
@@ -96,10 +90,13 @@ def available_backends() -> dict[str, str | None]:
 
 
 def kernel_backend_name(device: torch.device) -> str | None:
-    """The kernel backend ``auto`` tries on this device (None: the reference is the only choice)."""
+    """The kernel backend ``auto`` tries on this device: the registered backend that names the device's compute
+    capability among its ``auto_capabilities`` (None: the reference is the only choice)."""
     if device.type != "cuda":
         return None
-    return AUTO_BY_CAPABILITY.get(device_capability(device.index))
+    _load_kernel_backends()
+    cap = device_capability(device.index)
+    return next((name for name, b in _REGISTRY.items() if cap in b.auto_capabilities), None)
 
 
 def select_backend(name: str, call: AttentionCall) -> Backend:

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--policy: {args.policy!r} is not a Direct-P policy; a guard plan protects one "
                          "(fast, wan_fast, accurate, ...)")
     try:
-        GuardRule(**{k: v for k, v in (("fraction", args.fraction), ("threshold", args.threshold)) if v is not None})
+        rule = GuardRule(**{k: v for k, v in (("fraction", args.fraction), ("threshold", args.threshold))
+                            if v is not None})
     except ValueError as exc:
         option, _, reason = str(exc).partition(": ")
         raise UsageError(f"--{option}: {reason}") from None
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's
             raise UsageError(f"--image: {args.image!r} is not an image ({type(exc).__name__})") from None
     dev, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    kw: dict[str, Any] = {"threshold": args.threshold, "fraction": args.fraction, "model_id": args.model}
+    kw: dict[str, Any] = {"rule": rule, "model_id": args.model}
     if args.calib_kind == "wan":
         from fp4vis.pipelines.wan_video import calibration_inputs, load_wan_pipeline
 

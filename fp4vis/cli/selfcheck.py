@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from fp4vis.backends import BLACKWELL, get_backend
+    from fp4vis.backends import get_backend
     from fp4vis.backends.registry import load_error
     from fp4vis.services.runtime import resolve_device
     from fp4vis.services.usage import UsageError
@@ -33,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     dev = resolve_device(args.device)
     if dev.type != "cuda":
         raise UsageError(f"--device: the self-check runs on a CUDA GPU, got {str(dev)!r}")
-    backend = get_backend(BLACKWELL)
+    backend = get_backend("blackwell")
     if backend is None:
-        raise UsageError(f"the Blackwell backend cannot load here: {load_error(BLACKWELL)}")
+        raise UsageError(f"the Blackwell backend cannot load here: {load_error('blackwell')}")
     reason = backend.unavailable_reason()
     if reason is not None:
         raise UsageError(f"the Blackwell backend does not run on {torch.cuda.get_device_name(dev)}: {reason}")

@@ -20,18 +20,17 @@ are :mod:`fp4vis.patching.guard_plan`'s; this module records the statistic on re
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from fp4vis.layout import LOG2E, anchor_indices
-from fp4vis.policy import Policy, get_policy, guard_policy_for_heads
+from fp4vis.layout import anchor_indices
+from fp4vis.policy import LOG2E, Policy, get_policy, guard_policy_for_heads
 
 from .discovery import find_layers, select_layers
 from .discovery import model_id as discovered_model_id
-from .guard_plan import GUARD_ANCHORS, GuardPlan, GuardRule, LayerStats, make_rule
+from .guard_plan import GUARD_ANCHORS, GuardPlan, GuardRule, LayerStats
 from .handle import install
 from .layer import resolve_policy
 
@@ -118,34 +117,36 @@ def _run(target: Any, item: Any) -> Any:
 
 
 def calibrate(model: Any, inputs: Any, policy: str | Policy = "fast", *, rule: GuardRule | None = None,
-              threshold: float | None = None, fraction: float | None = None, statistic: str | None = None,
               full: bool | None = None, guard_policy: Policy | str | None = None,
               layers: Mapping | Iterable | None = None, cross_attention: bool = False, decoder: bool = False,
-              model_id: str | None = None, path: str | os.PathLike | None = None) -> GuardPlan:
+              model_id: str | None = None) -> GuardPlan:
     """Record per-layer logit statistics on real forwards and decide which layers to guard.
 
     The model runs its own exact attention during calibration (nothing is quantized); every
     attention layer that ``fp4vis.patch`` would reach with the same ``layers`` / ``cross_attention``
-    / ``decoder`` options is recorded.
+    / ``decoder`` options is recorded. ``plan.save(path)`` writes the plan for ``patch(..., guard=path)``.
 
     Args:
         model: a model or pipeline (as for ``fp4vis.patch``).
         inputs: an iterable of calibration inputs; each item is called as ``model(**item)`` (a dict),
             ``model(*item)`` (a tuple/list) or ``model(item)``. A single dict or tensor is one input.
         policy: the base policy the plan protects (the limit depends on it).
-        rule / threshold / fraction / statistic: the decision rule (:class:`GuardRule`).
+        rule: the decision rule, a :class:`GuardRule` (its ``statistic``, ``fraction``, ``threshold``;
+            default ``GuardRule()``), as ``patch``'s ``guard_rule``.
         full: also record the maxima over all keys (default: when the rule needs them).
         guard_policy: the policy of guarded layers (default ``guard_policy_for_heads(heads)``).
         layers: which layers to record besides the default ones: a ``layers`` mapping as for
             ``patch`` (its keys select), or an iterable of indices / name patterns.
         model_id: stored in the plan (default: the model's name_or_path or class name).
-        path: also save the plan there.
     """
 
     base = get_policy(policy)
     if base.method != "direct_p":
         raise ValueError(f"policy: calibration protects a Direct-P policy, got {base.name!r} ({base.method})")
-    rule = make_rule(rule, threshold, fraction, statistic)
+    if rule is None:
+        rule = GuardRule()
+    elif not isinstance(rule, GuardRule):
+        raise TypeError(f"rule: expected a GuardRule (e.g. GuardRule(threshold=90.0)), got {type(rule).__name__}")
     full = rule.needs_full(base) if full is None else bool(full)
     if rule.needs_full(base) and not full:
         raise ValueError("full=False, but the rule needs the maxima over all keys "
@@ -187,8 +188,6 @@ def calibrate(model: Any, inputs: Any, policy: str | Policy = "fast", *, rule: G
                      stats=ordered, n_samples=_n_samples(base), num_inputs=num_inputs,
                      architecture={s.name: [s.num_heads, s.head_dim] for s in specs})
     plan.decide()
-    if path is not None:
-        plan.save(path)
     return plan
 
 

@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 # docs/numerics.md section 2 constants (the reference's names: fp4vis.reference.LOG2_6 / LOG2_1P5 / KEY_BLOCK)
-LOG2E = 1.0 / math.log(2.0)
 LOG2_6 = math.log2(6.0)
 LOG2_1P5 = math.log2(1.5)
 KEY_BLOCK = 32        # keys per P block = tokens per MXFP4 V block (docs/numerics.md sections 1, 2)
@@ -30,6 +29,9 @@ ARCHS = {100: "sm_100a", 103: "sm_103a", 120: "sm_120a", 90: "sm_90a"}
 HW_CVT_ARCHS = (100, 103, 120)
 # the Triton release that lowers NVFP4 tl.dot_scaled everywhere we need it (docs/blackwell_kernel.md, "Pins")
 MIN_TRITON = (3, 8)
+# the Blackwell GPUs this kernel is built for (sm_100a, sm_103a, sm_120a): where "auto" picks it (its sm_90 build is
+# a verification route: "auto" never picks it on a Hopper GPU)
+CAPABILITIES = ((10, 0), (10, 3), (12, 0))
 
 # tile shape: BLOCK_M query rows x BLOCK_N keys per step (BLOCK_N a multiple of 64, the FP4 MMA's K)
 BLOCK_M = 128

@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from fp4vis.config import setting
+from fp4vis.config import kernel_settings
 
 from .config import KernelConfig
 
@@ -64,7 +64,7 @@ def build(cfg: KernelConfig, outdir: str) -> dict:
 
 
 def cubin_dir() -> str | None:
-    d = setting(CUBIN_ENV)
+    d = kernel_settings().blackwell_cubins
     return d if d and os.path.isdir(d) else None
 
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 
+from ..triton_formats import e2m1_index, e2m1_value
 from .config import E8M0_BIAS, KEY_BLOCK, LOG2_1P5, LOG2_6, MAX_EXP_BYTE, NVFP4_BLOCK
 
 _KEY_BLOCK = tl.constexpr(KEY_BLOCK)
@@ -48,23 +49,6 @@ _OVERFLOW_BF16 = tl.constexpr(OVERFLOW_BF16)
 # ---------------------------------------------------------------------------------------------
 # device helpers
 # ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _e2m1_index(y):
-    """E2M1 magnitude index (0..7) of E2M1_rne_sat(max(0, y)) (docs/numerics.md section 1), by counting the
-    rounding boundaries below y: ties go to the even index (down at 0.25, 1.25, 2.5, 5; up at 0.75,
-    1.75, 3.5). -inf and NaN give 0. The exact emulation for archs without the cvt instruction."""
-    return ((y > 0.25).to(tl.int32) + (y >= 0.75).to(tl.int32) + (y > 1.25).to(tl.int32)
-            + (y >= 1.75).to(tl.int32) + (y > 2.5).to(tl.int32) + (y >= 3.5).to(tl.int32)
-            + (y > 5.0).to(tl.int32))
-
-
-@triton.jit
-def _e2m1_value(idx):
-    """The magnitude {0, .5, 1, 1.5, 2, 3, 4, 6} of an E2M1 index 0..7 (float32, exact)."""
-    f = idx.to(tl.float32)
-    return tl.where(idx < 4, f * 0.5, tl.where(idx == 7, 6.0, f - 2.0))
-
 
 @triton.jit
 def _e2m1x2_hw(lo, hi):
@@ -97,8 +81,8 @@ def _decode_nvfp4(packed, scales, R: tl.constexpr, C: tl.constexpr):
     """Float32 values (R, C) of packed E2M1 pairs (R, C/2) times their E4M3 scales (R, C/16)."""
     lo = (packed & 15).to(tl.int32)
     hi = (packed >> 4).to(tl.int32)
-    vlo = tl.where((lo & 8) != 0, -1.0, 1.0) * _e2m1_value(lo & 7)
-    vhi = tl.where((hi & 8) != 0, -1.0, 1.0) * _e2m1_value(hi & 7)
+    vlo = tl.where((lo & 8) != 0, -1.0, 1.0) * e2m1_value(lo & 7)
+    vhi = tl.where((hi & 8) != 0, -1.0, 1.0) * e2m1_value(hi & 7)
     vals = tl.reshape(tl.join(vlo, vhi), (R, C))
     sc = tl.broadcast_to(scales.to(tl.float32)[:, :, None], (R, C // 16, 16))
     return vals * tl.reshape(sc, (R, C))
@@ -174,7 +158,7 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
     if HW_CVT:
         packed = _e2m1x2_hw(y_lo, y_hi).to(tl.int32)
     else:
-        packed = _e2m1_index(y_lo) | (_e2m1_index(y_hi) << 4)
+        packed = e2m1_index(y_lo) | (e2m1_index(y_hi) << 4)
     sbyte = (ub - shift).to(tl.int32)                                # step 6: >= 1, never subnormal
     saturated = tl.sum((e + _BIAS > _MAX_U * 1.0).to(tl.int32), axis=1)
     return packed.to(tl.uint8), sbyte.to(tl.uint8), saturated
@@ -310,19 +294,18 @@ def grid(cfg, ops) -> tuple[int, int]:
     return (ops.rows_q // cfg.block_m, ops.qc.shape[0])
 
 
-def runtime_args(ops, out, params: dict, record: tuple | None = None) -> tuple:
-    """The kernel's runtime arguments in signature order, from the pre-pass operands, the output,
-    ``params`` (s_log2, margin_raw, affine_a, affine_b, shift, n_anchor) and ``record`` (the range
-    record's (fields, flag, call number) tensors and number; None: record nothing, the output
-    standing in for both words)."""
+def runtime_args(ops, out, params, record=None) -> tuple:
+    """The kernel's runtime arguments in signature order, from the pre-pass operands, the output, the policy's
+    ``fp4vis.policy.KernelParams`` and ``record`` (the call's ``fp4vis.call.RecordSlot``; None:
+    record nothing, the output standing in for both words)."""
     rec, flag, call = record if record is not None else (out, out, 0)
     return (ops.qc, ops.qs, ops.kc, ops.ks, ops.vc, ops.vs, out, rec, flag,
-            ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, int(params["n_anchor"]),
-            float(params["s_log2"]), float(params["margin_raw"]), float(params["affine_a"]),
-            float(params["affine_b"]), int(params["shift"]), int(call))
+            ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, min(int(params.anchor), ops.num_keys),
+            float(params.s_log2), float(params.margin_raw), float(params.affine_a),
+            float(params.affine_b), int(params.shift), int(call))
 
 
-def launch_jit(cfg, ops, out, params: dict, qk_decode: bool = False) -> None:
+def launch_jit(cfg, ops, out, params, qk_decode: bool = False) -> None:
     """Launch through Triton's JIT on the current stream (a GPU Triton >= 3.8 supports, or Triton's
     CPU interpreter with ``qk_decode``)."""
     direct_p_fwd[grid(cfg, ops)](*runtime_args(ops, out, params), **constexprs(cfg, qk_decode),

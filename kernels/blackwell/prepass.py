@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fp4vis.config import cached_setting
+from fp4vis.config import kernel_settings
 from fp4vis.formats import (
     _E2M1_INDEX_OF_TWICE_MAG,
     _mxfp4_blocks,
@@ -132,7 +132,7 @@ class Operands:
 def _fused_module(x: torch.Tensor, fused: bool | None):
     """prepass_triton where the fused path runs: asked for (``fused``), or by default on CUDA tensors;
     CPU tensors only under Triton's interpreter (the CPU tests)."""
-    if fused is False or (fused is None and not (cached_setting("FP4VIS_BLACKWELL_PREPASS_FUSED") and x.is_cuda)):
+    if fused is False or (fused is None and not (kernel_settings().blackwell_prepass_fused and x.is_cuda)):
         return None
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("fused pre-pass: CUDA tensors (or TRITON_INTERPRET=1) needed")

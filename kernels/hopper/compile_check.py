@@ -254,10 +254,11 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     """Instructions of the NVFP4 pre-pass's scale-search loop (one candidate scale; folded-K64, no
     permutation; the contenders' loop, or every candidate's with ``full_search``; not the saturating
     tiles' float64 one) in the sm_90 build for head dim ``d``."""
+    from . import prepass_kernels as tk
     from . import prepass_triton as tp
     consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.nvfp4_launch(d)[0], BLOCK_D=min(d, 64),
                   CODES_F16=codes_f16, NORM=False, ROPE=False, FULL_SEARCH=full_search, ROW_ALIGN=8)
-    asm = compile_triton_sm90(tp._prepass_kernel, tp.compile_signature(False), consts,
+    asm = compile_triton_sm90(tk._prepass_kernel, tk.compile_signature(False), consts,
                               num_warps or tp.nvfp4_launch(d)[1], tp.nvfp4_launch(d)[2])
     # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to
     # itself) that ends the listing

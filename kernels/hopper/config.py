@@ -2,17 +2,18 @@
 ``DirectPConfig``, the compile-time description of one kernel variant (its ``key()`` names the
 compiled kernel in the backend's cache). Importable without CuTe DSL.
 
-Defaults that ``DirectPConfig.make`` takes from the environment (``FP4VIS_HOPPER_*``,
-``fp4vis.config``) are read when a configuration is made; the backend caches configurations
-(``backend.kernel_config``), so they take effect at the first call of a process.
+The product variant of a call is ``product_config`` (the defaults below, the short-sequence variant where it
+was measured to pay); the other variants exist for the tests and the benchmarks, which build a
+``DirectPConfig`` and hand it to the launcher (``backend.attention(call, config)``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from fp4vis.config import setting
 from fp4vis.layout import KEY_BLOCK
+from fp4vis.policy import QK_FP8, KernelParams, Policy
 
 # ------------------------------------------------------------------------------------------------
 # Tuning constants (one place)
@@ -38,6 +39,7 @@ DP_BLOCK = KEY_BLOCK    # Direct-P block: 32 consecutive keys (docs/numerics.md 
 #   "serial":   S_j, Direct-P, PV_j in order per warpgroup; the two warpgroups interleave freely;
 #   "overlap":  64-key tiles, S_{j+1} issued before Direct-P of S_j (two score buffers).
 SCHEDULES = ("pingpong", "serial", "overlap")
+DEFAULT_SCHEDULE = "pingpong"
 # P path: "packed" rounds in FP32, then saturates, scales by alpha' and sums the codes on BF16 pairs;
 # "packed_alu" the same with the rounding constant made on the integer ALU (the previous default);
 # (exact: see DirectPAttentionSm90.direct_p); "scalar" does every step in FP32.
@@ -46,11 +48,13 @@ SCHEDULES = ("pingpong", "serial", "overlap")
 # scales (maxima, shuffles, exponents) but P = 1; "timing_codes" the codes with fixed block scales.
 P_PATHS = ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")
 TIMING_P_PATHS = ("none", "timing_scales", "timing_codes")   # wrong results by design: nothing to record
+DEFAULT_P_PATH = "packed"
 # Block constants (DirectPConfig.block_scales): the four threads of a quad hold parts of the same
 # eight (row, 32-key block) pairs of a 128-key tile. "lane": each thread computes the exponent and
 # constants of all eight (the same values four times); "quad": thread q of the quad computes those of
 # block q (both rows) and shuffles them to the others (the same bits, fewer instructions per tile).
 BLOCK_SCALES_MODES = ("quad", "lane")
+DEFAULT_BLOCK_SCALES = "quad"
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # DirectPConfig.eighths: the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS_LOG2 = 3
@@ -90,17 +94,16 @@ class DirectPConfig:
                 self.range_record)
 
     @staticmethod
-    def make(head_dim: int, out_dtype: str, affine_a: float, affine_b: float, shift: int, native_exp2: bool,
-             anchor: int, schedule: str | None = None, tile_n: int | None = None,
-             p_path: str | None = None, num_wg: int | None = None,
-             code_rounding: str = "exact", qk_fp8: bool = False,
-             block_scales: str | None = None, ctas_per_sm: int | None = None,
-             range_record: bool = False) -> DirectPConfig:
-        """A configuration with the tiles chosen for its schedule: the overlapped schedule needs 64-key
-        tiles (two 64x128 score buffers do not fit beside the output accumulator), and 64-key
-        tiles hold at most 64 anchors, so the 128-anchor guard falls back to the default schedule.
-        ``ctas_per_sm=2`` (short sequences) fills in its schedule ("serial") and num_wg (1) where they
-        are not given, and refuses others."""
+    def make(params: KernelParams, head_dim: int, out_dtype: str, *, range_record: bool = False,
+             schedule: str | None = None, tile_n: int | None = None, p_path: str | None = None,
+             num_wg: int | None = None, block_scales: str | None = None,
+             ctas_per_sm: int | None = None) -> DirectPConfig:
+        """The variant for a policy's kernel parameters (``Policy.kernel_params``), with the tiles chosen for its
+        schedule: the overlapped schedule needs 64-key tiles (two 64x128 score buffers do not fit beside the
+        output accumulator), and 64-key tiles hold at most 64 anchors, so the 128-anchor guard falls back to the
+        default schedule. ``ctas_per_sm=2`` (short sequences) fills in its schedule ("serial") and num_wg (1)
+        where they are not given, and refuses others. None: the default of each field."""
+        anchor, qk_fp8 = int(params.anchor), params.qk_layout == QK_FP8
         ctas_per_sm = ctas_per_sm or 1
         if ctas_per_sm not in (1, 2):
             raise ValueError(f"ctas_per_sm: 1 or 2, got {ctas_per_sm!r}")
@@ -109,19 +112,18 @@ class DirectPConfig:
             if schedule != "serial" or num_wg != 1:
                 raise ValueError(f"ctas_per_sm = 2 needs num_wg = 1 and schedule 'serial' (two CTAs share the "
                                  f"SM's registers), got num_wg {num_wg} and schedule {schedule!r}")
-        default_schedule = setting("FP4VIS_HOPPER_SCHEDULE")
-        schedule = schedule or default_schedule
-        p_path = p_path or setting("FP4VIS_HOPPER_P_PATH")
-        eighths = setting("FP4VIS_HOPPER_EIGHTHS") and shift >= EIGHTHS_LOG2
+        schedule = schedule or DEFAULT_SCHEDULE
+        p_path = p_path or DEFAULT_P_PATH
+        eighths = params.shift >= EIGHTHS_LOG2
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: one of {SCHEDULES}, got {schedule!r}")
         if p_path not in P_PATHS:
             raise ValueError(f"p_path: one of {P_PATHS}, got {p_path!r}")
         if schedule == "overlap" and anchor > 64:
-            schedule = default_schedule if default_schedule != "overlap" else "pingpong"
-        if code_rounding not in ("exact", "bf16"):
-            raise ValueError(f"code_rounding: 'exact' or 'bf16', got {code_rounding!r}")
-        if code_rounding == "bf16" and not eighths:
+            schedule = DEFAULT_SCHEDULE
+        if params.code_rounding not in ("exact", "bf16"):
+            raise ValueError(f"code_rounding: 'exact' or 'bf16', got {params.code_rounding!r}")
+        if params.code_rounding == "bf16" and not eighths:
             raise ValueError(f"code_rounding='bf16' needs the shift L >= {EIGHTHS_LOG2} (codes computed as q/8)")
         if qk_fp8 and anchor > 0:
             raise ValueError("qk_fp8 with anchors is not implemented: the anchor maximum would have to "
@@ -141,25 +143,27 @@ class DirectPConfig:
                              "(registers: 160 per consumer thread)")
         if schedule == "overlap" and tile_n != 64:
             raise ValueError("schedule 'overlap' needs tile_n = 64")
-        block_scales = block_scales or setting("FP4VIS_HOPPER_BLOCK_SCALES")
+        block_scales = block_scales or DEFAULT_BLOCK_SCALES
         if block_scales not in BLOCK_SCALES_MODES:
             raise ValueError(f"block_scales: one of {BLOCK_SCALES_MODES}, got {block_scales!r}")
         if tile_n != 128 or p_path in ("none", "timing_codes"):
             block_scales = "lane"   # a quad shares four blocks only in 128-key tiles; no scales to share
-        return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(affine_a),
-                             affine_b=float(affine_b), shift=int(shift), native_exp2=bool(native_exp2),
-                             anchor=int(anchor), schedule=schedule, tile_n=tile_n, p_path=p_path, num_wg=num_wg,
-                             code_rounding=code_rounding, qk_fp8=bool(qk_fp8), block_scales=block_scales,
-                             ctas_per_sm=ctas_per_sm, eighths=eighths,
+        return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(params.affine_a),
+                             affine_b=float(params.affine_b), shift=int(params.shift),
+                             native_exp2=bool(params.native_exp2), anchor=anchor, schedule=schedule, tile_n=tile_n,
+                             p_path=p_path, num_wg=num_wg, code_rounding=params.code_rounding, qk_fp8=qk_fp8,
+                             block_scales=block_scales, ctas_per_sm=ctas_per_sm, eighths=eighths,
                              range_record=bool(range_record) and p_path not in TIMING_P_PATHS)
 
     @staticmethod
-    def from_policy(policy, head_dim: int, out_dtype: str, schedule: str | None = None,
-                    tile_n: int | None = None, p_path: str | None = None,
-                    num_wg: int | None = None, block_scales: str | None = None,
-                    ctas_per_sm: int | None = None) -> DirectPConfig:
-        return DirectPConfig.make(head_dim, out_dtype, policy.affine_a, policy.affine_b, policy.shift,
-                                  policy.native_exp2, policy.anchor, schedule, tile_n, p_path, num_wg,
-                                  policy.code_rounding, policy.qk_fp8, block_scales, ctas_per_sm)
+    def from_policy(policy: Policy, head_dim: int, out_dtype: str, **variant) -> DirectPConfig:
+        """``make`` for a policy (``variant``: ``make``'s keyword arguments)."""
+        return DirectPConfig.make(policy.kernel_params(head_dim, 1.0), head_dim, out_dtype, **variant)
 
 
+@functools.lru_cache(maxsize=256)
+def product_config(params: KernelParams, head_dim: int, out_dtype: str, short: bool,
+                   range_record: bool) -> DirectPConfig:
+    """The variant the backend runs for a call (cached: it is asked on every call): the defaults, and the
+    short-sequence variant (``ctas_per_sm = 2``) where ``short`` (``backend.short_sequences``)."""
+    return DirectPConfig.make(params, head_dim, out_dtype, range_record=range_record, ctas_per_sm=2 if short else None)

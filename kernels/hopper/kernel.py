@@ -26,7 +26,8 @@ rows of the 128-row CTA tile, and both walk the same K/V pipeline (TMA -> SMEM, 
 There is no online maximum and no rescaling of the output accumulator: the row reference m_i is
 fixed (0, or the anchor maximum plus the margin, computed from the first key tile, which holds the
 anchors). One class per kernel: ``__init__`` holds the static configuration, ``__call__`` (jitted)
-builds layouts/TMA atoms and launches, ``kernel`` is the device entry, warp roles are methods.
+builds layouts/TMA atoms and launches, ``kernel`` is the device entry, warp roles are methods; Direct-P itself
+is a device-side object of its own (``direct_p.DirectP``: the row state and the per-tile stages).
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 
 from .config import (
     BAR_SCHED,
-    DP_BLOCK,
-    EIGHTHS_LOG2,
     KV_KEYS_IN_FLIGHT,
     REGS_2CTA,
     REGS_CONSUMER,
@@ -53,35 +52,13 @@ from .config import (
     TILE_M_PER_WG,
     DirectPConfig,
 )
+from .direct_p import direct_p_for
 from .layout import FP8_KEY_TILE
 from .ptx import (
     abs_max_nan,
-    add_bf16x2,
-    bf16x2_splat_pow2,
-    bf16x2_sum,
-    block_constants,
-    block_exponent,
-    clamp_exponent,
-    count_saturated,
     count_zero_row,
-    e2m1_bf16x2_eighths,
-    e2m1_grid_eighths,
-    e2m1_relu_round,
-    e2m1_round_eighths,
-    ex2_approx,
-    fma_rn,
-    fma_rn_sat,
-    fmax_nan,
-    mask_key,
-    mul_bf16x2,
     not_below,
-    order_before_wait,
-    pack_sat_bf16x2,
-    pow2_of_splat,
-    quad_broadcast,
     record_range,
-    select_by_lane,
-    select_f32,
 )
 
 
@@ -319,18 +296,9 @@ class DirectPAttentionSm90:
         qk_mma_acc.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((TILE_M_PER_WG, self.tile_n)), self.in_dtype)
-        row_m = cute.make_rmem_tensor((2,), Float32)
-        row_l = cute.make_rmem_tensor((2,), Float32)
-        row_m.fill(0.0)
-        row_l.fill(0.0)
-        # the range record: saturated (row, block) pairs this thread computed the exponent of
-        saturated = None
-        if const_expr(self.cfg.range_record):
-            saturated = cute.make_rmem_tensor((1,), Int32)
-            saturated.fill(0)
-        qk_scales = None
+        dp = direct_p_for(self.cfg, s_log2, lane_q)   # this thread's rows: m_i, l_i, the saturated count
         if const_expr(self.cfg.qk_fp8):
-            qk_scales = (self.query_scales(thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q), mKs, h_idx, b_idx)
+            dp.qk_scales = (self.query_scales(thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q), mKs, h_idx, b_idx)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_wg)
         for w in cutlass.range_constexpr(1, self.num_wg):   # stage wg, phase 0
@@ -353,29 +321,25 @@ class DirectPAttentionSm90:
             kv_pipe.consumer_release(kv_state)
             kv_state.advance()
             if const_expr(self.cfg.anchor > 0):
-                self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
+                dp.anchor_reference(acc_s, m_offset, seqlen_k)
             for jj in cutlass.range(n_tiles // 2, unroll=1):
                 kv_state = self.overlap_step(
                     2 * jj, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
-                    partial_last)
+                    kv_pipe, acc_o, r_p, dp, seqlen_k, n_tiles, partial_last)
                 kv_state = self.overlap_step(
                     2 * jj + 1, acc_s1, acc_s, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
-                    partial_last)
+                    kv_pipe, acc_o, r_p, dp, seqlen_k, n_tiles, partial_last)
             if n_tiles % 2 == 1:
                 kv_state = self.overlap_step(
                     n_tiles - 1, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
-                    kv_pipe, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, n_tiles,
-                    partial_last)
+                    kv_pipe, acc_o, r_p, dp, seqlen_k, n_tiles, partial_last)
         elif const_expr(self.cfg.schedule == "pingpong"):
             self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                               acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, m_offset, lane_q, wg,
-                               seqlen_k, n_tiles)
+                               acc_o, r_p, dp, m_offset, wg, seqlen_k, n_tiles)
         else:
             for j in cutlass.range(n_tiles, unroll=1):
                 # S = Q K^T
-                tile_scales = self.tile_scales(qk_scales, j)
+                tile_scales = dp.tile_scales(j)
                 kv_pipe.consumer_wait(kv_state)
                 cute.nvgpu.warpgroup.fence()
                 self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, kv_state.index, acc_s)
@@ -386,9 +350,8 @@ class DirectPAttentionSm90:
 
                 if const_expr(self.cfg.anchor > 0):
                     if j == 0:
-                        self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
-                self.direct_p_tile(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k, j,
-                                   n_tiles, partial_last)
+                        dp.anchor_reference(acc_s, m_offset, seqlen_k)
+                dp.tile_masked_if_last(acc_s, r_p, tile_scales, seqlen_k, j, n_tiles, partial_last)
 
                 # O += P V
                 kv_pipe.consumer_wait(kv_state)
@@ -399,11 +362,11 @@ class DirectPAttentionSm90:
                 kv_pipe.consumer_release(kv_state)
                 kv_state.advance()
 
-        self.epilogue(thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q, lane_q, saturated, record_args)
+        self.epilogue(thr_pv, acc_o, dp, mO, wg, m_blk, h_idx, b_idx, seqlen_q, record_args)
 
     @cute.jit
     def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                      acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, m_offset, lane_q, wg, seqlen_k, n_tiles):
+                      acc_o, r_p, dp, m_offset, wg, seqlen_k, n_tiles):
         """The ping-pong schedule. Per key tile j one "tensor phase" issues S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} together, then Direct-P of S_j runs on the ALUs. Named barrier
         BAR_SCHED + w means "warpgroup w may issue": each warpgroup waits for its own before a
@@ -422,7 +385,7 @@ class DirectPAttentionSm90:
         # of which WGMMA group is complete and waits for all of them before Direct-P (SASS: the
         # "WARPGROUP.DEPBAR.LE gsb0, 0x0" of PV_{j-1} hoisted to its first instruction).
         k_state = kv_state.clone()          # K_j (stream position 2j)
-        tile_scales = self.tile_scales(qk_scales, 0)
+        tile_scales = dp.tile_scales(0)
         kv_pipe.consumer_wait(k_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.fence()
@@ -432,19 +395,17 @@ class DirectPAttentionSm90:
         cute.nvgpu.warpgroup.wait_group(0)
         kv_pipe.consumer_release(k_state)
         if const_expr(self.cfg.anchor > 0):
-            self.anchor_reference(acc_s, row_m, m_offset, lane_q, seqlen_k)
-        self.direct_p(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k, 0, True, False)
+            dp.anchor_reference(acc_s, m_offset, seqlen_k)
+        dp.tile(acc_s, r_p, tile_scales, seqlen_k, 0, True, False)
         k_state, v_state = self.next_tile_states(k_state)
         # tiles 1 .. n-2 are whole
         for j in cutlass.range(1, n_tiles - 1, unroll=1):
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                               acc_s, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, j,
-                               own_bar, other_bar, n_sched, False)
+                               acc_s, acc_o, r_p, dp, seqlen_k, j, own_bar, other_bar, n_sched, False)
             k_state, v_state = self.next_tile_states(k_state)
         if n_tiles > 1:    # the last tile, masked (exact for a whole tile too)
             self.pingpong_step(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                               acc_s, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k,
-                               n_tiles - 1, own_bar, other_bar, n_sched, True)
+                               acc_s, acc_o, r_p, dp, seqlen_k, n_tiles - 1, own_bar, other_bar, n_sched, True)
             k_state, v_state = self.next_tile_states(k_state)
         # the last tensor phase: O += P_{n-1} V_{n-1}
         kv_pipe.consumer_wait(v_state)
@@ -468,12 +429,11 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def pingpong_step(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, k_state, v_state,
-                      acc_s, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k, j, own_bar,
-                      other_bar, n_sched, masked: cutlass.Constexpr):
+                      acc_s, acc_o, r_p, dp, seqlen_k, j, own_bar, other_bar, n_sched, masked: cutlass.Constexpr):
         """One tensor phase (S_j = Q K_j^T, then O += P_{j-1} V_{j-1} as a second group) and
         Direct-P of S_j, which starts once S_j is done while PV_{j-1} still runs; P_j goes into r_p
-        (which PV_{j-1} reads) only after wait_group(0), inside direct_p."""
-        tile_scales = self.tile_scales(qk_scales, j)
+        (which PV_{j-1} reads) only after wait_group(0), inside ``dp.tile``."""
+        tile_scales = dp.tile_scales(j)
         kv_pipe.consumer_wait(k_state)
         kv_pipe.consumer_wait(v_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
@@ -485,8 +445,7 @@ class DirectPAttentionSm90:
         cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(1)
         kv_pipe.consumer_release(k_state)
-        self.direct_p(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k - j * self.tile_n,
-                      j, masked, True)
+        dp.tile(acc_s, r_p, tile_scales, seqlen_k - j * self.tile_n, j, masked, True)
         kv_pipe.consumer_release(v_state)
 
     @cute.jit
@@ -500,11 +459,10 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def overlap_step(self, j, acc_cur, acc_next, v_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV,
-                     q_stage, kv_pipe, acc_o, r_p, row_m, row_l, saturated, qk_scales, s_log2, lane_q, seqlen_k,
-                     n_tiles, partial_last):
+                     q_stage, kv_pipe, acc_o, r_p, dp, seqlen_k, n_tiles, partial_last):
         """One key tile in the overlapped schedule: S_j is in acc_cur, V_j at v_state; issue
         S_{j+1} into acc_next, Direct-P on S_j, O += P V_j; returns the state of V_{j+1}."""
-        tile_scales = self.tile_scales(qk_scales, j)
+        tile_scales = dp.tile_scales(j)
         k_state = v_state.clone()
         k_state.advance()
         has_next = j + 1 < n_tiles
@@ -513,8 +471,7 @@ class DirectPAttentionSm90:
             cute.nvgpu.warpgroup.fence()
             self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_next)
             cute.nvgpu.warpgroup.commit_group()
-        self.direct_p_tile(acc_cur, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
-                           partial_last)
+        dp.tile_masked_if_last(acc_cur, r_p, tile_scales, seqlen_k, j, n_tiles, partial_last)
         kv_pipe.consumer_wait(v_state)
         cute.nvgpu.warpgroup.fence()
         cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
@@ -540,261 +497,8 @@ class DirectPAttentionSm90:
                 row_qs[r] = mQs[row, h_idx, b_idx]
         return row_qs
 
-    def tile_scales(self, qk_scales, j):
-        """qk_fp8: (2^Eq of the two rows, [2^Ek of key tile j's 32-key blocks]), the loads issued at the
-        top of a step so that their latency hides under the matrix products (k_scale is padded to
-        whole 128-key tiles: no predicate); None without qk_fp8."""
-        if const_expr(qk_scales is None):
-            return None
-        row_qs, mKs, h_idx, b_idx = qk_scales
-        nb = self.tile_n // DP_BLOCK
-        return row_qs, [mKs[j * nb + b, h_idx, b_idx] for b in range(nb)]
-
     @cute.jit
-    def anchor_reference(self, acc_s, row_m, m_offset, lane_q, kv_limit):
-        """m_i = max over the anchor keys (physical positions < anchor) + margin (docs/numerics.md section 4)."""
-        n_anchor = self.cfg.anchor
-        for r in cutlass.range_constexpr(2):
-            a = -Float32.inf
-            for ch in cutlass.range_constexpr(self.tile_n // 8):
-                for c in cutlass.range_constexpr(2):
-                    if const_expr(ch * 8 < n_anchor):
-                        col = ch * 8 + 2 * lane_q + c
-                        v = mask_key(acc_s[c + 2 * r + 4 * ch], col,
-                                     cutlass.min(kv_limit, Int32(n_anchor)))
-                        a = cute.arch.fmax(a, v)
-            a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=1))
-            a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=2))
-            row_m[r] = a + m_offset
-
-    @cute.jit
-    def direct_p_tile(self, acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, seqlen_k, j, n_tiles,
-                      partial_last):
-        """Direct-P of key tile j (serial and overlapped schedules): the masked variant (keys >= Skv)
-        only for a partial last tile."""
-        kv_limit = seqlen_k - j * self.tile_n
-        if partial_last and j == n_tiles - 1:
-            self.direct_p(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, kv_limit, j, True)
-        else:
-            self.direct_p(acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, kv_limit, j, False)
-
-    @cute.jit
-    def direct_p(self, acc_s, r_p, row_m, row_l, saturated, tile_scales, s_log2, lane_q, kv_limit, tile_idx,
-                 masked: cutlass.Constexpr, wait_pv: cutlass.Constexpr = False):
-        """Direct-P on one 64 x 128 score tile held in registers: reads the scores (never writes
-        them: a non-WGMMA write to accumulator registers would make ptxas serialise the WGMMAs
-        in flight), writes P-tilde * alpha' (exact in BF16) into the PV A-fragment r_p and adds
-        sum_B alpha'_B c_B to row_l. Register index i = c + 2 r + 4 chunk is (row r0 + 8 r,
-        column 8 chunk + 2 lane_q + c): the same order in the accumulator and in the A fragment,
-        so elements i, i+1 (c = 0, 1) form one BF16 pair of r_p.
-
-        ``tile_scales`` (qk_fp8): the scores are raw / (2^Eq 2^Ek); the powers of two go into each
-        (row, block) pair's two multipliers (s for the exponent, A s for the codes), exactly.
-
-        Packed P path: after the FP32 grid rounding, the pair is packed to BF16 (exact: codes/8),
-        saturated at 6/8, multiplied by (8 alpha', 8 alpha') (a power of two: exact) and its codes
-        summed on pairs (at most 4 codes/8 per half, multiples of 1/16 up to 3: exact in BF16)."""
-        cfg = self.cfg
-        eighths = cfg.eighths and cfg.shift >= EIGHTHS_LOG2
-        bf16codes = const_expr(cfg.code_rounding == "bf16")
-        packed = const_expr((cfg.p_path in ("packed", "packed_alu") and eighths) or bf16codes)
-        anchored = cfg.anchor > 0
-        a_s = s_log2 * cfg.affine_a
-        if const_expr(eighths):
-            a_s = s_log2 * (cfg.affine_a / 8.0)
-        r_p2 = cute.recast_tensor(r_p, Int32)
-        if const_expr(cfg.p_path == "none"):
-            if const_expr(wait_pv):
-                cute.nvgpu.warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(r_p2)):
-                r_p2[i] = Int32(0x3F803F80)
-            for r in cutlass.range_constexpr(2):
-                row_l[r] = row_l[r] + (1.0 + acc_s[r] * 0.0)   # keeps S (and its WGMMAs) alive
-            return
-        # Stage by stage over all (row, block) pairs of the tile, so that the 8 independent chains
-        # (block max -> two shuffles -> exponent -> constants -> codes) overlap: one warp per
-        # scheduler runs Direct-P at a time and is otherwise latency-bound.
-        nb = self.tile_n // DP_BLOCK
-        rbs = [(r, b) for r in range(2) for b in range(nb)]
-        s_pair = {rb: s_log2 for rb in rbs}     # score multipliers per (row, block) pair
-        a_pair = {rb: a_s for rb in rbs}
-        s_rows = [s_log2, s_log2]
-        if const_expr(tile_scales is not None):
-            row_qs, k_scales = tile_scales
-            for r in cutlass.range_constexpr(2):
-                s_rows[r], a_row = s_log2 * row_qs[r], a_s * row_qs[r]
-                for b in cutlass.range_constexpr(nb):
-                    s_pair[r, b], a_pair[r, b] = s_rows[r] * k_scales[b], a_row * k_scales[b]
-        idx = {}
-        vals = {}
-        mx = {}
-        for r, b in rbs:
-            idx[r, b] = [c + 2 * r + 4 * (4 * b + cb) for cb in range(4) for c in range(2)]
-            v = [acc_s[i] for i in idx[r, b]]
-            if const_expr(masked):
-                for t in cutlass.range_constexpr(8):
-                    v[t] = mask_key(v[t], 32 * b + 8 * (t // 2) + 2 * lane_q + (t % 2), kv_limit)
-            vals[r, b] = v
-            if const_expr(cfg.p_path != "timing_codes"):
-                m4 = [fmax_nan(v[2 * i], v[2 * i + 1]) for i in range(4)]
-                mx[r, b] = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]))
-        nan_flag = [Float32(0.0), Float32(0.0)]
-        consts = {}
-        splats = {}   # (alpha', alpha') BF16 pairs, where quad_block_constants made them
-        # NaN scores (non-finite inputs: the pre-pass turns them into NaN operands) must not become
-        # codes 0 silently: a per-row flag, max.NaN over the block maxima (0 or a finite score
-        # otherwise), is added times 0 to the denominator, which is then NaN and so is the row.
-        if const_expr(cfg.p_path != "timing_codes"):
-            if const_expr(cfg.block_scales == "quad"):
-                mx_own = [self.quad_block_max(mx, r, lane_q) for r in range(2)]
-                self.quad_block_constants(mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
-                                          packed, eighths, saturated)
-            else:
-                for off in (1, 2):
-                    for rb in rbs:
-                        mx[rb] = fmax_nan(mx[rb], cute.arch.shuffle_sync_bfly(mx[rb], offset=off))
-                for r, b in rbs:
-                    nan_flag[r] = fmax_nan(nan_flag[r], mx[r, b])
-                for r, b in rbs:
-                    u = self.exponent(mx[r, b], row_m[r], s_pair[r, b], saturated)
-                    consts[r, b] = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
-        else:
-            for r, b in rbs:   # fixed block scales: no maxima, shuffles or exponent chain
-                consts[r, b] = block_constants(Int32(127), cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
-        # The packed path computes every pair of the tile before waiting for the PV in flight (which
-        # reads r_p) and writes r_p after the wait; the other paths wait first.
-        late_wait = const_expr(wait_pv and packed)
-        if const_expr(wait_pv and not late_wait):
-            cute.nvgpu.warpgroup.wait_group(0)
-        l_acc = [Float32(0.0), Float32(0.0)]
-        scaled = {}
-        if const_expr(cfg.p_path == "timing_scales"):
-            for i in cutlass.range_constexpr(cute.size(r_p2)):
-                r_p2[i] = Int32(0x3F803F80)
-            for r, b in rbs:   # keeps the scales alive
-                l_acc[r] = l_acc[r] + consts[r, b][0] + fma_rn(consts[r, b][1], Float32(0.0), Float32(0.0))
-            for r in cutlass.range_constexpr(2):
-                row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
-            return
-        for r, b in rbs:
-            m = row_m[r]
-            alpha, kaff, knat = consts[r, b]
-            if const_expr(cfg.native_exp2):
-                # quarter = (global block index) % 4; a 64-key tile holds half the cycle
-                if const_expr(self.tile_n == 128):
-                    quarter = Int32(b)
-                else:
-                    quarter = (tile_idx % 2) * 2 + b
-                nat_even = Int32(lane_q == quarter)
-                nat_odd = Int32(lane_q == 0)
-            codes = [Float32(0.0)] * 8
-            for t in cutlass.range_constexpr(8):
-                cb = t // 2
-                d = vals[r, b][t]
-                if const_expr(anchored):
-                    d = d - m   # (raw - m) first, as the reference does
-                if const_expr(eighths):
-                    y = fma_rn_sat(d, a_pair[r, b], kaff)
-                else:
-                    y = fma_rn(d, a_pair[r, b], kaff)
-                if const_expr(cfg.native_exp2):
-                    # native iff pair % 8 == quarter or pair % 8 == 4, pair = 4*cb + lane_q
-                    yn = ex2_approx(fma_rn(d, s_pair[r, b], knat))
-                    if const_expr(cb % 2 == 0):
-                        y = select_f32(nat_even, yn, y)
-                    else:
-                        y = select_f32(nat_odd, yn, y)
-                if const_expr(bf16codes):
-                    codes[t] = y                      # rounded in pairs below
-                elif const_expr(packed):
-                    # FFMA constant: affine codes only (y8 <= 1 by fma.sat); exp2 values can be inf
-                    codes[t] = e2m1_grid_eighths(y, cfg.p_path != "packed_alu" and not cfg.native_exp2)
-                elif const_expr(eighths):
-                    codes[t] = e2m1_round_eighths(y)
-                else:
-                    codes[t] = e2m1_relu_round(y)
-            if const_expr(packed):
-                alpha2 = splats[r, b] if (r, b) in splats else bf16x2_splat_pow2(alpha)
-                if const_expr(bf16codes):
-                    pairs = [e2m1_bf16x2_eighths(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
-                else:
-                    pairs = [pack_sat_bf16x2(codes[2 * cb], codes[2 * cb + 1]) for cb in range(4)]
-                for cb in cutlass.range_constexpr(4):
-                    scaled[idx[r, b][2 * cb] // 2] = (pairs[cb], alpha2)
-                csum = bf16x2_sum(add_bf16x2(add_bf16x2(pairs[0], pairs[1]), add_bf16x2(pairs[2], pairs[3])))
-            else:
-                csum = codes[0]
-                for t in cutlass.range_constexpr(1, 8):
-                    csum = csum + codes[t]
-                for t in cutlass.range_constexpr(8):
-                    r_p[idx[r, b][t]] = (codes[t] * alpha).to(self.in_dtype)
-            l_acc[r] = l_acc[r] + alpha * csum
-        if const_expr(late_wait):
-            order_before_wait(l_acc[0] + l_acc[1], kv_limit)   # kv_limit >= 1: never stores
-            cute.nvgpu.warpgroup.wait_group(0)
-        for i, (pair, alpha2) in scaled.items():
-            r_p2[i] = mul_bf16x2(pair, alpha2)
-        for r in cutlass.range_constexpr(2):
-            row_l[r] = row_l[r] + (l_acc[r] + fma_rn(nan_flag[r], Float32(0.0), Float32(0.0)))
-
-    @staticmethod
-    def quad_block_max(mx, r, lane_q):
-        """``block_scales="quad"``: the maximum of key block q of row r over the quad, in thread q
-        (a reduce-scatter: 3 shuffles per row instead of the butterfly's 8, which gives every
-        thread every block maximum). ``mx[r, b]``: this thread's partial maxima of the 4 blocks."""
-        hi = lane_q & 2
-        lo = lane_q & 1
-        # with the thread two lanes away: keep blocks 2 hi, 2 hi + 1, send the other two
-        k0 = fmax_nan(select_f32(hi, mx[r, 2], mx[r, 0]),
-                      cute.arch.shuffle_sync_bfly(select_f32(hi, mx[r, 0], mx[r, 2]), offset=2))
-        k1 = fmax_nan(select_f32(hi, mx[r, 3], mx[r, 1]),
-                      cute.arch.shuffle_sync_bfly(select_f32(hi, mx[r, 1], mx[r, 3]), offset=2))
-        # with the neighbour (same two blocks): keep block 2 hi + lo
-        return fmax_nan(select_f32(lo, k1, k0), cute.arch.shuffle_sync_bfly(select_f32(lo, k0, k1), offset=1))
-
-    def exponent(self, mx, m, s2, saturated):
-        """``block_exponent`` of one (row, block) pair; with the range record, a saturated pair (e > 254,
-        before the clamp) also counts in ``saturated``."""
-        if saturated is None:
-            return block_exponent(mx, m, s2, self.cfg.anchor > 0)
-        e = block_exponent(mx, m, s2, self.cfg.anchor > 0, unclamped=True)
-        saturated[0] = count_saturated(saturated[0], e)
-        return clamp_exponent(e)
-
-    def quad_block_constants(self, mx_own, row_m, s_rows, tile_scales, lane_q, nan_flag, consts, splats,
-                             packed: bool, eighths: bool, saturated=None):
-        """``block_scales="quad"``: thread q of each quad computes the exponent and constants of key
-        block q for both rows from ``mx_own`` (``quad_block_max``) and the quad's shuffles hand them
-        to the other three threads; the same operations as the per-thread form, so the same bits.
-        Fills ``consts[r, b]`` = (alpha', affine constant, native constant) and, on the packed path,
-        ``splats[r, b]`` = (alpha', alpha') in BF16 (alpha' is read back off the pair). The NaN flag
-        is taken over the owned blocks only: the quad's four threads together see every block, and
-        the denominator is summed over the quad at the end."""
-        cfg = self.cfg
-        nb = self.tile_n // DP_BLOCK
-        k_own = None
-        if tile_scales is not None:
-            k_own = select_by_lane(lane_q, tile_scales[1])
-        own = []
-        for r in range(2):
-            nan_flag[r] = fmax_nan(nan_flag[r], mx_own[r])
-            s_own = s_rows[r] if k_own is None else s_rows[r] * k_own
-            u = self.exponent(mx_own[r], row_m[r], s_own, saturated)
-            alpha, kaff, knat = block_constants(u, cfg.shift, cfg.affine_a, cfg.affine_b, eighths)
-            own.append((alpha, kaff, knat, bf16x2_splat_pow2(alpha) if packed else None))
-        for r in range(2):
-            alpha, kaff, knat, splat = own[r]
-            for b in range(nb):
-                if packed:
-                    splats[r, b] = quad_broadcast(splat, b)
-                    alpha_b = pow2_of_splat(splats[r, b])
-                else:
-                    alpha_b = quad_broadcast(alpha, b)
-                knat_b = quad_broadcast(knat, b) if cfg.native_exp2 else None   # read only at native positions
-                consts[r, b] = (alpha_b, quad_broadcast(kaff, b), knat_b)
-
-    @cute.jit
-    def epilogue(self, thr_pv, acc_o, row_l, mO, wg, m_blk, h_idx, b_idx, seqlen_q, lane_q, saturated, record_args):
+    def epilogue(self, thr_pv, acc_o, dp, mO, wg, m_blk, h_idx, b_idx, seqlen_q, record_args):
         """O = acc / (6 * l), stored straight from registers with a row predicate; with the range record,
         this thread's counts (``record_output_range``)."""
         row0 = (m_blk * self.num_wg + wg) * TILE_M_PER_WG
@@ -806,7 +510,7 @@ class DirectPAttentionSm90:
         inv = cute.make_rmem_tensor((2,), Float32)
         den = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            lt = row_l[r]
+            lt = dp.row_l[r]
             lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
             lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
             den[r] = lt * 6.0
@@ -821,7 +525,7 @@ class DirectPAttentionSm90:
             if tOcO[i][0] + row0 < seqlen_q:
                 tOgO[i] = r_o[i]
         if const_expr(self.cfg.range_record):
-            self.record_output_range(acc_o, den, tOcO, row0, seqlen_q, lane_q, saturated, record_args)
+            self.record_output_range(acc_o, den, tOcO, row0, seqlen_q, dp.lane_q, dp.saturated, record_args)
 
     @cute.jit
     def record_output_range(self, acc_o, den, tOcO, row0, seqlen_q, lane_q, saturated, record_args):

@@ -17,8 +17,9 @@ def gaussian(*shape, seed=0):
 
 
 def test_names_in_one_place():
-    assert registry.backend_names()[:3] == [base.AUTO, base.REFERENCE, base.HOPPER]
-    with pytest.raises(ValueError, match="unknown backend 'nope'; known backends are auto, reference, hopper"):
+    names = registry.backend_names()
+    assert names[:2] == [base.AUTO, base.REFERENCE] and set(names[2:4]) == {"hopper", "blackwell"}   # entry points
+    with pytest.raises(ValueError, match="unknown backend 'nope'; known backends are auto, reference, blackwell, hopper"):
         registry.get_backend("nope")
     assert set(fp4vis.available_backends()) == set(registry.backend_names()[1:])
     assert fp4vis.available_backends()["reference"] is None
@@ -57,7 +58,7 @@ def test_named_checks():
     q = gaussian(1, 1, 4, 64)
     assert base.first_reason(None, None) is None
     assert base.first_reason(None, "b", "c") == "b"
-    assert base.need_cuda_capability(q, base.HOPPER_CAPABILITIES, "sm_90") == "tensors are not on a CUDA device"
+    assert base.need_cuda_capability(q, ((9, 0),), "sm_90") == "tensors are not on a CUDA device"
     assert base.need_dtype(q, (torch.bfloat16, torch.float16)) == (
         "dtype torch.float32 (the kernel takes bfloat16 or float16)")
     assert base.need_nonempty(q, q[:, :, :0]) == "empty sequence"

@@ -19,17 +19,14 @@ def test_settings_are_read_at_use(monkeypatch):
     assert config.setting("FP4VIS_HOPPER_SHORT") is True
     monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "0")
     assert config.setting("FP4VIS_HOPPER_SHORT") is False
-    monkeypatch.setenv("FP4VIS_HOPPER_SCHEDULE", "Serial")
-    assert config.setting("FP4VIS_HOPPER_SCHEDULE") == "serial"
+    monkeypatch.setenv("FP4VIS_BLACKWELL_CUBINS", "/some/Dir")
+    assert config.setting("FP4VIS_BLACKWELL_CUBINS") == "/some/Dir"   # text: as given
 
 
 def test_bad_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "maybe")
     with pytest.raises(ValueError, match="FP4VIS_HOPPER_SHORT"):
         config.setting("FP4VIS_HOPPER_SHORT")
-    monkeypatch.setenv("FP4VIS_HOPPER_SCHEDULE", "fastest")
-    with pytest.raises(ValueError, match="FP4VIS_HOPPER_SCHEDULE.*pingpong"):
-        config.setting("FP4VIS_HOPPER_SCHEDULE")
     with pytest.raises(KeyError):
         config.setting("FP4VIS_NO_SUCH_SETTING")
 
@@ -44,6 +41,21 @@ def test_overridden_restores_the_environment(monkeypatch):
     assert config.setting("FP4VIS_HOPPER_SHORT") is True
     with pytest.raises(ValueError), config.overridden(FP4VIS_HOPPER_SHORT="perhaps"):
         pass
+
+
+def test_kernel_settings_are_read_once_and_again_after_overridden(monkeypatch):
+    monkeypatch.delenv("FP4VIS_HOPPER_SHORT", raising=False)
+    config.refresh()
+    first = config.kernel_settings()
+    assert first.hopper_short is True and config.kernel_settings() is first   # read once
+    monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "0")
+    assert config.kernel_settings() is first                                  # not at every call
+    with config.overridden(FP4VIS_HOPPER_SHORT="0"):
+        assert config.kernel_settings().hopper_short is False
+    assert config.kernel_settings().hopper_short is False                     # the environment's value now
+    monkeypatch.delenv("FP4VIS_HOPPER_SHORT")
+    config.refresh()
+    assert config.kernel_settings().hopper_short is True
 
 
 def _env_reads(source: str) -> list[int]:

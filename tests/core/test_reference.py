@@ -590,7 +590,7 @@ def test_qk_global_scale_is_applied_once():
     kq = fm.nvfp4_quantize(k.flatten(0, 1), "folded64_mse", True)
     assert qq.tensor_scale != 1.0 and kq.tensor_scale != 1.0
     assert torch.equal(ops.q, qq.dequantize(tensor_scale=False))
-    paper = (qq.dequantize() @ kq.dequantize().mT) * scale * layout.LOG2E
+    paper = (qq.dequantize() @ kq.dequantize().mT) * scale * fp4vis.policy.LOG2E
     torch.testing.assert_close((ops.q @ ops.k.mT) * ops.s, paper, rtol=1e-5, atol=1e-5)
     exact = fp4vis.attention(q, k, v, policy="bf16")
     err_global = fp4vis.rel_l2(fp4vis.attention(q, k, v, policy=pol), exact)
@@ -603,7 +603,7 @@ def test_qk_global_scale_is_applied_once():
     m = ref.row_reference(ops.q, ops.k, ops.num_keys, ops.s, acc, ops.tensor_scale)
     anchor_max = (ops.q @ ops.k[:, :acc.anchor].mT).amax(-1, keepdim=True).double()
     gap = (m - anchor_max) * ops.tensor_scale          # in the true scores' units
-    torch.testing.assert_close(gap, torch.full_like(gap, acc.margin * layout.LN2), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(gap, torch.full_like(gap, acc.margin * fp4vis.policy.LN2), rtol=1e-9, atol=1e-9)
 
 
 def test_output_overflow_is_reported_and_the_advice_fits_the_cause():

@@ -17,8 +17,8 @@ from fp4vis.backends import range_record
 def _blackwell_route() -> bool:
     if not torch.cuda.is_available():
         return False
-    from fp4vis.kernels.blackwell import backend
-    return not isinstance(backend.route(torch.cuda.current_device()), str)
+    from fp4vis.kernels.blackwell import route
+    return not isinstance(route.route(torch.cuda.current_device()), str)
 
 
 pytestmark = pytest.mark.gpu
@@ -181,10 +181,9 @@ def test_compiled_wan_layer_folds_its_qk_transform_into_the_pre_pass(monkeypatch
     for p in attn.parameters():
         (p.normal_(1.0, 0.1) if p.dim() == 1 else p.normal_(0.0, 0.02))
     seen = []
-    real = prepass.prepare_kernel_operands
-    monkeypatch.setattr(prepass, "prepare_kernel_operands",
-                        lambda *a, qk=None, **kw: seen.append(qk is not None) or real(*a, qk=qk, **kw))
-    monkeypatch.setattr("fp4vis.kernels.hopper.backend.prepare_kernel_operands", prepass.prepare_kernel_operands)
+    real = prepass.kernel_operands
+    monkeypatch.setattr("fp4vis.kernels.hopper.launch.kernel_operands",
+                        lambda call, *a: seen.append(call.qk_transform is not None) or real(call, *a))
     for policy in ("fast", "fast_fp8qk"):
         spec = LayerSpec(name="self", module=attn, index=0, group="self", default=True, patcher="wan", num_heads=h,
                          head_dim=d)

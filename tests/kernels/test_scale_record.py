@@ -16,6 +16,7 @@ import torch
 import fp4vis.formats as fm
 from fp4vis.backends.range_record import FIRST_CALL, NUM_FIELDS, SCALE_OVERFLOW, SCALE_UNDERFLOW
 from fp4vis.kernels.hopper import prepass as hp
+from fp4vis.kernels.hopper import prepass_torch as hpt
 from fp4vis.kernels.hopper import prepass_triton as htp
 from fp4vis.kernels.blackwell import prepass as bp
 from fp4vis.kernels.blackwell import prepass_triton as btp
@@ -63,7 +64,7 @@ for d in (64, 128):
             perm32 = hp.cached_anchor_permutation(45, anchor, q.device, torch.int32) if anchor else None
             paths = {
                 "hopper_fused": lambda r: htp.prepass(q, k, v, layout, perm32, record=r),
-                "hopper_torch": lambda r: hp.prepare_operands(q, k, v, layout, anchor, fused=False, record=r),
+                "hopper_torch": lambda r: hpt.kernel_operands(q, k, v, layout, anchor, record=r),
                 "blackwell_fused": lambda r: bp.prepare(q, k, v, layout, anchor, 64, 64, fused=True, record=r),
                 "blackwell_torch": lambda r: bp.prepare(q, k, v, layout, anchor, 64, 64, fused=False, record=r),
             }
@@ -75,12 +76,12 @@ for d in (64, 128):
         res[f"hopper_fp8_fused-{d}-{anchor}"] = dict(recorded(lambda r: htp.fp8_prepass(q, k, v, perm32, record=r)),
                                                      want=want)
         res[f"hopper_fp8_torch-{d}-{anchor}"] = dict(
-            recorded(lambda r: hp.prepare_fp8_operands(q, k, v, anchor, fused=False, record=r)), want=want)
+            recorded(lambda r: hpt.kernel_operands(q, k, v, "fp8_e4m3", anchor, record=r)), want=want)
 # no record, or call 0: nothing written
 q, k, v = inputs(64)
 fields = torch.zeros(NUM_FIELDS, dtype=torch.int32)
 htp.prepass(q, k, v, "folded64_mse", record=(fields, fields, 0))
-hp.prepare_operands(q, k, v, "block16", 0, fused=False, record=None)
+hpt.kernel_operands(q, k, v, "block16", 0, record=None)
 res["untouched"] = fields.tolist()
 print("RESULT" + json.dumps(res))
 """

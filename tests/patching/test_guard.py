@@ -97,7 +97,8 @@ GUARDED = [f"blocks.{i}.attn" for i in EXTREME]
 def test_calibrate_picks_exactly_the_extreme_layers_and_guard_keeps_finite(vit, tmp_path):
     xs = _images()
     path = tmp_path / "plan.json"
-    plan = fp4vis.calibrate(vit, xs, policy="fast", model_id="tiny-vit", path=path)
+    plan = fp4vis.calibrate(vit, xs, policy="fast", model_id="tiny-vit")
+    plan.save(path)
     assert plan.guarded == GUARDED
     assert list(plan.stats) == NAMES
     for name, st in plan.stats.items():
@@ -144,12 +145,12 @@ def test_calibrate_picks_exactly_the_extreme_layers_and_guard_keeps_finite(vit, 
 @torch.no_grad()
 def test_rule_is_an_option(vit):
     xs = _images(1)
-    plan = fp4vis.calibrate(vit, (x for x in xs), threshold=1e4)  # any iterable, consumed once
+    plan = fp4vis.calibrate(vit, (x for x in xs), rule=GuardRule(threshold=1e4))  # any iterable, consumed once
     assert plan.num_inputs == 1
     assert plan.guarded == [] and plan.rule.threshold == 1e4
     assert plan.redecide(GuardRule(fraction=0.75)).guarded == GUARDED
     assert plan.redecide(threshold=0.05).guarded == NAMES  # every layer above a tiny threshold
-    full = fp4vis.calibrate(vit, xs, statistic="full")
+    full = fp4vis.calibrate(vit, xs, rule=GuardRule(statistic="full"))
     assert full.guarded == GUARDED
     assert all(st.full_max_log2 >= st.sampled_max_log2 for st in full.stats.values())
     # anchored base policy: the anchor covers all 17 keys, the gap is 0, nothing needs the guard
@@ -187,6 +188,10 @@ def test_plan_errors(vit, tmp_path):
         fp4vis.calibrate(vit, [], policy="bf16")
     with pytest.raises(ValueError, match="no calibration inputs"):
         fp4vis.calibrate(vit, iter([]))
+    with pytest.raises(TypeError, match="rule: expected a GuardRule"):
+        fp4vis.calibrate(vit, _images(1), rule=0.9)
+    with pytest.raises(ValueError, match="full=False, but the rule needs the maxima over all keys"):
+        fp4vis.calibrate(vit, _images(1), rule=GuardRule(statistic="full"), full=False)
     assert not any(hasattr(m, "_fp4vis_state") for m in vit.modules())  # calibration cleaned up
 
 
@@ -249,7 +254,7 @@ def test_plan_is_refused_on_another_architecture(vit, tmp_path):
     """The plan's fingerprint (layer names, heads, head dims, model id): a plan made on the 2-head model
     is refused on a 4-head one and on a shallower one, even where it guards nothing; another model id
     with the same layers only warns."""
-    plan = fp4vis.calibrate(vit, _images(1), policy="fast", model_id="tiny-vit", fraction=0.99999)
+    plan = fp4vis.calibrate(vit, _images(1), policy="fast", model_id="tiny-vit", rule=GuardRule(fraction=0.99999))
     with pytest.raises(fp4vis.GuardPlanError, match="blocks.0.attn has 4 heads of dim 16 here, 2 of dim 32"):
         fp4vis.patch(_tiny_timm(heads=4), guard=plan)
     nothing = plan.redecide(threshold=1e9)

@@ -17,9 +17,8 @@ triton = pytest.importorskip("triton")
 
 from fp4vis.call import AttentionCall  # noqa: E402
 from fp4vis.kernels.blackwell import prepass, selfcheck  # noqa: E402
-from fp4vis.kernels.blackwell.config import LOG2E, KernelConfig  # noqa: E402
-from fp4vis.layout import qk_layout  # noqa: E402
-from fp4vis.policy import POLICIES, Policy  # noqa: E402
+from fp4vis.kernels.blackwell.config import KernelConfig  # noqa: E402
+from fp4vis.policy import LOG2E, POLICIES, KernelParams, Policy  # noqa: E402
 from fp4vis.reference import quantize_operands, reference_attention  # noqa: E402
 
 TRITON_38 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
@@ -43,7 +42,7 @@ def _qkv(b, h, sq, skv, d, dtype=torch.bfloat16, seed=0, kind="gauss"):
 def test_prepass_decodes_to_reference_operands(policy, d, dtype):
     p = POLICIES[policy] if isinstance(policy, str) else policy
     q, k, v = _qkv(2, 2, 77, 150, d, dtype, kind="wide")
-    ops = prepass.prepare(q, k, v, qk_layout(p, d), p.anchor, 128, 128)
+    ops = prepass.prepare(q, k, v, p.qk_layout(d), p.anchor, 128, 128)
     assert ops.rows_q == 128 and ops.keys == 256 and ops.num_keys == 150
     qd, kd, v6 = prepass.decode_operands(ops)
     ref = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), p, 0.1)
@@ -73,12 +72,12 @@ def test_prepass_flags_non_finite_heads():
 # output is float32 (the interpreter's BF16 store truncates; the GPU's rounds to nearest).
 _INTERPRETED = r"""
 import json, math, sys, torch
-from fp4vis.kernels.blackwell import backend, kernel, prepass
-from fp4vis.kernels.blackwell.config import LOG2E, KernelConfig
+from fp4vis.kernels.blackwell import kernel, launch, prepass
+from fp4vis.call import AttentionCall
+from fp4vis.kernels.blackwell.config import KernelConfig
 from fp4vis.kernels.blackwell.selfcheck import LOGIT_LIMIT, make_inputs
 from fp4vis.metrics import rel_l2
 from fp4vis.policy import POLICIES, Policy, guard_policy
-from fp4vis.layout import qk_layout
 from fp4vis.reference import reference_attention
 
 user = Policy("user", affine_a=1.55, affine_b=1.0, native_exp2=True, anchor=64, margin=40,
@@ -89,12 +88,9 @@ cases = [("fast", 64, (1, 1, 130, 200)), ("wan_fast", 128, (1, 1, 64, 333)), ("a
 def run(q, k, v, p, scale):
     d = q.shape[-1]
     cfg = KernelConfig(d, "bf16", p.native_exp2, p.anchor > 0, 90)
-    ops = prepass.prepare(q, k, v, qk_layout(p, d), p.anchor, cfg.block_m, cfg.block_n)
+    ops = prepass.prepare(q, k, v, p.qk_layout(d), p.anchor, cfg.block_m, cfg.block_n)
     out = torch.empty(q.shape[0] * q.shape[1], q.shape[2], d, dtype=torch.float32)
-    a = backend.policy_args(p, d, scale)
-    params = dict(s_log2=scale * LOG2E, margin_raw=a["margin_raw"], affine_a=p.affine_a, affine_b=p.affine_b,
-                  shift=p.shift, n_anchor=min(p.anchor, k.shape[-2]))
-    kernel.launch_jit(cfg, ops, out, params, qk_decode=True)
+    kernel.launch_jit(cfg, ops, out, p.kernel_params(d, scale), qk_decode=True)
     return out.unflatten(0, q.shape[:2])
 
 res = {}
@@ -117,12 +113,12 @@ for pol, d, shape in cases:
             same_bf16=float((out.bfloat16() == ref.bfloat16()).double().mean()))
 # the backend's host glue (policy -> op arguments -> kernel arguments, the route's config) with
 # the interpreter as the launcher
-backend.route = lambda index: ("jit", 90)
+launch.route = lambda index: ("jit", 90)
 def interp_launch(cfg, grid, args):
     kernel.direct_p_fwd[grid](*args, **kernel.constexprs(cfg, True), num_warps=cfg.num_warps)
 q, k, v = (t.float() for t in make_inputs((1, 2, 150, 300, 128), torch.bfloat16, "gauss", "guard", seed=9))
 p = POLICIES["guard"]
-out = backend.run_unchecked(q, k, v, 0.088, launcher=interp_launch, **backend.policy_args(p, 128, 0.088))
+out = launch.attention(AttentionCall(q, k, v, p, 0.088), launcher=interp_launch)
 ref = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), p, 0.088)[0].unflatten(0, (1, 2))
 res["host_glue_rel"] = rel_l2(out, ref)
 # the fused Triton pre-pass against the PyTorch statement, bit for bit (both layouts, anchors,
@@ -161,8 +157,8 @@ for name, pol, mult, scale in (("saturated", "fast", 12.0, 0.125), ("underflow",
         q[:, :, :16] *= 0.01
     p = POLICIES[pol]
     rec = RangeRecord(torch.device("cpu"))
-    out = backend.run_unchecked(q, k, v, scale, launcher=interp_launch, call_number=7, record=rec,
-                                **backend.policy_args(p, 64, scale))
+    out = launch.attention(AttentionCall(q, k, v, p, scale, record=rec.start_call("blackwell", p, "raise", "bhsd",
+                                                                                   (q, k, v))), launcher=interp_launch)
     flag = int(rec.flag[0])   # read before collect() resets it
     found = rec.collect()
     ref_report = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), p, scale)[1]
@@ -228,7 +224,7 @@ def test_kernel_interpreted_range_record_counts_what_the_reference_reports(inter
     under the call's number; a call in range records nothing."""
     rr = interpreted["range_record"]
     sat, under, ok = rr["saturated"], rr["underflow"], rr["in_range"]
-    assert sat["ref"][0] > 0 and sat["kernel"][:3] == [7, *sat["ref"]] and sat["flag"] == 7, sat
+    assert sat["ref"][0] > 0 and sat["kernel"][1:3] == sat["ref"] and sat["flag"] == sat["kernel"][0] > 0, sat
     assert sat["kernel"][3] == sat["out_nonfinite"], sat
     assert under["ref"][1] > 0 and under["kernel"][1:3] == under["ref"], under
     assert ok["ref"] == [0, 0] and ok["kernel"] is None and ok["flag"] == 0, ok
@@ -320,12 +316,13 @@ def test_backend_forward_refuses_a_wrong_kernel(cache, monkeypatch):
     """The backend's own gate: an injected wrong kernel fails the self-check and the call raises
     instead of returning its numbers. (A subset of the fixed problems, for CPU time: the reference
     on the CPU takes about a second per problem.)"""
+    from fp4vis.kernels.blackwell import launch
     from fp4vis.kernels.blackwell.backend import BACKEND
     assert len(selfcheck.PROBLEMS) == 16
     full = selfcheck.PROBLEMS
     monkeypatch.setattr(selfcheck, "PROBLEMS", (full[0], full[13], full[14]))   # fast, guard x2
     monkeypatch.setattr(BACKEND, "kernel_fn", _wrong_kernel)
-    monkeypatch.setattr(BACKEND, "identity", lambda device: {"device": "injected-wrong"})
+    monkeypatch.setattr(launch, "identity", lambda device: {"device": "injected-wrong"})
     q, k, v = _qkv(1, 1, 16, 16, 64)
     with pytest.raises(selfcheck.SelfCheckError, match="guard"):
         BACKEND.run(AttentionCall(q, k, v, POLICIES["fast"], 0.125))
@@ -333,7 +330,7 @@ def test_backend_forward_refuses_a_wrong_kernel(cache, monkeypatch):
     assert {(p[1], p[2]) for p in full} == {(64, "bf16"), (64, "fp16"), (128, "bf16"), (128, "fp16")}
     assert {p[5] != p[6] for p in full} == {True, False}   # cross-attention and self-attention
     monkeypatch.setattr(BACKEND, "kernel_fn", _reference_kernel)
-    monkeypatch.setattr(BACKEND, "identity", lambda device: {"device": "injected-right"})
+    monkeypatch.setattr(launch, "identity", lambda device: {"device": "injected-right"})
     out, report = BACKEND.run(AttentionCall(q, k, v, POLICIES["fast"], 0.125))
     assert report is None and out.shape == q.shape
 
@@ -353,10 +350,10 @@ def test_backend_host_logic_without_gpu():
     assert "not a Direct-P" in backend.BACKEND.supports(AttentionCall(q, k, v, POLICIES["bf16"], 0.1))
     with pytest.raises(RuntimeError, match="blackwell.*not on a CUDA device"):
         fp4vis.attention(q, k, v, backend="blackwell")
-    args = backend.policy_args(USER_POLICY, 64, 0.125)
-    assert args["margin_raw"] == pytest.approx(40 / (0.125 * LOG2E)) and args["qk_fmt"] == "folded64_mse"
-    assert backend.policy_args(POLICIES["accurate"], 128, 0.1)["margin_raw"] == pytest.approx(64 * math.log(2))
-    assert backend.policy_args(POLICIES["accurate"], 128, 0.1)["qk_fmt"] == "block16"
+    args = USER_POLICY.kernel_params(64, 0.125)
+    assert args.margin_raw == pytest.approx(40 / (0.125 * LOG2E)) and args.qk_layout == "folded64_mse"
+    assert POLICIES["accurate"].kernel_params(128, 0.1).margin_raw == pytest.approx(64 * math.log(2))
+    assert POLICIES["accurate"].kernel_params(128, 0.1).qk_layout == "block16"
 
 
 def test_kernel_config_validates():
@@ -370,38 +367,43 @@ def test_kernel_config_validates():
 
 
 def test_route_by_capability(monkeypatch, tmp_path):
-    from fp4vis.kernels.blackwell import backend, cubin
+    from fp4vis import config
+    from fp4vis.kernels.blackwell import cubin, route
     caps = {0: (10, 0), 1: (12, 0), 2: (9, 0), 3: (8, 0), 4: (10, 3)}
-    monkeypatch.setattr(backend, "device_capability", lambda i: caps[i])
-    backend.clear_route_cache()
+    monkeypatch.setattr(route, "device_capability", lambda i: caps[i])
+    route.clear_route_cache()
     try:
-        monkeypatch.setattr(backend, "triton_problem", lambda: None)
+        monkeypatch.setattr(route, "triton_problem", lambda: None)
         monkeypatch.delenv(cubin.CUBIN_ENV, raising=False)
-        assert backend.route(0) == ("jit", 100) and backend.route(1) == ("jit", 120)
-        assert backend.route(4) == ("jit", 103)
-        assert backend.route(2) == ("jit", 90)          # sm_90 with a Triton that lowers dot_scaled
-        assert "8.0 has no Blackwell kernel build" in backend.route(3)
-        backend.clear_route_cache()
+        config.refresh()
+        assert route.route(0) == ("jit", 100) and route.route(1) == ("jit", 120)
+        assert route.route(4) == ("jit", 103)
+        assert route.route(2) == ("jit", 90)          # sm_90 with a Triton that lowers dot_scaled
+        assert "8.0 has no Blackwell kernel build" in route.route(3)
+        route.clear_route_cache()
         monkeypatch.setenv(cubin.CUBIN_ENV, str(tmp_path))
-        assert backend.route(2) == ("cubin", 90)
-        backend.clear_route_cache()
-        monkeypatch.setattr(backend, "triton_problem", lambda: "Triton 3.6.0 is too old: ... needs Triton >= 3.8")
+        config.refresh()   # the kernel settings are read once
+        assert route.route(2) == ("cubin", 90)
+        route.clear_route_cache()
+        monkeypatch.setattr(route, "triton_problem", lambda: "Triton 3.6.0 is too old: ... needs Triton >= 3.8")
         monkeypatch.delenv(cubin.CUBIN_ENV)
-        assert "Triton >= 3.8" in backend.route(0)
-        assert "cubins" in backend.route(2) and "Triton >= 3.8" in backend.route(2)
+        config.refresh()
+        assert "Triton >= 3.8" in route.route(0)
+        assert "cubins" in route.route(2) and "Triton >= 3.8" in route.route(2)
     finally:
-        backend.clear_route_cache()
+        config.refresh()
+        route.clear_route_cache()
 
 
 def test_triton_version_message(monkeypatch):
-    from fp4vis.kernels.blackwell import backend
+    from fp4vis.kernels.blackwell import route
     monkeypatch.setattr(triton, "__version__", "3.6.0")
-    backend.triton_problem.cache_clear()
+    route.triton_problem.cache_clear()
     try:
-        assert "Triton 3.6.0 is too old" in backend.triton_problem() and ">= 3.8" in backend.triton_problem()
+        assert "Triton 3.6.0 is too old" in route.triton_problem() and ">= 3.8" in route.triton_problem()
     finally:
         monkeypatch.undo()
-        backend.triton_problem.cache_clear()
+        route.triton_problem.cache_clear()
 
 
 @needs_38
@@ -443,7 +445,8 @@ def test_cubin_build_and_launch_abi(tmp_path, monkeypatch):
     k = cubin.CubinKernel(cfg, str(tmp_path))
     ops = prepass.prepare(*_qkv(1, 2, 130, 200, 64), "block16", 32, 128, 128)
     out = torch.empty(2, 130, 64, dtype=torch.float16)
-    params = dict(s_log2=0.18, margin_raw=44.3, affine_a=1.65, affine_b=0.8, shift=8, n_anchor=32)
+    params = KernelParams(s_log2=0.18, margin_raw=44.3, affine_a=1.65, affine_b=0.8, shift=8, native_exp2=False,
+                          anchor=32, qk_layout="block16", code_rounding="exact")
     k(kernel.grid(cfg, ops), kernel.runtime_args(ops, out, params))
     (grid, block, args, shared), = calls
     assert grid == (2, 2, 1) and block == (32 * cfg.num_warps, 1, 1) and shared == meta["shared"]

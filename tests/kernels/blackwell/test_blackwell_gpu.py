@@ -25,8 +25,8 @@ from fp4vis.metrics import rel_l2
 def _route_ok() -> bool:
     if not torch.cuda.is_available():
         return False
-    from fp4vis.kernels.blackwell import backend
-    return not isinstance(backend.route(torch.cuda.current_device()), str)
+    from fp4vis.kernels.blackwell import route
+    return not isinstance(route.route(torch.cuda.current_device()), str)
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _route_ok(), reason="needs a GPU the Blackwell kernel "

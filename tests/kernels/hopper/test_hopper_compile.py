@@ -20,12 +20,11 @@ os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
 from fp4vis.config import setting  # noqa: E402
-from fp4vis.layout import qk_layout  # noqa: E402
 from fp4vis.policy import POLICIES  # noqa: E402
 from fp4vis.reference import quantize_operands  # noqa: E402
 
 compile_check = importlib.import_module("fp4vis.kernels.hopper.compile_check")
-prepare_operands = importlib.import_module("fp4vis.kernels.hopper.prepass").prepare_operands
+prepass_torch = importlib.import_module("fp4vis.kernels.hopper.prepass_torch")
 
 VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
@@ -108,7 +107,7 @@ def test_prepass_matches_reference_operands(policy, dtype):
     pol = POLICIES[policy]
     b, h, sq, skv, d = 1, 2, 40, 161, 64
     q, k, v = _inputs(b, h, sq, skv, d, dtype)
-    qh, kh, v6 = prepare_operands(q, k, v, qk_layout(pol, d), pol.anchor)
+    qh, kh, v6, _, _ = prepass_torch.kernel_operands(q, k, v, pol.qk_layout(d), pol.anchor)
     ops = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, 0.125)
     assert qh.dtype == kh.dtype == v6.dtype == torch.bfloat16
     assert torch.equal(qh.flatten(0, 1).float(), ops.q)
@@ -122,14 +121,14 @@ def test_fp8_kernel_operands_decode_to_the_reference_operands(anchor, dtype):
     """What the FP8 kernel reads (E4M3 bytes times their row / key-block scales, as the kernel folds
     them) is exactly the reference's decoded Q-hat and K-hat, in the physical (anchor-permuted) order;
     k_scale covers whole 128-key tiles."""
-    hp = importlib.import_module("fp4vis.kernels.hopper.prepass")
+    from fp4vis.kernels.hopper.layout import fp8_key_scale_blocks
     pol = POLICIES["fast_fp8qk"].replace(name="fp8_test", anchor=anchor, margin=4.0 if anchor else 0.0)
     b, h, sq, skv, d = 1, 2, 40, 161, 64
     q, k, v = _inputs(b, h, sq, skv, d, dtype)
-    q8, k8, v6, qs, ks = hp.prepare_kernel_operands(q, k, v, qk_layout(pol, d), pol.anchor)
+    q8, k8, v6, qs, ks = prepass_torch.kernel_operands(q, k, v, pol.qk_layout(d), pol.anchor)
     ops = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, 0.125)
     assert q8.dtype == k8.dtype == torch.float8_e4m3fn and qs.dtype == ks.dtype == torch.float32
-    assert ks.shape[-1] == hp.fp8_key_scale_blocks(skv) == 8
+    assert ks.shape[-1] == fp8_key_scale_blocks(skv) == 8
     assert torch.equal((q8.float() * qs[..., None]).flatten(0, 1), ops.q)
     k_dec = k8.float() * ks.repeat_interleave(32, -1)[..., :skv, None]
     assert torch.equal(k_dec.flatten(0, 1), ops.k[:, :skv])
@@ -141,19 +140,19 @@ def test_fp8_config_plumbing():
     """The policy's FP8 Q/K reaches the kernel configuration (the benchmark once built kernels without
     a policy field), and the combination the kernel lacks is refused by name."""
     from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.policy import KernelParams
     assert DirectPConfig.from_policy(POLICIES["fast_fp8qk"], 128, "bf16").qk_fp8
     assert not DirectPConfig.from_policy(POLICIES["fast"], 128, "bf16").qk_fp8
     assert DirectPConfig.from_policy(POLICIES["fast_bf16round"], 128, "bf16").code_rounding == "bf16"
     with pytest.raises(ValueError, match="qk_fp8 with anchors"):
-        DirectPConfig.make(128, "bf16", 1.5, 1.2, 16, False, 32, qk_fp8=True)
+        DirectPConfig.make(KernelParams(0.18, 44.0, 1.5, 1.2, 16, False, 32, "fp8_e4m3", "exact"), 128, "bf16")
 
 
 def test_block_scales_config_plumbing():
     """block_scales: "quad" by default with 128-key tiles, "lane" selectable (in the key, from the
     benchmark's variant syntax and the custom op's argument), "lane" wherever 64-key tiles are used."""
     from fp4vis.evals.kernel_bench import split_variant
-    from fp4vis.kernels.hopper.backend import kernel_config
-    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.kernels.hopper.config import DirectPConfig, product_config
     from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
     fast = POLICIES["fast"]
     quad = DirectPConfig.from_policy(fast, 128, "bf16")
@@ -170,9 +169,7 @@ def test_block_scales_config_plumbing():
     base, kw = split_variant("hopper_kernel@///lane")
     assert base == "hopper_kernel" and kw == {"block_scales": "lane"}
     assert DirectPConfig.from_policy(fast, 128, "bf16", **kw).key() == lane.key()
-    args = (128, "bf16", fast.affine_a, fast.affine_b, fast.shift, fast.native_exp2, fast.anchor, "", "", 0,
-            fast.code_rounding, False)
-    assert kernel_config(*args).key() == quad.key() and kernel_config(*args, "lane").key() == lane.key()
+    assert product_config(fast.kernel_params(128, 0.1), 128, "bf16", False, False).key() == quad.key()
 
 
 def test_short_variant_config_plumbing():
@@ -207,28 +204,28 @@ def test_short_variant_config_plumbing():
 
 
 def test_short_variant_dispatch(monkeypatch, fp4vis_settings):
-    """The backend's call picks the short-sequence variant when both sequences are at most SHORT_SEQ and
-    the call names no variant field, never swaps a variant asked for by name (any field), keeps the
-    default kernel for long queries over short keys, and FP4VIS_HOPPER_SHORT=0 turns it off (read at
-    the call). The pre-pass runs on the CPU; the launch is replaced."""
-    from fp4vis.kernels.hopper import backend as hb
+    """The backend's launcher picks the short-sequence variant when both sequences are at most SHORT_SEQ, keeps
+    the default kernel for long queries over short keys, never swaps a variant handed to it, and
+    FP4VIS_HOPPER_SHORT=0 turns it off. The pre-pass and the launch are replaced (no GPU)."""
+    from fp4vis.call import AttentionCall
+    from fp4vis.kernels.hopper import launch as hb
+    from fp4vis.kernels.hopper.config import DirectPConfig, product_config
     seen = []
-    monkeypatch.setattr(hb, "run_kernel", lambda *a: seen.append(a[6]))
+    monkeypatch.setattr(hb, "kernel_operands", lambda call, params, settings: None)
+    monkeypatch.setattr(hb, "launch", lambda cfg, *a: seen.append(cfg))
     pol = POLICIES["fast"]
 
-    def ctas(skv, sq=8, **variant):
+    def ctas(skv, sq=8, config=None):
         q = torch.randn(1, 1, sq, 64, dtype=torch.bfloat16)
         kv = torch.randn(1, 1, skv, 64, dtype=torch.bfloat16)
-        hb.hopper_attention_eager(q, kv, kv, 0.125, **hb.policy_args(pol, 64, 0.125), **variant)
+        hb.attention(AttentionCall(q, kv, kv, pol, 0.125), config)
         return seen[-1].ctas_per_sm
 
     assert hb.SHORT_SEQ == 768
     assert ctas(768, sq=768) == 2 and ctas(769) == 1 and ctas(40, sq=769) == 1
-    assert ctas(40, p_path="scalar") == 1 and ctas(40, block_scales="lane") == 1
-    assert ctas(40, ctas_per_sm=1) == 1 and ctas(2000, ctas_per_sm=2) == 2
-    assert ctas(40, schedule="pingpong") == 1 and ctas(40, schedule="serial", num_wg=1) == 1
-    assert seen[0].key() == hb.kernel_config(64, "bf16", pol.affine_a, pol.affine_b, pol.shift, pol.native_exp2,
-                                             pol.anchor, "", "", 0, pol.code_rounding, False, "", 0, True).key()
+    assert ctas(40, config=DirectPConfig.from_policy(pol, 64, "bf16", p_path="scalar")) == 1
+    assert ctas(2000, config=DirectPConfig.from_policy(pol, 64, "bf16", ctas_per_sm=2)) == 2
+    assert seen[0].key() == product_config(pol.kernel_params(64, 0.125), 64, "bf16", True, False).key()
     fp4vis_settings(FP4VIS_HOPPER_SHORT="0")
     assert ctas(40) == 1
 
@@ -236,7 +233,8 @@ def test_short_variant_dispatch(monkeypatch, fp4vis_settings):
 _TRITON_CHECK = r"""
 import torch
 from fp4vis.formats import nvfp4_qdq
-from fp4vis.kernels.hopper.prepass import prepare_operands, cached_anchor_permutation
+from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
+from fp4vis.kernels.hopper.prepass_torch import kernel_operands
 from fp4vis.kernels.hopper import prepass_triton as tp
 g = torch.Generator().manual_seed(0)
 for dtype, d, layout, anchor in ((torch.bfloat16, 128, "folded64_mse", 128), (torch.float16, 64, "block16", 32)):
@@ -247,7 +245,7 @@ for dtype, d, layout, anchor in ((torch.bfloat16, 128, "folded64_mse", 128), (to
     k[..., 3] *= 30
     v[..., 5] *= 1e3
     v[..., :7, 9] *= 1e-6
-    qh, kh, v6 = prepare_operands(q, k, v, layout, anchor, fused=False)
+    qh, kh, v6, _, _ = kernel_operands(q, k, v, layout, anchor)
     perm = cached_anchor_permutation(s, anchor, q.device, torch.int32)
     # the fused pre-pass sums the folded-K64 MSE exactly (float64)
     qx = nvfp4_qdq(q, layout).to(torch.bfloat16)
@@ -281,7 +279,7 @@ def test_prepass_turns_non_finite_inputs_into_nan(anchor):
     k[0, 1, 3, 5] = math.inf
     v[0, 0, 7, 2] = -math.nan
     q[0, 1, 9, 100] = -math.inf
-    qh, kh, vh = prepare_operands(q, k, v, "folded64_mse", anchor)
+    qh, kh, vh, _, _ = prepass_torch.kernel_operands(q, k, v, "folded64_mse", anchor)
     for hat in (qh, kh, vh):
         assert int(torch.isnan(hat).sum()) == 1 and not torch.isinf(hat).any()
     assert torch.isnan(qh[0, 1, 9, 100])

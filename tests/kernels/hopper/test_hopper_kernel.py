@@ -123,13 +123,15 @@ def test_cuda_graph_replay_new_inputs():
 
 
 def test_torch_compile_no_graph_break():
-    policy_args = importlib.import_module("fp4vis.kernels.hopper.backend").policy_args
+    from fp4vis.backends.range_record import policy_text
+    importlib.import_module("fp4vis.kernels.hopper.op")   # registers torch.ops.fp4vis.hopper_attention
     pol = fp4vis.get_policy("fast")
     q, k, v = make_inputs((1, 2, 256, 256, 128), torch.bfloat16, "gauss", "fast", seed=2)
     scale = 1 / math.sqrt(128)
+    text = policy_text(pol)
 
     def f(q, k, v):
-        return torch.ops.fp4vis.hopper_attention(q * 1.0, k, v, scale, **policy_args(pol, 128, scale)) + 0.0
+        return torch.ops.fp4vis.hopper_attention(q * 1.0, k, v, scale, text) + 0.0
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True)
@@ -149,8 +151,18 @@ KERNEL_VARIANTS = [("pingpong", "packed", 2), ("pingpong", "scalar", 2), ("seria
 
 def variant_kwargs(variant) -> dict:
     schedule, p_path, num_wg, *rest = variant
-    return dict(schedule=schedule, p_path=p_path, num_wg=num_wg, block_scales=rest[0] if rest else "",
-                ctas_per_sm=rest[1] if len(rest) > 1 else 0)
+    return dict(schedule=schedule or None, p_path=p_path or None, num_wg=num_wg or None,
+                block_scales=(rest[0] if rest else "") or None, ctas_per_sm=(rest[1] if len(rest) > 1 else 0) or None)
+
+
+def kernel_variant(q, k, v, pol, scale, **variant):
+    """The Hopper launcher with a kernel variant (``DirectPConfig.make``'s keywords; none: the default variant,
+    one CTA per SM): what the tests and the benchmarks hand it."""
+    from fp4vis.call import AttentionCall
+    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.kernels.hopper.launch import attention
+    cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", **variant)
+    return attention(AttentionCall(q, k, v, pol, scale), cfg)
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: "-".join(map(str, v)))
@@ -162,12 +174,10 @@ def test_kernel_variants_match_reference(policy, shape, variant):
     with the FFMA or the integer rounding constant, scalar), one (serial), two and three consumer
     warpgroups (three: 64-key tiles; the guard keeps two), odd and even tile counts, block constants
     per quad (the default) and per thread, one and two CTAs per SM."""
-    policy_args = importlib.import_module("fp4vis.kernels.hopper.backend").policy_args
     pol = fp4vis.get_policy(policy)
     q, k, v = make_inputs(shape, torch.bfloat16, "wide", policy, seed=7)
     scale = 1 / math.sqrt(shape[-1])
-    out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, shape[-1], scale),
-                                            **variant_kwargs(variant))
+    out = kernel_variant(q, k, v, pol, scale, **variant_kwargs(variant))
     ref = reference(q, k, v, policy)
     assert bool(torch.isfinite(out).all())
     assert rel_l2(out, ref) <= TOL
@@ -200,14 +210,12 @@ def test_quad_block_constants_bit_identical(case, shape, kind):
     P paths (packed: alpha' read back off the BF16 pair; scalar: alpha' shuffled itself), both
     128-key schedules, native exp2 positions and anchors, per-row and per-block spread scales."""
     policy, schedule, p_path = case
-    policy_args = importlib.import_module("fp4vis.kernels.hopper.backend").policy_args
     pol = fp4vis.get_policy(policy)
     q, k, v = (spread_inputs(shape, policy, 17) if kind == "spread"
                else make_inputs(shape, torch.bfloat16, kind, policy, seed=17))
     scale = 1 / math.sqrt(shape[-1])
-    kw = dict(policy_args(pol, shape[-1], scale), schedule=schedule, p_path=p_path)
-    quad = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, block_scales="quad")
-    lane = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, block_scales="lane")
+    quad = kernel_variant(q, k, v, pol, scale, schedule=schedule, p_path=p_path, block_scales="quad")
+    lane = kernel_variant(q, k, v, pol, scale, schedule=schedule, p_path=p_path, block_scales="lane")
     assert torch.equal(quad, lane), f"max |diff| {(quad.float() - lane.float()).abs().max().item()}"
 
 
@@ -220,14 +228,12 @@ def test_short_variant_bit_identical_to_default(policy, shape, kind):
     (ping-pong, one CTA per SM): the same matrix products and Direct-P per 64-row slab, in the same tile
     order. Every policy, D = 64 and 128, partial query and key tiles, odd tile counts, key lengths
     on both sides of backend.SHORT_SEQ."""
-    hb = importlib.import_module("fp4vis.kernels.hopper.backend")
     pol = fp4vis.get_policy(policy)
     q, k, v = (spread_inputs(shape, policy, 19) if kind == "spread"
                else make_inputs(shape, torch.bfloat16, kind, policy, seed=19))
     scale = 1 / math.sqrt(shape[-1])
-    kw = hb.policy_args(pol, shape[-1], scale)
-    default = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, ctas_per_sm=1)
-    short = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **kw, ctas_per_sm=2)
+    default = kernel_variant(q, k, v, pol, scale, ctas_per_sm=1)
+    short = kernel_variant(q, k, v, pol, scale, ctas_per_sm=2)
     # bit patterns, non-finite values included: on the 1100-key wide inputs `accurate`'s reference itself
     # has a non-finite output (both kernels reproduce it)
     assert torch.equal(short.view(torch.int16), default.view(torch.int16)), \
@@ -288,24 +294,12 @@ def test_codes_match_reference_up_to_rounding_boundaries(policy, d):
         assert float(dist.max()) < 1e-4, f"codes differ away from a rounding boundary: {float(dist.max()):.2e}"
 
 
-PREPASS_PATHS = ["triton", "torch_folded", "torch"]
-
-
-@pytest.mark.parametrize("prepass_path", PREPASS_PATHS)
 @pytest.mark.parametrize("policy", ["fast", "guard", "fast_fp8qk"])
-def test_non_finite_inputs(policy, prepass_path, monkeypatch, fp4vis_settings):
-    """docs/numerics.md section 6 on the kernel path, on every pre-pass path (fused Triton; folded Q/K through
-    fp4vis.formats; all PyTorch): the pre-pass turns NaN/Inf into NaN operands and the kernel
+def test_non_finite_inputs(policy):
+    """docs/numerics.md section 6 on the kernel path: the pre-pass turns NaN/Inf into NaN operands and the kernel
     propagates them (a bad q row gives a NaN output row; a bad k or v entry NaN in that head), so
     the range record's check (here fp4vis.check_range) raises ValueError naming the tensor; with
     range_check="off" the NaNs come back, as from SDPA — never a finite number from a quantized Inf."""
-    hp = importlib.import_module("fp4vis.kernels.hopper.prepass")
-    if prepass_path == "torch_folded" and fp4vis.get_policy(policy).qk_fp8:
-        pytest.skip("FP4VIS_PREPASS_FUSED_FOLDED concerns the NVFP4 folded layout: as the triton case for FP8 Q/K")
-    if prepass_path == "torch_folded":
-        fp4vis_settings(FP4VIS_PREPASS_FUSED_FOLDED="0")
-    elif prepass_path == "torch":
-        monkeypatch.setattr(hp, "_TP", [None])
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(1, 3, 300, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
     for name, bad in (("q", q), ("k", k), ("v", v)):
@@ -359,12 +353,11 @@ def test_fp8qk_spread_scales(shape, variant):
     """Per-row and per-32-key-block scales that differ: each query row and each key block is scaled
     by its own power of two (2^-4 .. 2^2; Gaussian inputs give nearly one exponent everywhere), so a
     scale applied to the wrong row, block, tile or warpgroup shows up. 64- and 128-key tiles."""
-    policy_args = importlib.import_module("fp4vis.kernels.hopper.backend").policy_args
     pol = fp4vis.get_policy("fast_fp8qk")
     d = shape[-1]
     q, k, v = spread_inputs(shape, "fast_fp8qk", 13)
     scale = 1 / math.sqrt(d)
-    out = torch.ops.fp4vis.hopper_attention(q, k, v, scale, **policy_args(pol, d, scale), **variant_kwargs(variant))
+    out = kernel_variant(q, k, v, pol, scale, **variant_kwargs(variant))
     assert bool(torch.isfinite(out).all())
     assert rel_l2(out, reference(q, k, v, pol)) <= TOL
 

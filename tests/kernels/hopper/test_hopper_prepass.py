@@ -1,10 +1,10 @@
-"""CPU checks of the one-launch Triton pre-pass (kernels/hopper/prepass_triton.py), run through
+"""CPU checks of the one-launch Triton pre-pass (kernels/hopper/prepass_triton.py and its kernels), run through
 Triton's interpreter: bit-for-bit (BF16 bit patterns, signed zeros included) the values of
 fp4vis.formats (nvfp4_qdq for Q and K in both layouts, mxfp4_qdq for V), on tie-heavy, Gaussian and
 wide-range inputs (E4M3-saturating groups, whose tiles take the float64 MSE branch), BF16 and FP16,
 D = 64 and 128, with and without the anchor permutation, partial 32-token V blocks, Sq != Skv; and
 the kernel's GPU build (sm_90 cubin, compiled without a GPU). The FP8 Q/K pre-pass
-(``prepare_fp8_operands``: fused Triton and PyTorch paths) likewise: bit-equal to
+(``prepass_triton.fp8_prepass`` and ``prepass_torch.kernel_operands``) likewise: bit-equal to
 fp4vis.formats.fp8_pow2_quantize, decoding to fp8_pow2_qdq, NaN for non-finite inputs."""
 
 import importlib
@@ -137,7 +137,6 @@ def test_triton_prepass_saturating_tiles_bit_identical_interpreted():
 
 _CHECK_CONTENDERS = r"""
 import torch
-from fp4vis import config
 from fp4vis import formats as fm
 from fp4vis.kernels.hopper import prepass_triton as tp
 
@@ -178,8 +177,7 @@ for d in (128, 64):
     x = x.bfloat16().view(1, 1, -1, d)
     ref = fm.nvfp4_qdq(x, "folded64_mse").bfloat16()
     got = tp.nvfp4_qdq(x, "folded64_mse")
-    with config.overridden(FP4VIS_PREPASS_FULL_SEARCH="1"):
-        full = tp.nvfp4_qdq(x, "folded64_mse")
+    full = tp.nvfp4_qdq(x, "folded64_mse", full_search=True)
     assert torch.equal(bits(got), bits(ref)), (d, int((bits(got) != bits(ref)).sum()))
     assert torch.equal(bits(full), bits(ref)), (d, int((bits(full) != bits(ref)).sum()))
     xf = x.float().view(-1, d)
@@ -228,12 +226,13 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     bundled ptxas): the interpreted tests check its arithmetic, this its GPU build. With F16 the codes
     are made on FP16 pairs (HMNMX2/HADD2 in the SASS), without it in float32 (none)."""
     pytest.importorskip("triton")
+    from fp4vis.kernels.hopper import prepass_kernels as tk
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
     rows, warps, cap = tpt.nvfp4_launch(d)
     consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=rows, BLOCK_D=64, CODES_F16=f16,
                   NORM=False, ROPE=False, FULL_SEARCH=not f16, ROW_ALIGN=8)
-    cubin = _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False), consts, warps, cap).get("cubin")
+    cubin = _compile_sm90(tk._prepass_kernel, tk.compile_signature(False), consts, warps, cap).get("cubin")
     assert cubin
     sass = importlib.import_module("fp4vis.kernels.hopper.compile_check").sass_text(cubin)
     assert ("HMNMX2" in sass) == f16 and ("F2FP.F16.F32.PACK_AB" in sass) == f16
@@ -252,7 +251,7 @@ def test_contender_search_and_fp16_pair_codes_shorten_the_search():
 
 
 def _e2m1_codes_f16_emulated(t):
-    """``prepass_triton._e2m1_mag_f16`` step by step in PyTorch (float32 t >= 0): the FP16 conversion
+    """``triton_formats.e2m1_magnitude_f16`` step by step in PyTorch (float32 t >= 0): the FP16 conversion
     (round to nearest even), p = min(p, 6) (NaN-ignoring, as PTX min), k = max(p, 1), then the two FP16
     FMAs s = k * 512 + p and s - k * 512, each rounded once (the exact values have at most 22
     significant bits: exact in float32, then one rounding to FP16)."""
@@ -265,8 +264,8 @@ def _e2m1_codes_f16_emulated(t):
 
 
 def test_e2m1_code_on_fp16_pairs_exhaustive():
-    """The FP16-pair E2M1 code of the NVFP4 pre-pass (``_e2m1_mag_f16``, GPU only: Triton's interpreter
-    cannot run inline PTX) is the exact E2M1 rounding of x / sc for every positive BF16 magnitude x
+    """The FP16-pair E2M1 code of the NVFP4 pre-pass (``triton_formats.e2m1_magnitude_f16``, GPU only: Triton's
+    interpreter cannot run inline PTX) is the exact E2M1 rounding of x / sc for every positive BF16 magnitude x
     against every E4M3 scale sc (and sc = 0 gives 0): t = x * rcp(sc) in float32 as the kernel forms
     it, its FP16 steps emulated, the reference rounding the float64 quotient (exact: BF16 / E4M3 is
     either an E2M1 midpoint or far from one). So is the float32 form (snap to 2^-12, then the grid).
@@ -305,7 +304,9 @@ def test_e2m1_code_on_fp16_pairs_exhaustive():
 _FP8_COMMON = r"""
 import torch
 from fp4vis.formats import fp8_pow2_qdq, fp8_pow2_quantize, mxfp4_qdq
-from fp4vis.kernels.hopper.prepass import cached_anchor_permutation, prepare_fp8_operands
+from fp4vis.kernels.hopper import prepass_torch
+from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
+from fp4vis.kernels.hopper.prepass_triton import fp8_prepass
 
 def physical(x, anchor):
     # keys in the physical order the K groups and V blocks follow
@@ -330,8 +331,9 @@ def e4m3_bytes(vals):
 
 def both_paths(q, k, v, anchor):
     # (fused Triton pre-pass, interpreted; PyTorch statement), shapes, dtypes and layout checked
-    fused = prepare_fp8_operands(q, k, v, anchor, fused=True)
-    plain = prepare_fp8_operands(q, k, v, anchor, fused=False)
+    perm = cached_anchor_permutation(k.shape[-2], anchor, k.device, torch.int32) if anchor else None
+    fused = fp8_prepass(q, k, v, perm)
+    plain = prepass_torch.kernel_operands(q, k, v, "fp8_e4m3", anchor)
     b, h, sq, d = q.shape
     skv = k.shape[-2]
     shapes = ((b, h, sq, d), (b, h, skv, d), (b, h, skv, d), (b, h, sq), (b, h, 4 * -(-skv // 128)))
@@ -391,17 +393,13 @@ for dtype in (torch.bfloat16, torch.float16):
                 assert bool((k8.view(torch.uint8) == 0x78).any())       # 256: a carry into the top binade
                 assert bool((v6[..., 32:64, :] != 0).any())            # a tiny V block (u = 0) keeps codes
                 n += 1
-# the default on CPU tensors is the PyTorch formulation (even under the interpreter)
-k, v = from_physical(kk, 32), from_physical(vv, 32)
-default, plain = prepare_fp8_operands(q, k, v, 32), prepare_fp8_operands(q, k, v, 32, fused=False)
-assert all(torch.equal(bits(a), bits(b)) for a, b in zip(default, plain))
 print("cases", n)
 print("OK")
 """
 
 
 def test_fp8_prepass_fused_torch_and_formats_bit_identical_interpreted():
-    """prepare_fp8_operands: the fused Triton path (interpreted) == the PyTorch path ==
+    """The FP8 pre-pass: the fused Triton path (interpreted) == the PyTorch statement ==
     fp8_pow2_quantize bit for bit (E4M3 bytes, scales, V's BF16 bits), decoding to fp8_pow2_qdq:
     BF16 and FP16, D = 64 and 128, with and without the anchor permutation, Sq != Skv, Skv = 77
     (partial last 32-key block, scales padded with 1.0) and 160, groups scaled over 2^+-20, an
@@ -443,7 +441,7 @@ print("OK")
 def test_fp8_prepass_non_finite_inputs_give_nan_interpreted():
     """NaN or Inf in q or k gives NaN in q8 / k8 exactly there (after the anchor permutation) on both
     paths (E4M3 has NaN; saturating to a finite code would hide the input's fault), V's NaN as in
-    prepare_operands, and every row / key block without a non-finite value is unchanged (the rest of
+    the NVFP4 pre-pass, and every row / key block without a non-finite value is unchanged (the rest of
     a non-finite group is unspecified, and the paths differ there)."""
     _run_interpreted(_CHECK_FP8_NON_FINITE)
 
@@ -456,7 +454,7 @@ from fp4vis.kernels.hopper import prepass_triton as tp
 from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
 
 def rstd_torch_order(x, eps, threads=tp.RMS_THREADS):
-    # torch's vectorized CUDA rms_norm sum order (prepass_triton._rms_rstd_rows), written in PyTorch
+    # torch's vectorized CUDA rms_norm sum order (prepass_kernels._rms_rstd_rows), written in PyTorch
     t, n = x.shape
     chunk = 4 * threads
     nchunk = -(-n // chunk)
@@ -523,15 +521,21 @@ for h, d, sq, sk, rope_dtype, anchor in ((3, 64, 37, 37, torch.float32, 0), (5, 
     for a, c in zip(fused, plain):
         assert torch.equal(bits(a), bits(c)), (h, d, "fp8")
     n_cases += 1
-# the dispatch (prepare_kernel_operands): a transform the pre-pass cannot fold (float32 weights) is
-# applied in PyTorch first, a foldable one is folded; both give the operands of the made q and k
-from fp4vis.kernels.hopper.prepass import prepare_kernel_operands
+# the dispatch (prepass.kernel_operands): a transform the pre-pass cannot fold (float32 weights) is applied in
+# PyTorch first, a foldable one is folded; both give the operands of the made q and k
+from fp4vis.call import AttentionCall
+from fp4vis.config import kernel_settings
+from fp4vis.kernels.hopper.prepass import kernel_operands
+from fp4vis.policy import POLICIES
 tr32 = QKTransform(wq.float(), wk.float(), 1e-6, 1e-5, None)
 assert tp.fusable_transform(q, k, tr32) is not None
-qa, ka = tr32.apply(q.transpose(1, 2), k.transpose(1, 2))
-for t, (qm, km) in ((tr32, (qa, ka)), (tr, (qn.transpose(1, 2), kn.transpose(1, 2)))):
-    got = prepare_kernel_operands(q, k, v, "block16", 0, fused=True, qk=t)
-    ref = prepare_kernel_operands(qm.transpose(1, 2), km.transpose(1, 2), v, "block16", 0, fused=True)
+pol = POLICIES["accurate"]
+params = pol.kernel_params(d, 0.1)
+assert params.qk_layout == "block16"
+qa, ka = tr32.apply(q, k, "bhsd")
+for t, (qm, km) in ((tr32, (qa, ka)), (tr, (qn, kn))):
+    got = kernel_operands(AttentionCall(q, k, v, pol, 0.1, t), params, kernel_settings())
+    ref = kernel_operands(AttentionCall(qm, km, v, pol, 0.1), params, kernel_settings())
     assert all(a is None and c is None or torch.equal(bits(a), bits(c)) for a, c in zip(got, ref))
     n_cases += 1
 # timm's fused qkv projection, (B, N, 3, H, D) permuted to three (B, H, N, D) views: read in place
@@ -565,20 +569,21 @@ def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
     """The pre-pass kernels with the q/k transform folded in (NORM, ROPE; float32 or BF16 rotary tables)
     and the rstd launch compile for sm_90 to a cubin without a GPU."""
     pytest.importorskip("triton")
+    from fp4vis.kernels.hopper import prepass_kernels as tk
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
     rows, warps, cap = tpt.nvfp4_launch(128)
     consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=rows, BLOCK_D=64, CODES_F16=True, NORM=True,
                   ROPE=True, FULL_SEARCH=False, ROW_ALIGN=8)
-    assert _compile_sm90(tpt._prepass_kernel, tpt.compile_signature(False, rope_dtype=rope_dtype), consts,
+    assert _compile_sm90(tk._prepass_kernel, tk.compile_signature(False, rope_dtype=rope_dtype), consts,
                          warps, cap).get("cubin")
     consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True, ROW_ALIGN=8)
-    assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, rope_dtype=rope_dtype), consts).get(
+    assert _compile_sm90(tk._fp8_prepass_kernel, tk.compile_signature(True, rope_dtype=rope_dtype), consts).get(
         "cubin")
     sig = dict(XQ="*bf16", XK="*bf16", RQ="*fp32", RK="*fp32", eps_q="fp32", eps_k="fp32",
                **dict.fromkeys(("NQT", "NKT", "TQ", "SQ", "SK", "QSB", "QSS", "KSB", "KSS", "N"), "i32"))
     consts = dict(BLOCK_T=tpt.RMS_BLOCK_T, THREADS=tpt.RMS_THREADS, NCHUNK=3, ROW_ALIGN=8)
-    assert _compile_sm90(tpt._rms_rstd_kernel, sig, consts).get("cubin")
+    assert _compile_sm90(tk._rms_rstd_kernel, sig, consts).get("cubin")
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["nvfp4", "fp8"])
@@ -588,16 +593,17 @@ def test_prepass_loads_rows_as_vectors(fp8):
     16-byte vectors, the transform folded in or not: the rotary pairs are split in registers, not
     gathered. Without the hint (strides are runtime integers) every BF16 value is a scalar load."""
     pytest.importorskip("triton")
+    from fp4vis.kernels.hopper import prepass_kernels as tk
     from fp4vis.kernels.hopper import prepass_triton as tpt
     from fp4vis.kernels.hopper.compile_check import global_loads
 
-    fn = tpt._fp8_prepass_kernel if fp8 else tpt._prepass_kernel
+    fn = tk._fp8_prepass_kernel if fp8 else tk._prepass_kernel
     base = (dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64) if fp8 else
             dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.nvfp4_launch(128)[0], BLOCK_D=64, CODES_F16=True,
                  FULL_SEARCH=False))
     warps = tpt.default_warps(128) if fp8 else tpt.nvfp4_launch(128)[1]
     for fold in (False, True):
-        loads = {align: global_loads(_compile_sm90(fn, tpt.compile_signature(fp8), dict(
+        loads = {align: global_loads(_compile_sm90(fn, tk.compile_signature(fp8), dict(
             base, NORM=fold, ROPE=fold, ROW_ALIGN=align), warps).get("ptx")) for align in (1, 8)}
         assert loads[1].get("ld.global.b16", 0) >= 32, loads[1]         # value by value
         assert loads[8].get("ld.global.b16", 0) <= 1, loads[8]          # (one 128-value weight row)
@@ -610,28 +616,29 @@ def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
     """The FP8 pre-pass kernel (E4M3 bytes through float8e4nv, scales, MXFP4 V) compiles for sm_90
     to a cubin without a GPU, from BF16 and FP16 inputs, with the launch's warps for D."""
     pytest.importorskip("triton")
+    from fp4vis.kernels.hopper import prepass_kernels as tk
     from fp4vis.kernels.hopper import prepass_triton as tpt
 
     consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=False, ROPE=False, ROW_ALIGN=8)
-    assert _compile_sm90(tpt._fp8_prepass_kernel, tpt.compile_signature(True, dtype), consts,
+    assert _compile_sm90(tk._fp8_prepass_kernel, tk.compile_signature(True, dtype), consts,
                          tpt.default_warps(d), tpt.FP8_MAX_REGISTERS[d]).get("cubin")
 
 
 @pytest.mark.gpu
 def test_rcp_approx_on_every_e4m3_scale_on_gpu():
-    """The pre-pass's reciprocal on the GPU (``_rcp(sc, APPROX=True)``: ``rcp.approx.ftz.f32``) is within
-    1 ulp (2^-23 relative) of 1 / sc for every E4M3 scale (sc takes no other value), and 0 for sc = 0: the
-    bound the exhaustive code test assumes."""
+    """The pre-pass's reciprocal on the GPU (``triton_formats.scale_reciprocal(sc, APPROX=True)``:
+    ``rcp.approx.ftz.f32``) is within 1 ulp (2^-23 relative) of 1 / sc for every E4M3 scale (sc takes no other
+    value), and 0 for sc = 0: the bound the exhaustive code test assumes."""
     import torch
     import triton
     import triton.language as tl
 
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels import triton_formats as tf
 
     @triton.jit
     def rcp_kernel(X, Y, N: tl.constexpr):
         i = tl.arange(0, N)
-        tl.store(Y + i, tp._rcp(tl.load(X + i), True))
+        tl.store(Y + i, tf.scale_reciprocal(tl.load(X + i), True))
 
     sc = torch.arange(0, 128, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().cuda()
     sc = torch.where(torch.isnan(sc), 0.0, sc)          # 0x7F is NaN: not a scale

@@ -1,0 +1,106 @@
+"""The eager launcher of the Blackwell backend and its self-check gate. ``attention(call)``: the policy's kernel
+parameters, the route's ``KernelConfig``, the pre-pass (``prepass.prepare``), the kernel's arguments and the launch
+on the current CUDA stream. ``ensure_verified(device)``: the first call on a device runs the self-check
+(``selfcheck``) and a device whose verdict failed gets ``SelfCheckError``; later calls look the verdict up.
+
+Compiled kernels are cached per ``KernelConfig.key()`` and device; compile/load times are logged (logger
+``fp4vis.kernels.blackwell``) and kept in ``COMPILE_TIMES``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from fp4vis.call import AttentionCall
+
+from . import cubin as cubin_mod
+from . import selfcheck
+from .config import KernelConfig
+from .prepass import prepare
+from .route import _index, identity, route
+
+log = logging.getLogger("fp4vis.kernels.blackwell")
+
+_LOCK = threading.Lock()
+_KERNELS: dict[tuple, object] = {}
+COMPILE_TIMES: dict[tuple, float] = {}
+
+
+def kernel_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, anchored: bool) -> KernelConfig:
+    r = route(index)
+    if isinstance(r, str):
+        raise RuntimeError(f"fp4vis blackwell: {r}")
+    return KernelConfig(head_dim, "bf16" if dtype == torch.bfloat16 else "fp16", native, anchored, r[1])
+
+
+def _jit_launcher(cfg: KernelConfig):
+    from .kernel import constexprs, direct_p_fwd
+    consts = constexprs(cfg)
+
+    def fn(grid, args):
+        direct_p_fwd[grid](*args, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return fn
+
+
+def get_kernel(index: int, cfg: KernelConfig):
+    """The launcher ``fn(grid, args)`` of ``cfg`` on device ``index`` (compiled / loaded once)."""
+    key = (cfg.key(), index)
+    fn = _KERNELS.get(key)
+    if fn is not None:
+        return fn
+    with _LOCK:
+        fn = _KERNELS.get(key)
+        if fn is None:
+            t0 = time.perf_counter()
+            kind = route(index)[0]
+            if kind == "cubin":
+                fn = cubin_mod.get(cfg)
+            else:
+                fn = _jit_launcher(cfg)
+            COMPILE_TIMES[key] = time.perf_counter() - t0
+            log.info("fp4vis blackwell: %s ready via %s in %.2f s", cfg.tag(), kind, COMPILE_TIMES[key])
+            _KERNELS[key] = fn
+    return fn
+
+
+def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
+    """The eager launcher: ``call`` (validated (B, H, S, D) CUDA views) through the pre-pass and the kernel,
+    without the self-check's gate (the self-check runs this). ``launcher(cfg, grid, args)``: another launch (the
+    tests inject Triton's interpreter). The call's ``record``: the kernel adds its range counts there."""
+    from .kernel import grid, runtime_args
+    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
+    index = _index(q.device)
+    params = call.policy.kernel_params(q.shape[-1], call.scale)
+    cfg = kernel_config(index, q.shape[-1], q.dtype, params.native_exp2, params.anchor > 0)
+    ops = prepare(q, k, v, params.qk_layout, params.anchor, cfg.block_m, cfg.block_n, record=call.record)
+    b, h = q.shape[:2]
+    out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
+    args = runtime_args(ops, out, params, call.record)
+    if launcher is None:
+        get_kernel(index, cfg)(grid(cfg, ops), args)
+    else:
+        launcher(cfg, grid(cfg, ops), args)
+    return out.unflatten(0, (b, h))
+
+
+def _checked_attention(q, k, v, policy, scale):
+    """What the self-check runs: ``attention`` of plain tensors."""
+    return attention(AttentionCall(q, k, v, policy, float(scale)))
+
+
+def verdict(device: torch.device, force: bool = False, kernel_fn=None) -> dict:
+    """The self-check's verdict on ``device`` (run now where ``force`` or where none is kept); ``kernel_fn``: a
+    kernel to check in place of ``attention`` (the tests')."""
+    return selfcheck.verdict_for(identity(device), kernel_fn or _checked_attention, device, force=force)
+
+
+def ensure_verified(device: torch.device, kernel_fn=None) -> dict:
+    """``verdict``, raising ``SelfCheckError`` where it failed."""
+    v = verdict(device, kernel_fn=kernel_fn)
+    if not v["passed"]:
+        selfcheck._raise_failed(v)
+    return v

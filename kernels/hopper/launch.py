@@ -1,0 +1,158 @@
+"""The eager launcher of the Hopper backend: a typed call (``fp4vis.call.AttentionCall``) through the pre-pass and
+the CuTe DSL kernel. ``attention(call, config)`` asks ``fp4vis.policy`` for the policy's kernel parameters,
+``config.product_config`` for the kernel variant (or takes the one a test or a benchmark hands it),
+``prepass.kernel_operands`` for the operands, and ``launch``es the compiled kernel on the current CUDA stream.
+
+Compiled kernels are cached per configuration (``DirectPConfig.key()``); each compile is timed and logged (logger
+``fp4vis.kernels.hopper``) and kept in ``COMPILE_TIMES``. With TVM-FFI (``FP4VIS_HOPPER_TVM_FFI``, where
+apache-tvm-ffi imports) torch tensors go straight in and the stream is the caller's (a few microseconds per launch);
+otherwise through DLPack. At small S the call is host-bound (SDPA cuDNN takes ~18 us of host time per call), so
+every per-call step is cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+
+from fp4vis.call import AttentionCall, RecordSlot
+from fp4vis.config import KernelSettings, kernel_settings
+from fp4vis.policy import KernelParams
+
+from .config import DirectPConfig, product_config
+from .prepass import KernelOperands, kernel_operands
+
+log = logging.getLogger("fp4vis.kernels.hopper")
+
+_LOCK = threading.Lock()
+_KERNELS: dict[tuple, CompiledKernel] = {}   # by DirectPConfig.key()
+COMPILE_TIMES: dict[tuple, float] = {}
+# Calls whose query and key sequences are both at most SHORT_SEQ run the short-sequence variant
+# (DirectPConfig.ctas_per_sm = 2: CTAs of 64 query rows, two per SM) where the call names no kernel
+# variant (``product_config``); FP4VIS_HOPPER_SHORT=0 turns that off. Measured on the H200,
+# self-attention, kernel alone, side by side (benchmarks/short_seq_bench.py,
+# benchmarks/results/20261129f_h200_shortseq.json): 30 % faster at 256 tokens, 9-16 % at 197, 1-6 % at
+# 577, -3 % to +1 % at 1024, 10-14 % slower at 4096. Long queries over short keys (cross-attention) are
+# not measured and keep the default kernel.
+SHORT_SEQ = 768
+
+
+def short_sequences(seqlen_q: int, seqlen_k: int, settings: KernelSettings) -> bool:
+    """Both sequences within SHORT_SEQ (and the short variant switched on): where it was measured to pay."""
+    return seqlen_q <= SHORT_SEQ and seqlen_k <= SHORT_SEQ and settings.hopper_short
+
+
+def _to_cute(t: torch.Tensor, tvm_ffi: bool = False):
+    """Contiguous (B, H, S, D) operand or (B, H, N) scale tensor -> CuTe tensor, dynamic layout (the
+    kernel makes its own (S, D, H, B) view: no permuted torch view per call)."""
+    from cutlass.cute.runtime import from_dlpack
+    kw = {"enable_tvm_ffi": True} if tvm_ffi else {}
+    return from_dlpack(t.detach(), assumed_align=16 if t.dim() == 4 else 4,
+                       **kw).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+_NO_SCALES: dict[torch.device, torch.Tensor] = {}
+_NO_RECORD = (0, 0, 0)
+
+
+def _unused_scales(device: torch.device) -> torch.Tensor:
+    """A placeholder for the kernel's q_scale/k_scale arguments where the policy has none (NVFP4 Q/K)."""
+    t = _NO_SCALES.get(device)
+    if t is None:
+        t = _NO_SCALES[device] = torch.ones(1, 1, 4, dtype=torch.float32, device=device)
+    return t
+
+
+def _current_stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+class CompiledKernel(NamedTuple):
+    """A compiled kernel variant and how it is launched: through TVM-FFI (torch tensors passed straight in, the
+    stream the caller's) or through DLPack."""
+
+    fn: object
+    tvm_ffi: bool
+
+    def __call__(self, tensors: tuple, s_log2: float, margin_raw: float, words: tuple) -> None:
+        if self.tvm_ffi:
+            self.fn(*tensors, s_log2, margin_raw, *words)
+            return
+        from cutlass import Float32, Int32, Int64
+        self.fn(*(_to_cute(t) for t in tensors), Float32(s_log2), Float32(margin_raw), Int64(words[0]),
+                Int64(words[1]), Int32(words[2]), _current_stream())
+
+
+def _compile(cfg: DirectPConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKernel:
+    """Compile ``cfg``: through TVM-FFI where ``tvm_ffi`` and the machine has apache-tvm-ffi, else through the
+    plain DLPack path."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.runtime import make_fake_stream
+
+    from .kernel import DirectPAttentionSm90
+    if tvm_ffi:
+        try:
+            args = [_to_cute(t, tvm_ffi=True) for t in tensors]
+            fn = cute.compile(DirectPAttentionSm90(cfg), *args, Float32(1.0), Float32(0.0), Int64(0), Int64(0),
+                              Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True),
+                              options="--gpu-arch sm_90a --enable-tvm-ffi")
+            return CompiledKernel(fn, True)
+        except Exception as exc:  # no apache-tvm-ffi here, or an incompatible version
+            log.info("fp4vis hopper: TVM-FFI launch path unavailable (%s); using DLPack", exc)
+    args = [_to_cute(t) for t in tensors]
+    fn = cute.compile(DirectPAttentionSm90(cfg), *args, Float32(1.0), Float32(0.0), Int64(0), Int64(0), Int32(0),
+                      _current_stream(), options="--gpu-arch sm_90a")
+    return CompiledKernel(fn, False)
+
+
+def compiled_kernel(cfg: DirectPConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKernel:
+    """The compiled kernel ``cfg`` (``_compile``; compiled on first use, then cached)."""
+    key = cfg.key()
+    run = _KERNELS.get(key)
+    if run is not None:
+        return run
+    with _LOCK:
+        run = _KERNELS.get(key)
+        if run is None:
+            t0 = time.perf_counter()
+            run = _compile(cfg, tensors, tvm_ffi)
+            dt = time.perf_counter() - t0
+            COMPILE_TIMES[key] = dt
+            log.info("fp4vis hopper: compiled %s in %.2f s (tvm-ffi: %s)", cfg, dt, run.tvm_ffi)
+            _KERNELS[key] = run
+    return run
+
+
+def launch(cfg: DirectPConfig, ops: KernelOperands, out: torch.Tensor, params: KernelParams,
+           record: RecordSlot | None = None, tvm_ffi: bool = True) -> None:
+    """Launch the Direct-P kernel ``cfg`` on the pre-pass's operands into ``out`` ((B, H, Sq, Dv), q's dtype) on
+    the current CUDA stream. ``record``: the call's range record where ``cfg.range_record``."""
+    if cfg.range_record and record is None:
+        raise ValueError("record: a kernel compiled with range_record needs the call's record")
+    if cfg.qk_fp8:   # the kernel recasts the bytes to E4M3
+        tensors = (ops.q.view(torch.uint8), ops.k.view(torch.uint8), ops.v6, out, ops.q_scale, ops.k_scale)
+    else:
+        unused = _unused_scales(out.device)
+        tensors = (ops.q, ops.k, ops.v6, out, unused, unused)
+    words = record.addresses if record is not None and cfg.range_record else _NO_RECORD
+    compiled_kernel(cfg, tensors, tvm_ffi)(tensors, params.s_log2, params.margin_raw, words)
+
+
+def attention(call: AttentionCall, config: DirectPConfig | None = None) -> torch.Tensor:
+    """The eager launcher: ``call`` (validated, (B, H, S, D) CUDA views) through the pre-pass and the kernel.
+    ``config``: a kernel variant (the tests', the benchmarks'); None: ``product_config`` for the call."""
+    q, k = call.q, call.k
+    params = call.policy.kernel_params(q.shape[-1], call.scale)
+    settings = kernel_settings()
+    cfg = config or product_config(params, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
+                                   short_sequences(q.shape[-2], k.shape[-2], settings), call.record is not None)
+    ops = kernel_operands(call, params, settings)
+    out = torch.empty(q.shape[:-1] + (call.v.shape[-1],), dtype=q.dtype, device=q.device)
+    launch(cfg, ops, out, params, call.record, settings.hopper_tvm_ffi)
+    return out
