@@ -5,7 +5,10 @@
 * ``layer``: ``LayerSpec`` / ``LayerState`` and the fallback rules;
 * ``guard``: the calibration statistic, ``calibrate``, ``AutoGuard``; ``guard_plan``: ``GuardRule``, ``GuardPlan``
   (the plan file: its JSON, load/save and their checks), ``GuardPlanError``;
-* ``patchers``: the patcher registry (one module per library patcher, the four functions each implements);
+* ``patchers``: the patcher registry (one module per library patcher, the four functions each implements):
+  ``wan`` (diffusers Wan, the fused q/k fast path), ``diffusers_attention`` (every other diffusers attention layer),
+  ``timm_attention`` (timm), ``transformers_attention`` (transformers' ``AttentionInterface``); ``masks`` sorts the
+  SDPA-form masks they are handed (key-padding or not);
 * ``context_parallel``: FP4 attention of the Wan layers under diffusers' context parallelism.
 """
 

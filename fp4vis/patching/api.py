@@ -8,18 +8,29 @@ per-layer hook through the library's own extension point, and returns a :class:`
 * diffusers Wan2.1/2.2 (``WanAttention``): an attention processor set with ``attn.set_processor``
   (``fp4vis.patching.wan``); self-attention (``attn1``) by default, cross-attention (``attn2``) when
   asked (``cross_attention=True`` or a name pattern in ``layers``).
-* timm (``timm.layers.Attention``, the vision_transformer attention): a per-instance ``forward``
-  (``fp4vis.patching.timm_vit``); the class is untouched.
-* transformers ViT / ViTMAE: an ``AttentionInterface`` function selected through the layers'
-  ``config._attn_implementation`` (``fp4vis.patching.hf_vit``); unpatched layers that share the
-  config go through the original implementation, bit for bit. MAE: encoder only by default (as in
+* every other diffusers attention layer whose processor computes softmax attention through
+  ``dispatch_attention_fn`` or ``F.scaled_dot_product_attention`` (FLUX, Qwen-Image, HunyuanVideo 1.0/1.5,
+  LTX-Video, CogVideoX, SkyReels-V2, Mochi, SD3, PixArt, Sana's cross-attention, UNets, ...): a processor set
+  with ``attn.set_processor`` that runs the layer's own processor with its SDPA calls routed to fp4vis
+  (``fp4vis.patching.diffusers_attention``); self- and joint (text+image) attention by default,
+  cross-attention with ``cross_attention=True``, the prompt-only attention of a ``context_embedder``
+  (HunyuanVideo's token refiner) by name pattern. Key-padding masks (text padding) run FP4 with ``key_mask``.
+* timm (``timm.layers.Attention``, ``AttentionRope``, ``EvaAttention``; Swin's ``WindowAttention`` found and
+  kept exact): a per-instance ``forward`` (``fp4vis.patching.timm_attention``); the class is untouched.
+* transformers (every attention module that goes through ``AttentionInterface``: ViT, ViTMAE, DeiT, Dinov2,
+  CLIP / SigLIP vision towers, BEiT, ...): an ``AttentionInterface`` function selected through the layers'
+  ``config._attn_implementation`` (``fp4vis.patching.transformers_attention``); unpatched layers that share
+  the config go through the original implementation, bit for bit. MAE: encoder only by default (as in
   the paper), decoder with ``decoder=True`` or a name pattern.
 
 Per-layer policy resolution (first to last, later steps win):
 
 1. every default layer gets ``policy``;
 2. ``layers`` entries, in their order: an ``int`` key selects the default layers with that index
-   (the block index within its stack), a ``str`` key is an ``fnmatch`` pattern over the layer
+   (the block index within its stack); in a model with several block stacks only those of its main
+   stack, the first in module order (FLUX: ``transformer_blocks.N``, not ``single_transformer_blocks.N``;
+   Wan VACE: ``blocks.N``, not ``vace_blocks.N``; HunyuanVideo: ``transformer_blocks.N``), the other
+   stacks' layers by name pattern. A ``str`` key is an ``fnmatch`` pattern over the layer
    names (``handle.layers`` lists them; a pattern may also select non-default layers such as
    ``"*attn2"``). A key that selects no layer is an error. Values: a policy name, a
    :class:`~fp4vis.policy.Policy`, or ``None`` / ``"exact"`` / ``"bf16"`` for the model's own
@@ -29,9 +40,14 @@ Per-layer policy resolution (first to last, later steps win):
 
 A layer whose resolved policy is exact is not touched at all. At call time a patched layer keeps
 the model's exact attention, with one :class:`FallbackWarning` naming the layer and the reason,
-when fp4vis cannot compute it (attention mask, causal attention, dropout in training mode,
-grouped-query attention, a head dim / dtype / device the backend lacks, gradients requested);
+when fp4vis cannot compute it (an attention mask other than a key-padding mask, causal attention,
+dropout in training mode, grouped-query attention, a head dim / dtype / device / mask the backend
+lacks, gradients requested, a diffusers attention backend other than the native SDPA ones);
 ``strict=True`` raises :class:`FallbackError` instead.
+
+A model without any attention layer is left as it is, with a :class:`FallbackWarning` saying that there
+is nothing to patch (an empty handle); attention modules none of the patchers reaches are named in a
+warning (``strict=True``: ``NotImplementedError``).
 
 Patching a layer that is already patched raises ``RuntimeError`` (no double wrap); remove the old
 handle (or call ``fp4vis.unpatch``) first.
@@ -55,8 +71,10 @@ from .layer import FallbackError, FallbackWarning, LayerSpec, resolve_policy
 
 _SUPPORTED_TEXT = (
     "diffusers WanAttention (WanTransformer3DModel, WanPipeline, WanImageToVideoPipeline), "
-    "timm.layers.Attention (timm vision_transformer Block / ResPostBlock / ParallelThingsBlock: ViT, "
-    "DeiT, ...), transformers ViTAttention / ViTMAEAttention"
+    "diffusers attention layers whose processor calls dispatch_attention_fn or F.scaled_dot_product_attention "
+    "(FLUX, Qwen-Image, HunyuanVideo, LTX-Video, CogVideoX, SkyReels-V2, Mochi, SD3, PixArt, Sana, UNets, ...), "
+    "timm Attention / AttentionRope / EvaAttention (ViT, DeiT, EVA, ...), transformers attention modules that go "
+    "through AttentionInterface (ViT, ViTMAE, DeiT, Dinov2, CLIP and SigLIP vision, BEiT, ...)"
 )
 
 
@@ -127,8 +145,8 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
     """Route the attention layers of a model or pipeline through fp4vis, per layer.
 
     Args:
-        model_or_pipeline: a diffusers Wan transformer or pipeline, a timm model, or a transformers
-            ViT / ViTMAE model (any ``nn.Module`` holding supported attention layers).
+        model_or_pipeline: a diffusers transformer, UNet or pipeline, a timm model, or a transformers
+            model (any ``nn.Module`` holding supported attention layers).
         policy: base policy of the default layers (a name, a Policy, or None/"exact").
         layers: ``{index or name pattern: policy}`` overrides, applied in order (module docstring).
         guard: a :class:`~fp4vis.patching.guard_plan.GuardPlan`, a path to its JSON (str or os.PathLike; anything
@@ -139,7 +157,8 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
             ``fp4vis.attention``).
         strict: raise :class:`FallbackError` where a layer would fall back to exact attention,
             and on unsupported attention modules next to supported ones.
-        cross_attention: Wan: patch ``attn2`` with the base policy too (default: exact).
+        cross_attention: diffusers: patch the cross-attention layers (``attn2``) with the base policy too
+            (default: exact).
         decoder: ViTMAE: patch the decoder with the base policy too (default: encoder only).
         range_check: passed to ``fp4vis.attention`` ("raise", "warn", "off").
         guard_rule: the :class:`~fp4vis.patching.guard_plan.GuardRule` for ``guard="auto"``.
@@ -148,11 +167,13 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
     _check_range_check(range_check)
     _check_guard(guard)
     specs, unsupported = find_layers(model_or_pipeline, cross_attention=cross_attention, decoder=decoder)
-    if not specs:
-        found = (f"; found unsupported attention modules: "
-                 f"{', '.join(f'{n} ({c})' for n, c in unsupported[:8])}") if unsupported else ""
+    if not specs and not unsupported:
+        warnings.warn(f"fp4vis.patch: {type(model_or_pipeline).__name__} has no attention layer: nothing to patch",
+                      FallbackWarning, stacklevel=2)
+    elif not specs:
         raise NotImplementedError(
-            f"fp4vis.patch: no supported attention layer in {type(model_or_pipeline).__name__}{found}. "
+            f"fp4vis.patch: no supported attention layer in {type(model_or_pipeline).__name__}; found unsupported "
+            f"attention modules: {', '.join(f'{n} ({c})' for n, c in unsupported[:8])}. "
             f"Supported are: {_SUPPORTED_TEXT}.")
     if unsupported:
         msg = (f"fp4vis.patch: these attention modules are unsupported and keep their own attention: "
@@ -174,5 +195,10 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
     if plan is not None:
         plan.check_model(specs, model_id(model_or_pipeline))
     policies = resolve_layer_policies(specs, policy, layers, plan)
+    if specs and layers is None and resolve_policy(policy) is not None and not any(s.default for s in specs):
+        groups = sorted({s.group for s in specs})
+        warnings.warn(f"fp4vis.patch: none of the {len(specs)} attention layers of {type(model_or_pipeline).__name__} "
+                      f"is a default layer (groups: {', '.join(groups)}): nothing is patched; pass "
+                      "cross_attention=True or name layers in layers=", FallbackWarning, stacklevel=2)
     return install(model_or_pipeline, specs, policies, backend=backend, strict=strict,
                     range_check=range_check, plan=plan, auto=auto)

@@ -47,8 +47,15 @@ def find_layers(obj: Any, *, cross_attention: bool = False, decoder: bool = Fals
                 continue  # a container of supported layers (e.g. a transformers ViTAttention parent)
             if any(pm.is_known_non_attention(m) for pm in mods):
                 continue
-            unsupported.append((_module_name(comp, name), type(m).__qualname__))
+            unsupported.append((_module_name(comp, name), _class_text(m)))
     return specs, unsupported
+
+
+def _class_text(module: torch.nn.Module) -> str:
+    """A module's class in messages, with its attention processor where it has one (diffusers)."""
+    proc = getattr(module, "processor", None)
+    text = type(module).__qualname__
+    return f"{text} with processor {type(proc).__name__}" if proc is not None else text
 
 
 ROOT_NAME = "<root>"
@@ -60,11 +67,25 @@ def _module_name(component: str, name: str) -> str:
     return ".".join(n for n in (component, name) if n) or ROOT_NAME
 
 
+def main_stacks(specs: list[LayerSpec]) -> dict[str, str]:
+    """component -> its main block stack: the stack of its first default layer that names one (module order)."""
+    out: dict[str, str] = {}
+    for s in specs:
+        if s.default and s.stack is not None:
+            out.setdefault(s.component, s.stack)
+    return out
+
+
 def select_layers(specs: list[LayerSpec], key: Any) -> list[LayerSpec]:
+    """The layers a ``layers=`` key names: an int, the default layers with that block index in their component's
+    main stack (``main_stacks``; layers whose patcher names no stack by index alone); a str, an fnmatch pattern
+    over the names (qualified or within the component)."""
     if isinstance(key, bool):
         raise TypeError(f"layers: key {key!r} must be a layer index (int) or a name pattern (str)")
     if isinstance(key, int):
-        return [s for s in specs if s.default and s.index == key]
+        main = main_stacks(specs)
+        return [s for s in specs if s.default and s.index == key and (s.stack is None or s.stack == main.get(
+            s.component))]
     if isinstance(key, str):
         return [s for s in specs if fnmatch.fnmatchcase(s.name, key) or (
             s.local_name != s.name and fnmatch.fnmatchcase(s.local_name, key))]

@@ -40,8 +40,9 @@ class PatcherEntry(NamedTuple):
 #: model-specific patchers first (a layer is offered to the first that finds it)
 PATCHERS: tuple[PatcherEntry, ...] = (
     PatcherEntry("wan", "diffusers", "fp4vis.patching.wan"),
-    PatcherEntry("timm_vit", "timm", "fp4vis.patching.timm_vit"),
-    PatcherEntry("hf_vit", "transformers", "fp4vis.patching.hf_vit"),
+    PatcherEntry("diffusers", "diffusers", "fp4vis.patching.diffusers_attention"),
+    PatcherEntry("timm", "timm", "fp4vis.patching.timm_attention"),
+    PatcherEntry("transformers", "transformers", "fp4vis.patching.transformers_attention"),
 )
 
 

@@ -31,7 +31,8 @@ math (both processors share it: :class:`WanProcessorBase`); the Wan eval runs it
 
 Layers: ``attn1`` (self-attention, group ``"self"``) of every block is a default layer; ``attn2``
 (cross-attention, group ``"cross"``) only with ``cross_attention=True`` or a name pattern such as
-``"*attn2"``. The layer index is the block index.
+``"*attn2"``. The layer index is the block index within its stack (``LayerSpec.stack``: ``blocks``, VACE's
+``vace_blocks``; an int key of ``layers`` names ``blocks``).
 
 Per-step policies: :class:`StepPolicyCallback` (``callback_on_step_end``), e.g. exact attention on
 the first and last denoising steps::
@@ -62,7 +63,7 @@ from diffusers.models.transformers.transformer_wan import (
 from fp4vis.qk_transform import QKTransform, apply_rotary_emb
 
 from . import context_parallel
-from .layer import LayerSpec, LayerState, resolve_policy
+from .layer import LayerSpec, LayerState, block_position, resolve_policy
 from .roots import roots
 
 __all__ = ["FP4WanAttnProcessor", "StepPolicyCallback", "WanFunctionAttnProcessor", "WanProcessorBase",
@@ -91,9 +92,11 @@ def find_layers(root: torch.nn.Module, *, cross_attention: bool = False, decoder
         if type(proc) is not WanAttnProcessor:
             continue  # a processor fp4vis does not reproduce; reported as unsupported
         group = "cross" if m.is_cross_attention else "self"
+        block = block_position(name)
         specs.append(LayerSpec(name=name, module=m, index=_index(name, counters, group), group=group,
                                default=group == "self" or cross_attention, patcher="wan",
-                               num_heads=m.heads, head_dim=m.inner_dim // m.heads))
+                               num_heads=m.heads, head_dim=m.inner_dim // m.heads,
+                               stack=block[0] if block is not None else None))
     return specs
 
 

@@ -1,5 +1,6 @@
 """What ``fp4vis.patch`` and guard-plan files refuse: a ``guard=`` that is no plan, path or "auto" (``open`` would
-take it as a file descriptor), and the names of modules that have none (the model itself)."""
+take it as a file descriptor), and the names of modules that have none (the model itself); what a model without
+attention gets (nothing to patch)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,25 @@ def test_the_model_itself_is_named_root():
             attn(torch.randn(1, 5, 64))       # a fallback's warning names it
         with torch.no_grad(), pytest.raises(ValueError, match="layer '<root>': q"):   # so does an error inside
             attn(torch.full((1, 5, 64), float("nan")))
+
+
+@torch.no_grad()
+def test_a_model_without_attention_is_nothing_to_patch():
+    """A model without any attention layer (a plain MLP; a diffusers VAE without its attention block) is left as it
+    is: one FallbackWarning saying there is nothing to patch and an empty handle, not an error."""
+    diffusers = pytest.importorskip("diffusers")
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    vae = diffusers.AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=2,
+                                  mid_block_add_attention=False).eval()
+    for model, x in ((mlp, torch.randn(2, 4)), (vae, torch.randn(1, 3, 8, 8))):
+        ref = model(x)
+        with pytest.warns(fp4vis.FallbackWarning, match=f"{type(model).__name__} has no attention layer: nothing to "
+                                                        "patch"):
+            h = fp4vis.patch(model, "fast", strict=True)
+        assert h.layers == {} and h.policies == {}
+        assert torch.equal(_sample(model(x)), _sample(ref))
+        h.remove()
+
+
+def _sample(out):
+    return out.sample if hasattr(out, "sample") else out

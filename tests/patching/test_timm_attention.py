@@ -1,4 +1,5 @@
-"""fp4vis.patch on timm vision transformers (tiny random models through a local checkpoint)."""
+"""fp4vis.patch on timm attention layers (tiny random models: a ViT through a local checkpoint; EVA-02, a ROPE
+ViT, Swin and ConvNeXt built with timm.create_model(pretrained=False))."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def test_no_double_wrap_and_unpatch(model, x):
 @torch.no_grad()
 def test_fallbacks_warn_once_or_raise_when_strict(model, x):
     n = model.patch_embed.num_patches + 1
-    mask = torch.zeros(n, n, dtype=torch.bool).fill_(True)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()   # per query: not a key-padding mask
     blk = model.blocks[0]
     tokens = torch.randn(2, n, 64)
     exact = blk.attn(tokens, attn_mask=mask)
@@ -142,7 +143,7 @@ def test_fallbacks_warn_once_or_raise_when_strict(model, x):
             out1 = blk.attn(tokens, attn_mask=mask)
             blk.attn(tokens, attn_mask=mask)
         msgs = [str(i.message) for i in w if issubclass(i.category, FallbackWarning)]
-        assert len(msgs) == 1 and "blocks.0.attn" in msgs[0] and "mask" in msgs[0]
+        assert len(msgs) == 1 and "blocks.0.attn" in msgs[0] and "differs between queries" in msgs[0]
         assert torch.equal(out1, exact)
     with fp4vis.patch(model, "fast", strict=True):
         with pytest.raises(FallbackError, match="blocks.0.attn.*mask"):
@@ -194,27 +195,27 @@ def test_errors_inside_a_patched_model_name_the_layer(model, x):
 
 
 def test_unsupported_timm_attention_is_named():
-    from timm.layers.attention import AttentionRope
+    from timm.layers.diff_attention import DiffAttention
 
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.attn = AttentionRope(64, num_heads=2)
+            self.attn = DiffAttention(64, num_heads=2)
 
-    with pytest.raises(NotImplementedError, match=r"AttentionRope.*Supported are: .*timm.layers.Attention"):
+    with pytest.raises(NotImplementedError, match=r"DiffAttention.*Supported are: "):
         fp4vis.patch(Net())
 
     class Mixed(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.a = timm.layers.Attention(64, num_heads=2)
-            self.b = AttentionRope(64, num_heads=2)
+            self.b = DiffAttention(64, num_heads=2)
 
-    with pytest.warns(FallbackWarning, match="b \\(AttentionRope\\)"):
+    with pytest.warns(FallbackWarning, match="b \\(DiffAttention\\)"):
         h = fp4vis.patch(Mixed())
     assert h.policies == {"a": "fast"}
     h.remove()
-    with pytest.raises(NotImplementedError, match="AttentionRope"):
+    with pytest.raises(NotImplementedError, match="DiffAttention"):
         fp4vis.patch(Mixed(), strict=True)
 
 
@@ -291,3 +292,122 @@ def test_copying_or_saving_a_patched_model_says_to_unpatch(model):
     clone = copy.deepcopy(model)
     torch.save(model, io.BytesIO())
     assert not any(hasattr(m, "_fp4vis_state") for m in clone.modules())
+
+
+# -- the attention classes beyond timm.layers.Attention ---------------------------------------------------------
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
+FAMILIES = {
+    "vit": ("vit_tiny_patch16_224", {}),
+    "eva02": ("eva02_tiny_patch14_224", {}),   # EvaAttention, interleaved rotary embedding, class token
+    "eva02_rotate_half": ("eva02_tiny_patch14_224", dict(rope_rotate_half=True)),
+    "rope_vit": ("vit_medium_patch16_rope_reg1_gap_256", {}),   # EvaAttention, register tokens
+    "attention_rope": ("eva02_tiny_patch14_224", dict(attn_type="rope")),
+    "attention_rope_gqa": ("eva02_tiny_patch14_224", dict(attn_type="rope", qkv_fused=False, num_kv_heads=1)),
+}
+
+
+class SdpaAsFp4(torch.overrides.TorchFunctionMode):
+    """The model's own forward with each ``F.scaled_dot_product_attention`` call replaced by fp4vis.attention
+    (the reference, a bool key-padding mask as ``key_mask``): what a patched model must compute, bit for bit."""
+
+    def __init__(self, policy: str):
+        super().__init__()
+        self.policy, self.calls = policy, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.calls += 1
+        q, k, v = args[:3]
+        mask = kwargs.get("attn_mask")
+        assert mask is None or (mask.dtype == torch.bool and mask.shape[1:3] == (1, 1))   # (B, 1, 1, Skv) here
+        key_mask = None if mask is None else mask[:, 0, 0, :]
+        return fp4vis.attention(q, k, v, policy=self.policy, scale=q.shape[-1] ** -0.5, backend="reference",
+                                key_mask=key_mask)
+
+
+def _attention_modules(model):
+    return [m for m in model.modules() if hasattr(m, "fused_attn")]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.no_grad()
+def test_family_patched_in_fp4_then_restored_bit_identically(family, x):
+    arch, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = timm.create_model(arch, pretrained=False, **TINY, **extra).eval()
+    for m in _attention_modules(model):
+        m.fused_attn = True   # the oracle replaces the class's SDPA call
+    ref = model.forward_features(x)
+    oracle_mode = SdpaAsFp4("fast")
+    with oracle_mode:
+        oracle = model.forward_features(x)
+    for m in _attention_modules(model):
+        m.fused_attn = False   # the patched forward computes q, k, v itself, whatever the class's path
+    ref_unfused = model.forward_features(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        h = fp4vis.patch(model, "fast")
+        out = model.forward_features(x)
+    assert oracle_mode.calls == len(h.states) == 2 and h.policies == {"blocks.0.attn": "fast", "blocks.1.attn": "fast"}
+    assert [s.calls for s in h.states] == [1, 1] and all(s.patcher == "timm" for s in h.specs)
+    assert torch.equal(out, oracle)   # the class's own q, k, v (norms, rotary, repeated heads) and output steps
+    assert not torch.equal(out, ref) and (out - ref).abs().max() < 1.0
+    h.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert torch.equal(model.forward_features(x), ref_unfused)
+
+
+@torch.no_grad()
+def test_key_padding_mask_runs_fp4_with_key_mask():
+    torch.manual_seed(0)
+    model = timm.create_model("eva02_tiny_patch14_224", pretrained=False, **TINY).eval()
+    attn = model.blocks[0].attn
+    tokens = torch.randn(2, 17, 64)
+    rope = model.rope.get_embed()
+    keep = torch.ones(2, 1, 1, 17, dtype=torch.bool)
+    keep[1, ..., 12:] = False
+    with SdpaAsFp4("fast"):
+        oracle = attn(tokens, rope=rope, attn_mask=keep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        with fp4vis.patch(model, "fast") as h:
+            out = attn(tokens, rope=rope, attn_mask=keep)
+            assert h.states[0].calls == 1
+    assert torch.equal(out, oracle)
+    with fp4vis.patch(model, "fast"):   # an additive bias is not a key-padding mask
+        bias = torch.randn(1, 2, 17, 17)
+        with pytest.warns(FallbackWarning, match="blocks.0.attn.*per-head attention bias"):
+            out = attn(tokens, rope=rope, attn_mask=bias)
+    assert torch.equal(out, attn(tokens, rope=rope, attn_mask=bias))
+
+
+@torch.no_grad()
+def test_swin_window_attention_is_found_and_kept_exact(x):
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, patch_size=4,
+                              embed_dim=32, depths=(1, 1), num_heads=(2, 2), window_size=4, num_classes=10).eval()
+    ref = model(x)
+    with fp4vis.patch(model, "fast") as h:
+        assert [(s.name, s.num_heads, s.head_dim) for s in h.specs] == [("layers.0.blocks.0.attn", 2, 16),
+                                                                         ("layers.1.blocks.0.attn", 2, 32)]
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            out = model(x)
+        msgs = [str(i.message) for i in w if issubclass(i.category, FallbackWarning)]
+        assert len(msgs) == 2 and all("relative position bias" in m for m in msgs)
+        assert [(s.calls, s.fallbacks) for s in h.states] == [(0, 1), (0, 1)]
+    assert torch.equal(out, ref) and torch.equal(model(x), ref)
+    with fp4vis.patch(model, "fast", strict=True), pytest.raises(FallbackError, match="relative position bias"):
+        model(x)
+
+
+def test_convnext_has_no_attention_layer():
+    from fp4vis.patching import timm_attention
+
+    model = timm.create_model("convnext_atto", pretrained=False, depths=(1, 1, 1, 1), dims=(8, 16, 32, 64),
+                              num_classes=10)
+    assert timm_attention.find_layers(model) == []
+    assert not any(timm_attention.is_known_non_attention(m) for m in model.modules())
