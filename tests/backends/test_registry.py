@@ -19,7 +19,8 @@ def gaussian(*shape, seed=0):
 def test_names_in_one_place():
     names = registry.backend_names()
     assert names[:2] == [base.AUTO, base.REFERENCE] and set(names[2:4]) == {"hopper", "blackwell"}   # entry points
-    with pytest.raises(ValueError, match="unknown backend 'nope'; known backends are auto, reference, blackwell, hopper"):
+    with pytest.raises(ValueError, match="unknown backend 'nope'; known backends are auto, reference, blackwell, "
+                                         "hopper"):
         registry.get_backend("nope")
     assert set(fp4vis.available_backends()) == set(registry.backend_names()[1:])
     assert fp4vis.available_backends()["reference"] is None
