@@ -157,3 +157,30 @@ def images_markdown(files: list[str] | None) -> str:
     if not files or len(files) > 20:
         return ""
     return " Images: " + ", ".join(f"`{f}`" for f in files) + "."
+
+
+def add_speedups_vs(runs: dict[str, Any], references: list[str]) -> None:
+    """``speedup_vs`` of every timed run: {reference run: its denoise_s / this run's denoise_s} for each
+    reference run (BF16, the baselines) that has finished."""
+    done = {ref: runs[ref]["timings"]["denoise_s"] for ref in references if "timings" in runs.get(ref, {})}
+    for run in runs.values():
+        if "timings" in run:
+            run["speedup_vs"] = {ref: s / run["timings"]["denoise_s"] for ref, s in done.items()}
+
+
+def frame_metrics(frames, ref) -> dict[str, Any]:
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+    a = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
+    b = torch.from_numpy(ref).permute(0, 3, 1, 2).float()
+    psnr = peak_signal_noise_ratio(a, b, data_range=1.0, reduction="none", dim=(1, 2, 3))
+    ssim = structural_similarity_index_measure(a, b, data_range=1.0, reduction="none")
+    return {"psnr_per_frame": psnr.tolist(), "ssim_per_frame": ssim.tolist(),
+            "psnr_mean": float(psnr[torch.isfinite(psnr)].mean()) if torch.isfinite(psnr).any() else float("inf"),
+            "psnr_min": float(psnr.min()), "ssim_mean": float(ssim.mean()), "ssim_min": float(ssim.min())}
+
+
+def reference_timed(r: dict[str, Any]) -> bool:
+    """Whether the FP4 runs were timed on the reference emulation (asked for, or ``auto`` off a GPU): their
+    times are no speed result."""
+    return r["backend"] == "reference" or (r["backend"] == "auto" and r.get("device", "cuda") != "cuda")

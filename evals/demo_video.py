@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from fp4vis import zoo
-from fp4vis.evals.common import error_metrics
+from fp4vis.evals.common import error_metrics, frame_metrics
 from fp4vis.evals.demo_defaults import DEFAULT_CLIPS
 from fp4vis.evals.plots import frame_strip
 from fp4vis.evals.report import fmt, markdown_table, mean_ci95, wilson_ci95, write_report
-from fp4vis.evals.wan_fidelity import OperatorError, frame_metrics
+from fp4vis.evals.wan_fidelity import OperatorError
 from fp4vis.pipelines.wan_sizes import tokens_per_frame_sequence
 from fp4vis.pipelines.wan_video import (
     GenerationConfig,

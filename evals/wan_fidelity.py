@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from fp4vis.evals.baselines import BASELINES, attention_function, select_baselines
-from fp4vis.evals.common import AttentionRecorder, error_metrics
+from fp4vis.evals.common import AttentionRecorder, add_speedups_vs, error_metrics, frame_metrics, reference_timed
 from fp4vis.evals.report import fmt, markdown_table, write_report
 from fp4vis.patching.wan import attention_function_applied
 from fp4vis.pipelines.wan_sizes import WAN_TRANSFORMER_CONFIGS, check_cpu_size, tokens_per_frame_sequence, wan_tokens
@@ -77,27 +77,6 @@ def baseline_attention(pipe, baseline: str | None) -> AbstractContextManager:
     if baseline is None:
         return nullcontext()
     return attention_function_applied(pipe, attention_function(baseline, "bshd"), select=BASELINE_LAYERS)
-
-
-def add_speedups_vs(runs: dict[str, Any], references: list[str]) -> None:
-    """``speedup_vs`` of every timed run: {reference run: its denoise_s / this run's denoise_s} for each
-    reference run (BF16, the baselines) that has finished."""
-    done = {ref: runs[ref]["timings"]["denoise_s"] for ref in references if "timings" in runs.get(ref, {})}
-    for run in runs.values():
-        if "timings" in run:
-            run["speedup_vs"] = {ref: s / run["timings"]["denoise_s"] for ref, s in done.items()}
-
-
-def frame_metrics(frames, ref) -> dict[str, Any]:
-    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
-
-    a = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
-    b = torch.from_numpy(ref).permute(0, 3, 1, 2).float()
-    psnr = peak_signal_noise_ratio(a, b, data_range=1.0, reduction="none", dim=(1, 2, 3))
-    ssim = structural_similarity_index_measure(a, b, data_range=1.0, reduction="none")
-    return {"psnr_per_frame": psnr.tolist(), "ssim_per_frame": ssim.tolist(),
-            "psnr_mean": float(psnr[torch.isfinite(psnr)].mean()) if torch.isfinite(psnr).any() else float("inf"),
-            "psnr_min": float(psnr.min()), "ssim_mean": float(ssim.mean()), "ssim_min": float(ssim.min())}
 
 
 class OperatorError:
@@ -432,12 +411,6 @@ def wan_markdown(r: dict[str, Any]) -> str:
               "for the range check); at Wan2.1's own sizes a step is seconds of GPU work, which host overhead "
               "does not change."]
     return "\n".join(lines)
-
-
-def reference_timed(r: dict[str, Any]) -> bool:
-    """Whether the FP4 runs were timed on the reference emulation (asked for, or ``auto`` off a GPU): their
-    times are no speed result."""
-    return r["backend"] == "reference" or (r["backend"] == "auto" and r.get("device", "cuda") != "cuda")
 
 
 def _baselines_markdown(r: dict[str, Any]) -> list[str]:

@@ -1,4 +1,4 @@
-"""``fp4vis eval vit|mae|wan``: what FP4 attention costs in quality (and gains in speed) against the
+"""``fp4vis eval vit|mae|wan|pipeline``: what FP4 attention costs in quality (and gains in speed) against the
 model's own BF16 attention."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PROTOCOL_HELP = ("run the method's published protocol (fp4vis.evals.protocols): 
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    pe = sub.add_parser("eval", formatter_class=Formatter, help="quality/speed evals: vit, mae, wan",
+    pe = sub.add_parser("eval", formatter_class=Formatter, help="quality/speed evals: vit, mae, wan, pipeline",
                         description="Measure what FP4 attention costs in quality (and gains in speed) against "
                                     "the model's own BF16 attention. Each eval writes NAME.json and NAME.md.")
     esub = pe.add_subparsers(dest="eval_command", metavar="EVAL")
@@ -131,6 +131,54 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="default: wan_fidelity, or wan_speed with --speed-only")
     add_runtime(p)
 
+    _add_pipeline_parser(esub)
+
+
+def speed_only_arch(s: str) -> str:
+    """A published denoiser architecture's name (``fp4vis.evals.published_configs.PUBLISHED_DENOISERS``)."""
+    from fp4vis.evals.published_configs import PUBLISHED_DENOISERS
+
+    if s not in PUBLISHED_DENOISERS:
+        raise argparse.ArgumentTypeError(f"unknown architecture {s!r}; known: {', '.join(PUBLISHED_DENOISERS)}")
+    return s
+
+
+def _add_pipeline_parser(esub: argparse._SubParsersAction) -> None:
+    p = esub.add_parser("pipeline", formatter_class=Formatter, help="any diffusers T2I/T2V pipeline: per-step "
+                                                                     "speed and fidelity vs BF16",
+                        description="BF16 (diffusers' default attention) and each policy with the same seed and "
+                                    "schedule: per-step time (mean, 95 %% interval), speedup against BF16, "
+                                    "final-latent cosine/relL2 and, decoded, per-frame or per-image PSNR/SSIM vs "
+                                    "BF16. --speed-only times a published transformer alone, random weights.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="Hub id or local diffusers folder (a text-to-image or text-to-video pipeline)")
+    src.add_argument("--speed-only", type=speed_only_arch, metavar="ARCH",
+                     help="a published denoiser with random weights, timed alone at its published size: "
+                          "wan2.2-t2v-a14b, hunyuanvideo, flux.1-dev, qwen-image (timings only; labelled so)")
+    p.add_argument("--policies", type=policy_list, default="fast")
+    p.add_argument("--prompt", default=None, help="(default: a fixed test prompt; not used by --speed-only)")
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--height", type=positive_int, default=None, help="(default: the pipeline's or the "
+                                                                     "architecture's)")
+    p.add_argument("--width", type=positive_int, default=None)
+    p.add_argument("--frames", type=positive_int, default=None, help="video models (default: the pipeline's, or "
+                                                                     "the architecture's: 81, HunyuanVideo 129)")
+    p.add_argument("--guidance", type=guidance, default=None, help="(default: the pipeline's or the "
+                                                                   "architecture's)")
+    dec = p.add_mutually_exclusive_group()
+    dec.add_argument("--decode", dest="decode", action="store_true", default=None,
+                     help="decode and compare the outputs (the default with --model)")
+    dec.add_argument("--no-decode", dest="decode", action="store_false", help="latents only")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up before each run")
+    p.add_argument("--compile", nargs="?", const="regional", default=None, choices=COMPILE_MODES,
+                   help="every run with the transformer under torch.compile, fullgraph=True (regional or full), "
+                        "compiled in its warm-up")
+    p.add_argument("--out-dir", default="out")
+    p.add_argument("--name", default=None, help="default: pipeline_fidelity, or pipeline_speed with --speed-only")
+    add_runtime(p)
+
 
 def _run_protocol(args: argparse.Namespace, common: dict) -> int:
     """``--protocol paper``: the published protocol's runs and its report beside the published figures."""
@@ -209,6 +257,35 @@ def _check_wan_eval_options(args: argparse.Namespace, size: dict[str, int]) -> N
     geometry.check(**size, model=args.model or f"Wan2.1 {args.speed_only}", prefix="--")
 
 
+def _run_pipeline(args: argparse.Namespace, common: dict) -> dict:
+    """``eval pipeline``: the eval, then one line per run."""
+    from fp4vis.evals.common import reference_timed
+    from fp4vis.evals.pipeline_eval import DEFAULT_PROMPT, PipelineEvalConfig, run_pipeline_eval
+
+    config = PipelineEvalConfig(
+        args.model, speed_only=args.speed_only, policies=args.policies, prompt=args.prompt or DEFAULT_PROMPT,
+        negative_prompt=args.negative_prompt, height=args.height, width=args.width, frames=args.frames,
+        steps=args.steps, guidance_scale=args.guidance, seed=args.seed, decode=args.decode,
+        warmup=not args.no_warmup, compile=args.compile, name=args.name, **common)
+    r = run_pipeline_eval(config, say=_announcer(args))
+    emulated = reference_timed(r)
+    if emulated:
+        print("FP4 runs on the reference emulation: times are the emulation's, no speedup is given")
+    for name, run in r["runs"].items():
+        if "error" in run:
+            print(f"{name}: FAILED {run['error']}")
+            continue
+        line = f"{name}: {run['step_s']['mean']:.4f} s per step"
+        if "speedup_step" in run and not emulated:
+            line += f", speedup {run['speedup_step']:.2f}x vs bf16"
+        if "latent_cosine" in run:
+            line += f", latent cosine {run['latent_cosine']:.5f}"
+        if "frames" in run:
+            line += f", PSNR {run['frames']['psnr_mean']:.2f} dB, SSIM {run['frames']['ssim_mean']:.4f}"
+        print(line)
+    return r
+
+
 def _fmt(x) -> str:
     return "—" if x is None else f"{x:.4g}"
 
@@ -220,12 +297,13 @@ def run(args: argparse.Namespace) -> int:
     args.out_dir = check_output_dir(args.out_dir, "--out-dir")
     common = dict(device=args.device, dtype=args.dtype, backend=args.backend, guard_plan=args.guard_plan,
                   out_dir=args.out_dir, progress=not args.no_progress)
-    if args.protocol is not None:
+    if getattr(args, "protocol", None) is not None:
         return _run_protocol(args, common)
     if args.eval_command in ("vit", "mae") and args.model is None:
         raise UsageError("--model: required (or --protocol paper, which names its model)")
-    if args.eval_command == "wan" and args.model is None and args.speed_only is None:
-        raise UsageError("--model or --speed-only: one is required (or --protocol paper)")
+    if args.eval_command in ("wan", "pipeline") and args.model is None and args.speed_only is None:
+        raise UsageError("--model or --speed-only: one is required"
+                         + (" (or --protocol paper)" if args.eval_command == "wan" else ""))
     if args.eval_command == "vit":
         from fp4vis.evals.vit_top1 import VitEvalConfig, run_vit_eval
 
@@ -259,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
             d = p["masked_psnr_diff_vs_bf16"]
             print(f"{pol}: masked-patch PSNR {p['masked_psnr']['mean']:.3f} dB, FP4-BF16 {d['mean']:+.4f} dB, "
                   f"recon PSNR vs BF16 {p['recon_psnr_vs_bf16']['mean']:.2f} dB")
+    elif args.eval_command == "pipeline":
+        r = _run_pipeline(args, common)
     else:
         from fp4vis.evals.wan_fidelity import DEFAULT_PROMPT, WanEvalConfig, run_wan_eval
         from fp4vis.pipelines.wan_video import WAN_GENERATION, check_prompt, generation_defaults, training_record
@@ -281,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         r = run_wan_eval(config, say=_announcer(args))
         for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
             print(f"baseline skipped, {why}")
-        from fp4vis.evals.wan_fidelity import reference_timed
+        from fp4vis.evals.common import reference_timed
 
         emulated = reference_timed(r)
         if emulated:

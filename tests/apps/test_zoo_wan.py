@@ -175,8 +175,7 @@ def test_shipped_weights_match_training_record():
 def test_shipped_model_fast_within_margin_of_bf16():
     """The demo's prompt and settings: `fast` (reference backend) stays close to BF16, and both clips show
     the prompted digit moving the prompted way."""
-    from fp4vis.evals.common import error_metrics
-    from fp4vis.evals.wan_fidelity import frame_metrics
+    from fp4vis.evals.common import error_metrics, frame_metrics
 
     gen = wv.generation_defaults(f"fp4vis:{WAN}")
     prompt = zoo.metadata(WAN)["generation"]["prompt"]
