@@ -182,13 +182,13 @@ def attention(
         grad_inputs, (q, k, v) = (q, k, v), (q.detach(), k.detach(), v.detach())
     call = AttentionCall(q, k, v, pol, float(scale), qk_transform, key_mask)
     chosen = select_backend(backend, call)
-    if qk_transform is not None and not chosen.fuses_qk_transform(call):
+    if qk_transform is not None and not chosen.fuses_qk_transform:
         q_applied, k_applied = qk_transform.apply(q, k, "bhsd")
         call = call._replace(q=q_applied, k=k_applied, qk_transform=None)
     checked = range_check != "off"
     if torch.compiler.is_compiling():
         # every backend's op reports the call's range itself, at run time (range_record: call sites)
-        call = call._replace(record_site=range_record.call_site(chosen.name, pol, range_check, layout, None))
+        call = call._replace(record_site=range_record.call_site(chosen.name, pol, range_check, layout))
         checked = False
     elif chosen.records_range and checked:
         # the record works in CUDA-graph capture too: a replay reports as the captured call

@@ -31,7 +31,7 @@ class RecordSlot(NamedTuple):
 class AttentionCall(NamedTuple):
     """q (B, H, Sq, D), k (B, H, Skv, D), v (B, H, Skv, Dv): validated views in SDPA's layout, one dtype and
     device; ``policy`` and ``scale`` (the softmax scale) resolved. ``qk_transform``: q and k are a layer's raw
-    projections, which a backend that ``fuses_qk_transform(call)`` normalises and rotates itself (None: q and k are
+    projections, which a backend with ``fuses_qk_transform`` normalises and rotates itself (None: q and k are
     the attention's). ``key_mask``: bool (B, Skv), True for the keys each batch element attends to (None: all;
     docs/numerics.md section 6, "Key masks"). ``record``: the range record's slot of an eager kernel call
     (``RecordSlot``), None where nothing is recorded;

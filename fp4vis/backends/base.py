@@ -33,11 +33,10 @@ class Backend:
     #: kernel reports its range on the device
     records_range: bool = False
 
-    def fuses_qk_transform(self, call: AttentionCall) -> bool:
-        """True where ``run`` takes this call with its ``qk_transform`` (a ``fp4vis.qk_transform.QKTransform``: q
-        and k are then raw projections that the backend normalises and rotates itself, e.g. in its pre-pass);
-        otherwise ``fp4vis.attention`` applies the transform first."""
-        return False
+    #: True where ``run`` takes a call with its ``qk_transform`` (a ``fp4vis.qk_transform.QKTransform``: q and k
+    #: are then raw projections that the backend normalises and rotates itself, e.g. in its pre-pass); otherwise
+    #: ``fp4vis.attention`` applies the transform first
+    fuses_qk_transform: bool = False
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can run on this machine at all, else why not."""

@@ -195,29 +195,28 @@ class CallSite:
     policy: Policy
     mode: str                    # its range_check: "raise", "warn" or "off"
     layout: str
-    layer: str | None
 
     def describe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-        """What an error of this site's call names, from the (B, H, S, D) tensors its op got."""
+        """What an error of this site's call names, from the (B, H, S, D) tensors its op got (no layer: a layer's
+        name in the graph would give every layer a graph of its own)."""
         shapes = [tuple(t.transpose(1, 2).shape if self.layout == "bshd" else t.shape) for t in (q, k, v)]
-        where = f", layer {self.layer!r}" if self.layer else ""
         return (f"compiled fp4vis.attention call ({self.backend} backend, policy {self.policy.name!r}, {self.layout} "
-                f"q {shapes[0]} k {shapes[1]} v {shapes[2]} {str(q.dtype).removeprefix('torch.')}{where})")
+                f"q {shapes[0]} k {shapes[1]} v {shapes[2]} {str(q.dtype).removeprefix('torch.')})")
 
 
 _SITES: dict[CallSite, int] = {}
 _SITE_LIST: list[CallSite | None] = [None]   # number 0: no site
 
 
-def call_site(backend: str, policy: Policy, mode: str, layout: str, layer: str | None) -> int:
+def call_site(backend: str, policy: Policy, mode: str, layout: str) -> int:
     """The number (>= 1) of a traced call's ``CallSite``; Dynamo runs ``_site_number`` once, at trace time,
     so that the compiled graph passes the number to its backend's op as a constant."""
-    return _site_number(backend, policy.values(), mode, layout, layer)
+    return _site_number(backend, policy.values(), mode, layout)
 
 
 @constant_at_trace_time
-def _site_number(backend: str, policy_values: tuple, mode: str, layout: str, layer: str | None) -> int:
-    site = CallSite(backend, Policy(*policy_values), mode, layout, layer)
+def _site_number(backend: str, policy_values: tuple, mode: str, layout: str) -> int:
+    site = CallSite(backend, Policy(*policy_values), mode, layout)
     with _LOCK:
         number = _SITES.get(site)
         if number is None:
@@ -260,7 +259,7 @@ def start_site_call(number: int, inputs: tuple[torch.Tensor, torch.Tensor, torch
         return None
     shapes = tuple(t.transpose(1, 2).shape if site.layout == "bshd" else t.shape for t in inputs)
     return record_for(inputs[0].device).start_call(site.backend, site.policy, site.mode, site.layout, inputs,
-                                                   layer=site.layer, compiled=True, shapes=shapes)
+                                                   compiled=True, shapes=shapes)
 
 
 #: what the check op of a compiled forward declares it writes (a private one-element tensor): a compiler

@@ -72,8 +72,7 @@ class HopperBackend(Backend):
     auto_capabilities = CAPABILITIES
     records_range = True
 
-    def fuses_qk_transform(self, call) -> bool:
-        return True   # the pre-pass folds it where it can and applies it first otherwise (prepass.kernel_operands)
+    fuses_qk_transform = True   # folded into the pre-pass where it can be, applied first there otherwise
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
