@@ -22,7 +22,9 @@ Backends (each skipped with a reason in its row when it cannot run here):
   ``sage``          SageAttention (``sageattention.sageattn``), when importable
                     (these four BF16 baselines: ``fp4vis.evals.baselines``, in layout bhsd here)
   ``blackwell``     fp4vis Blackwell kernel, whole call (sm_100/103/120; on the H200 its sm_90
-                    verification build where the cubins are given, not a product path)
+                    verification route where it exists: cubins given or Triton >= 3.8; not a product path,
+                    and its rows say so: ``"route": "sm_90 verification (not Blackwell)"``, "jit" / "cubin" on
+                    Blackwell, with a note under the summary table)
   ``reference``     the fp4vis reference emulation (the only one that runs on the CPU)
 
 Timing, the same two ways for every backend, so that no backend's host overhead counts for or against
@@ -217,13 +219,20 @@ def _scaled_mm_fast_accum(q8: torch.Tensor, k8: torch.Tensor) -> torch.Tensor:
 
 
 def blackwell_call(policy: str):
-    """The Blackwell backend's whole call through the public API (its self-check runs at the first,
-    untimed call)."""
+    """The Blackwell backend's whole call through the public API (its self-check and first-use timing run at the
+    first, untimed call)."""
     import fp4vis
 
     def call(q, k, v, scale):
         return fp4vis.attention(q, k, v, policy=policy, scale=scale, backend="blackwell", range_check="off")
     return call
+
+
+def blackwell_route() -> str:
+    """The route the Blackwell backend runs through on the current GPU (``first_use.route_label``): "jit" / "cubin"
+    on Blackwell, ``first_use.SM90_ROUTE`` on the H200."""
+    blackwell = _kmod("blackwell.first_use"), _kmod("blackwell.route")
+    return blackwell[0].route_label(blackwell[1].identity(torch.device("cuda", torch.cuda.current_device())))
 
 
 def reference_call(policy: str):
@@ -335,6 +344,8 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
     shape_flops = 4.0 * row["b"] * row["h"] * row["s"] * row["skv"] * row["d"]
     out0 = None
     base, variant = split_variant(backend)
+    if base == "blackwell" and not quick:
+        row["route"] = blackwell_route()
     if base in ("prepass", "hopper_kernel"):
         pre, ker = hopper_parts(pol, **variant)
         ops = [pre(q, k, v, scale) for q, k, v in sets] if base == "hopper_kernel" else None
@@ -438,7 +449,7 @@ def summary_table(rows: list[dict]) -> str:
                           and x.get("policy") == p), None)
                 cells.append(f"{r['ms']:.4g}" if r and "ms" in r else "—")
             lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join(lines)
+        return "\n".join(lines + route_notes(rows))
     # the last five columns describe the first "hopper" row of each shape: name its policy
     first = next((f"hopper/{p}" if p else "hopper" for b, p in cols if b == "hopper"), "hopper")
     lines = ["| " + " | ".join(head) + f" | {first} vs fa4 | {first} vs cuDNN | {first} pre-pass share | "
@@ -464,7 +475,16 @@ def summary_table(rows: list[dict]) -> str:
             graph = geo_mean_speedup(rows, b, p, timing="graph")
             lines.append(f"Geo-mean speedup of {b}/{p} over flash-attn-4 at S >= 4096, D = 128: {gm:.3f}x per eager "
                          f"call" + (f", {graph:.3f}x in GPU time (CUDA graphs)" if graph is not None else ""))
-    return "\n".join(lines)
+    return "\n".join(lines + route_notes(rows))
+
+
+def route_notes(rows: list[dict]) -> list[str]:
+    """Under the summary: the route of the Blackwell rows (on the H200 not a Blackwell figure)."""
+    routes = sorted({r["route"] for r in rows if r.get("backend") == "blackwell" and r.get("route")})
+    notes = [f"blackwell rows: route {r}" + (" (the FP4 operands upcast exactly to BF16 for wgmma: these times "
+                                             "say nothing about Blackwell)" if r.startswith("sm_90") else "")
+             for r in routes]
+    return [""] + notes if notes else []
 
 
 def write_results(rows: list[dict], path: str | Path, extra: dict | None = None) -> Path:

@@ -128,8 +128,10 @@ def attention(
             attends to (a key-padding mask, as diffusers' image and video models pass). A masked key contributes
             nothing: each element's result is, bit for bit, the unmasked call on its kept keys in their order
             (docs/numerics.md section 6, "Key masks"). Other masks (additive, per query) are a TypeError or
-            ValueError naming the form. The kernels do not take masks yet: ``backend="auto"`` runs the reference
-            then, with one warning.
+            ValueError naming the form. The kernels gather each element's kept keys first, on the device
+            (``kernels/kept_keys.py``: CUDA graphs and torch.compile take it). An element that masks every key is
+            a ValueError (a host synchronisation; in CUDA-graph capture and compiled calls it is not checked and
+            such an element's output rows are 0).
 
     Returns:
         The attention output, q's dtype, in ``layout``.
@@ -224,7 +226,7 @@ def _key_mask(mask, q: torch.Tensor, k: torch.Tensor, layout: str) -> torch.Tens
     if tuple(mask.shape) != (b, skv):
         raise ValueError(f"key_mask: expected shape (B, Skv) = ({b}, {skv}) or ({b}, 1, 1, {skv}), got "
                          f"{tuple(mask.shape)} (only key-padding masks: one per batch element and key)")
-    if not torch.compiler.is_compiling():   # compiled calls check it in the reference's op, at run time
+    if not (torch.compiler.is_compiling() or range_record.capturing()):   # (the docstring of ``attention``)
         check_key_mask_keeps_keys(mask)
     return mask
 

@@ -107,10 +107,6 @@ def need_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims:
             f"{' and '.join(map(str, head_dims))})")
 
 
-def need_no_key_mask(call: AttentionCall) -> str | None:
-    return None if call.key_mask is None else "a key mask (the kernel does not implement masks yet)"
-
-
 def need_nonempty(q: torch.Tensor, k: torch.Tensor) -> str | None:
     return "empty sequence" if q.shape[-2] == 0 or k.shape[-2] == 0 else None
 

@@ -26,10 +26,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="tiny shapes, reference backend on the CPU: runs anywhere in seconds (a smoke test of the "
                         "harness: times only, no plot)")
     p.add_argument("--policies", type=policy_list, default="fast", help="FP4 policies of the fp4vis backends")
-    p.add_argument("--backends", default=None,
+    p.add_argument("--backends", "--backend", default=None,
                    help="comma-separated subset of " + ", ".join(BENCH_BACKENDS) + ", reference "
                         "(default: all but the slow reference; each one that cannot run here is listed "
-                        "with its reason)")
+                        "with its reason). blackwell on an H200 runs through its sm_90 verification route: its "
+                        "rows say so (\"route\" in the JSON, a note under the table), not Blackwell figures")
     p.add_argument("--grid", default="d128", choices=["d128", "d64", "all"],
                    help="shape grid: the D=128 video grid, the D=64 ViT shapes, or both")
     p.add_argument("--out-dir", default="out", help="where to write NAME.json, NAME.md and NAME.png")
@@ -46,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.quick and not torch.cuda.is_available():
         raise UsageError("the full kernel benchmark needs a CUDA GPU (none is visible here); "
                          "run `fp4vis bench --quick` for the CPU smoke test")
+    if args.quick and args.backends and {b.strip() for b in args.backends.split(",") if b.strip()} != {"reference"}:
+        raise UsageError("--backends: --quick times the reference backend on the CPU only; drop --quick to time "
+                         f"{args.backends} on a GPU")
     name = args.name or ("kernel_bench_quick" if args.quick else "kernel_bench")
     out_dir = check_output_dir(args.out_dir, "--out-dir")
     kwargs: dict[str, Any] = {"policies": policies, "quick": args.quick,

@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _backend_status(backends: dict) -> dict:
     """More than available-or-not, from backends that say it (``status()``: the Blackwell backend's
-    launch route, compiled kernels and self-check verdicts)."""
+    launch route, compiled kernels, self-check verdicts and first-use timing against BF16)."""
     out = {}
     for name in backends:
         try:
@@ -56,7 +56,12 @@ def run(args: argparse.Namespace) -> int:
     for name, reason in backends.items():
         print(f"  {name:<10} {'available' if reason is None else 'unavailable: ' + str(reason)}")
         for key, value in status.get(name, {}).items():
-            if key != "available" and value not in ({}, [], None):
+            if key == "available" or value in ({}, [], None):
+                continue
+            if key == "first_use_timing":   # long lines: one per GPU (the Blackwell kernel against BF16 there)
+                for line in value.values():
+                    print(f"  {'':<10}   {line}")
+            else:
                 print(f"  {'':<10}   {key}: {value}")
     print("Policies: " + ", ".join(info["policies"]))
     installed = [f"{k} {v}" for k, v in info["versions"].items() if v is not None and k != "fp4vis"]

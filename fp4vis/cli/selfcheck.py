@@ -1,6 +1,8 @@
 """``fp4vis selfcheck``: run the Blackwell kernel's self-check on this GPU now (every policy, D 64 and
-128, partial tiles, cross-attention, BF16 and FP16 against the reference) and print its table. The
-same check runs by itself at the backend's first use; this command runs it on demand."""
+128, partial tiles, cross-attention, BF16 and FP16 against the reference) and print its table, then the
+first-use timing: the kernel against BF16 attention (SDPA, flash-attn-4 where installed) on this GPU, with the
+ratio (on the H200 through the sm_90 verification route, labelled as not a Blackwell figure). The same check and
+timing run by themselves at the backend's first use; this command runs them on demand."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ from .options import Formatter
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("selfcheck", formatter_class=Formatter,
                        help="check the Blackwell kernel against the reference on this GPU",
-                       description="Run the Blackwell backend's self-check on a GPU now and print the table; "
-                                   "exit status 1 when a case fails (the backend then refuses to run there).")
+                       description="Run the Blackwell backend's self-check on a GPU now and print the table, then "
+                                   "time the kernel against BF16 attention there (SDPA; flash-attn-4 where "
+                                   "installed) and print the ratio; exit status 1 when a case fails (the backend "
+                                   "then refuses to run there). On an H200 the kernel runs through its sm_90 "
+                                   "verification route: its figures are not Blackwell figures.")
     p.add_argument("--device", default="cuda", help="the CUDA device to check, e.g. cuda:1")
-    p.add_argument("--cached", action="store_true", help="print the verdict cached on disk, if any, "
+    p.add_argument("--cached", action="store_true", help="print the verdict and timing cached on disk, if any, "
                                                          "instead of running the check again")
 
 

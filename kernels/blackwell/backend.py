@@ -32,13 +32,12 @@ from fp4vis.backends.base import (
     need_direct_p,
     need_dtype,
     need_head_dims,
-    need_no_key_mask,
     need_nonempty,
 )
 from fp4vis.policy import Policy
 
 from . import cubin as cubin_mod
-from . import launch, selfcheck
+from . import first_use, launch, selfcheck
 from .config import CAPABILITIES, SUPPORTED_HEAD_DIMS, KernelConfig
 from .op import op_call
 from .route import _has_cubin, _index, route, triton_problem
@@ -70,7 +69,7 @@ class BlackwellBackend(Backend):
 
     def supports(self, call) -> str | None:
         q, k, v, policy = call.q, call.k, call.v, call.policy
-        reason = need_direct_p(policy) or need_no_key_mask(call) or (
+        reason = need_direct_p(policy) or (
             None if q.is_cuda else "tensors are not on a CUDA device")
         if reason is not None:
             return reason
@@ -83,26 +82,36 @@ class BlackwellBackend(Backend):
         if reason is not None:
             return reason
         if r[0] == "cubin":
-            cfg = launch.kernel_config(index, q.shape[-1], q.dtype, policy.native_exp2, policy.anchor > 0)
+            cfg = launch.kernel_config(index, q.shape[-1], q.dtype, policy.native_exp2, policy.anchor > 0,
+                                       call.key_mask is not None)
             if not _has_cubin(cfg.key()):
                 return f"no precompiled cubin {cfg.tag()} in {cubin_mod.cubin_dir()}"
         return None
 
     # --- self-check
-    def verdict(self, device: torch.device, force: bool = False) -> dict:
-        return launch.verdict(device, force, self.kernel_fn)
+    def verdict(self, device: torch.device, force: bool = False, shape=None) -> dict:
+        return launch.verdict(device, force, self.kernel_fn, shape)
 
-    def ensure_verified(self, device: torch.device) -> dict:
-        return launch.ensure_verified(device, self.kernel_fn)
+    def ensure_verified(self, device: torch.device, shape=None) -> dict:
+        return launch.ensure_verified(device, self.kernel_fn, shape)
 
     def status(self) -> dict:
-        """For ``fp4vis info``: availability, routes, compiled configs, this process's verdicts."""
+        """For ``fp4vis info``: availability, routes, compiled configs, the verdicts (this process's and those cached
+        for this machine's GPUs) and their first-use figures (``first_use.summary``)."""
+        routes = {i: route(i) for i in range(torch.cuda.device_count())} if torch.cuda.is_available() else {}
+        verdicts = list(selfcheck._VERDICTS.values())
+        for i, r in routes.items():
+            v = None if isinstance(r, str) else selfcheck.known_verdict(launch.identity(torch.device("cuda", i)))
+            if v is not None and all(v is not w for w in verdicts):
+                verdicts.append(v)
         return {"available": self.unavailable_reason() or "yes",
                 "triton": triton_problem() or "ok",
-                "routes": {i: route(i) for i in range(torch.cuda.device_count())} if torch.cuda.is_available() else {},
+                "routes": routes,
                 "compiled": sorted(KernelConfig(*key[0]).tag() for key in launch._KERNELS),
                 "selfcheck": {v["identity"].get("device", "?"): ("passed" if v["passed"] else "FAILED")
-                              for v in selfcheck._VERDICTS.values()}}
+                              for v in verdicts},
+                "first_use_timing": {v["identity"].get("device", "?"): first_use.summary(v["timing"])
+                                     for v in verdicts if v.get("timing")}}
 
     # --- the call
     def run(self, call):
@@ -110,11 +119,13 @@ class BlackwellBackend(Backend):
         # records
         q, k, v = call.q, call.k, call.v
         if self.kernel_fn is not None:  # a test's injected kernel goes through the same gate
-            self.ensure_verified(q.device)
+            if call.key_mask is not None:
+                raise ValueError("key_mask: the injected test kernel (kernel_fn) takes no key mask")
+            self.ensure_verified(q.device, first_use.call_shape(call))
             return self.kernel_fn(q, k, v, call.policy, call.scale), None
         if not (torch.compiler.is_compiling() or (
                 torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-            launch.ensure_verified(q.device)
+            launch.ensure_verified(q.device, shape=first_use.call_shape(call))
             return launch.attention(call), None
         return op_call(call), None
 
@@ -141,7 +152,9 @@ def ensure(device=None) -> dict:
 
 
 def run_table(device=None, force: bool = True) -> tuple[bool, str]:
-    """For ``fp4vis selfcheck``: run the check now (``force``), return (passed, printable table)."""
+    """For ``fp4vis selfcheck``: run the check now (``force``) and, where it passed, the first-use timing; return
+    (passed, printable table with the figures: ``first_use.format_timing``)."""
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     v = BACKEND.verdict(dev, force=force)
-    return v["passed"], selfcheck.format_table(v)
+    timing = first_use.format_timing(v.get("timing")) if v["passed"] else "first-use timing: none (the check failed)"
+    return v["passed"], selfcheck.format_table(v) + "\n" + timing

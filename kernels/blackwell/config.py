@@ -45,7 +45,8 @@ class KernelConfig:
     head_dim: D (64 or 128); out_dtype: "bf16" / "fp16"; native: the 25 % native exp2 positions
     (accurate, guard); anchored: a row reference from anchor samples (else m = 0); arch: Triton
     capability (100, 103, 120 or 90); hw_cvt: P codes through the hardware E2M1 conversion (only
-    where the arch has it), else the exact emulation."""
+    where the arch has it), else the exact emulation; key_lengths: a key count per batch element (a key-masked
+    call: ``kernels/kept_keys.py``), else every element has all keys."""
 
     head_dim: int
     out_dtype: str
@@ -56,6 +57,7 @@ class KernelConfig:
     block_n: int = BLOCK_N
     num_warps: int = 8
     num_stages: int = 2
+    key_lengths: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -79,12 +81,13 @@ class KernelConfig:
         """The fields in order, plain values (``KernelConfig(*key)``; spelled out: torch.compile traces it,
         and ``dataclasses.asdict`` does not trace in every torch release)."""
         return (self.head_dim, self.out_dtype, self.native, self.anchored, self.arch, self.block_m, self.block_n,
-                self.num_warps, self.num_stages)
+                self.num_warps, self.num_stages, self.key_lengths)
 
     def tag(self) -> str:
         """A file-name-safe name of the variant (cubin cache, logs)."""
         return (f"{self.arch_name}_d{self.head_dim}_{self.out_dtype}_n{int(self.native)}a{int(self.anchored)}"
-                f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}")
+                f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+                + ("_klen" if self.key_lengths else ""))
 
 
 def arch_of_capability(cap: tuple[int, int]) -> int | None:

@@ -30,9 +30,10 @@ CUBIN_ENV = "FP4VIS_BLACKWELL_CUBINS"
 
 def default_configs(arch: int = 90) -> list[KernelConfig]:
     """The variants the named policies and user policies need: D x out dtype x (native, anchored)
-    for (affine, m = 0) and (native, anchored) policies, plus the two mixed classes."""
-    return [KernelConfig(d, dt, native, anchored, arch)
-            for d in (64, 128) for dt in ("bf16", "fp16")
+    for (affine, m = 0) and (native, anchored) policies, plus the two mixed classes; each without and with
+    key counts (key-masked calls)."""
+    return [KernelConfig(d, dt, native, anchored, arch, key_lengths=key_lengths)
+            for key_lengths in (False, True) for d in (64, 128) for dt in ("bf16", "fp16")
             for native, anchored in ((False, False), (True, True), (True, False), (False, True))]
 
 

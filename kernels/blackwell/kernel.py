@@ -169,12 +169,17 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG,
-                 SQ, SQP, SKP, NUM_KEYS, N_ANCHOR, s_log2, margin_raw, affine_a, affine_b, shift, CALL,
+def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
+                 SQ, SQP, SKP, NUM_KEYS, N_ANCHOR, HEADS, s_log2, margin_raw, affine_a, affine_b, shift, CALL,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
-                 ANCHORED: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr):
+                 ANCHORED: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr, KEY_LENGTHS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1).to(tl.int64)
+    key_end = SKP
+    if KEY_LENGTHS:   # a key-masked call: this batch element's kept keys, gathered first (kernels/kept_keys.py)
+        NUM_KEYS = tl.load(KEY_LENS + pid_g // HEADS)
+        N_ANCHOR = tl.minimum(N_ANCHOR, NUM_KEYS)
+        key_end = tl.cdiv(NUM_KEYS, BLOCK_N) * BLOCK_N
     om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     odp = tl.arange(0, D // 2)
     ods = tl.arange(0, D // _SF16)
@@ -210,7 +215,7 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG,
     ots = tl.arange(0, BLOCK_N // _KEY_BLOCK)
     rows = om < SQ
     n_sat = tl.sum(tl.zeros((BLOCK_M,), tl.int32))   # one scalar: the record adds registers nowhere else
-    for j0 in range(0, SKP, BLOCK_N):
+    for j0 in range(0, key_end, BLOCK_N):
         raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
         keys = j0 + tl.arange(0, BLOCK_N)
         p, ps, sat = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
@@ -253,9 +258,9 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG,
 
 
 # the kernel's runtime argument list, in order (the cubin launcher builds its ABI from it)
-POINTER_ARGS = ("QC", "QS", "KC", "KS", "VC", "VS", "OUT", "REC", "FLAG")
-ALIGNED_ARGS = POINTER_ARGS[:7]   # the operands (16-byte aligned); the record's words are not
-INT_ARGS = ("SQ", "SQP", "SKP", "NUM_KEYS", "N_ANCHOR")
+POINTER_ARGS = ("QC", "QS", "KC", "KS", "VC", "VS", "OUT", "REC", "FLAG", "KEY_LENS")
+ALIGNED_ARGS = POINTER_ARGS[:7]   # the operands (16-byte aligned); the record's words and the key counts are not
+INT_ARGS = ("SQ", "SQP", "SKP", "NUM_KEYS", "N_ANCHOR", "HEADS")
 FLOAT_ARGS = ("s_log2", "margin_raw", "affine_a", "affine_b")
 INT_TAIL_ARGS = ("shift", "CALL")
 
@@ -263,7 +268,7 @@ INT_TAIL_ARGS = ("shift", "CALL")
 def signature(out_dtype: str) -> dict:
     """Triton signature of ``direct_p_fwd`` for an output dtype ("bf16"/"fp16")."""
     sig = {"QC": "*u8", "QS": "*fp8e4nv", "KC": "*u8", "KS": "*fp8e4nv", "VC": "*u8", "VS": "*u8",
-           "OUT": f"*{out_dtype}", "REC": "*i32", "FLAG": "*i32"}
+           "OUT": f"*{out_dtype}", "REC": "*i32", "FLAG": "*i32", "KEY_LENS": "*i32"}
     sig.update({name: "i32" for name in INT_ARGS})
     sig.update({name: "fp32" for name in FLOAT_ARGS})
     sig.update({name: "i32" for name in INT_TAIL_ARGS})
@@ -273,7 +278,8 @@ def signature(out_dtype: str) -> dict:
 def constexprs(cfg, qk_decode: bool = False) -> dict:
     """The compile-time specialisation of ``cfg`` (``qk_decode``: the CPU-interpreter test build)."""
     return dict(D=cfg.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NATIVE=cfg.native,
-                ANCHORED=cfg.anchored, HW_CVT=cfg.hw_cvt and not qk_decode, QK_DECODE=qk_decode)
+                ANCHORED=cfg.anchored, HW_CVT=cfg.hw_cvt and not qk_decode, QK_DECODE=qk_decode,
+                KEY_LENGTHS=cfg.key_lengths)
 
 
 def compile_for_target(cfg):
@@ -294,13 +300,16 @@ def grid(cfg, ops) -> tuple[int, int]:
     return (ops.rows_q // cfg.block_m, ops.qc.shape[0])
 
 
-def runtime_args(ops, out, params, record=None) -> tuple:
+def runtime_args(ops, out, params, record=None, key_lengths=None, heads: int = 1) -> tuple:
     """The kernel's runtime arguments in signature order, from the pre-pass operands, the output, the policy's
-    ``fp4vis.policy.KernelParams`` and ``record`` (the call's ``fp4vis.call.RecordSlot``; None:
-    record nothing, the output standing in for both words)."""
+    ``fp4vis.policy.KernelParams``, ``record`` (the call's ``fp4vis.call.RecordSlot``; None: record nothing, the
+    output standing in for both words) and a key-masked call's int32 (B,) ``key_lengths`` with its ``heads`` per
+    batch element (None: every element has all keys, the output standing in for the unread pointer)."""
     rec, flag, call = record if record is not None else (out, out, 0)
+    n_anchor = int(params.anchor) if key_lengths is not None else min(int(params.anchor), ops.num_keys)
     return (ops.qc, ops.qs, ops.kc, ops.ks, ops.vc, ops.vs, out, rec, flag,
-            ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, min(int(params.anchor), ops.num_keys),
+            out if key_lengths is None else key_lengths,
+            ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, n_anchor, int(heads),
             float(params.s_log2), float(params.margin_raw), float(params.affine_a),
             float(params.affine_b), int(params.shift), int(call))
 

@@ -17,6 +17,7 @@ import torch
 
 from fp4vis.call import AttentionCall
 
+from ..kept_keys import kept_keys
 from . import cubin as cubin_mod
 from . import selfcheck
 from .config import KernelConfig
@@ -30,11 +31,13 @@ _KERNELS: dict[tuple, object] = {}
 COMPILE_TIMES: dict[tuple, float] = {}
 
 
-def kernel_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, anchored: bool) -> KernelConfig:
+def kernel_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, anchored: bool,
+                  key_lengths: bool = False) -> KernelConfig:
     r = route(index)
     if isinstance(r, str):
         raise RuntimeError(f"fp4vis blackwell: {r}")
-    return KernelConfig(head_dim, "bf16" if dtype == torch.bfloat16 else "fp16", native, anchored, r[1])
+    return KernelConfig(head_dim, "bf16" if dtype == torch.bfloat16 else "fp16", native, anchored, r[1],
+                        key_lengths=key_lengths)
 
 
 def _jit_launcher(cfg: KernelConfig):
@@ -72,14 +75,20 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
     without the self-check's gate (the self-check runs this). ``launcher(cfg, grid, args)``: another launch (the
     tests inject Triton's interpreter). The call's ``record``: the kernel adds its range counts there."""
     from .kernel import grid, runtime_args
-    q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
+    q, k, v = call.q, call.k, call.v
     index = _index(q.device)
     params = call.policy.kernel_params(q.shape[-1], call.scale)
-    cfg = kernel_config(index, q.shape[-1], q.dtype, params.native_exp2, params.anchor > 0)
-    ops = prepare(q, k, v, params.qk_layout, params.anchor, cfg.block_m, cfg.block_n, record=call.record)
+    masked = call.key_mask is not None
+    cfg = kernel_config(index, q.shape[-1], q.dtype, params.native_exp2, params.anchor > 0, masked)
+    key_lengths, perm_anchor = None, params.anchor
+    if masked:   # kept keys first, already in the anchored order: the pre-pass permutes nothing
+        k, v, key_lengths = kept_keys(k, v, call.key_mask, params.anchor)
+        perm_anchor = 0
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    ops = prepare(q, k, v, params.qk_layout, perm_anchor, cfg.block_m, cfg.block_n, record=call.record)
     b, h = q.shape[:2]
     out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
-    args = runtime_args(ops, out, params, call.record)
+    args = runtime_args(ops, out, params, call.record, key_lengths, h)
     if launcher is None:
         get_kernel(index, cfg)(grid(cfg, ops), args)
     else:
@@ -92,15 +101,25 @@ def _checked_attention(q, k, v, policy, scale):
     return attention(AttentionCall(q, k, v, policy, float(scale)))
 
 
-def verdict(device: torch.device, force: bool = False, kernel_fn=None) -> dict:
+def verdict(device: torch.device, force: bool = False, kernel_fn=None, shape=None, timer=None) -> dict:
     """The self-check's verdict on ``device`` (run now where ``force`` or where none is kept); ``kernel_fn``: a
-    kernel to check in place of ``attention`` (the tests')."""
-    return selfcheck.verdict_for(identity(device), kernel_fn or _checked_attention, device, force=force)
+    kernel to check in place of ``attention`` (the tests'). A passing verdict without first-use figures gets them
+    (``first_use.measure``: ``shape``, the ``first_use.CallShape`` of the call that asked, and the Wan shape;
+    ``timer``: the tests' fake in place of CUDA events)."""
+    from . import first_use
+
+    fn, ident = kernel_fn or _checked_attention, identity(device)
+    return selfcheck.verdict_for(ident, fn, device, force=force,
+                                 measure=lambda: first_use.measure(device, ident, fn, shape, timer))
 
 
-def ensure_verified(device: torch.device, kernel_fn=None) -> dict:
-    """``verdict``, raising ``SelfCheckError`` where it failed."""
-    v = verdict(device, kernel_fn=kernel_fn)
+def ensure_verified(device: torch.device, kernel_fn=None, shape=None, timer=None) -> dict:
+    """``verdict``, raising ``SelfCheckError`` where it failed; where FP4 was measured slower than BF16 on this GPU,
+    one warning per process and identity (``first_use.warn_if_slower``)."""
+    from . import first_use
+
+    v = verdict(device, kernel_fn=kernel_fn, shape=shape, timer=timer)
     if not v["passed"]:
         selfcheck._raise_failed(v)
+    first_use.warn_if_slower(v)
     return v

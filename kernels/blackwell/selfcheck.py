@@ -11,7 +11,8 @@ finite). The verdict is cached on disk (``$XDG_CACHE_HOME/fp4vis`` or ``~/.cache
 atomically; a missing or read-only cache only costs a re-check). A failed check raises
 ``SelfCheckError`` naming the case, on that call and every later one: the kernel's numbers are
 never returned. Under CUDA-graph capture the check cannot run (it synchronises): it must have run
-before (the first eager call, or ``ensure`` / ``run_table`` at patch time).
+before (the first eager call, or ``ensure`` / ``run_table`` at patch time). A passing verdict also keeps the
+first-use figures (``first_use``: the kernel timed against BF16 attention on that GPU) as its ``timing``.
 """
 
 from __future__ import annotations
@@ -160,25 +161,37 @@ def _raise_failed(verdict: dict) -> None:
         "(exact emulation, slow) and please report this with `fp4vis selfcheck` output.")
 
 
-def verdict_for(identity: dict, kernel_fn, device, *, force: bool = False, problems=None) -> dict:
+def verdict_for(identity: dict, kernel_fn, device, *, force: bool = False, problems=None, measure=None) -> dict:
     """The verdict for ``identity``: from this process, else the disk cache, else by running the
-    problems now (and caching the result). ``force`` re-runs."""
+    problems now (and caching the result). ``force`` re-runs. ``measure() -> dict | None``: the first-use
+    figures (``first_use.measure``), taken where a passing verdict has none yet and kept in it as ``timing``
+    (None: they cannot be taken now, the next call tries again)."""
     key = identity_key(identity)
     with _LOCK:
-        if not force:
-            v = _VERDICTS.get(key) or _read_cache().get(key)
-            if v is not None:
-                _VERDICTS[key] = v
-                return v
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise SelfCheckError("fp4vis: the Blackwell kernel's self-check has not run in this process and "
-                                 "cannot run under CUDA-graph capture; make one eager call (or call "
-                                 "fp4vis.kernels.blackwell.selfcheck.ensure()) before capturing")
-        cases = run_problems(kernel_fn, device, problems)
-        v = {"identity": identity, "passed": all(c.passed for c in cases), "cases": [asdict(c) for c in cases]}
+        v = None if force else (_VERDICTS.get(key) or _read_cache().get(key))
+        changed = v is None
+        if v is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise SelfCheckError("fp4vis: the Blackwell kernel's self-check has not run in this process and "
+                                     "cannot run under CUDA-graph capture; make one eager call (or call "
+                                     "fp4vis.kernels.blackwell.selfcheck.ensure()) before capturing")
+            cases = run_problems(kernel_fn, device, problems)
+            v = {"identity": identity, "passed": all(c.passed for c in cases), "cases": [asdict(c) for c in cases]}
+        if measure is not None and v["passed"] and "timing" not in v:
+            timing = measure()
+            if timing is not None:
+                v["timing"] = timing
+                changed = True
         _VERDICTS[key] = v
-        v["cached"] = _write_cache(key, v)
+        if changed:
+            v["cached"] = _write_cache(key, {k: x for k, x in v.items() if k != "cached"})
         return v
+
+
+def known_verdict(identity: dict) -> dict | None:
+    """The verdict kept for ``identity`` (this process's, else the disk cache's), without running anything."""
+    key = identity_key(identity)
+    return _VERDICTS.get(key) or _read_cache().get(key)
 
 
 def check(identity: dict, kernel_fn, device) -> None:

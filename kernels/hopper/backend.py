@@ -6,8 +6,9 @@
   dtype), head dim 64 or 128 (q, k and v alike), any B, H, Sq, Skv >= 1 (partial tiles masked,
   cross-attention), Direct-P policies without the per-tensor global Q/K scale (``fast``,
   ``wan_fast``, ``accurate``, ``guard`` and user policies within those rules, anchors <= 128), and
-  the FP8 Q/K policy ``fast_fp8qk`` (``qk_format="fp8_e4m3"``, without anchors).
-  Anything else: ``supports`` says why, and ``backend="auto"`` falls back visibly.
+  the FP8 Q/K policy ``fast_fp8qk`` (``qk_format="fp8_e4m3"``, without anchors), and key-padding masks
+  (``key_mask``: each batch element's kept keys gathered first, ``kernels/kept_keys.py``; the kernel reads a key
+  count per batch element). Anything else: ``supports`` says why, and ``backend="auto"`` falls back visibly.
 * A call's way: ``HopperBackend.run(call)`` -> ``launch.attention(call)``: the policy's ``KernelParams``, the
   kernel variant (``config.product_config``), the operands (``prepass.kernel_operands``), the launch. Under
   torch.compile, and where autograd records, ``run`` goes through the custom op instead (``op.op_call``: the one
@@ -34,7 +35,6 @@ from fp4vis.backends.base import (
     need_direct_p,
     need_dtype,
     need_head_dims,
-    need_no_key_mask,
     need_nonempty,
 )
 from fp4vis.policy import Policy
@@ -85,7 +85,6 @@ class HopperBackend(Backend):
         q, k, v, policy = call.q, call.k, call.v, call.policy
         return first_reason(
             need_direct_p(policy),
-            need_no_key_mask(call),
             need_cuda_capability(q, CAPABILITIES, "sm_90"),
             need_dtype(q, SUPPORTED_DTYPES),
             need_head_dims(q, k, v, SUPPORTED_HEAD_DIMS),

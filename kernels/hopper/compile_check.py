@@ -101,7 +101,10 @@ def _fake_args(cfg):
     k = t(qk_dt, skv)
     v = t(cutlass.BFloat16, skv)
     o = t(out_dt, sq)
-    return (q, k, v, o, scales(sq), scales(cute.sym_int32()), cutlass.Float32(0.18), cutlass.Float32(0.0),
+    # a key-masked variant reads one int32 key count per batch element
+    key_lens = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+                if cfg.key_lengths else None)
+    return (q, k, v, o, scales(sq), scales(cute.sym_int32()), key_lens, cutlass.Float32(0.18), cutlass.Float32(0.0),
             cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), make_fake_stream())
 
 
@@ -369,8 +372,8 @@ def variants(head_dims=(128, 64)):
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
     policies with at most 64 anchors, three consumer warpgroups, the short-sequence variant (two CTAs
     per SM: ``*_short``), and (first head dim) the scalar, integer-constant and timing-only P paths with
-    the default schedule, one serial warpgroup, the per-thread block constants and the range record
-    (``*_record``; BF16 out)."""
+    the default schedule, one serial warpgroup, the per-thread block constants, the range record
+    (``*_record``) and the key counts of a key-masked call (``*_klen``; BF16 out)."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .config import DirectPConfig
@@ -401,6 +404,8 @@ def variants(head_dims=(128, 64)):
             for name, kw in (("fast", {}), ("guard", {}), ("fast_fp8qk", {"ctas_per_sm": 2})):
                 cfg = DirectPConfig.from_policy(pols[name], d, "bf16", **kw)
                 out.append((f"{name}{'_short' if kw else ''}_record", dataclasses.replace(cfg, range_record=True)))
+                # a key count per batch element (key masks), on the same three
+                out.append((f"{name}{'_short' if kw else ''}_klen", dataclasses.replace(cfg, key_lengths=True)))
     return out
 
 

@@ -10,7 +10,7 @@ was measured to pay); the other variants exist for the tests and the benchmarks,
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fp4vis.layout import KEY_BLOCK
 from fp4vis.policy import QK_FP8, KernelParams, Policy
@@ -82,6 +82,7 @@ class DirectPConfig:
     ctas_per_sm: int = 1             # 2: the short-sequence variant (num_wg 1, serial; REGS_2CTA, SMEM_2CTA)
     eighths: bool = True             # affine codes as q/8 (EIGHTHS_LOG2; only where shift >= 3)
     range_record: bool = False       # count saturated blocks, empty rows, non-finite outputs (range_check)
+    key_lengths: bool = False        # a key count per batch element (key masks: kernels/kept_keys.py), else Skv
 
     @property
     def overlap(self) -> bool:
@@ -91,7 +92,7 @@ class DirectPConfig:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
                 self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
                 self.code_rounding, self.qk_fp8, self.block_scales, self.ctas_per_sm, self.eighths,
-                self.range_record)
+                self.range_record, self.key_lengths)
 
     @staticmethod
     def make(params: KernelParams, head_dim: int, out_dtype: str, *, range_record: bool = False,
@@ -163,7 +164,9 @@ class DirectPConfig:
 
 @functools.lru_cache(maxsize=256)
 def product_config(params: KernelParams, head_dim: int, out_dtype: str, short: bool,
-                   range_record: bool) -> DirectPConfig:
+                   range_record: bool, key_lengths: bool = False) -> DirectPConfig:
     """The variant the backend runs for a call (cached: it is asked on every call): the defaults, and the
-    short-sequence variant (``ctas_per_sm = 2``) where ``short`` (``backend.short_sequences``)."""
-    return DirectPConfig.make(params, head_dim, out_dtype, range_record=range_record, ctas_per_sm=2 if short else None)
+    short-sequence variant (``ctas_per_sm = 2``) where ``short`` (``backend.short_sequences``); ``key_lengths``
+    for a key-masked call (it changes no tile: the kernel reads one key count per batch element)."""
+    cfg = DirectPConfig.make(params, head_dim, out_dtype, range_record=range_record, ctas_per_sm=2 if short else None)
+    return replace(cfg, key_lengths=True) if key_lengths else cfg

@@ -128,8 +128,8 @@ class DirectPAttentionSm90:
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mQs: cute.Tensor, mKs: cute.Tensor, s_log2: Float32, m_offset: Float32, range_record: Int64,
-                 range_flag: Int64, call_number: Int32, stream):
+                 mQs: cute.Tensor, mKs: cute.Tensor, mKeyLens: cute.Tensor | None, s_log2: Float32,
+                 m_offset: Float32, range_record: Int64, range_flag: Int64, call_number: Int32, stream):
         # (B, H, S, D) -> (S, D, H, B); (B, H, N) -> (N, H, B)
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                           for t in (mQ, mK, mV, mO)]
@@ -188,8 +188,8 @@ class DirectPAttentionSm90:
         grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
         # two CTAs per SM: ptxas caps the launch at 128 registers per thread (setmaxnreg rebalances them);
         # the carveout is given (all shared memory), else the DSL asks the device for it while compiling
-        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, s_log2, m_offset,
-                    range_record, range_flag, call_number, q_sl, k_sl, v_sl).launch(
+        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, mKeyLens, s_log2,
+                    m_offset, range_record, range_flag, call_number, q_sl, k_sl, v_sl).launch(
             grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=self.cfg.ctas_per_sm,
             preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
@@ -199,8 +199,9 @@ class DirectPAttentionSm90:
     def kernel(self, qk_mma: cute.TiledMma, qk_mma_acc: cute.TiledMma, pv_mma: cute.TiledMma,
                tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
                tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
-               s_log2: Float32, m_offset: Float32, range_record: Int64, range_flag: Int64, call_number: Int32,
-               q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout, v_sl: cute.ComposedLayout):
+               mKeyLens: cute.Tensor | None, s_log2: Float32, m_offset: Float32, range_record: Int64,
+               range_flag: Int64, call_number: Int32, q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout,
+               v_sl: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         m_blk, h_idx, b_idx = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -227,6 +228,8 @@ class DirectPAttentionSm90:
 
         seqlen_q = tQ.shape[0]
         seqlen_k = tK.shape[0]
+        if const_expr(self.cfg.key_lengths):   # a key-masked call: this batch element's kept keys, gathered first
+            seqlen_k = mKeyLens[b_idx]
         n_tiles = cute.ceil_div(seqlen_k, self.tile_n)
 
         if wg_idx == 0:

@@ -46,10 +46,12 @@ def short_sequences(seqlen_q: int, seqlen_k: int, settings: KernelSettings) -> b
     return seqlen_q <= SHORT_SEQ and seqlen_k <= SHORT_SEQ and settings.hopper_short
 
 
-def _to_cute(t: torch.Tensor, tvm_ffi: bool = False):
-    """Contiguous (B, H, S, D) operand or (B, H, N) scale tensor -> CuTe tensor, dynamic layout (the
-    kernel makes its own (S, D, H, B) view: no permuted torch view per call)."""
+def _to_cute(t: torch.Tensor | None, tvm_ffi: bool = False):
+    """Contiguous (B, H, S, D) operand, (B, H, N) scale tensor or (B,) key counts -> CuTe tensor, dynamic
+    layout (the kernel makes its own (S, D, H, B) view: no permuted torch view per call); None stays None."""
     from cutlass.cute.runtime import from_dlpack
+    if t is None:
+        return None
     kw = {"enable_tvm_ffi": True} if tvm_ffi else {}
     return from_dlpack(t.detach(), assumed_align=16 if t.dim() == 4 else 4,
                        **kw).mark_layout_dynamic(leading_dim=t.dim() - 1)
@@ -140,6 +142,10 @@ def launch(cfg: DirectPConfig, ops: KernelOperands, out: torch.Tensor, params: K
     else:
         unused = _unused_scales(out.device)
         tensors = (ops.q, ops.k, ops.v6, out, unused, unused)
+    if cfg.key_lengths != (ops.key_lengths is not None):
+        raise ValueError(f"key_lengths: the kernel variant {'reads' if cfg.key_lengths else 'takes no'} key counts, "
+                         f"the operands {'have none' if ops.key_lengths is None else 'have them'}")
+    tensors += (ops.key_lengths,)
     words = record.addresses if record is not None and cfg.range_record else _NO_RECORD
     compiled_kernel(cfg, tensors, tvm_ffi)(tensors, params.s_log2, params.margin_raw, words)
 
@@ -151,7 +157,8 @@ def attention(call: AttentionCall, config: DirectPConfig | None = None) -> torch
     params = call.policy.kernel_params(q.shape[-1], call.scale)
     settings = kernel_settings()
     cfg = config or product_config(params, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
-                                   short_sequences(q.shape[-2], k.shape[-2], settings), call.record is not None)
+                                   short_sequences(q.shape[-2], k.shape[-2], settings), call.record is not None,
+                                   call.key_mask is not None)
     ops = kernel_operands(call, params, settings)
     out = torch.empty(q.shape[:-1] + (call.v.shape[-1],), dtype=q.dtype, device=q.device)
     launch(cfg, ops, out, params, call.record, settings.hopper_tvm_ffi)

@@ -20,18 +20,18 @@ from .launch import attention
 def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, policy: str,
                      record_site: int = 0, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                      q_eps: float = 0.0, k_eps: float = 0.0, rope_cos: torch.Tensor | None = None,
-                     rope_sin: torch.Tensor | None = None) -> torch.Tensor:
+                     rope_sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``attention`` of the call these values describe (``op_call``)."""
     qk = None
     if q_norm is not None or k_norm is not None or rope_cos is not None:
         qk = QKTransform(q_norm, k_norm, q_eps, k_eps, None if rope_cos is None else (rope_cos, rope_sin))
     record = range_record.start_site_call(record_site, (q, k, v)) if record_site else None
-    return attention(AttentionCall(q, k, v, range_record.policy_of_text(policy), scale, qk, record=record))
+    return attention(AttentionCall(q, k, v, range_record.policy_of_text(policy), scale, qk, key_mask, record=record))
 
 
 @hopper_attention.register_fake
 def _hopper_attention_fake(q, k, v, scale, policy, record_site=0, q_norm=None, k_norm=None, q_eps=0.0, k_eps=0.0,
-                           rope_cos=None, rope_sin=None):
+                           rope_cos=None, rope_sin=None, key_mask=None):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -44,4 +44,5 @@ def op_call(call: AttentionCall) -> torch.Tensor:
         q_norm=qk.q_weight, k_norm=qk.k_weight, q_eps=float(qk.q_eps), k_eps=float(qk.k_eps),
         rope_cos=None if qk.rope is None else qk.rope[0], rope_sin=None if qk.rope is None else qk.rope[1])
     return torch.ops.fp4vis.hopper_attention(call.q, call.k, call.v, call.scale,
-                                             range_record.policy_text(call.policy), call.record_site, **transform)
+                                             range_record.policy_text(call.policy), call.record_site,
+                                             key_mask=call.key_mask, **transform)

@@ -28,6 +28,7 @@ import torch
 from fp4vis.layout import anchor_permutation
 from fp4vis.policy import QK_FP8
 
+from ..kept_keys import kept_keys
 from .prepass_triton import DEFAULT_LAUNCH, PrepassLaunch, fp8_prepass, fusable_transform, prepass
 
 NO_DIRECT_LAUNCH = PrepassLaunch(direct=False)   # FP4VIS_PREPASS_DIRECT_LAUNCH=0
@@ -35,13 +36,15 @@ NO_DIRECT_LAUNCH = PrepassLaunch(direct=False)   # FP4VIS_PREPASS_DIRECT_LAUNCH=
 
 class KernelOperands(NamedTuple):
     """What the kernel reads, (B, H, S, D) contiguous: q and k (decoded NVFP4 in BF16, or float8_e4m3fn), v6, and
-    for FP8 Q/K the float32 scales (None for NVFP4: the kernel reads decoded values)."""
+    for FP8 Q/K the float32 scales (None for NVFP4: the kernel reads decoded values); for a key-masked call the
+    int32 (B,) count of each batch element's kept keys, which k and v6 hold first (``kept_keys``)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v6: torch.Tensor
     q_scale: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
+    key_lengths: torch.Tensor | None = None
 
 
 _PERM_CACHE: dict[tuple, torch.Tensor] = {}
@@ -63,16 +66,23 @@ def kernel_operands(call, params, settings) -> KernelOperands:
     stride along D are read in place; its range record) for its ``fp4vis.policy.KernelParams``. ``settings``: the
     ``fp4vis.config.KernelSettings`` of the launch. The call's q/k transform folds into the launch where
     ``prepass_triton.fusable_transform`` accepts it (decided here, at run time: under torch.compile this runs in the
-    op); otherwise it is applied first, in PyTorch, as the unpatched layer applies it."""
+    op); otherwise it is applied first, in PyTorch, as the unpatched layer applies it. A key-masked call's kept keys
+    are gathered first (``kept_keys``, in the anchored order where the policy has anchors; the q/k transform applied
+    before, at the keys' own positions), and the pre-pass reads them in that order."""
     q, k, v, qk = call.q, call.k, call.v, call.qk_transform
-    if qk is not None and fusable_transform(q, k, qk) is not None:
+    if qk is not None and (call.key_mask is not None or fusable_transform(q, k, qk) is not None):
         q, k = qk.apply(q, k, "bhsd")
         qk = None
+    key_lengths = None
+    if call.key_mask is not None:
+        k, v, key_lengths = kept_keys(k, v, call.key_mask, params.anchor)
+        perm = None
+    else:
+        perm = cached_anchor_permutation(k.shape[-2], params.anchor, k.device, torch.int32) if params.anchor else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    perm = cached_anchor_permutation(k.shape[-2], params.anchor, k.device, torch.int32) if params.anchor else None
     launch = DEFAULT_LAUNCH if settings.prepass_direct_launch else NO_DIRECT_LAUNCH
     if params.qk_layout == QK_FP8:
-        return KernelOperands(*fp8_prepass(q, k, v, perm, qk, call.record, launch))
+        return KernelOperands(*fp8_prepass(q, k, v, perm, qk, call.record, launch), key_lengths=key_lengths)
     # E2M1 codes on FP16 pairs are PTX: Triton's interpreter (the CPU tests) takes the float32 form
     return KernelOperands(*prepass(q, k, v, params.qk_layout, perm, settings.prepass_f16_codes and q.is_cuda,
-                                   qk, settings.prepass_full_search, call.record, launch))
+                                   qk, settings.prepass_full_search, call.record, launch), key_lengths=key_lengths)

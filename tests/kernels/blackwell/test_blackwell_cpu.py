@@ -121,6 +121,19 @@ p = POLICIES["guard"]
 out = launch.attention(AttentionCall(q, k, v, p, 0.088), launcher=interp_launch)
 ref = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), p, 0.088)[0].unflatten(0, (1, 2))
 res["host_glue_rel"] = rel_l2(out, ref)
+# key masks: each element's result is, bit for bit, the unmasked call on its kept keys (anchored too)
+mask_equal = {}
+for pname in ("fast", "accurate"):
+    p = POLICIES[pname]
+    q, k, v = (t.float() for t in make_inputs((2, 1, 40, 150, 64), torch.bfloat16, "gauss", pname, seed=5))
+    mask = torch.ones(2, 150, dtype=torch.bool)
+    mask[0, 100:] = False
+    mask[1, ::3] = False
+    out = launch.attention(AttentionCall(q, k, v, p, 0.125, key_mask=mask), launcher=interp_launch)
+    mask_equal[pname] = [bool(torch.equal(out[b:b + 1], launch.attention(AttentionCall(
+        q[b:b + 1], k[b:b + 1, :, mask[b]], v[b:b + 1, :, mask[b]], p, 0.125), launcher=interp_launch)))
+        for b in range(2)]
+res["key_mask_equal"] = mask_equal
 # the fused Triton pre-pass against the PyTorch statement, bit for bit (both layouts, anchors,
 # BF16/FP16, zeros, -0, a "huge" folded group, partial tiles)
 fused_ok = []
@@ -236,6 +249,12 @@ def test_fused_prepass_bit_equal_interpreted(interpreted):
 
 def test_backend_host_glue_interpreted(interpreted):
     assert interpreted["host_glue_rel"] <= 5e-3
+
+
+def test_key_mask_is_the_kept_keys_call_interpreted(interpreted):
+    """A key-masked call (key counts per batch element, the kept keys gathered first) gives each element the
+    unmasked call on its kept keys, bit for bit, with and without anchors."""
+    assert interpreted["key_mask_equal"] == {"fast": [True, True], "accurate": [True, True]}
 
 
 def test_interpreter_reads_nvfp4_scales_as_e8m0(interpreted):
@@ -419,9 +438,10 @@ def test_cubin_build_and_launch_abi(tmp_path, monkeypatch):
     meta = cubin.build(cfg, str(tmp_path))
     assert cubin.has_cubin(cfg, str(tmp_path)) and (tmp_path / (cfg.tag() + ".cubin")).stat().st_size > 0
     n_user = len(kernel.signature("fp16"))
-    assert meta["n_user"] == n_user == 20 and meta["params"][:9] == ["u64"] * 9   # operands, out, the record
-    assert meta["params"][9:14] == ["u32"] * 5 and meta["params"][14:18] == ["f32"] * 4
-    assert meta["params"][18:20] == ["u32"] * 2 and meta["params"][20:] == ["u64", "u64"]   # + Triton's scratch
+    # operands, out, the record, the key counts
+    assert meta["n_user"] == n_user == 22 and meta["params"][:10] == ["u64"] * 10
+    assert meta["params"][10:16] == ["u32"] * 6 and meta["params"][16:20] == ["f32"] * 4
+    assert meta["params"][20:22] == ["u32"] * 2 and meta["params"][22:] == ["u64", "u64"]   # + Triton's scratch
     calls = []
 
     class Fn:
@@ -452,11 +472,12 @@ def test_cubin_build_and_launch_abi(tmp_path, monkeypatch):
     assert grid == (2, 2, 1) and block == (32 * cfg.num_warps, 1, 1) and shared == meta["shared"]
     assert len(args) == len(meta["params"])
     assert args[0] == np.uint64(ops.qc.data_ptr()) and args[6] == np.uint64(out.data_ptr())
-    assert args[7] == args[8] == np.uint64(out.data_ptr())   # no record: any int32 words (CALL = 0)
-    assert [int(a) for a in args[9:14]] == [130, 256, 256, 200, 32]
-    assert isinstance(args[14], np.float32) and float(args[15]) == pytest.approx(44.3)
-    assert isinstance(args[18], np.int32) and int(args[18]) == 8 and int(args[19]) == 0
-    assert args[20:] == (np.uint64(0), np.uint64(0))
+    # no record: any int32 words (CALL = 0); no key counts: any pointer (KEY_LENGTHS off)
+    assert args[7] == args[8] == args[9] == np.uint64(out.data_ptr())
+    assert [int(a) for a in args[10:16]] == [130, 256, 256, 200, 32, 1]
+    assert isinstance(args[16], np.float32) and float(args[17]) == pytest.approx(44.3)
+    assert isinstance(args[20], np.int32) and int(args[20]) == 8 and int(args[21]) == 0
+    assert args[22:] == (np.uint64(0), np.uint64(0))
     with pytest.raises(ValueError, match="arguments"):
         k((1, 1), (1, 2, 3))
 

@@ -30,7 +30,7 @@ VARIANTS = compile_check.variants()
 EXP_FREE = {"fast", "wan_fast", "fast_overlap", "wan_fast_overlap", "fast_serial_scalar",
             "fast_bf16round", "fast_3wg", "fast_scalar", "fast_none", "fast_timing_scales", "fast_timing_codes",
             "fast_packed_alu", "fast_serial_1wg", "fast_fp8qk", "fast_lane", "fast_fp8qk_lane", "fast_short",
-            "fast_fp8qk_short", "fast_record", "fast_fp8qk_short_record"}
+            "fast_fp8qk_short", "fast_record", "fast_fp8qk_short_record", "fast_klen", "fast_fp8qk_short_klen"}
 SMEM_LIMIT = 227 * 1024     # dynamic shared memory per block on sm_90
 
 
@@ -107,7 +107,7 @@ def test_prepass_matches_reference_operands(policy, dtype):
     pol = POLICIES[policy]
     b, h, sq, skv, d = 1, 2, 40, 161, 64
     q, k, v = _inputs(b, h, sq, skv, d, dtype)
-    qh, kh, v6, _, _ = prepass_torch.kernel_operands(q, k, v, pol.qk_layout(d), pol.anchor)
+    qh, kh, v6, *_ = prepass_torch.kernel_operands(q, k, v, pol.qk_layout(d), pol.anchor)
     ops = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, 0.125)
     assert qh.dtype == kh.dtype == v6.dtype == torch.bfloat16
     assert torch.equal(qh.flatten(0, 1).float(), ops.q)
@@ -125,7 +125,7 @@ def test_fp8_kernel_operands_decode_to_the_reference_operands(anchor, dtype):
     pol = POLICIES["fast_fp8qk"].replace(name="fp8_test", anchor=anchor, margin=4.0 if anchor else 0.0)
     b, h, sq, skv, d = 1, 2, 40, 161, 64
     q, k, v = _inputs(b, h, sq, skv, d, dtype)
-    q8, k8, v6, qs, ks = prepass_torch.kernel_operands(q, k, v, pol.qk_layout(d), pol.anchor)
+    q8, k8, v6, qs, ks, _ = prepass_torch.kernel_operands(q, k, v, pol.qk_layout(d), pol.anchor)
     ops = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), pol, 0.125)
     assert q8.dtype == k8.dtype == torch.float8_e4m3fn and qs.dtype == ks.dtype == torch.float32
     assert ks.shape[-1] == fp8_key_scale_blocks(skv) == 8
@@ -245,7 +245,7 @@ for dtype, d, layout, anchor in ((torch.bfloat16, 128, "folded64_mse", 128), (to
     k[..., 3] *= 30
     v[..., 5] *= 1e3
     v[..., :7, 9] *= 1e-6
-    qh, kh, v6, _, _ = kernel_operands(q, k, v, layout, anchor)
+    qh, kh, v6, *_ = kernel_operands(q, k, v, layout, anchor)
     perm = cached_anchor_permutation(s, anchor, q.device, torch.int32)
     # the fused pre-pass sums the folded-K64 MSE exactly (float64)
     qx = nvfp4_qdq(q, layout).to(torch.bfloat16)
@@ -279,7 +279,7 @@ def test_prepass_turns_non_finite_inputs_into_nan(anchor):
     k[0, 1, 3, 5] = math.inf
     v[0, 0, 7, 2] = -math.nan
     q[0, 1, 9, 100] = -math.inf
-    qh, kh, vh, _, _ = prepass_torch.kernel_operands(q, k, v, "folded64_mse", anchor)
+    qh, kh, vh, *_ = prepass_torch.kernel_operands(q, k, v, "folded64_mse", anchor)
     for hat in (qh, kh, vh):
         assert int(torch.isnan(hat).sum()) == 1 and not torch.isinf(hat).any()
     assert torch.isnan(qh[0, 1, 9, 100])

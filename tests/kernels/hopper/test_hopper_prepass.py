@@ -333,7 +333,7 @@ def both_paths(q, k, v, anchor):
     # (fused Triton pre-pass, interpreted; PyTorch statement), shapes, dtypes and layout checked
     perm = cached_anchor_permutation(k.shape[-2], anchor, k.device, torch.int32) if anchor else None
     fused = fp8_prepass(q, k, v, perm)
-    plain = prepass_torch.kernel_operands(q, k, v, "fp8_e4m3", anchor)
+    plain = tuple(prepass_torch.kernel_operands(q, k, v, "fp8_e4m3", anchor))[:5]   # no key counts: unmasked
     b, h, sq, d = q.shape
     skv = k.shape[-2]
     shapes = ((b, h, sq, d), (b, h, skv, d), (b, h, skv, d), (b, h, sq), (b, h, 4 * -(-skv // 128)))
