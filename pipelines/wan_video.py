@@ -374,7 +374,7 @@ def generate(pipe, config: GenerationConfig | None = None, /, **settings: Any) -
             chain.append(step_callback(handle, steps=tuple(cfg.exact_steps), num_inference_steps=cfg.steps))
         chain += [*cfg.callbacks, *([keep] if cfg.latents_after else [])]
         if chain:
-            kwargs["callback_on_step_end"] = _chained(chain)
+            kwargs["callback_on_step_end"] = chained_callbacks(chain)
         with Timer() as t:
             out = pipe(prompt_embeds=prompt_embeds.to(dev), negative_prompt_embeds=(
                 negative_prompt_embeds.to(dev) if negative_prompt_embeds is not None else None),
@@ -400,7 +400,7 @@ def generate(pipe, config: GenerationConfig | None = None, /, **settings: Any) -
     return GenerationResult(latents=final, frames=video, timings=timings, info=info, step_latents=keep.latents)
 
 
-def _chained(callbacks: list[Any]):
+def chained_callbacks(callbacks: list[Any]):
     """One ``callback_on_step_end`` for several (diffusers' MultiPipelineCallbacks takes PipelineCallback
     objects only); each gets the callback_kwargs the one before returned."""
     if len(callbacks) == 1:

@@ -1,4 +1,4 @@
-"""``fp4vis calibrate wan|vit|mae``: record per-layer logit statistics on calibration inputs and
+"""``fp4vis calibrate wan|pipeline|vit|mae``: record per-layer logit statistics on calibration inputs and
 write a guard plan."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "logit statistics and write a guard plan (JSON) for --guard-plan.")
     csub = pc.add_subparsers(dest="calib_kind", metavar="KIND")
     csub.required = True
-    for kind, helptext in (("wan", "a Wan2.1 pipeline on prompts"), ("vit", "a ViT classifier on images"),
-                           ("mae", "a ViTMAE on images")):
+    for kind, helptext in (("wan", "a Wan2.1 pipeline on prompts"),
+                           ("pipeline", "any diffusers text-to-image or text-to-video pipeline on prompts"),
+                           ("vit", "a ViT classifier on images"), ("mae", "a ViTMAE on images")):
         p = csub.add_parser(kind, formatter_class=Formatter, help=helptext)
         p.add_argument("--model", required=True, help="Hub id or local folder" + (
-            " (vit: also timm:<name>; mae: also config:default)" if kind != "wan" else ""))
+            " (vit: also timm:<name>; mae: also config:default)" if kind in ("vit", "mae") else ""))
         p.add_argument("--policy", type=policy, default="fast",
                        help="the Direct-P policy the plan protects (generate's and eval's default too; a plan "
                             "applies only to its policy)")
@@ -29,16 +30,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--fraction", type=finite_float, default=None, help="threshold as a fraction of the limit, "
                                                                          "in (0, 1.5]")
         p.add_argument("--seed", type=seed, default=0)
-        if kind == "wan":
+        if kind in ("wan", "pipeline"):
+            # Wan2.1: a short clip at its 480p size; any other pipeline: its own call defaults (None)
+            wan = kind == "wan"
+            same = "" if wan else " (default: the pipeline's)"
             p.add_argument("--prompt", action="append", required=True, help="calibration prompt (repeatable)")
-            p.add_argument("--frames", type=positive_int, default=17)
-            p.add_argument("--steps", type=positive_int, default=4)
-            p.add_argument("--height", type=positive_int, default=480)
-            p.add_argument("--width", type=positive_int, default=832)
-            p.add_argument("--guidance", type=guidance, default=5.0, help="classifier-free guidance scale, >= 0 "
-                                                                          "(at most 1: no guidance)")
-            p.add_argument("--image", default=None, help="conditioning image: calibrate an image-to-video (I2V) "
-                                                         "pipeline, its image branch included")
+            p.add_argument("--frames", type=positive_int, default=17 if wan else None, help="video pipelines" + same)
+            p.add_argument("--steps", type=positive_int, default=4, help="denoising steps of each calibration run")
+            p.add_argument("--height", type=positive_int, default=480 if wan else None, help=same.strip())
+            p.add_argument("--width", type=positive_int, default=832 if wan else None, help=same.strip())
+            p.add_argument("--guidance", type=guidance, default=5.0 if wan else None,
+                           help="classifier-free guidance scale, >= 0 (at most 1: no guidance)" + same)
+            if wan:
+                p.add_argument("--image", default=None, help="conditioning image: calibrate an image-to-video "
+                                                             "(I2V) pipeline, its image branch included")
             p.add_argument("--force", action="store_true", help="calibrate on prompts a model trained on a closed "
                                                                 "set of prompts (fp4vis:digits-wan) does not know")
         else:
@@ -80,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
             check_prompt(args.model, prompt, force=args.force)
         wan_geometry(args.model).check(height=args.height, width=args.width, frames=args.frames, model=args.model,
                                        prefix="--")
-    if args.calib_kind != "wan":
+    if args.calib_kind == "pipeline":
+        call, settings = _pipeline_settings(args)
+    if args.calib_kind in ("vit", "mae"):
         from fp4vis.evals.common import check_image_folder
 
         check_image_folder(args.data)
@@ -112,6 +119,14 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.frames} frames, {args.steps} steps")
         inputs = calibration_inputs(target, args.prompt, height=args.height, width=args.width, frames=args.frames,
                                     steps=args.steps, guidance_scale=args.guidance, seed=args.seed, image=image)
+    elif args.calib_kind == "pipeline":
+        from fp4vis.pipelines.diffusers_generate import calibration_inputs, describe, load_pipeline
+
+        target = load_pipeline(args.model, device=dev, dtype=dtype)
+        target.set_progress_bar_config(disable=args.no_progress)
+        what = (f"{len(args.prompt)} prompt{'s' if len(args.prompt) > 1 else ''} ({call.class_name}), "
+                f"{describe(settings)}")
+        inputs = calibration_inputs(args.prompt, settings, seed=args.seed)
     elif args.calib_kind == "vit":
         from fp4vis.evals.vit_top1 import calibration_inputs, load_classifier
 
@@ -137,3 +152,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"guarded layers: {', '.join(plan.guarded) if plan.guarded else 'none'}")
     print(f"guard plan: {out}")
     return 0
+
+
+def _pipeline_settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """``calibrate pipeline``'s checks before the model loads: its pipeline's call (``PipelineCall``) and the
+    keyword arguments of the settings given (a UsageError naming an option its call does not take)."""
+    from fp4vis.pipelines.diffusers_generate import PipelineCall, pipeline_class_name
+    from fp4vis.pipelines.wan_video import check_prompt
+
+    call = PipelineCall.of(pipeline_class_name(args.model), args.model)
+    settings = call.arguments(height=args.height, width=args.width, frames=args.frames, steps=args.steps,
+                              guidance_scale=args.guidance)
+    for prompt in args.prompt:
+        check_prompt(args.model, prompt, force=args.force)
+    return call, settings
