@@ -1,4 +1,5 @@
-"""BF16 attention baselines: the attention functions fp4vis is timed against (``kernel_bench``, the Wan eval).
+"""BF16 attention baselines: the attention functions fp4vis is timed against (``kernel_bench``, the Wan and
+pipeline evals).
 
 Each baseline builds an attention function ``fn(q, k, v, scale=None)`` (``scale=None``: 1/sqrt(D)) over
 tensors in one layout: ``"bhsd"`` (B, H, S, D: the kernel benchmark's) or ``"bshd"`` (B, S, H, D: the
@@ -13,8 +14,8 @@ when the function is built, so that this module imports everywhere:
 diffusers' own attention backends do not serve as these baselines: its flash-attn-4 backend loads the
 kernel from the Hub (``flash_4_hub``) and its ``sage`` backend needs sageattention >= 2.1.1, so fp4vis
 calls the libraries itself. ``unavailable(name)`` says why a baseline cannot run here (None: it can);
-``select_baselines`` turns the Wan eval's ``baselines`` option into the names to run and the reasons
-the others were skipped.
+``select_baselines`` turns the evals' ``baselines`` option (``eval wan``, ``eval pipeline``) into the names to
+run and the reasons the others were skipped; ``run_name`` names their runs.
 """
 
 from __future__ import annotations
@@ -38,34 +39,55 @@ def _check_layout(layout: str) -> None:
 _OPS: dict[str, object] = {}
 
 
-def _one_graph_node(name: str, layout: str, call: AttentionFn) -> AttentionFn:
+def _one_graph_node(name: str, layout: str, call: AttentionFn, takes_key_mask: bool = False) -> AttentionFn:
     """``call`` itself when eager; under torch.compile the custom op ``fp4vis_baselines::<name>_<layout>``
     around it: the library's launcher (CuTe DSL, Triton) is Python that Dynamo cannot trace, and a graph
-    break per layer would cost the speed being measured (diffusers wraps flash-attn-3 the same way)."""
+    break per layer would cost the speed being measured (diffusers wraps flash-attn-3 the same way).
+    ``takes_key_mask``: ``call(q, k, v, scale, key_mask)`` also takes a bool (B, Skv) key-padding mask (None:
+    none), and the function says so (``takes_key_mask`` attribute: the patcher then hands it masked calls)."""
     qualname = f"fp4vis_baselines::{name}_{layout}"
     op = _OPS.get(qualname)
     if op is None:
+        mask_arg = ", Tensor? key_mask" if takes_key_mask else ""
         op = torch.library.custom_op(qualname, mutates_args=(),
-                                     schema="(Tensor q, Tensor k, Tensor v, float? scale) -> Tensor")(
-            lambda q, k, v, scale: call(q, k, v, scale).contiguous())
-        op.register_fake(lambda q, k, v, scale: q.new_empty(q.shape[:-1] + v.shape[-1:]))
+                                     schema=f"(Tensor q, Tensor k, Tensor v, float? scale{mask_arg}) -> Tensor")(
+            lambda *args: call(*args).contiguous())
+        op.register_fake(lambda q, k, v, *rest: q.new_empty(q.shape[:-1] + v.shape[-1:]))
         _OPS[qualname] = op
 
-    def fn(q, k, v, scale=None):
-        return op(q, k, v, scale) if torch.compiler.is_compiling() else call(q, k, v, scale)
+    def fn(q, k, v, scale=None, key_mask=None):
+        if key_mask is not None and not takes_key_mask:
+            raise ValueError(f"key_mask: the {name} baseline takes no mask")
+        args = (q, k, v, scale) + ((key_mask,) if takes_key_mask else ())
+        return op(*args) if torch.compiler.is_compiling() else call(*args)
+    fn.takes_key_mask = takes_key_mask
     return fn
 
 
 def _fa4(layout: str) -> AttentionFn:
-    from flash_attn.cute import flash_attn_func
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
-    def call(q, k, v, scale=None):
-        if layout == "bhsd":   # FA4 takes bshd
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=False)
-        out = out[0] if isinstance(out, tuple) else out   # some versions also return the LSE
-        return out.transpose(1, 2) if layout == "bhsd" else out
-    return _one_graph_node("fa4", layout, call)
+    from fp4vis.kernels.kept_keys import kept_keys
+
+    def call(q, k, v, scale=None, key_mask=None):
+        if key_mask is None:
+            out = flash_attn_func(q, k, v, softmax_scale=scale, causal=False)
+        else:   # each element's kept keys to the front, their count as FA4's seqused_k (no host sync)
+            kept = kept_keys(k.transpose(1, 2), v.transpose(1, 2), key_mask)
+            out = flash_attn_varlen_func(q, kept.k.transpose(1, 2), kept.v.transpose(1, 2), seqused_k=kept.lengths,
+                                         softmax_scale=scale, causal=False)
+        return out[0] if isinstance(out, tuple) else out   # some versions also return the LSE
+
+    # the op over FA4's own layout, the transposes around it views in the graph: no copy of the output (a bhsd
+    # op's would be one, its fake's strides being contiguous bhsd's), where diffusers' attention wants bshd back
+    bshd = _one_graph_node("fa4", "bshd", call, takes_key_mask=True)
+    if layout == "bshd":
+        return bshd
+
+    def bhsd(q, k, v, scale=None, key_mask=None):
+        return bshd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, key_mask).transpose(1, 2)
+    bhsd.takes_key_mask = True
+    return bhsd
 
 
 def _sage(layout: str) -> AttentionFn:
@@ -111,7 +133,7 @@ BASELINES: dict[str, Baseline] = {b.name: b for b in (
     Baseline("sdpa_cudnn", "SDPA cuDNN", "torch SDPA, cuDNN backend", _sdpa("cudnn")),
     Baseline("sdpa_flash", "SDPA flash", "torch SDPA, flash backend", _sdpa("flash")),
 )}
-# what the Wan eval runs by default, where it can: what a user who wants speed switches attn1 to
+# what the evals run by default, where they can: what a user who wants speed switches the attention to
 AUTO_BASELINES = ("fa4", "sage")
 
 
@@ -121,6 +143,17 @@ def attention_function(name: str, layout: str = "bhsd") -> AttentionFn:
     if name not in BASELINES:
         raise KeyError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
     return BASELINES[name].build(layout)
+
+
+def attention_functions(name: str) -> dict[str, AttentionFn]:
+    """Baseline ``name``'s function in each layout, {layout: fn}: what
+    ``fp4vis.patching.attention_function.attention_function_applied`` takes to give each layer its own."""
+    return {layout: attention_function(name, layout) for layout in LAYOUTS}
+
+
+def run_name(name: str, layers: str) -> str:
+    """The evals' run name of baseline ``name`` in ``layers``: ``attn1=fa4`` (eval wan), ``attn=fa4``."""
+    return f"{layers}={name}"
 
 
 def unavailable(name: str, device: torch.device | str | None = None) -> str | None:
@@ -149,7 +182,7 @@ def _names(spec: str | Sequence[str]) -> list[str]:
 
 def select_baselines(spec: str | Sequence[str] | None, device: torch.device | str | None = None
                      ) -> tuple[list[str], dict[str, str]]:
-    """The Wan eval's ``baselines`` option -> (names to run, {name: why skipped}). ``"auto"``: each of
+    """The evals' ``baselines`` option -> (names to run, {name: why skipped}). ``"auto"``: each of
     AUTO_BASELINES that can run on ``device``, the others skipped with their reason; ``None``, ``""`` or
     ``"none"``: none; names (a list or a comma-separated string): those, where an unknown name or one
     that cannot run here is a UsageError (before any work)."""

@@ -17,17 +17,29 @@ seed, size and schedule, each after an untimed 1-step warm-up (where ``compile``
   loop of ``steps`` steps (the calls per step the pipeline makes: two with classifier-free guidance). Every
   step is timed apart (device synchronised). Timings are real; the fidelity numbers describe random weights.
 
+BF16 attention baselines (``baselines``, as ``eval wan``'s): besides BF16 (diffusers' default attention, the
+reference of every metric), each baseline runs as a policy does (same warm-up, seed, compile, timing) with a BF16
+attention library (``fp4vis.evals.baselines``: ``fa4`` flash-attn-4, ``sage``, ``sdpa_cudnn``, ``sdpa_flash``) as
+the attention of the layers the FP4 policies patch by default (self and joint attention; Wan: ``attn1``), through
+``fp4vis.patching.attention_function.attention_function_applied``; run ``attn=<name>``, after BF16 and before the
+policies. A call with a key-padding mask (HunyuanVideo's text padding) goes to flash-attn-4 with its mask (each
+element's kept keys, ``seqused_k``); the other libraries take no mask, and such a call keeps the model's attention
+there. Each baseline run reports where its calls went (``baseline.routing``). ``"auto"`` (the default) runs fa4 and
+sage where they can run here and records why not (``baselines_skipped``; on the CPU: all).
+
 Per run: the per-step times, their mean with its 95 % t-interval (``fp4vis.evals.report.mean_ci95``), and
-``speedup_vs`` {"bf16": BF16's mean step / the run's}. Where the FP4 runs ran on the reference emulation
-(``reference_timed``), their times are no speed result and the report gives no speedup.
+``speedup_vs`` {reference: its mean step / the run's} against BF16 and every baseline that ran (the shared run loop:
+``fp4vis.evals.timed_runs``). Where the FP4 runs ran on the reference emulation (``reference_timed``), their times
+are no speed result and the report gives no speedup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -36,11 +48,13 @@ import numpy as np
 import torch
 
 from fp4vis.evals import published_configs as pc
-from fp4vis.evals.common import add_speedups_vs, error_metrics, frame_metrics, reference_timed
+from fp4vis.evals.baselines import BASELINES, attention_functions, run_name, select_baselines
+from fp4vis.evals.common import error_metrics, frame_metrics, reference_timed
 from fp4vis.evals.report import fmt, markdown_table, mean_ci95, write_report
+from fp4vis.evals.timed_runs import LoopSettings, RunOutcome, ScheduledRun, run_schedule, speedups_markdown
+from fp4vis.patching.attention_function import AppliedFunction, attention_function_applied
 from fp4vis.pipelines.wan_sizes import check_cpu_size
 from fp4vis.pipelines.wan_video import compile_transformers
-from fp4vis.services.console import WarningLog
 from fp4vis.services.environment import environment
 from fp4vis.services.guard_plans import guard_plan_summary, load_guard_plan, plan_for
 from fp4vis.services.policies import attention_label, backend_in_use, check_backend, policy_applied, resolve_policies
@@ -50,12 +64,22 @@ from fp4vis.services.timing import Timer
 from fp4vis.services.usage import UsageError
 
 DEFAULT_PROMPT = "A red fox trotting through fresh snow in a birch forest, morning light, cinematic"
+# a baseline's layers: those the FP4 policies patch by default; its runs are named attn=NAME
+BASELINE_LAYERS = "attn"
+BASELINE_LAYER_TEXT = "the layers fp4vis.patch patches by default: self and joint attention (Wan: attn1)"
+
+
+def baseline_run(name: str) -> str:
+    """The run name of BF16 baseline ``name``: ``attn=fa4``."""
+    return run_name(name, BASELINE_LAYERS)
 
 
 @dataclass(frozen=True)
 class PipelineEvalConfig:
     """What ``run_pipeline_eval`` runs: a ``model`` (Hub id, local diffusers folder) or ``speed_only`` (a
-    ``PUBLISHED_DENOISERS`` name), the FP4 ``policies``; the size (None: the pipeline's default, or the
+    ``PUBLISHED_DENOISERS`` name), the FP4 ``policies``, the BF16 attention ``baselines`` ("auto", "none" (or "" /
+    None), or names: ``fp4vis.evals.baselines.select_baselines``; one that cannot run here is a UsageError); the
+    size (None: the pipeline's default, or the
     architecture's published one; ``frames`` None for an image model), ``steps``, ``guidance_scale`` (None:
     the pipeline's default); ``decode`` None: yes with a model (never in speed-only mode); ``compile``:
     "regional" or "full" (``fp4vis.pipelines.wan_video.compile_transformers``), in each run's warm-up;
@@ -64,6 +88,7 @@ class PipelineEvalConfig:
     model: str | None = None
     speed_only: str | None = None
     policies: str | list[str] = "fast"
+    baselines: str | list[str] | None = "auto"
     prompt: str = DEFAULT_PROMPT
     negative_prompt: str | None = None
     height: int | None = None
@@ -238,6 +263,7 @@ def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] |
     dev = resolve_device(config.device)
     check_backend(config.backend, dev)
     pols = resolve_policies(config.policies, allow_bf16=False)
+    baseline_names, baselines_skipped = select_baselines(config.baselines, dev)
     plan = load_guard_plan(config.guard_plan)
     cosine, rel_l2 = error_metrics()
     random_weights = arch is not None
@@ -258,7 +284,8 @@ def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] |
         tokens = None
         what = config.model
     if say is not None:
-        say(f"eval pipeline: {what}, {config.steps} steps; runs bf16 (the model's attention), then "
+        bf16_runs = ", ".join(["bf16 (the model's attention)"] + [baseline_run(b) for b in baseline_names])
+        say(f"eval pipeline: {what}, {config.steps} steps; runs {bf16_runs}, then "
             f"{', '.join(p.name for p in pols)} on the {backend_in_use(config.backend, dev)} backend"
             + (f"; every run compiled ({config.compile}, fullgraph), in its warm-up" if config.compile else ""))
     subject.load()
@@ -273,6 +300,7 @@ def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] |
         **subject.size, "tokens": tokens, "steps": config.steps, "guidance_scale": config.guidance_scale,
         "seed": config.seed, "dtype": config.dtype, "backend": config.backend, "device": dev.type,
         "decode": decode, "warmup": config.warmup, "compile": config.compile, "guard_plan": guard_plan_summary(plan),
+        "baselines": baseline_names, "baselines_skipped": baselines_skipped, "baseline_layers": BASELINE_LAYERS,
         "runs": runs, "complete": False, "warnings": []}
     if random_weights:
         result["architecture"] = {"name": config.speed_only, "class": arch.class_name, "source": arch.source,
@@ -288,47 +316,57 @@ def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] |
             files = write_report(config.out_dir, name, result, pipeline_markdown(result))
             result["files"] = {k: str(v) for k, v in files.items()}
 
-    ref = None
-    for run_name, pol in [("bf16", "bf16")] + [(p.name, p) for p in pols]:
-        guard = plan_for(plan, pol)
-        label = attention_label(pol, config.backend, dev, guard)
-        wlog = WarningLog()
-        try:
-            with wlog, policy_applied(subject.module, pol, guard=guard, backend=config.backend):
-                warmup_s = None
-                if config.warmup:
-                    if config.compile is not None:
-                        torch._dynamo.reset()   # this run's attention compiles afresh, in its warm-up
-                    with Timer() as tw:
-                        subject.run(1, f"{label}; warm-up, untimed", decode=False)
-                    warmup_s = tw.seconds
-                if dev.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(dev)
-                res = subject.run(config.steps, label, decode)
-        except Exception as e:  # one failing run (e.g. an unavailable kernel) does not lose the others
-            if run_name == "bf16":
-                raise
-            runs[run_name] = {"error": f"{type(e).__name__}: {e}"}
-            write()
-            continue
-        finally:
-            result["warnings"] += [f"[{run_name}] {w}" for w in wlog.messages]
-        run: dict[str, Any] = {"timings": {"denoise_s": sum(res.step_s), "total_s": res.total_s, "warmup_s": warmup_s,
-                                           "steps_timed": len(res.step_s), "step_s_each": res.step_s},
+    # BF16 first (the reference of every metric), then the baselines, the policies
+    runs_planned = ([("bf16", "bf16", None)] + [(baseline_run(b), "bf16", b) for b in baseline_names]
+                    + [(p.name, p, None) for p in pols])
+    schedule = [ScheduledRun(run_key, pol, plan_for(plan, pol), baseline,
+                             f"{BASELINES[baseline].label} as the attention" if baseline is not None
+                             else attention_label(pol, config.backend, dev, plan_for(plan, pol)))
+                for run_key, pol, baseline in runs_planned]
+    references = ("bf16", *(baseline_run(b) for b in baseline_names))
+    reference: dict[str, RunOutput] = {}
+    applied: dict[str, AppliedFunction] = {}   # run name -> where its baseline's calls went
+
+    @contextlib.contextmanager
+    def run_block(run: ScheduledRun) -> Iterator[None]:
+        with policy_applied(subject.module, run.policy, guard=run.guard, backend=config.backend):
+            if run.baseline is None:
+                yield
+                return
+            with attention_function_applied(subject.module, attention_functions(run.baseline)) as fn_applied:
+                applied[run.name] = fn_applied
+                yield
+
+    def execute(run: ScheduledRun, warmup: bool) -> RunOutput:
+        if warmup:
+            return subject.run(1, f"{run.label}; warm-up, untimed", decode=False)
+        return subject.run(config.steps, run.label, decode)
+
+    def record(outcome: RunOutcome) -> dict[str, Any]:
+        res = outcome.output
+        run: dict[str, Any] = {"timings": {"denoise_s": sum(res.step_s), "total_s": res.total_s,
+                                           "warmup_s": outcome.warmup_s, "steps_timed": len(res.step_s),
+                                           "step_s_each": res.step_s},
                                "step_s": mean_ci95(res.step_s)}
-        if dev.type == "cuda":
-            run["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-        if ref is None:
-            ref = res
+        if outcome.run.baseline is not None:
+            b = outcome.run.baseline
+            run["baseline"] = {"name": b, "attention": BASELINES[b].description, "layers": BASELINE_LAYER_TEXT,
+                               "routing": applied[outcome.run.name].summary()}
+        if outcome.peak_memory_gib is not None:
+            run["peak_memory_gib"] = outcome.peak_memory_gib
+        if not reference:
+            reference["res"] = res
         else:
+            ref = reference["res"]
             run["speedup_step"] = runs["bf16"]["timings"]["denoise_s"] / run["timings"]["denoise_s"]
             run["latent_cosine"] = cosine(res.latents, ref.latents)
             run["latent_rel_l2"] = rel_l2(res.latents, ref.latents)
             if res.frames is not None and ref.frames is not None:
                 run["frames"] = frame_metrics(res.frames, ref.frames)
-        runs[run_name] = run
-        add_speedups_vs(runs, ["bf16"])
-        write()  # partial results survive an interrupted run
+        return run
+
+    run_schedule(schedule, LoopSettings(config.warmup, config.compile is not None, dev, references), result,
+                 execute=execute, context=run_block, record=record, write=write)
     result["complete"] = True
     write()
     if config.out_dir is None:
@@ -385,7 +423,45 @@ def pipeline_markdown(r: dict[str, Any]) -> str:
     lines += ["", f"Per step: the mean of {how}, with its 95 % t-interval; call: {call}. Latent cosine / relL2: the "
               "final latents against BF16's. PSNR/SSIM: per frame or image (torchmetrics, [0, 1] RGB, data_range "
               "1.0), mean."]
+    lines += _baselines_markdown(r, emulated)
     mem = {n: run["peak_memory_gib"] for n, run in r["runs"].items() if "peak_memory_gib" in run}
     if mem:
         lines += ["", "Peak GPU memory (GiB): " + ", ".join(f"{n} {v:.1f}" for n, v in mem.items()) + "."]
     return "\n".join(lines)
+
+
+def routing_text(routing: dict[str, Any]) -> str:
+    """Where a baseline run's attention calls went (``AppliedFunction.summary``), in words: per layer for eager
+    calls; under torch.compile the calls Dynamo traced (a block graph shared by the blocks: no per-layer count)."""
+    traced, parts = routing["traced"], []
+    compiled = traced["calls_on_function"] or traced["calls_kept"]
+    if routing["calls_on_function"] or routing["calls_kept"] or not compiled:
+        parts.append(f"its function in {len(routing['layers_on_function'])} of {routing['layers']} layers "
+                     f"({routing['calls_on_function']} calls)")
+        if routing["layers_kept"]:
+            reasons = sorted({why for whys in routing["layers_kept"].values() for why in whys})
+            parts.append(f"the model's attention kept in {len(routing['layers_kept'])} layers "
+                         f"({sum(routing['calls_kept'].values())} calls: {'; '.join(reasons)})")
+    if compiled:
+        kept = "".join(f", {n} kept: {why}" for why, n in traced["calls_kept"].items())
+        parts.append(f"compiled, the calls traced (shared block graphs): {traced['calls_on_function']} on its "
+                     f"function{kept}")
+    return "; ".join(parts)
+
+
+def _baselines_markdown(r: dict[str, Any], emulated: bool) -> list[str]:
+    """What the BF16 baselines are and where their calls went, why any were skipped, and the speedup table."""
+    ran, skipped = r.get("baselines") or [], r.get("baselines_skipped") or {}
+    lines = []
+    if ran:
+        what = "; ".join(f"`{name}`: {run['baseline']['attention']}, {routing_text(run['baseline']['routing'])}"
+                         for name, run in r["runs"].items() if "baseline" in run)
+        lines += ["", f"BF16 baselines: a BF16 attention library as the attention of {BASELINE_LAYER_TEXT}; a call "
+                  "with a key-padding mask (text padding) goes to flash-attn-4 with its mask and keeps the model's "
+                  "attention under the other libraries (they take no mask). "
+                  f"{what}. `bf16` is diffusers' default attention, the reference of every fidelity column."]
+    if skipped:
+        lines += ["", "Baselines skipped: " + "; ".join(f"`{b}` ({why})" for b, why in skipped.items()) + "."]
+    if not emulated:
+        lines += speedups_markdown(r["runs"], ["bf16"] + [baseline_run(b) for b in ran], "the mean step")
+    return lines

@@ -15,7 +15,7 @@ over steps and layers.
 BF16 attention baselines (``baselines``): besides BF16 (diffusers' default attention, the reference of
 every metric), each baseline runs as a policy does (same warm-up, seed, latents, prompt embeddings and
 timing) with a BF16 attention library as the attention of every self-attention layer (``attn1``), through
-``fp4vis.patching.wan.attention_function_applied``: ``fa4`` (flash-attn-4, what a user who wants speed
+``fp4vis.patching.attention_function.attention_function_applied``: ``fa4 (flash-attn-4, what a user who wants speed
 switches to) and ``sage`` (SageAttention), from ``fp4vis.evals.baselines``; run ``attn1=<name>``, after
 BF16 and before the policies. ``"auto"`` (the default) runs those of them that can run here and records
 why the others were skipped (``baselines_skipped``; on the CPU: all). Every run carries ``speedup_vs``,
@@ -35,12 +35,11 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
-from fp4vis.evals.baselines import BASELINES, attention_function, select_baselines
-from fp4vis.evals.common import AttentionRecorder, add_speedups_vs, error_metrics, frame_metrics, reference_timed
+from fp4vis.evals.baselines import BASELINES, attention_function, run_name, select_baselines
+from fp4vis.evals.common import AttentionRecorder, error_metrics, frame_metrics, reference_timed
 from fp4vis.evals.report import fmt, markdown_table, write_report
-from fp4vis.patching.wan import attention_function_applied
+from fp4vis.evals.timed_runs import LoopSettings, RunOutcome, ScheduledRun, run_schedule, speedups_markdown
+from fp4vis.patching.attention_function import attention_function_applied
 from fp4vis.pipelines.wan_sizes import WAN_TRANSFORMER_CONFIGS, check_cpu_size, tokens_per_frame_sequence, wan_tokens
 from fp4vis.pipelines.wan_video import (
     GenerationConfig,
@@ -54,7 +53,6 @@ from fp4vis.pipelines.wan_video import (
     random_prompt_embeds,
     save_mp4,
 )
-from fp4vis.services.console import WarningLog
 from fp4vis.services.environment import environment
 from fp4vis.services.guard_plans import guard_plan_summary, load_guard_plan, plan_for
 from fp4vis.services.policies import attention_label, backend_in_use, check_backend, policy_applied, resolve_policies
@@ -69,14 +67,16 @@ BASELINE_LAYERS = "attn1"   # the layers a baseline replaces: self-attention, wh
 
 def baseline_run(name: str) -> str:
     """The run name of BF16 baseline ``name``: ``attn1=fa4``."""
-    return f"{BASELINE_LAYERS}={name}"
+    return run_name(name, BASELINE_LAYERS)
 
 
 def baseline_attention(pipe, baseline: str | None) -> AbstractContextManager:
-    """The block of a run: ``baseline``'s attention in the ``attn1`` layers, or the model as it is (None)."""
+    """The block of a run: ``baseline``'s attention in the ``attn1`` layers (the Wan processor's layout, bshd),
+    or the model as it is (None)."""
     if baseline is None:
         return nullcontext()
-    return attention_function_applied(pipe, attention_function(baseline, "bshd"), select=BASELINE_LAYERS)
+    return attention_function_applied(pipe, {"bshd": attention_function(baseline, "bshd")},
+                                      select=f"*{BASELINE_LAYERS}")
 
 
 class OperatorError:
@@ -264,60 +264,46 @@ def run_wan_eval(config: WanEvalConfig, *, say: Callable[[str], Any] | None = No
             files = write_report(config.out_dir, name, result, wan_markdown(result))
             result["files"] = {k: str(v) for k, v in files.items()}
 
-    # (run name, policy, baseline): BF16 first (the reference of every metric), then the baselines, the policies
-    schedule = ([("bf16", "bf16", None)] + [(baseline_run(b), "bf16", b) for b in baseline_names]
-                + [(p.name, p, None) for p in pols])
-    references = ["bf16"] + [baseline_run(b) for b in baseline_names]
-    ref = None
-    for run_name, pol, baseline in schedule:
-        guard = plan_for(plan, pol)
-        wlog = WarningLog()
-        measure_op = run_name == "bf16" and op_error is not None
-        # what the bar says runs: the baseline in attn1, else the policy and its backend (generate's default)
-        label = (f"{BASELINES[baseline].label} in {BASELINE_LAYERS}" if baseline is not None
-                 else attention_label(pol, config.backend, dev, guard))
-        try:
-            with wlog, baseline_attention(pipe, baseline):
-                warmup_s = None
-                if config.warmup:
-                    if config.compile is not None:
-                        torch._dynamo.reset()   # this run's attention compiles afresh, in its warm-up
-                    with Timer() as tw:
-                        generate(pipe, replace(shared, policy=pol, guard=guard, steps=1, decode=False,
-                                               label=f"{label}; warm-up, untimed"))
-                    warmup_s = tw.seconds
-                if dev.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(dev)
-                timed = replace(shared, policy=pol, guard=guard, latents_after=keep, label=label)
-                if measure_op:
-                    with op_error.recorder:
-                        res = generate(pipe, replace(timed, callbacks=(op_error,)))
-                else:
-                    res = generate(pipe, timed)
-        except Exception as e:  # one failing run (e.g. an unavailable kernel) does not lose the others
-            if run_name == "bf16":
-                raise
-            runs[run_name] = {"error": f"{type(e).__name__}: {e}"}
-            write()
-            continue
-        finally:
-            result["warnings"] += [f"[{run_name}] {w}" for w in wlog.messages]
+    # BF16 first (the reference of every metric), then the baselines, the policies; what each run's bar says: the
+    # baseline in attn1, else the policy and its backend (generate's default)
+    runs_planned = ([("bf16", "bf16", None)] + [(baseline_run(b), "bf16", b) for b in baseline_names]
+                    + [(p.name, p, None) for p in pols])
+    schedule = [ScheduledRun(run_key, pol, plan_for(plan, pol), baseline,
+                             f"{BASELINES[baseline].label} in {BASELINE_LAYERS}" if baseline is not None
+                             else attention_label(pol, config.backend, dev, plan_for(plan, pol)))
+                for run_key, pol, baseline in runs_planned]
+    references = ("bf16", *(baseline_run(b) for b in baseline_names))
+    reference: dict[str, Any] = {}   # the BF16 run's generation
+
+    def execute(run: ScheduledRun, warmup: bool):
+        if warmup:
+            return generate(pipe, replace(shared, policy=run.policy, guard=run.guard, steps=1, decode=False,
+                                          label=f"{run.label}; warm-up, untimed"))
+        timed = replace(shared, policy=run.policy, guard=run.guard, latents_after=keep, label=run.label)
+        if run.name == "bf16" and op_error is not None:
+            with op_error.recorder:
+                return generate(pipe, replace(timed, callbacks=(op_error,)))
+        return generate(pipe, timed)
+
+    def record(outcome: RunOutcome) -> dict[str, Any]:
+        run_key, baseline, res = outcome.run.name, outcome.run.baseline, outcome.output
         t = dict(res.timings)
-        if measure_op:   # the re-runs ran inside the timed BF16 loop
+        if run_key == "bf16" and op_error is not None:   # the re-runs ran inside the timed BF16 loop
             t["denoise_s"] -= op_error.seconds
             t["operator_error_s"] = op_error.seconds
         t["text_encode_s"] = text_s
         t["total_s"] = text_s + t["denoise_s"] + t["decode_s"]
-        t["warmup_s"] = warmup_s
+        t["warmup_s"] = outcome.warmup_s
         run: dict[str, Any] = {"timings": t, "step_s": t["denoise_s"] / config.steps}
         if baseline is not None:
             run["baseline"] = {"name": baseline, "attention": BASELINES[baseline].description,
                                "layers": BASELINE_LAYERS}
-        if dev.type == "cuda":
-            run["peak_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-        if run_name == "bf16":
-            ref = res
+        if outcome.peak_memory_gib is not None:
+            run["peak_memory_gib"] = outcome.peak_memory_gib
+        if run_key == "bf16":
+            reference["res"] = res
         else:
+            ref = reference["res"]
             rt = runs["bf16"]["timings"]
             run["speedup_denoise"] = rt["denoise_s"] / t["denoise_s"]
             run["speedup_end_to_end"] = rt["total_s"] / t["total_s"]
@@ -329,17 +315,18 @@ def run_wan_eval(config: WanEvalConfig, *, say: Callable[[str], Any] | None = No
                                           for k, (a, b) in after.items()]
             if decode:
                 run["video"] = frame_metrics(res.frames, ref.frames)
-            if op_error is not None and run_name in op_error.errors:
-                run["attention_rel_l2"] = op_error.summary()[run_name]
+            if op_error is not None and run_key in op_error.errors:
+                run["attention_rel_l2"] = op_error.summary()[run_key]
         if config.save_videos and decode and config.out_dir is not None and not mp4_skip:
-            clip = os.path.join(config.out_dir, f"{name}_{run_name.replace('=', '-')}.mp4")
+            clip = os.path.join(config.out_dir, f"{name}_{run_key.replace('=', '-')}.mp4")
             run["mp4"] = str(save_mp4(res.frames, clip, fps=config.fps))
         if frames_sink is not None and res.frames is not None:
-            frames_sink[run_name] = res.frames
-        runs[run_name] = run
-        add_speedups_vs(runs, references)
-        del res
-        write()  # partial results survive an interrupted run
+            frames_sink[run_key] = res.frames
+        return run
+
+    run_schedule(schedule, LoopSettings(config.warmup, config.compile is not None, dev, references), result,
+                 execute=execute, context=lambda run: baseline_attention(pipe, run.baseline), record=record,
+                 write=write)
 
     result["complete"] = True
     write()
@@ -430,10 +417,4 @@ def _baselines_markdown(r: dict[str, Any]) -> list[str]:
     if skipped:
         lines.append("Baselines skipped: " + "; ".join(f"`{b}` ({why})" for b, why in skipped.items()) + ".")
     refs = ["bf16"] + [baseline_run(b) for b in ran]
-    rows = [[name] + [run.get("speedup_vs", {}).get(ref) for ref in refs]
-            for name, run in r["runs"].items() if "speedup_vs" in run]
-    if ran and rows:
-        lines += ["", "Speedup of the denoising loop (per step: the same ratio) against BF16 and each baseline "
-                  "(its denoise time / the run's):", "",
-                  markdown_table(["run"] + [f"vs {ref}" for ref in refs], rows, digits=3)]
-    return lines
+    return lines + speedups_markdown(r["runs"], refs, "the denoising loop (per step: the same ratio)")

@@ -146,8 +146,9 @@ def speed_only_arch(s: str) -> str:
 def _add_pipeline_parser(esub: argparse._SubParsersAction) -> None:
     p = esub.add_parser("pipeline", formatter_class=Formatter, help="any diffusers T2I/T2V pipeline: per-step "
                                                                      "speed and fidelity vs BF16",
-                        description="BF16 (diffusers' default attention) and each policy with the same seed and "
-                                    "schedule: per-step time (mean, 95 %% interval), speedup against BF16, "
+                        description="BF16 (diffusers' default attention), the BF16 attention baselines and each "
+                                    "policy with the same seed and schedule: per-step time (mean, 95 %% interval), "
+                                    "speedups against BF16 and each baseline, "
                                     "final-latent cosine/relL2 and, decoded, per-frame or per-image PSNR/SSIM vs "
                                     "BF16. --speed-only times a published transformer alone, random weights.")
     src = p.add_mutually_exclusive_group()
@@ -156,6 +157,13 @@ def _add_pipeline_parser(esub: argparse._SubParsersAction) -> None:
                      help="a published denoiser with random weights, timed alone at its published size: "
                           "wan2.2-t2v-a14b, hunyuanvideo, flux.1-dev, qwen-image (timings only; labelled so)")
     p.add_argument("--policies", type=policy_list, default="fast")
+    p.add_argument("--baselines", default="auto", metavar="auto|none|NAMES",
+                   help="BF16 attention libraries run as the attention of the layers the policies patch by default "
+                        "(self and joint attention), each a run attn=NAME timed as the policies are: fa4 "
+                        "(flash-attn-4, text-padding masks too), sage (SageAttention), sdpa_cudnn, sdpa_flash (torch "
+                        "SDPA), comma-separated (a call with a mask the library does not take keeps the model's "
+                        "attention; the report counts them); auto: fa4 and sage where they can run here (the report "
+                        "says why not), none: no baselines")
     p.add_argument("--prompt", default=None, help="(default: a fixed test prompt; not used by --speed-only)")
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--seed", type=seed, default=0)
@@ -260,14 +268,16 @@ def _check_wan_eval_options(args: argparse.Namespace, size: dict[str, int]) -> N
 def _run_pipeline(args: argparse.Namespace, common: dict) -> dict:
     """``eval pipeline``: the eval, then one line per run."""
     from fp4vis.evals.common import reference_timed
-    from fp4vis.evals.pipeline_eval import DEFAULT_PROMPT, PipelineEvalConfig, run_pipeline_eval
+    from fp4vis.evals.pipeline_eval import DEFAULT_PROMPT, PipelineEvalConfig, routing_text, run_pipeline_eval
 
     config = PipelineEvalConfig(
         args.model, speed_only=args.speed_only, policies=args.policies, prompt=args.prompt or DEFAULT_PROMPT,
         negative_prompt=args.negative_prompt, height=args.height, width=args.width, frames=args.frames,
         steps=args.steps, guidance_scale=args.guidance, seed=args.seed, decode=args.decode,
-        warmup=not args.no_warmup, compile=args.compile, name=args.name, **common)
+        warmup=not args.no_warmup, compile=args.compile, name=args.name, baselines=args.baselines, **common)
     r = run_pipeline_eval(config, say=_announcer(args))
+    for why in (f"{b}: {reason}" for b, reason in r["baselines_skipped"].items()):
+        print(f"baseline skipped, {why}")
     emulated = reference_timed(r)
     if emulated:
         print("FP4 runs on the reference emulation: times are the emulation's, no speedup is given")
@@ -276,8 +286,11 @@ def _run_pipeline(args: argparse.Namespace, common: dict) -> dict:
             print(f"{name}: FAILED {run['error']}")
             continue
         line = f"{name}: {run['step_s']['mean']:.4f} s per step"
-        if "speedup_step" in run and not emulated:
-            line += f", speedup {run['speedup_step']:.2f}x vs bf16"
+        speedups = ", ".join(f"{x:.2f}x vs {ref}" for ref, x in run.get("speedup_vs", {}).items() if ref != name)
+        if speedups and not emulated:
+            line += f", speedup {speedups}"
+        if "baseline" in run:
+            line += f"; {run['baseline']['name']}: {routing_text(run['baseline']['routing'])}"
         if "latent_cosine" in run:
             line += f", latent cosine {run['latent_cosine']:.5f}"
         if "frames" in run:

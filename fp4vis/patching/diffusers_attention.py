@@ -43,6 +43,14 @@ torch.compile: the processor, the mode and the FP4 call trace with ``fullgraph=T
 left inside the graph; the processor class keeps the original's ``__call__`` signature, by which diffusers'
 attention modules filter the keyword arguments they pass).
 
+Another attention function instead of fp4vis (a BF16 attention library as a baseline:
+``fp4vis.patching.attention_function``): ``install_function`` sets a :class:`FunctionAttnProcessor`, the same
+wrapping of the original processor with another mode (``_FunctionRouter``), which hands the SDPA calls that
+``function_call_reason`` lets through (no mask or a key-padding one, non-causal, no dropout, (B, H, S, D) q, k,
+v of one head count) to ``fn(q, k, v, scale)`` (a key-padding mask too where ``fn.takes_key_mask``: ``fn(q, k, v, scale,
+key_mask)``) and the others on to SDPA unchanged, each call told to a ``tally`` (None, or the
+reason it kept SDPA); ``restore_processor`` sets the original back.
+
 Private diffusers names relied on (``tests/patching/test_diffusers_attention.py`` pins each against the installed
 diffusers): ``attention_dispatch._AttentionBackendRegistry._active_backend`` (the process-wide backend); the
 processors' ``_attention_backend`` and ``_parallel_config`` attributes (what ``set_attention_backend`` and
@@ -54,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,8 +74,9 @@ from torch.overrides import TorchFunctionMode
 
 from .layer import LayerSpec, LayerState, block_position, broadcast_key_mask
 
-__all__ = ["FP4AttnProcessor", "PAIRWISE_MASK_PROCESSORS", "SDPA_BACKENDS", "attention_route", "find_layers",
-           "install", "is_known_non_attention", "layer_group", "uninstall"]
+__all__ = ["FP4AttnProcessor", "FunctionAttnProcessor", "PAIRWISE_MASK_PROCESSORS", "SDPA_BACKENDS",
+           "attention_route", "find_layers", "function_call_reason", "install", "install_function",
+           "is_known_non_attention", "layer_group", "restore_processor", "uninstall"]
 
 #: diffusers attention backends whose function ends in ``F.scaled_dot_product_attention`` (without context
 #: parallelism): the ones whose call a patched layer takes
@@ -162,9 +172,9 @@ def is_known_non_attention(module: torch.nn.Module) -> bool:
 def install(spec: LayerSpec, state: LayerState) -> Any:
     attn = spec.module
     original = attn.processor
-    if isinstance(original, FP4AttnProcessor):
+    if isinstance(original, _WrappingProcessor):
         raise RuntimeError(f"layer {spec.name!r} already has an fp4vis processor")
-    _set_processor(attn, _processor_class(type(original))(state, original))
+    _set_processor(attn, _processor_class(type(original), FP4AttnProcessor)(state, original))
     return original
 
 
@@ -175,6 +185,24 @@ def uninstall(spec: LayerSpec, state: LayerState, original: Any) -> None:
         _set_processor(attn, original)
 
 
+def install_function(name: str, attn: torch.nn.Module, fn: Callable[..., torch.Tensor],
+                     tally: Callable[[str | None], None]) -> Any:
+    """Set a :class:`FunctionAttnProcessor` on layer ``attn`` (named ``name``): its calls computed by
+    ``fn(q, k, v, scale)`` (bhsd), each call told to ``tally`` (module docstring). Returns the processor
+    object it replaced, for ``restore_processor``."""
+    original = attn.processor
+    if isinstance(original, _WrappingProcessor):
+        raise RuntimeError(f"layer {name!r} already has an fp4vis processor ({type(original).__name__}); remove "
+                           "its patch handle (or leave the attention_function_applied block) first")
+    _set_processor(attn, _processor_class(type(original), FunctionAttnProcessor)(fn, tally, original))
+    return original
+
+
+def restore_processor(attn: torch.nn.Module, original: Any) -> None:
+    """Set ``original`` back as the processor of ``attn``."""
+    _set_processor(attn, original)
+
+
 def _set_processor(attn: torch.nn.Module, processor: Any) -> None:
     """``attn.set_processor``, or the attribute for a module without it (``MochiAttention``)."""
     if hasattr(attn, "set_processor"):
@@ -183,17 +211,17 @@ def _set_processor(attn: torch.nn.Module, processor: Any) -> None:
         attn.processor = processor
 
 
-class FP4AttnProcessor:
-    """The processor of one patched layer: the original processor object, run with the layer's SDPA calls
-    routed to fp4vis (module docstring). ``original`` is restored by ``remove()``; the attention-backend and
-    context-parallel settings diffusers sets on a layer's processor land on it. Instances are made through
-    ``_processor_class``, whose ``__call__`` carries the original class's signature."""
+class _WrappingProcessor:
+    """A processor that runs a layer's original processor object with its SDPA calls routed elsewhere (the
+    subclasses: where to). The attention-backend and context-parallel settings diffusers sets on a layer's
+    processor land on ``original``. Instances are made through ``_processor_class``, whose ``__call__``
+    carries the original class's signature."""
 
-    def __init__(self, state: LayerState, original: Any):
-        self.state = state
+    prefix = ""   # of the generated class names: FP4FluxAttnProcessor, FunctionFluxAttnProcessor
+
+    def __init__(self, original: Any):
         self.original = original
         self.route = attention_route(type(original))
-        self.pairwise_mask = _qualname(type(original)) in PAIRWISE_MASK_PROCESSORS
 
     # Absent where the original has none (AttributeError: hasattr is how diffusers asks)
     @property
@@ -225,6 +253,21 @@ class FP4AttnProcessor:
                         f"torch's scaled_dot_product_attention: {', '.join(SDPA_BACKENDS)})")
         return None
 
+    def _no_sdpa_reason(self) -> str:
+        return f"its processor {type(self.original).__name__} made no scaled_dot_product_attention call"
+
+
+class FP4AttnProcessor(_WrappingProcessor):
+    """The processor of one patched layer: the original processor object, run with the layer's SDPA calls
+    routed to fp4vis (module docstring). ``original`` is restored by ``remove()``."""
+
+    prefix = "FP4"
+
+    def __init__(self, state: LayerState, original: Any):
+        super().__init__(original)
+        self.state = state
+        self.pairwise_mask = _qualname(type(original)) in PAIRWISE_MASK_PROCESSORS
+
     def _run(self, attn: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         st = self.state
         if not st.needs_qkv():
@@ -238,44 +281,100 @@ class FP4AttnProcessor:
         with router:
             out = self.original(attn, *args, **kwargs)
         if router.sdpa_calls == 0 and st.active_policy() is not None:
-            st.fallback(f"its processor {type(self.original).__name__} made no scaled_dot_product_attention call")
+            st.fallback(self._no_sdpa_reason())
         return out
 
     def __repr__(self) -> str:
         return f"FP4AttnProcessor({type(self.original).__name__}, {self.state!r})"
 
 
+class FunctionAttnProcessor(_WrappingProcessor):
+    """The processor of a layer whose attention is another function (``install_function``, for
+    ``fp4vis.patching.attention_function.attention_function_applied``): the original processor object, run
+    with its SDPA calls that ``function_call_reason`` lets through computed by ``fn(q, k, v, scale)`` on
+    (B, H, S, D) tensors, every other call by SDPA unchanged. Each call is told to ``tally``: None for a call
+    ``fn`` computed, else the reason it kept SDPA."""
+
+    prefix = "Function"
+
+    def __init__(self, fn: Callable[..., torch.Tensor], tally: Callable[[str | None], None], original: Any):
+        super().__init__(original)
+        self.fn = fn
+        self.tally = tally
+
+    def _run(self, attn: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        reason = self._exact_reason()
+        if reason is not None:
+            self.tally(reason)
+            return self.original(attn, *args, **kwargs)
+        router = _FunctionRouter(self.fn, self.tally)
+        with router:
+            out = self.original(attn, *args, **kwargs)
+        if router.sdpa_calls == 0:
+            self.tally(self._no_sdpa_reason())
+        return out
+
+    def __repr__(self) -> str:
+        return f"FunctionAttnProcessor({type(self.original).__name__}, {getattr(self.fn, '__name__', self.fn)!r})"
+
+
 @functools.cache
-def _processor_class(original_cls: type) -> type:
-    """The ``FP4AttnProcessor`` subclass for processors of ``original_cls``: its ``__call__`` has the original's
-    signature, from which diffusers' ``Attention.forward`` (and FLUX's, LTX's, ...) picks the keyword arguments it
-    passes (an image rotary embedding, a text mask)."""
+def _processor_class(original_cls: type, base: type) -> type:
+    """The subclass of ``base`` (``FP4AttnProcessor``, ``FunctionAttnProcessor``) for processors of
+    ``original_cls``: its ``__call__`` has the original's signature, from which diffusers' ``Attention.forward``
+    (and FLUX's, LTX's, ...) picks the keyword arguments it passes (an image rotary embedding, a text mask)."""
     def __call__(self, attn, *args, **kwargs):
         return self._run(attn, args, kwargs)
 
     __call__.__signature__ = inspect.signature(original_cls.__call__)
-    return type(f"FP4{original_cls.__name__}", (FP4AttnProcessor,), {"__call__": __call__, "__module__": __name__})
+    return type(f"{base.prefix}{original_cls.__name__}", (base,), {"__call__": __call__, "__module__": __name__})
 
 
-class _SDPARouter(TorchFunctionMode):
-    """The ``F.scaled_dot_product_attention`` calls of one processor call, for one layer (module docstring);
-    every other torch function passes through. Inside ``__torch_function__`` the mode is off, so SDPA and
-    ``fp4vis.attention`` run as they are."""
+def _sdpa_call(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """An ``F.scaled_dot_product_attention`` call's arguments by name, defaults filled in."""
+    call = dict(_SDPA_DEFAULTS)
+    call.update(zip(_SDPA_PARAMS, args))
+    call.update(kwargs)
+    return call
 
-    def __init__(self, state: LayerState, pairwise_mask: bool):
+
+# Tensor.unflatten is Python (torch/_tensor.py) ending in ``super().unflatten``, which Dynamo cannot trace where a
+# TorchFunctionMode hands it over (torch 2.11, fullgraph=True: FLUX's and Qwen-Image's processors call it); the
+# mode runs it as torch.unflatten, the same op in C
+_TENSOR_UNFLATTEN = torch.Tensor.unflatten
+
+
+class _SDPAMode(TorchFunctionMode):
+    """The ``F.scaled_dot_product_attention`` calls of one processor call go to ``sdpa`` (the subclasses'),
+    counted in ``sdpa_calls``; every other torch function passes through. Inside ``__torch_function__`` the mode
+    is off, so what ``sdpa`` calls runs as it is."""
+
+    def __init__(self):
         super().__init__()
-        self.state = state
-        self.pairwise_mask = pairwise_mask
         self.sdpa_calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not _SDPA:
-            return func(*args, **kwargs)
+            return (torch.unflatten if func is _TENSOR_UNFLATTEN else func)(*args, **kwargs)
         self.sdpa_calls += 1
-        call = dict(_SDPA_DEFAULTS)
-        call.update(zip(_SDPA_PARAMS, args))
-        call.update(kwargs)
+        return self.sdpa(func, args, kwargs, _sdpa_call(args, kwargs))
+
+    def sdpa(self, func, args: tuple, kwargs: dict, call: dict[str, Any]) -> torch.Tensor:
+        """One SDPA call: ``func(*args, **kwargs)`` is SDPA itself; ``call`` its arguments by name."""
+        raise NotImplementedError
+
+
+class _SDPARouter(_SDPAMode):
+    """The SDPA calls of one processor call, for one layer, to fp4vis where it can compute them (module
+    docstring)."""
+
+    def __init__(self, state: LayerState, pairwise_mask: bool):
+        super().__init__()
+        self.state = state
+        self.pairwise_mask = pairwise_mask
+
+    def sdpa(self, func, args: tuple, kwargs: dict, call: dict[str, Any]) -> torch.Tensor:
         q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
         key_mask = query_rows = reason = None
         if mask is not None:
@@ -297,3 +396,52 @@ class _SDPARouter(TorchFunctionMode):
 def _is_square_bool(mask: Any, q: torch.Tensor, k: torch.Tensor) -> bool:
     return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
             and tuple(mask.shape) == (q.shape[0], 1, q.shape[2], k.shape[2]) and q.shape[2] == k.shape[2])
+
+
+class _FunctionRouter(_SDPAMode):
+    """The SDPA calls of one processor call of a ``FunctionAttnProcessor``: those ``function_call_reason`` lets
+    through go to ``fn``, the others on to SDPA unchanged; each is told to ``tally``."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], tally: Callable[[str | None], None]):
+        super().__init__()
+        self.fn = fn
+        self.tally = tally
+
+    def sdpa(self, func, args: tuple, kwargs: dict, call: dict[str, Any]) -> torch.Tensor:
+        reason = function_call_reason(call, bool(getattr(self.fn, "takes_key_mask", False)))
+        self.tally(reason)
+        if reason is not None:
+            return func(*args, **kwargs)
+        q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
+        if mask is None:
+            return self.fn(q, k, v, call["scale"])
+        return self.fn(q, k, v, call["scale"], broadcast_key_mask(mask, q, k)[0])
+
+
+def function_call_reason(call: dict[str, Any], takes_key_mask: bool = False) -> str | None:
+    """Why an SDPA call (its arguments by name) keeps SDPA rather than going to an attention function
+    ``fn(q, k, v, scale)`` (None: it goes): a mask other than a key-padding mask, a key-padding mask where the
+    function takes none (``takes_key_mask``: it does, as ``fn(q, k, v, scale, key_mask)``), causal attention,
+    dropout, grouped-query attention, or q, k, v that are not (B, H, S, D) tensors of one batch, head count and
+    head dim with one key/value length. Reads shapes, dtypes and strides only: eager and compiled calls decide
+    alike."""
+    q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (q, k, v)):
+        return "q, k, v that are not 4-D (B, H, S, D) tensors"
+    if mask is not None:
+        key_mask, form = broadcast_key_mask(mask, q, k)
+        if key_mask is None:
+            return form
+        if not takes_key_mask:
+            return "a key-padding attention mask (text padding; the function takes no mask)"
+    if call["is_causal"]:
+        return "causal attention"
+    if call["dropout_p"]:
+        return f"attention dropout p={call['dropout_p']:g}"
+    if not q.shape[1] == k.shape[1] == v.shape[1]:
+        return f"grouped-query attention ({q.shape[1]} query heads, {k.shape[1]} key heads, {v.shape[1]} value heads)"
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and k.shape[2] == v.shape[2]
+            and q.shape[3] == k.shape[3] == v.shape[3]):
+        shapes = ", ".join(f"{n} {'x'.join(map(str, t.shape))}" for n, t in (("q", q), ("k", k), ("v", v)))
+        return f"shapes the function does not take ({shapes})"
+    return None

@@ -317,7 +317,9 @@ def attention_function_applied(model: Any, fn: Callable[..., torch.Tensor], sele
     (``fp4vis.evals.baselines``). ``model``: a ``WanTransformer3DModel`` (or any module holding
     ``WanAttention`` layers) or a diffusers pipeline. The processors are set with ``attn.set_processor``
     and the previous processor objects are set back on exit, also after an exception; yields the
-    layers. A layer patched by fp4vis is refused (remove its handle first)."""
+    layers. A layer patched by fp4vis is refused (remove its handle first). Any diffusers model, Wan's
+    layers and the others alike, with counts of where the calls went:
+    ``fp4vis.patching.attention_function.attention_function_applied``."""
     layers = _function_layers(model, select)
     patched = [m for m in layers if isinstance(m.processor, FP4WanAttnProcessor)]
     if patched:

@@ -111,6 +111,7 @@ def test_cli_speed_only_end_to_end(tiny_archs, tmp_path, capsys):
                  "--backend", "reference", "--device", "cpu", "--no-progress", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0 and "bf16: " in out and "fast: " in out and "latent cosine" in out
+    assert "baseline skipped, fa4: " in out   # --baselines auto, the default: none runs on the CPU
     assert (tmp_path / "pipeline_speed.json").exists()
 
 
@@ -125,6 +126,8 @@ def test_cli_speed_only_end_to_end(tiny_archs, tmp_path, capsys):
                                                           "the CPU: 129 frames at 720x1280 are 118800 tokens"),
     (["--speed-only", "flux.1-dev", "--frames", "5"], "fp4vis eval pipeline: error: frames: FLUX.1-dev is an image "
                                                       "model"),
+    (["--speed-only", "flux.1-dev", "--baselines", "sdpa_flash,nope"], "fp4vis eval pipeline: error: baselines: "
+                                                                       "unknown baseline 'nope'"),
 ])
 def test_cli_option_errors_are_one_line(argv, expected, tmp_path, capsys):
     try:
@@ -134,3 +137,103 @@ def test_cli_option_errors_are_one_line(argv, expected, tmp_path, capsys):
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith(expected), err
+
+
+def test_baselines_on_the_cpu_are_skipped_with_reasons(tiny_archs, tmp_path):
+    """auto: fa4 and sage are skipped on the CPU, each with its reason, and the runs are BF16 and the policies;
+    a named baseline that cannot run here stops the eval before any work (as eval wan)."""
+    r = run_pipeline_eval(PipelineEvalConfig(speed_only="tiny-flux.1-dev", policies="fast", baselines="auto", steps=2,
+                                             backend="reference", device="cpu", warmup=False, progress=False,
+                                             out_dir=tmp_path))
+    assert r["baselines"] == [] and list(r["runs"]) == ["bf16", "fast"]
+    assert set(r["baselines_skipped"]) == {"fa4", "sage"} and all(r["baselines_skipped"].values())
+    assert r["runs"]["fast"]["speedup_vs"].keys() == {"bf16"}
+    assert "Baselines skipped: `fa4` (" in (tmp_path / "pipeline_speed.md").read_text()
+    assert PipelineEvalConfig().baselines == "auto"
+    with pytest.raises(UsageError, match="baselines: 'fa4' cannot run here: "):
+        run_pipeline_eval(PipelineEvalConfig(speed_only="tiny-flux.1-dev", baselines=["fa4"], device="cpu"))
+    with pytest.raises(UsageError, match="baselines: unknown baseline 'nope'"):
+        run_pipeline_eval(PipelineEvalConfig(speed_only="tiny-flux.1-dev", baselines="sdpa_flash,nope", device="cpu"))
+
+
+@pytest.fixture
+def cpu_baseline(monkeypatch):
+    """A baseline that runs on the CPU (torch SDPA's flash kernel), registered for the test, a custom op under
+    torch.compile as the GPU libraries' are; records the layouts it was built for and the q shape of each eager
+    call."""
+    from fp4vis.evals import baselines
+
+    seen = {"layouts": [], "shapes": []}
+
+    def build(layout):
+        seen["layouts"].append(layout)
+        sdpa = baselines._one_graph_node("cpu_sdpa", layout, baselines.attention_function("sdpa_flash", layout))
+
+        def call(q, k, v, scale=None):
+            if not torch.compiler.is_compiling():
+                seen["shapes"].append(tuple(q.shape))
+            return sdpa(q, k, v, scale)
+        return call
+
+    monkeypatch.setitem(baselines.BASELINES, "cpu_sdpa",
+                        baselines.Baseline("cpu_sdpa", "CPU SDPA", "torch SDPA (a test's)", build, needs_cuda=False))
+    return seen
+
+
+KEY_PADDING = "a key-padding attention mask (text padding; the function takes no mask)"
+
+
+@pytest.mark.parametrize(("name", "on_function", "kept"), [
+    ("flux.1-dev", ["transformer_blocks.0.attn", "single_transformer_blocks.0.attn"], {}),
+    ("hunyuanvideo", [], {"transformer_blocks.0.attn": [KEY_PADDING],
+                          "single_transformer_blocks.0.attn": [KEY_PADDING]}),
+    ("wan2.2-t2v-a14b", ["blocks.0.attn1"], {}),
+])
+def test_a_baseline_runs_as_the_attention_of_the_default_layers(tiny_archs, cpu_baseline, tmp_path, name, on_function,
+                                                                kept):
+    """A baseline runs as a policy does, after BF16 and before the policies, in the layers the policies patch by
+    default (FLUX: both stacks; Wan: attn1), a masked layer keeping the model's attention (HunyuanVideo's text
+    padding: all of them), as the result and the report say; speedups against BF16 and it."""
+    r = run_pipeline_eval(PipelineEvalConfig(speed_only=f"tiny-{name}", policies="fast", baselines="cpu_sdpa", steps=2,
+                                             backend="reference", device="cpu", progress=False, out_dir=tmp_path))
+    assert r["baselines"] == ["cpu_sdpa"] and list(r["runs"]) == ["bf16", "attn=cpu_sdpa", "fast"]
+    base = r["runs"]["attn=cpu_sdpa"]
+    routing = base["baseline"]["routing"]
+    assert routing["layers_on_function"] == on_function and routing["layers_kept"] == kept
+    assert routing["layers"] == len(on_function) + len(kept)
+    calls = pc.PUBLISHED_DENOISERS[f"tiny-{name}"].calls_per_step * 3   # warm-up and 2 steps
+    assert routing["calls_on_function"] == len(on_function) * calls == len(cpu_baseline["shapes"])
+    assert sum(routing["calls_kept"].values()) == len(kept) * calls
+    assert base["timings"]["warmup_s"] > 0 and base["latent_cosine"] > 0.9999
+    denoise = {n: run["timings"]["denoise_s"] for n, run in r["runs"].items()}
+    for run_key, run in r["runs"].items():
+        assert run["speedup_vs"] == {ref: pytest.approx(denoise[ref] / denoise[run_key])
+                                     for ref in ("bf16", "attn=cpu_sdpa")}
+    md = (tmp_path / "pipeline_speed.md").read_text()
+    assert f"in {len(on_function)} of {len(on_function) + len(kept)} layers" in md and "| attn=cpu_sdpa |" in md
+    assert ("kept in 2 layers" in md) == bool(kept)
+    # off the reference emulation the report tabulates the speedups against every reference
+    from fp4vis.evals.pipeline_eval import pipeline_markdown
+
+    assert "| run | vs bf16 | vs attn=cpu_sdpa |" in pipeline_markdown(dict(r, backend="hopper", device="cuda"))
+    assert "| run | vs bf16 |" not in md
+
+
+def test_a_compiled_baseline_run_gives_the_eager_latents(tiny_archs, cpu_baseline, monkeypatch):
+    """compile: the baseline's run compiles too (fullgraph, in its warm-up) and gives the eager latents; its calls
+    are counted as traced."""
+    import functools
+
+    from fp4vis.evals import pipeline_eval
+    from fp4vis.pipelines.wan_video import compile_transformers
+
+    kw = dict(speed_only="tiny-qwen-image", policies="fast", baselines="cpu_sdpa", steps=2, backend="reference",
+              device="cpu", progress=False)
+    eager = run_pipeline_eval(PipelineEvalConfig(**kw))
+    monkeypatch.setattr(pipeline_eval, "compile_transformers", functools.partial(compile_transformers,
+                                                                                  backend="aot_eager"))
+    compiled = run_pipeline_eval(PipelineEvalConfig(compile="regional", **kw))
+    base = compiled["runs"]["attn=cpu_sdpa"]
+    assert base["latent_cosine"] == eager["runs"]["attn=cpu_sdpa"]["latent_cosine"]
+    routing = base["baseline"]["routing"]
+    assert routing["calls_on_function"] == 0 and routing["traced"]["calls_on_function"] >= 1

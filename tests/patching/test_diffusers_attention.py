@@ -428,3 +428,175 @@ def test_broadcast_key_mask_reads_the_form_from_shape_and_strides():
         key_mask, reason = broadcast_key_mask(mask, q, k)
         assert key_mask is None and reason is not None
         assert re.search(form, reason), reason
+
+
+# ---- another attention function in the layers (fp4vis.patching.attention_function) ----
+
+KEY_PADDING = "a key-padding attention mask (text padding; the function takes no mask)"
+
+
+class _RecordingSDPA:
+    """An attention function over (B, H, S, D) tensors that records each call's q shape and computes SDPA."""
+
+    def __init__(self):
+        self.shapes = []
+
+    def __call__(self, q, k, v, scale=None):
+        self.shapes.append(tuple(q.shape))
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize(("name", "on_function", "kept"), [
+    ("flux", ["transformer_blocks.0.attn", "single_transformer_blocks.0.attn"], {}),
+    # every default layer of HunyuanVideo attends with the text-padding mask: all keep SDPA, with their mask
+    ("hunyuan_video", [], {"transformer_blocks.0.attn": [KEY_PADDING],
+                           "single_transformer_blocks.0.attn": [KEY_PADDING]}),
+])
+@torch.no_grad()
+def test_attention_function_reaches_the_default_layers_bit_for_bit_and_restores(name, on_function, kept):
+    """The function computes the unmasked calls of the default layers (self + joint), masked calls keep SDPA with
+    their mask and say why; with SDPA as the function the output is the model's, bit for bit; the processor
+    objects are back on exit, also after an exception in the block."""
+    from fp4vis.patching.attention_function import attention_function_applied
+
+    model, inputs = _build(name)
+    ref = model(**inputs)[0]
+    before = _processors(model)
+    fn = _RecordingSDPA()
+    with attention_function_applied(model, fn) as applied:
+        assert applied.layers == [n for n, g in GROUPS[name].items() if g in ("self", "joint")]
+        out = model(**inputs)[0]
+    assert torch.equal(out, ref)
+    summary = applied.summary()
+    assert summary["layers_on_function"] == on_function and summary["layers_kept"] == kept
+    assert summary["calls_on_function"] == len(on_function) == len(fn.shapes)
+    assert summary["calls_kept"] == ({KEY_PADDING: len(kept)} if kept else {})
+    assert all(len(s) == 4 and s[:2] == (B, 2) for s in fn.shapes)   # (B, H, S, D)
+    assert _processors(model) == before
+
+    def boom(q, k, v, scale=None):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"), attention_function_applied(model, boom, select="*single*"):
+        if name == "hunyuan_video":   # its masked calls never reach the function
+            raise RuntimeError("boom")
+        model(**inputs)
+    assert all(m.processor is before[n] for n, m in model.named_modules() if hasattr(m, "processor"))
+
+
+class _MaskedSDPA(_RecordingSDPA):
+    """A function that takes key-padding masks (``takes_key_mask``): SDPA with the mask broadcast back."""
+
+    takes_key_mask = True
+
+    def __call__(self, q, k, v, scale=None, key_mask=None):
+        self.shapes.append(tuple(q.shape))
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@torch.no_grad()
+def test_attention_function_that_takes_key_masks_gets_the_masked_calls():
+    """HunyuanVideo's text-padding calls go to a function that says it takes key masks, as the (B, Skv) mask; with
+    masked SDPA as the function the output is the model's, bit for bit; the baselines' flash-attn-4 says so."""
+    from fp4vis.evals.baselines import _one_graph_node
+    from fp4vis.patching.attention_function import attention_function_applied
+
+    model, inputs = _build("hunyuan_video")
+    ref = model(**inputs)[0]
+    fn = _MaskedSDPA()
+    with attention_function_applied(model, fn) as applied:
+        out = model(**inputs)[0]
+    assert torch.equal(out, ref)
+    summary = applied.summary()
+    assert summary["layers_on_function"] == ["transformer_blocks.0.attn", "single_transformer_blocks.0.attn"]
+    assert summary["layers_kept"] == {} and summary["calls_on_function"] == 2 == len(fn.shapes)
+    # a baseline function built to take masks says so, in either layout, and one that takes none refuses a mask
+    seen = []
+    masked = _one_graph_node("test_masked", "bhsd", lambda q, k, v, s, m: seen.append(m) or q, takes_key_mask=True)
+    q = torch.randn(1, 2, 3, 16)
+    assert masked.takes_key_mask and masked(q, q, q, None, torch.ones(1, 3, dtype=torch.bool)) is q and len(seen) == 1
+    plain = _one_graph_node("test_plain", "bhsd", lambda q, k, v, s: q)
+    assert not plain.takes_key_mask
+    with pytest.raises(ValueError, match="key_mask: the test_plain baseline takes no mask"):
+        plain(q, q, q, None, torch.ones(1, 3, dtype=torch.bool))
+
+
+@torch.no_grad()
+def test_attention_function_selection_refusals_and_other_mask_forms():
+    """A name pattern selects other layers (the token refiner, whose per-query mask keeps SDPA naming its form); a
+    pattern matching nothing, a patched layer and a function that is no callable are refused."""
+    from fp4vis.patching.attention_function import attention_function_applied
+
+    model, inputs = _build("hunyuan_video")
+    with attention_function_applied(model, _RecordingSDPA(), select="*refiner*") as applied:
+        model(**inputs)
+    (reasons,) = applied.summary()["layers_kept"].values()
+    assert applied.layers == ["context_embedder.token_refiner.refiner_blocks.0.attn"]
+    assert len(reasons) == 1 and "varies per head and per query" in reasons[0]
+    with pytest.raises(ValueError, match="no attention layer .* matches '\\*attn9'"), \
+            attention_function_applied(model, _RecordingSDPA(), select="*attn9"):
+        pass
+    with pytest.raises(ValueError, match="mapping of layouts"), attention_function_applied(model, {"bsd": F.relu}):
+        pass
+    with fp4vis.patch(model, "fast"), pytest.raises(RuntimeError, match="already has an fp4vis processor"), \
+            attention_function_applied(model, _RecordingSDPA()):
+        pass
+    assert not any(type(m.processor).__name__.startswith(("FP4", "Function"))
+                   for m in model.modules() if hasattr(m, "processor"))
+
+
+@torch.no_grad()
+def test_attention_function_in_wan_layers_takes_the_bshd_function_or_transposes():
+    """Wan's attn1 through the Wan processor: a bshd function as it is, a bhsd one transposed; SDPA as either is
+    the model's output bit for bit, one counted call per block."""
+    from diffusers import WanTransformer3DModel
+
+    from fp4vis.patching.attention_function import attention_function_applied
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2).eval()
+    inputs = dict(hidden_states=_randn(1, 4, 2, 4, 4), timestep=torch.tensor([1.0]),
+                  encoder_hidden_states=_randn(1, TEXT, 32, seed=1), return_dict=False)
+    ref = model(**inputs)[0]
+    bhsd = _RecordingSDPA()
+
+    def bshd(q, k, v, scale=None):
+        return bhsd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
+
+    for fn, shape in ((bhsd, (1, 2, 8, 16)), ({"bshd": bshd}, (1, 2, 8, 16))):
+        bhsd.shapes.clear()
+        with attention_function_applied(model, fn) as applied:
+            assert torch.equal(model(**inputs)[0], ref)
+        assert applied.layers == ["blocks.0.attn1", "blocks.1.attn1"] and bhsd.shapes == [shape] * 2
+        assert applied.summary()["calls_on_function"] == 2
+
+
+@torch.no_grad()
+def test_attention_function_compiles_with_fullgraph_without_a_graph_per_layer():
+    """Under diffusers' regional compilation (fullgraph) the blocks of a stack share one graph (no recompile for
+    the second block: nothing per layer is read in the graph) and the output is the eager one; the calls are
+    counted while Dynamo traces, not per layer."""
+    from fp4vis.patching.attention_function import attention_function_applied
+
+    model, inputs = _build("qwen_image")
+    inputs = dict(inputs, encoder_hidden_states_mask=None)   # unmasked: its two joint layers call the function
+
+    def sdpa(q, k, v, scale=None):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    ref = model(**inputs)[0]
+    torch._dynamo.reset()
+    try:
+        with attention_function_applied(model, sdpa) as applied:
+            model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                out = model(**inputs)[0]
+                again = model(**inputs)[0]
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+    summary = applied.summary()
+    assert summary["calls_on_function"] == 0   # no eager call: both layers ran in the one compiled block graph
+    assert summary["traced"] == {"calls_on_function": 1, "calls_kept": {}}
