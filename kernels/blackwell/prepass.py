@@ -153,23 +153,15 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, a
     keys = -(-skv // block_n) * block_n
     perm = cached_anchor_permutation(skv, anchor, k.device) if anchor > 0 else None
     tp = _fused_module(q, fused)
-    # The fused folded-K64 Q/K quantizer is bit-equal under Triton's interpreter but disagreed with
-    # fp4vis.formats on the H200 (2026-12-01), most likely through FMA contraction of its candidate
-    # scales (now compiled without; not re-run on a GPU yet): by default only block16 Q/K and V take
-    # the fused path there (both bit-identical on the H200); fused=True forces it (tests,
-    # test_fused_folded_prepass_on_gpu).
-    fuse_qk = tp is not None and (qk_layout == "block16" or fused is True)
     if tp is not None:
         vc, vs = tp.mxfp4_v_operand(v, keys, perm, record)
-    if fuse_qk:
         qc, qs = tp.nvfp4_operand(q, qk_layout, rows_q, None, record, 0)
         kc, ks = tp.nvfp4_operand(k, qk_layout, keys, perm, record, 1)
     else:
         kp, vp = (k.index_select(-2, perm), v.index_select(-2, perm)) if perm is not None else (k, v)
         qc, qs = nvfp4_operand(q, qk_layout, rows_q, record, 0)
         kc, ks = nvfp4_operand(kp, qk_layout, keys, record, 1)
-        if tp is None:
-            vc, vs = mxfp4_v_operand(vp, keys, record)
+        vc, vs = mxfp4_v_operand(vp, keys, record)
     # docs/numerics.md section 6 without a host sync: a head with a non-finite input gets NaN V scales
     bad = ~(torch.isfinite(q).flatten(1).all(1) & torch.isfinite(k).flatten(1).all(1)
             & torch.isfinite(v).flatten(1).all(1))
