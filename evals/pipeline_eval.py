@@ -51,7 +51,14 @@ from fp4vis.evals import published_configs as pc
 from fp4vis.evals.baselines import BASELINES, attention_functions, run_name, select_baselines
 from fp4vis.evals.common import error_metrics, frame_metrics, reference_timed
 from fp4vis.evals.report import fmt, markdown_table, mean_ci95, write_report
-from fp4vis.evals.timed_runs import LoopSettings, RunOutcome, ScheduledRun, run_schedule, speedups_markdown
+from fp4vis.evals.timed_runs import (
+    LoopSettings,
+    RunOutcome,
+    ScheduledRun,
+    bf16_baselines_policies,
+    run_schedule,
+    speedups_markdown,
+)
 from fp4vis.patching.attention_function import AppliedFunction, attention_function_applied
 from fp4vis.pipelines.wan_sizes import check_cpu_size
 from fp4vis.pipelines.wan_video import compile_transformers
@@ -316,14 +323,10 @@ def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] |
             files = write_report(config.out_dir, name, result, pipeline_markdown(result))
             result["files"] = {k: str(v) for k, v in files.items()}
 
-    # BF16 first (the reference of every metric), then the baselines, the policies
-    runs_planned = ([("bf16", "bf16", None)] + [(baseline_run(b), "bf16", b) for b in baseline_names]
-                    + [(p.name, p, None) for p in pols])
-    schedule = [ScheduledRun(run_key, pol, plan_for(plan, pol), baseline,
-                             f"{BASELINES[baseline].label} as the attention" if baseline is not None
-                             else attention_label(pol, config.backend, dev, plan_for(plan, pol)))
-                for run_key, pol, baseline in runs_planned]
-    references = ("bf16", *(baseline_run(b) for b in baseline_names))
+    schedule, references = bf16_baselines_policies(
+        pols, baseline_names, BASELINE_LAYERS, guard_for=lambda pol: plan_for(plan, pol),
+        policy_label=lambda pol, guard: attention_label(pol, config.backend, dev, guard),
+        baseline_label=lambda b: f"{BASELINES[b].label} as the attention")
     reference: dict[str, RunOutput] = {}
     applied: dict[str, AppliedFunction] = {}   # run name -> where its baseline's calls went
 

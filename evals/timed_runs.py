@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fp4vis.evals.baselines import run_name
 from fp4vis.evals.common import add_speedups_vs
 from fp4vis.evals.report import markdown_table
 from fp4vis.services.console import WarningLog
@@ -58,6 +59,21 @@ class RunOutcome:
     output: Any
     warmup_s: float | None
     peak_memory_gib: float | None
+
+
+def bf16_baselines_policies(policies: Sequence[Any], baselines: Sequence[str], layers: str, *,
+                            guard_for: Callable[[Any], Any], policy_label: Callable[[Any, Any], str],
+                            baseline_label: Callable[[str], str]) -> tuple[list[ScheduledRun], tuple[str, ...]]:
+    """The schedule the diffusion evals run: BF16 first (the reference of every metric), then each BF16 attention
+    baseline as run ``<layers>=<name>``, then the FP4 policies (``guard_for(policy)``: the guard plan of each); what
+    each run's bars say: ``baseline_label(name)``, ``policy_label(policy, guard)``. Returns the schedule and the
+    reference run names (BF16 and the baselines) every run's ``speedup_vs`` compares with."""
+    planned = ([("bf16", "bf16", None)] + [(run_name(b, layers), "bf16", b) for b in baselines]
+               + [(p.name, p, None) for p in policies])
+    schedule = [ScheduledRun(name, pol, guard_for(pol), baseline,
+                             baseline_label(baseline) if baseline is not None else policy_label(pol, guard_for(pol)))
+                for name, pol, baseline in planned]
+    return schedule, ("bf16", *(run_name(b, layers) for b in baselines))
 
 
 def run_schedule(schedule: Sequence[ScheduledRun], settings: LoopSettings, result: dict[str, Any], *,

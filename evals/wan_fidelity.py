@@ -38,7 +38,14 @@ from typing import Any
 from fp4vis.evals.baselines import BASELINES, attention_function, run_name, select_baselines
 from fp4vis.evals.common import AttentionRecorder, error_metrics, frame_metrics, reference_timed
 from fp4vis.evals.report import fmt, markdown_table, write_report
-from fp4vis.evals.timed_runs import LoopSettings, RunOutcome, ScheduledRun, run_schedule, speedups_markdown
+from fp4vis.evals.timed_runs import (
+    LoopSettings,
+    RunOutcome,
+    ScheduledRun,
+    bf16_baselines_policies,
+    run_schedule,
+    speedups_markdown,
+)
 from fp4vis.patching.attention_function import attention_function_applied
 from fp4vis.pipelines.wan_sizes import WAN_TRANSFORMER_CONFIGS, check_cpu_size, tokens_per_frame_sequence, wan_tokens
 from fp4vis.pipelines.wan_video import (
@@ -264,15 +271,11 @@ def run_wan_eval(config: WanEvalConfig, *, say: Callable[[str], Any] | None = No
             files = write_report(config.out_dir, name, result, wan_markdown(result))
             result["files"] = {k: str(v) for k, v in files.items()}
 
-    # BF16 first (the reference of every metric), then the baselines, the policies; what each run's bar says: the
-    # baseline in attn1, else the policy and its backend (generate's default)
-    runs_planned = ([("bf16", "bf16", None)] + [(baseline_run(b), "bf16", b) for b in baseline_names]
-                    + [(p.name, p, None) for p in pols])
-    schedule = [ScheduledRun(run_key, pol, plan_for(plan, pol), baseline,
-                             f"{BASELINES[baseline].label} in {BASELINE_LAYERS}" if baseline is not None
-                             else attention_label(pol, config.backend, dev, plan_for(plan, pol)))
-                for run_key, pol, baseline in runs_planned]
-    references = ("bf16", *(baseline_run(b) for b in baseline_names))
+    # what each run's bar says: the baseline in attn1, else the policy and its backend (generate's default)
+    schedule, references = bf16_baselines_policies(
+        pols, baseline_names, BASELINE_LAYERS, guard_for=lambda pol: plan_for(plan, pol),
+        policy_label=lambda pol, guard: attention_label(pol, config.backend, dev, guard),
+        baseline_label=lambda b: f"{BASELINES[b].label} in {BASELINE_LAYERS}")
     reference: dict[str, Any] = {}   # the BF16 run's generation
 
     def execute(run: ScheduledRun, warmup: bool):
