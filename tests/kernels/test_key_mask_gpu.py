@@ -29,13 +29,14 @@ CASES = [(b, p) for b in ("hopper", "blackwell") for p in POLICIES[b]]
 REFERENCE_TOLERANCE = {"fast_fp8qk": 4e-2}
 
 
-def _inputs(b=3, h=2, sq=200, skv=333, d=128, seed=0):
+def _inputs(b=4, h=2, sq=200, skv=333, d=128, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, h, s, d, generator=g).to("cuda", torch.bfloat16) for s in (sq, skv, skv))
-    mask = torch.ones(b, skv, dtype=torch.bool)
+    mask = torch.ones(b, skv, dtype=torch.bool)   # element 2 keeps every key
     mask[0, 150:] = False          # text padding at the end
     mask[1, ::3] = False           # anywhere
     mask[1, 200:260] = False
+    mask[3, 70:] = False           # fewer kept keys than the guard's 128 anchors and than one key tile
     return q, k, v, mask.cuda()
 
 
