@@ -74,6 +74,13 @@ class KernelConfig:
         return self.arch in HW_CVT_ARCHS
 
     @property
+    def register_lean(self) -> bool:
+        """sm_120a's native D128 build sits at 255 registers a thread: 16-byte V loads or per-thread saturation
+        counters spill it (``compile_check``: 18-67 LDL/STL), so it keeps byte-wide V loads and a per-tile
+        saturation sum."""
+        return self.arch == 120 and self.native and self.head_dim == 128
+
+    @property
     def arch_name(self) -> str:
         return ARCHS[self.arch]
 
