@@ -43,6 +43,7 @@ class Report:
     mma_ptx: dict = field(default_factory=dict)      # distinct PTX MMA instruction -> count
     sass_mma: dict = field(default_factory=dict)     # SASS MMA mnemonics -> count
     e2m1_cvt: int = 0                                # cvt.rn.satfinite(.relu).e2m1x2.f32 in PTX
+    fma_x2: int = 0                                  # fma.rn.f32x2 in PTX (the packed code argument)
     ttgir_upcasts: int = 0                           # fp4_to_fp / upcast_mxfp ops before the MMA
     local_ptx: int = 0                               # .local declarations / ld.local / st.local
     sass_local: int = 0                              # LDL / STL
@@ -129,6 +130,7 @@ def inspect(cfg: KernelConfig, keep_dir: str | None = None) -> Report:
                 f.write(data)
     rep.mma_ptx = dict(Counter(_MMA_PTX.findall(ptx)))
     rep.e2m1_cvt = len(re.findall(r"cvt\.rn\.satfinite(?:\.relu)?\.e2m1x2\.f32", ptx))
+    rep.fma_x2 = len(re.findall(r"fma\.rn\.f32x2", ptx))
     rep.ttgir_upcasts = len(re.findall(r"ttg\.fp4_to_fp|ttg\.upcast_mxfp|tt\.fp4_to_fp", ttgir))
     rep.local_ptx = len(re.findall(r"\.local\b", ptx))
     sass = sass_of(cubin)
@@ -180,6 +182,8 @@ def _judge(cfg: KernelConfig, rep: Report) -> None:
             f.append(f"{rep.ttgir_upcasts} FP4 upcasts in the TTGIR")
     if cfg.arch in HW_CVT_ARCHS and not rep.e2m1_cvt:
         f.append("P codes not through cvt.rn.satfinite.relu.e2m1x2.f32")
+    if cfg.fma_x2 and not rep.fma_x2:
+        f.append("code argument not through fma.rn.f32x2")
     if rep.local_ptx or rep.sass_local:
         f.append(f"local memory: {rep.local_ptx} in PTX, {rep.sass_local} LDL/STL in SASS (spills)")
 
@@ -240,7 +244,8 @@ def main(argv=None) -> int:
                   f"{r.sass_total} SASS instructions, innermost loops {r.loops})")
             for k, n in r.mma_ptx.items():
                 print(f"  PTX  {k}  x{n}")
-            print(f"  SASS MMA {r.sass_mma}  e2m1x2 cvt x{r.e2m1_cvt}  LDL/STL {r.sass_local}")
+            print(f"  SASS MMA {r.sass_mma}  e2m1x2 cvt x{r.e2m1_cvt}  fma.rn.f32x2 x{r.fma_x2}  "
+                  f"LDL/STL {r.sass_local}")
             print(f"  steady loop {r.steady_loop} instructions ({r.per_score:.1f} per score): "
                   f"{dict(list(r.steady_mix.items())[:8])}; {r.steady_special}")
             if a.model:

@@ -27,6 +27,8 @@ OUT_DTYPES = ("bf16", "fp16")
 ARCHS = {100: "sm_100a", 103: "sm_103a", 120: "sm_120a", 90: "sm_90a"}
 # the hardware E2M1 conversion (cvt.rn.satfinite.relu.e2m1x2.f32) exists from sm_100a on
 HW_CVT_ARCHS = (100, 103, 120)
+# the packed float32 FMA (fma.rn.f32x2) exists on these
+FMA_X2_ARCHS = (100, 103)
 # the Triton release that lowers NVFP4 tl.dot_scaled everywhere we need it (docs/blackwell_kernel.md, "Pins")
 MIN_TRITON = (3, 8)
 # the Blackwell GPUs this kernel is built for (sm_100a, sm_103a, sm_120a): where "auto" picks it (its sm_90 build is
@@ -72,6 +74,10 @@ class KernelConfig:
     @property
     def hw_cvt(self) -> bool:
         return self.arch in HW_CVT_ARCHS
+
+    @property
+    def fma_x2(self) -> bool:
+        return self.arch in FMA_X2_ARCHS
 
     @property
     def register_lean(self) -> bool:

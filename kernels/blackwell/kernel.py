@@ -68,6 +68,20 @@ def _e2m1x2_hw(lo, hi):
 
 
 @triton.jit
+def _fma_x2(a, b, c):
+    """a·b + c, two lanes per ``fma.rn.f32x2`` (sm_100a on): each lane is ``fma.rn.f32``'s one rounding, so the
+    bits are ``tl.fma``'s."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b64 a, b, c, d;\n"
+        "mov.b64 a, {$2, $3};\n"
+        "mov.b64 b, {$4, $5};\n"
+        "mov.b64 c, {$6, $7};\n"
+        "fma.rn.f32x2 d, a, b, c;\n"
+        "mov.b64 {$0, $1}, d; }",
+        "=r,=r,r,r,r,r,r,r", [a, b, c], dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
 def _native_mask(keys):
     """docs/numerics.md section 2 native exp2 positions of physical key indices: b = j // 32, quarter = b % 4,
     pair = (j % 32) // 2; native when pair is quarter, quarter + 8, 4 or 12."""
@@ -116,7 +130,7 @@ def _qk_scores(q, qs, kc_ptr, ks_ptr, kbase, ksbase, j0, SKP, zero,
 @triton.jit
 def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr, NATIVE: tl.constexpr,
-              HW_CVT: tl.constexpr):
+              HW_CVT: tl.constexpr, FMA_X2: tl.constexpr):
     """docs/numerics.md section 2 steps 1-6 for one (BLOCK_M, BLOCK_N) score tile: returns the packed P codes
     (BLOCK_M, BLOCK_N/2) u8, their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8 and which blocks saturated
     (e + 127 > 254, before the clamp: the range record), (BLOCK_M, BLOCK_N/32) int32 0/1. (Step 7's
@@ -144,7 +158,10 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
     k = tl.where(u == 0.0, float("-inf"), _LOG2_6 - (ub - _BIAS))
     kaff = affine_a * k + affine_b
     a_s = affine_a * s_log2
-    y3 = tl.fma(d3, a_s, kaff[:, :, None])                           # step 5, affine positions
+    if FMA_X2:
+        y3 = _fma_x2(d3, tl.full(d3.shape, a_s, tl.float32), tl.broadcast_to(kaff[:, :, None], d3.shape))
+    else:
+        y3 = tl.fma(d3, a_s, kaff[:, :, None])                       # step 5, affine positions
     if NATIVE:
         yn = tl.exp2(tl.fma(d3, s_log2, k[:, :, None]))              # step 5, native positions
         # the pattern repeats every 4 blocks (quarter = block % 4): with whole 128-key tiles it is
@@ -173,7 +190,7 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
                  SQ, SQP, SKP, NUM_KEYS, N_ANCHOR, HEADS, s_log2, margin_raw, affine_a, affine_b, shift, CALL,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
                  ANCHORED: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr, KEY_LENGTHS: tl.constexpr,
-                 REGISTER_LEAN: tl.constexpr):
+                 REGISTER_LEAN: tl.constexpr, FMA_X2: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1).to(tl.int64)
     key_end = SKP
@@ -227,7 +244,7 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
         raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
         keys = j0 + tl.arange(0, BLOCK_N)
         p, ps, sat = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
-                               BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT)
+                               BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT, FMA_X2)
         if REGISTER_LEAN:
             n_sat += tl.sum(tl.where(rows, tl.sum(sat, axis=1), 0))
         else:
@@ -295,7 +312,8 @@ def constexprs(cfg, qk_decode: bool = False) -> dict:
     """The compile-time specialisation of ``cfg`` (``qk_decode``: the CPU-interpreter test build)."""
     return dict(D=cfg.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NATIVE=cfg.native,
                 ANCHORED=cfg.anchored, HW_CVT=cfg.hw_cvt and not qk_decode, QK_DECODE=qk_decode,
-                KEY_LENGTHS=cfg.key_lengths, REGISTER_LEAN=cfg.register_lean)
+                KEY_LENGTHS=cfg.key_lengths, REGISTER_LEAN=cfg.register_lean,
+                FMA_X2=cfg.fma_x2 and not qk_decode)
 
 
 def compile_for_target(cfg):

@@ -31,6 +31,8 @@ def test_blackwell_build_uses_fp4_block_scaled_mma(arch, native):
         assert any("MMA" in op for op in rep.sass_mma)
     assert not any("bf16" in k or "wgmma" in k for k in rep.mma_ptx)
     assert rep.e2m1_cvt > 0 and rep.ttgir_upcasts == 0 and rep.sass_local == 0 and rep.local_ptx == 0
+    if arch in (100, 103):   # the code argument two lanes at a time
+        assert rep.fma_x2 > 0 and rep.steady_mix.get("FFMA2", 0) > 0
 
 
 @needs_38
@@ -50,3 +52,4 @@ def test_judge_catches_missing_mma_and_spills():
     compile_check._judge(cfg, rep)
     text = " ".join(rep.failures)
     assert not rep.ok and "mxf4nvf4" in text and "BF16" in text and "spills" in text and "e2m1x2" in text
+    assert "f32x2" in text
