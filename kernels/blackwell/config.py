@@ -81,9 +81,9 @@ class KernelConfig:
 
     @property
     def register_lean(self) -> bool:
-        """sm_120a's native D128 build sits at 255 registers a thread: 16-byte V loads or per-thread saturation
-        counters spill it (``compile_check``: 18-67 LDL/STL), so it keeps byte-wide V loads and a per-tile
-        saturation sum."""
+        """sm_120a's native D128 build sits at 255 registers a thread: 16-byte V loads, per-thread saturation
+        counters or a peeled last key tile spill it (``compile_check``: 7-67 LDL/STL), so it keeps byte-wide V
+        loads, a per-tile saturation sum and one loop that tests each tile for the key mask."""
         return self.arch == 120 and self.native and self.head_dim == 128
 
     @property

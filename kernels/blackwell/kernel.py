@@ -130,7 +130,7 @@ def _qk_scores(q, qs, kc_ptr, ks_ptr, kbase, ksbase, j0, SKP, zero,
 @triton.jit
 def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr, NATIVE: tl.constexpr,
-              HW_CVT: tl.constexpr, FMA_X2: tl.constexpr):
+              HW_CVT: tl.constexpr, FMA_X2: tl.constexpr, MASK: tl.constexpr):
     """docs/numerics.md section 2 steps 1-6 for one (BLOCK_M, BLOCK_N) score tile: returns the packed P codes
     (BLOCK_M, BLOCK_N/2) u8, their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8 and which blocks saturated
     (e + 127 > 254, before the clamp: the range record), (BLOCK_M, BLOCK_N/32) int32 0/1. (Step 7's
@@ -145,10 +145,13 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
         d = raw - m[:, None]
     else:
         d = raw                                                      # m = 0: exact, skipped
-    # masked keys are -inf: they drop out of the block max and give code 0 on both paths; only the
-    # tile that reaches past the last key pays for the compare and select
-    if tl.max(keys) >= NUM_KEYS:
+    # masked keys are -inf: they drop out of the block max and give code 0 on both paths. MASK: "none" (a tile
+    # wholly below the last key), "keys" (the tile past it), "test" (either: decided at run time)
+    if MASK == "keys":
         d = tl.where((keys < NUM_KEYS)[None, :], d, float("-inf"))
+    elif MASK == "test":
+        if tl.max(keys) >= NUM_KEYS:
+            d = tl.where((keys < NUM_KEYS)[None, :], d, float("-inf"))
     d3 = tl.reshape(d, (BLOCK_M, NB, 32))
     g = tl.max(d3, axis=2) * s_log2                                  # step 1 (s > 0)
     e = tl.floor(g + _ONE_MINUS_LOG2_1P5)                            # step 2 (-inf for empty blocks)
@@ -179,6 +182,46 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
     sbyte = (ub - shift).to(tl.int32)                                # step 6: >= 1, never subnormal
     saturated = (e + _BIAS > _MAX_U * 1.0).to(tl.int32)
     return packed.to(tl.uint8), sbyte.to(tl.uint8), saturated
+
+
+@triton.jit
+def _key_tile(q, qs, KC, KS, VC, VS, kbase, ksbase, vbase, vsbase, j0, SKP, NUM_KEYS, zero, m, rows,
+              s_log2, affine_a, affine_b, shift, acc, den_acc, sat_blocks, n_sat,
+              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr,
+              NATIVE: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr, REGISTER_LEAN: tl.constexpr,
+              FMA_X2: tl.constexpr, MASK: tl.constexpr):
+    """One key tile j0..j0+BLOCK_N of the main loop: Q·Kᵀ, Direct-P, the denominator and P·V MMAs; returns the
+    updated accumulators and saturation counts (MASK: see _direct_p)."""
+    od = tl.arange(0, D)
+    otp = tl.arange(0, BLOCK_N // 2)
+    ots = tl.arange(0, BLOCK_N // _KEY_BLOCK)
+    # E2M1 code 2 is 1.0; E8M0 127 is 2^0
+    ones = tl.full((BLOCK_N // 2, _DEN_N), 0x22, tl.uint8)
+    ones_s = tl.full((_DEN_N, BLOCK_N // 32), 127, tl.uint8)
+    v_row = tl.multiple_of(SKP // 2, BLOCK_N // 2)
+    vs_row = tl.multiple_of(SKP // 32, BLOCK_N // 32)
+    raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
+    keys = j0 + tl.arange(0, BLOCK_N)
+    p, ps, sat = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
+                           BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT, FMA_X2, MASK)
+    if REGISTER_LEAN:
+        n_sat += tl.sum(tl.where(rows, tl.sum(sat, axis=1), 0))
+    else:
+        sat_blocks += tl.where(rows[:, None], sat, 0)
+    # step 7 on the tensor cores: l = Σ_B α'_B Σ_j q_j = (P codes with α') x (a column of 1.0s),
+    # the same codes and scales P·V consumes; every column of den_acc is l (exact products,
+    # float32 sums)
+    den_acc = tl.dot_scaled(p, ps, "e2m1", ones, ones_s, "e2m1", den_acc)
+    # V as the (BLOCK_N/2, D) B operand (packed along tokens), its scales as (D, BLOCK_N/32)
+    if REGISTER_LEAN:   # byte-wide loads (Triton sees no alignment): fewer registers in flight
+        v = tl.load(VC + vbase + od[None, :] * (SKP // 2) + (j0 // 2 + otp)[:, None])
+        vs = tl.load(VS + vsbase + od[:, None] * (SKP // 32) + (j0 // 32 + ots)[None, :])
+    else:
+        v = tl.load(VC + vbase + od[None, :] * v_row + tl.multiple_of(j0 // 2, BLOCK_N // 2) + otp[:, None])
+        vs = tl.load(VS + vsbase + od[:, None] * vs_row + tl.multiple_of(j0 // 32, BLOCK_N // 32) + ots[None, :])
+    acc = tl.dot_scaled(p, ps, "e2m1", v, vs, "e2m1", acc)
+
+    return acc, den_acc, sat_blocks, n_sat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,37 +273,27 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
 
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     den_acc = tl.zeros((BLOCK_M, _DEN_N), tl.float32)
-    # E2M1 code 2 is 1.0; E8M0 127 is 2^0
-    ones = tl.full((BLOCK_N // 2, _DEN_N), 0x22, tl.uint8)
-    ones_s = tl.full((_DEN_N, BLOCK_N // 32), 127, tl.uint8)
-    otp = tl.arange(0, BLOCK_N // 2)
-    ots = tl.arange(0, BLOCK_N // _KEY_BLOCK)
     rows = om < SQ
     # saturated blocks, counted where each thread holds them and summed across the tile once, after the loop (a
     # REGISTER_LEAN build sums them per tile into one scalar instead: no registers, a CTA reduction per tile)
     sat_blocks = tl.zeros((BLOCK_M, BLOCK_N // _KEY_BLOCK), tl.int32)
     n_sat = tl.sum(tl.zeros((BLOCK_M,), tl.int32))
-    for j0 in range(0, key_end, BLOCK_N):
-        raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
-        keys = j0 + tl.arange(0, BLOCK_N)
-        p, ps, sat = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
-                               BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT, FMA_X2)
-        if REGISTER_LEAN:
-            n_sat += tl.sum(tl.where(rows, tl.sum(sat, axis=1), 0))
-        else:
-            sat_blocks += tl.where(rows[:, None], sat, 0)
-        # step 7 on the tensor cores: l = Σ_B α'_B Σ_j q_j = (P codes with α') x (a column of 1.0s),
-        # the same codes and scales P·V consumes; every column of den_acc is l (exact products,
-        # float32 sums)
-        den_acc = tl.dot_scaled(p, ps, "e2m1", ones, ones_s, "e2m1", den_acc)
-        # V as the (BLOCK_N/2, D) B operand (packed along tokens), its scales as (D, BLOCK_N/32)
-        if REGISTER_LEAN:   # byte-wide loads (Triton sees no alignment): fewer registers in flight
-            v = tl.load(VC + vbase + od[None, :] * (SKP // 2) + (j0 // 2 + otp)[:, None])
-            vs = tl.load(VS + vsbase + od[:, None] * (SKP // 32) + (j0 // 32 + ots)[None, :])
-        else:
-            v = tl.load(VC + vbase + od[None, :] * v_row + tl.multiple_of(j0 // 2, BLOCK_N // 2) + otp[:, None])
-            vs = tl.load(VS + vsbase + od[:, None] * vs_row + tl.multiple_of(j0 // 32, BLOCK_N // 32) + ots[None, :])
-        acc = tl.dot_scaled(p, ps, "e2m1", v, vs, "e2m1", acc)
+    # the tiles wholly below the last key, then the one past it: the loop has no mask test (whose branch costs
+    # a CTA reduction, and on the anchored builds 64 register moves at its merge, per tile); a REGISTER_LEAN
+    # build, which the second copy of the tile spills, tests each tile instead
+    full_end = key_end if REGISTER_LEAN else NUM_KEYS // BLOCK_N * BLOCK_N
+    for j0 in range(0, full_end, BLOCK_N):
+        acc, den_acc, sat_blocks, n_sat = _key_tile(
+            q, qs, KC, KS, VC, VS, kbase, ksbase, vbase, vsbase, j0, SKP, NUM_KEYS, zero, m, rows,
+            s_log2, affine_a, affine_b, shift, acc, den_acc, sat_blocks, n_sat,
+            D, BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT, QK_DECODE, REGISTER_LEAN, FMA_X2,
+            "test" if REGISTER_LEAN else "none")
+    if not REGISTER_LEAN:
+        if full_end < key_end:
+            acc, den_acc, sat_blocks, n_sat = _key_tile(
+                q, qs, KC, KS, VC, VS, kbase, ksbase, vbase, vsbase, full_end, SKP, NUM_KEYS, zero, m, rows,
+                s_log2, affine_a, affine_b, shift, acc, den_acc, sat_blocks, n_sat,
+                D, BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT, QK_DECODE, REGISTER_LEAN, FMA_X2, "keys")
 
     # O = Σ (α' q)(α c) / 36 / (Σ α' c_B / 6) = acc / (6 den)  (docs/numerics.md sections 1, 2 step 8);
     # a row whose probabilities all underflowed (den = 0) gives 0, as the Hopper kernel does
