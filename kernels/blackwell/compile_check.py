@@ -52,6 +52,7 @@ class Report:
     steady_loop: int = 0         # the main loop without its forward-branch regions (the tail tile's mask)
     steady_mix: dict = field(default_factory=dict)   # mnemonic (no modifiers) -> count in steady_loop
     steady_special: dict = field(default_factory=dict)  # MUFU / F2FP / MMA / TMEM ops in steady_loop
+    steady_roles: dict = field(default_factory=dict)    # steady_loop by role (STEADY_ROLES)
     per_score: float = 0.0       # thread instructions per score of the steady loop
     sass_total: int = 0
     sass_counts: dict = field(default_factory=dict)  # selected mnemonics (MUFU.EX2, F2FP, ...) -> count
@@ -83,6 +84,27 @@ def sass_of(cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         return subprocess.run([_nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+# what the steady loop's instructions do, by mnemonic (first match in this order; the rest is "other")
+STEADY_ROLES = {
+    "register moves": ("IMAD.MOV", "MOV"),   # here mostly the 64 copies of the zero Q·Kᵀ accumulator (_qk_scores)
+    "Direct-P arithmetic": ("FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSEL", "FRND", "F2I", "F2FP", "MUFU",
+                            "SEL", "I2F"),
+    "MMA issue and sync": ("UMOV", "BAR", "FENCE", "SYNCS", "UIADD3", "BRA", "USHF", "UTC", "ELECT", "NOP", "VOTEU",
+                           "UISETP", "MEMBAR", "UPLOP3", "ISETP", "PLOP3", "BSSY", "BSYNC"),
+    "loads and addresses": ("LDGSTS", "LDGDEPBAR", "DEPBAR", "LDG", "IADD3", "VIADD", "LEA", "SHF", "LDC", "IMAD",
+                            "LOP3"),
+    "operand layout (TMEM, shared)": ("LDS", "STS", "STTM", "LDTM", "PRMT", "SHFL", "REDUX", "CREDUX"),
+}
+
+
+def steady_roles(ops: list[str]) -> dict:
+    """Steady-loop instructions per role (``STEADY_ROLES``)."""
+    roles = Counter()
+    for op in ops:
+        roles[next((role for role, prefixes in STEADY_ROLES.items() if op.startswith(prefixes)), "other")] += 1
+    return dict(roles)
 
 
 _EIATTR_REGCOUNT = 0x2F   # .nv.info attribute: (function symbol, registers per thread)
@@ -179,6 +201,7 @@ def inspect(cfg: KernelConfig, keep_dir: str | None = None) -> Report:
     rep.steady_mix = dict(Counter(op.split(".")[0] for op in ops_steady).most_common())
     rep.steady_special = dict(Counter(op for op in ops_steady if op.startswith(("MUFU", "F2FP", "UTC", "STTM", "LDTM",
                                                                                   "HMMA", "OMMA", "QMMA", "HGMMA"))))
+    rep.steady_roles = steady_roles(ops_steady)
     rep.per_score = rep.steady_loop * 32 * cfg.num_warps / (cfg.block_m * cfg.block_n)
     rep.tmem_columns = max((int(n) for n in re.findall(r"tcgen05\.alloc[\w.:]*\s+\[[^\]]+\],\s*(\d+);", ptx)),
                            default=0)
@@ -303,6 +326,7 @@ def main(argv=None) -> int:
                   f"LDL/STL {r.sass_local}")
             print(f"  steady loop {r.steady_loop} instructions ({r.per_score:.1f} per score): "
                   f"{dict(list(r.steady_mix.items())[:8])}; {r.steady_special}")
+            print(f"  steady loop by role: {r.steady_roles}")
             if a.model:
                 cfg = next(c for c in variants(arch, tuple(a.head_dim or (128, 64))) if c.tag() == r.variant)
                 m = b200_model(cfg, r)

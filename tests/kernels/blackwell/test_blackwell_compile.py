@@ -69,3 +69,9 @@ def test_b200_model_serialises_waited_mmas_and_counts_ctas():
     rep.registers = 136   # one CTA: a tile costs issue + tensor
     m = compile_check.b200_model(cfg, rep)
     assert m["ctas_per_sm"] == 1 and m["bound_cycles"] == 744
+
+
+def test_steady_roles_first_match_wins():
+    roles = compile_check.steady_roles(["IMAD.MOV.U32", "IMAD.X", "FFMA2", "BAR.SYNC", "STTM.x64", "XYZ"])
+    assert roles == {"register moves": 1, "loads and addresses": 1, "Direct-P arithmetic": 1, "MMA issue and sync": 1,
+                     "operand layout (TMEM, shared)": 1, "other": 1}
