@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ class Report:
     mma_ptx: dict = field(default_factory=dict)      # distinct PTX MMA instruction -> count
     sass_mma: dict = field(default_factory=dict)     # SASS MMA mnemonics -> count
     e2m1_cvt: int = 0                                # cvt.rn.satfinite(.relu).e2m1x2.f32 in PTX
+    fma_x2: int = 0                                  # fma.rn.f32x2 in PTX (the packed code argument)
     ttgir_upcasts: int = 0                           # fp4_to_fp / upcast_mxfp ops before the MMA
     local_ptx: int = 0                               # .local declarations / ld.local / st.local
     sass_local: int = 0                              # LDL / STL
@@ -50,10 +52,15 @@ class Report:
     steady_loop: int = 0         # the main loop without its forward-branch regions (the tail tile's mask)
     steady_mix: dict = field(default_factory=dict)   # mnemonic (no modifiers) -> count in steady_loop
     steady_special: dict = field(default_factory=dict)  # MUFU / F2FP / MMA / TMEM ops in steady_loop
+    steady_roles: dict = field(default_factory=dict)    # steady_loop by role (STEADY_ROLES)
     per_score: float = 0.0       # thread instructions per score of the steady loop
     sass_total: int = 0
     sass_counts: dict = field(default_factory=dict)  # selected mnemonics (MUFU.EX2, F2FP, ...) -> count
     shared: int = 0
+    tmem_columns: int = 0        # tcgen05.alloc columns per CTA (of 512 per SM)
+    registers: int = 0           # registers per thread (the cubin's EIATTR_REGCOUNT)
+    mma_commits: int = 0         # UTCBAR (MMA group commits) in steady_loop
+    mma_waits: int = 0           # SYNCS.PHASECHK (mbarrier waits) in steady_loop
     failures: list = field(default_factory=list)
 
     @property
@@ -77,6 +84,49 @@ def sass_of(cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         return subprocess.run([_nvdisasm(), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+# what the steady loop's instructions do, by mnemonic (first match in this order; the rest is "other")
+STEADY_ROLES = {
+    "register moves": ("IMAD.MOV", "MOV"),   # here mostly the 64 copies of the zero Q·Kᵀ accumulator (_qk_scores)
+    "Direct-P arithmetic": ("FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSEL", "FRND", "F2I", "F2FP", "MUFU",
+                            "SEL", "I2F"),
+    "MMA issue and sync": ("UMOV", "BAR", "FENCE", "SYNCS", "UIADD3", "BRA", "USHF", "UTC", "ELECT", "NOP", "VOTEU",
+                           "UISETP", "MEMBAR", "UPLOP3", "ISETP", "PLOP3", "BSSY", "BSYNC"),
+    "loads and addresses": ("LDGSTS", "LDGDEPBAR", "DEPBAR", "LDG", "IADD3", "VIADD", "LEA", "SHF", "LDC", "IMAD",
+                            "LOP3"),
+    "operand layout (TMEM, shared)": ("LDS", "STS", "STTM", "LDTM", "PRMT", "SHFL", "REDUX", "CREDUX"),
+}
+
+
+def steady_roles(ops: list[str]) -> dict:
+    """Steady-loop instructions per role (``STEADY_ROLES``)."""
+    roles = Counter()
+    for op in ops:
+        roles[next((role for role, prefixes in STEADY_ROLES.items() if op.startswith(prefixes)), "other")] += 1
+    return dict(roles)
+
+
+_EIATTR_REGCOUNT = 0x2F   # .nv.info attribute: (function symbol, registers per thread)
+
+
+def register_count(cubin: bytes) -> int:
+    """Registers per thread of the cubin's kernel: EIATTR_REGCOUNT in its ELF ``.nv.info`` section (0: none)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+    for h in headers:
+        if cubin[names + h[0]:cubin.index(b"\0", names + h[0])] != b".nv.info":
+            continue
+        i, end = h[4], h[4] + h[5]
+        while i < end:   # entries: format byte, attribute byte, then (format 4) a u16 size and the payload
+            fmt, attr = cubin[i], cubin[i + 1]
+            size = struct.unpack_from("<H", cubin, i + 2)[0] if fmt == 4 else 0
+            if fmt == 4 and attr == _EIATTR_REGCOUNT:
+                return struct.unpack_from("<II", cubin, i + 4)[1]
+            i += 4 + size
+    return 0
 
 
 def innermost_loops(sass: str) -> list[int]:
@@ -129,6 +179,7 @@ def inspect(cfg: KernelConfig, keep_dir: str | None = None) -> Report:
                 f.write(data)
     rep.mma_ptx = dict(Counter(_MMA_PTX.findall(ptx)))
     rep.e2m1_cvt = len(re.findall(r"cvt\.rn\.satfinite(?:\.relu)?\.e2m1x2\.f32", ptx))
+    rep.fma_x2 = len(re.findall(r"fma\.rn\.f32x2", ptx))
     rep.ttgir_upcasts = len(re.findall(r"ttg\.fp4_to_fp|ttg\.upcast_mxfp|tt\.fp4_to_fp", ttgir))
     rep.local_ptx = len(re.findall(r"\.local\b", ptx))
     sass = sass_of(cubin)
@@ -150,7 +201,13 @@ def inspect(cfg: KernelConfig, keep_dir: str | None = None) -> Report:
     rep.steady_mix = dict(Counter(op.split(".")[0] for op in ops_steady).most_common())
     rep.steady_special = dict(Counter(op for op in ops_steady if op.startswith(("MUFU", "F2FP", "UTC", "STTM", "LDTM",
                                                                                   "HMMA", "OMMA", "QMMA", "HGMMA"))))
+    rep.steady_roles = steady_roles(ops_steady)
     rep.per_score = rep.steady_loop * 32 * cfg.num_warps / (cfg.block_m * cfg.block_n)
+    rep.tmem_columns = max((int(n) for n in re.findall(r"tcgen05\.alloc[\w.:]*\s+\[[^\]]+\],\s*(\d+);", ptx)),
+                           default=0)
+    rep.registers = register_count(cubin)
+    rep.mma_commits = sum(1 for op in ops_steady if op.startswith("UTCBAR"))
+    rep.mma_waits = sum(1 for op in ops_steady if op.startswith("SYNCS.PHASECHK"))
     _judge(cfg, rep)
     return rep
 
@@ -180,6 +237,8 @@ def _judge(cfg: KernelConfig, rep: Report) -> None:
             f.append(f"{rep.ttgir_upcasts} FP4 upcasts in the TTGIR")
     if cfg.arch in HW_CVT_ARCHS and not rep.e2m1_cvt:
         f.append("P codes not through cvt.rn.satfinite.relu.e2m1x2.f32")
+    if cfg.fma_x2 and not rep.fma_x2:
+        f.append("code argument not through fma.rn.f32x2")
     if rep.local_ptx or rep.sass_local:
         f.append(f"local memory: {rep.local_ptx} in PTX, {rep.sass_local} LDL/STL in SASS (spills)")
 
@@ -192,27 +251,50 @@ def _judge(cfg: KernelConfig, rep: Report) -> None:
 # sparsity, i.e. 9 and 2.25 dense) over 148 SMs at ~1.86 GHz -> 32768 and 8192 FLOP/clk/SM. Issue:
 # 4 schedulers x 1 warp instruction per clock. MUFU.EX2: 16/clk/SM (the CUDA guide's figure for
 # recent architectures). The E2M1 conversion's rate is not published: a range, 16 to 64 per clock.
+# Per SM: 512 TMEM columns, 65536 registers, 228 KiB shared memory (232448 B usable by CTAs).
 B200 = dict(sms=148, clock_ghz=1.86, fp4_flop_clk=32768, bf16_flop_clk=8192, issue_warp_clk=4, ex2_clk=16,
-            cvt_clk_low=16, cvt_clk_high=64, fa4_bf16_efficiency=0.71)
+            cvt_clk_low=16, cvt_clk_high=64, fa4_bf16_efficiency=0.71, tmem_columns=512, registers=65536,
+            shared_bytes=232448)
 
 
 def b200_model(cfg: KernelConfig, rep: Report) -> dict:
-    """Cycles per SM for one (block_m x block_n) tile of the steady loop on B200, each resource
-    alone, and the modelled ratio to a BF16 FlashAttention at ``fa4_bf16_efficiency`` of its
-    tensor peak. A model: the loop is taken as perfectly overlapped (the bound is the slowest
-    resource), which Triton's schedule without warp specialisation does not reach."""
+    """Cycles per SM for one (block_m x block_n) tile of the steady loop on B200, with the overlap this build's
+    schedule has, and the modelled ratio to a BF16 FlashAttention at ``fa4_bf16_efficiency`` of its tensor peak.
+
+    The overlap, from the SASS: where every MMA group the loop commits (UTCBAR) is waited on in the same
+    iteration (SYNCS.PHASECHK), one CTA's MMAs do not overlap its own instructions, so a CTA's tile takes
+    issue + tensor cycles; other CTAs on the SM (as many as TMEM, registers and shared memory let in) fill the
+    gaps, giving max(issue, tensor, (issue + tensor) / CTAs). MUFU.EX2 and the E2M1 conversion (its slow
+    end) are pipe limits beside them. ``needed_steady`` is the steady-loop length (SASS instructions per
+    thread and tile) at which this schedule would reach 2.0x (D128) / 1.2x (D64)."""
     scores = cfg.block_m * cfg.block_n
     warps = cfg.num_warps
+    threads = 32 * warps
     flops = 2 * scores * cfg.head_dim * 2 + 2 * scores * 16        # QK, PV, and the denominator MMA
     special = rep.steady_special
-    ex2 = sum(n for op, n in special.items() if op.startswith("MUFU.EX2")) * 32 * warps
-    cvt = sum(n for op, n in special.items() if "E2M1" in op) * 32 * warps
-    cyc = {"tensor_fp4": flops / B200["fp4_flop_clk"], "issue": rep.steady_loop * warps / B200["issue_warp_clk"],
-           "ex2": ex2 / B200["ex2_clk"], "e2m1_cvt": [cvt / B200["cvt_clk_high"], cvt / B200["cvt_clk_low"]]}
-    bound = max(cyc["tensor_fp4"], cyc["issue"], cyc["ex2"], cyc["e2m1_cvt"][1])
+    ex2 = sum(n for op, n in special.items() if op.startswith("MUFU.EX2")) * threads
+    cvt = sum(n for op, n in special.items() if "E2M1" in op) * threads
+    issue = rep.steady_loop * warps / B200["issue_warp_clk"]
+    tensor = flops / B200["fp4_flop_clk"]
+    ctas = min(B200["tmem_columns"] // max(rep.tmem_columns, 1),
+               B200["registers"] // max(rep.registers * threads, 1),
+               B200["shared_bytes"] // max(rep.shared, 1))
+    serial = rep.mma_waits >= rep.mma_commits > 0
+    overlapped = (issue + tensor) / max(ctas, 1) if serial else 0.0
+    cyc = {"tensor_fp4": tensor, "issue": issue, "ex2": ex2 / B200["ex2_clk"],
+           "e2m1_cvt": [cvt / B200["cvt_clk_high"], cvt / B200["cvt_clk_low"]], "schedule": overlapped}
+    bound = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][1], overlapped)
     bf16 = 2 * scores * cfg.head_dim * 2 / B200["bf16_flop_clk"] / B200["fa4_bf16_efficiency"]
-    return {"cycles_per_tile": cyc, "bound_cycles": bound, "bf16_fa_cycles": bf16,
-            "modelled_speedup_vs_bf16": bf16 / bound, "per_score_instructions": rep.per_score}
+    target = 2.0 if cfg.head_dim == 128 else 1.2
+    # issue cycles allowed at the target: bf16/target, and where the MMAs are waited on, (issue + tensor)/CTAs
+    # within it too
+    allowed = bf16 / target
+    if serial:
+        allowed = min(allowed, allowed * max(ctas, 1) - tensor)
+    return {"cycles_per_tile": cyc, "bound_cycles": bound, "bf16_fa_cycles": bf16, "ctas_per_sm": ctas,
+            "mma_serialised": serial, "modelled_speedup_vs_bf16": bf16 / bound,
+            "per_score_instructions": rep.per_score, "target": target,
+            "needed_steady": max(allowed, 0.0) * B200["issue_warp_clk"] / warps}
 
 
 def variants(arch: int, head_dims=(128, 64)) -> list[KernelConfig]:
@@ -240,17 +322,22 @@ def main(argv=None) -> int:
                   f"{r.sass_total} SASS instructions, innermost loops {r.loops})")
             for k, n in r.mma_ptx.items():
                 print(f"  PTX  {k}  x{n}")
-            print(f"  SASS MMA {r.sass_mma}  e2m1x2 cvt x{r.e2m1_cvt}  LDL/STL {r.sass_local}")
+            print(f"  SASS MMA {r.sass_mma}  e2m1x2 cvt x{r.e2m1_cvt}  fma.rn.f32x2 x{r.fma_x2}  "
+                  f"LDL/STL {r.sass_local}")
             print(f"  steady loop {r.steady_loop} instructions ({r.per_score:.1f} per score): "
                   f"{dict(list(r.steady_mix.items())[:8])}; {r.steady_special}")
+            print(f"  steady loop by role: {r.steady_roles}")
             if a.model:
                 cfg = next(c for c in variants(arch, tuple(a.head_dim or (128, 64))) if c.tag() == r.variant)
                 m = b200_model(cfg, r)
                 c = m["cycles_per_tile"]
                 print(f"  MODEL (B200, not measured): cycles/tile tensor {c['tensor_fp4']:.0f}, "
-                      f"issue {c['issue']:.0f}, "
-                      f"ex2 {c['ex2']:.0f}, e2m1 cvt {c['e2m1_cvt'][0]:.0f}-{c['e2m1_cvt'][1]:.0f}; BF16 FA "
-                      f"{m['bf16_fa_cycles']:.0f} -> {m['modelled_speedup_vs_bf16']:.2f}x at best")
+                      f"issue {c['issue']:.0f}, ex2 {c['ex2']:.0f}, e2m1 cvt {c['e2m1_cvt'][0]:.0f}-"
+                      f"{c['e2m1_cvt'][1]:.0f}; MMAs {'waited in the loop' if m['mma_serialised'] else 'overlapped'} "
+                      f"({r.mma_commits} commits, {r.mma_waits} waits), {m['ctas_per_sm']} CTA/SM (TMEM "
+                      f"{r.tmem_columns} cols, {r.registers} regs, {r.shared} B) -> schedule {c['schedule']:.0f}; "
+                      f"BF16 FA {m['bf16_fa_cycles']:.0f} -> {m['modelled_speedup_vs_bf16']:.2f}x; "
+                      f"{m['target']}x needs a steady loop <= {m['needed_steady']:.0f} instructions")
             for msg in r.failures:
                 print(f"  FAIL {msg}")
     return 0 if all(r.ok for r in reports) else 1

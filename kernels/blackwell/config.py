@@ -27,6 +27,8 @@ OUT_DTYPES = ("bf16", "fp16")
 ARCHS = {100: "sm_100a", 103: "sm_103a", 120: "sm_120a", 90: "sm_90a"}
 # the hardware E2M1 conversion (cvt.rn.satfinite.relu.e2m1x2.f32) exists from sm_100a on
 HW_CVT_ARCHS = (100, 103, 120)
+# the packed float32 FMA (fma.rn.f32x2) exists on these
+FMA_X2_ARCHS = (100, 103)
 # the Triton release that lowers NVFP4 tl.dot_scaled everywhere we need it (docs/blackwell_kernel.md, "Pins")
 MIN_TRITON = (3, 8)
 # the Blackwell GPUs this kernel is built for (sm_100a, sm_103a, sm_120a): where "auto" picks it (its sm_90 build is
@@ -72,6 +74,17 @@ class KernelConfig:
     @property
     def hw_cvt(self) -> bool:
         return self.arch in HW_CVT_ARCHS
+
+    @property
+    def fma_x2(self) -> bool:
+        return self.arch in FMA_X2_ARCHS
+
+    @property
+    def register_lean(self) -> bool:
+        """sm_120a's native D128 build sits at 255 registers a thread: 16-byte V loads, per-thread saturation
+        counters or a peeled last key tile spill it (``compile_check``: 7-67 LDL/STL), so it keeps byte-wide V
+        loads, a per-tile saturation sum and one loop that tests each tile for the key mask."""
+        return self.arch == 120 and self.native and self.head_dim == 128
 
     @property
     def arch_name(self) -> str:

@@ -68,6 +68,20 @@ def _e2m1x2_hw(lo, hi):
 
 
 @triton.jit
+def _fma_x2(a, b, c):
+    """a·b + c, two lanes per ``fma.rn.f32x2`` (sm_100a on): each lane is ``fma.rn.f32``'s one rounding, so the
+    bits are ``tl.fma``'s."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b64 a, b, c, d;\n"
+        "mov.b64 a, {$2, $3};\n"
+        "mov.b64 b, {$4, $5};\n"
+        "mov.b64 c, {$6, $7};\n"
+        "fma.rn.f32x2 d, a, b, c;\n"
+        "mov.b64 {$0, $1}, d; }",
+        "=r,=r,r,r,r,r,r,r", [a, b, c], dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
 def _native_mask(keys):
     """docs/numerics.md section 2 native exp2 positions of physical key indices: b = j // 32, quarter = b % 4,
     pair = (j % 32) // 2; native when pair is quarter, quarter + 8, 4 or 12."""
@@ -116,11 +130,11 @@ def _qk_scores(q, qs, kc_ptr, ks_ptr, kbase, ksbase, j0, SKP, zero,
 @triton.jit
 def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr, NATIVE: tl.constexpr,
-              HW_CVT: tl.constexpr):
+              HW_CVT: tl.constexpr, FMA_X2: tl.constexpr, MASK: tl.constexpr):
     """docs/numerics.md section 2 steps 1-6 for one (BLOCK_M, BLOCK_N) score tile: returns the packed P codes
-    (BLOCK_M, BLOCK_N/2) u8, their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8 and the saturated blocks
-    of each row (e + 127 > 254, before the clamp: the range record). (Step 7's denominator is a second
-    block-scaled MMA of the same codes and scales: see the kernel.)
+    (BLOCK_M, BLOCK_N/2) u8, their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8 and which blocks saturated
+    (e + 127 > 254, before the clamp: the range record), (BLOCK_M, BLOCK_N/32) int32 0/1. (Step 7's
+    denominator is a second block-scaled MMA of the same codes and scales: see the kernel.)
 
     Float32 in the reference's order: d = raw - m first (the reference subtracts m before scaling),
     g = max_B(d)·s, and the code argument as one FMA, y = d·(A s) + (A k + B) with k = log2 6 - ē
@@ -131,10 +145,13 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
         d = raw - m[:, None]
     else:
         d = raw                                                      # m = 0: exact, skipped
-    # masked keys are -inf: they drop out of the block max and give code 0 on both paths; only the
-    # tile that reaches past the last key pays for the compare and select
-    if tl.max(keys) >= NUM_KEYS:
+    # masked keys are -inf: they drop out of the block max and give code 0 on both paths. MASK: "none" (a tile
+    # wholly below the last key), "keys" (the tile past it), "test" (either: decided at run time)
+    if MASK == "keys":
         d = tl.where((keys < NUM_KEYS)[None, :], d, float("-inf"))
+    elif MASK == "test":
+        if tl.max(keys) >= NUM_KEYS:
+            d = tl.where((keys < NUM_KEYS)[None, :], d, float("-inf"))
     d3 = tl.reshape(d, (BLOCK_M, NB, 32))
     g = tl.max(d3, axis=2) * s_log2                                  # step 1 (s > 0)
     e = tl.floor(g + _ONE_MINUS_LOG2_1P5)                            # step 2 (-inf for empty blocks)
@@ -144,7 +161,10 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
     k = tl.where(u == 0.0, float("-inf"), _LOG2_6 - (ub - _BIAS))
     kaff = affine_a * k + affine_b
     a_s = affine_a * s_log2
-    y3 = tl.fma(d3, a_s, kaff[:, :, None])                           # step 5, affine positions
+    if FMA_X2:
+        y3 = _fma_x2(d3, tl.full(d3.shape, a_s, tl.float32), tl.broadcast_to(kaff[:, :, None], d3.shape))
+    else:
+        y3 = tl.fma(d3, a_s, kaff[:, :, None])                       # step 5, affine positions
     if NATIVE:
         yn = tl.exp2(tl.fma(d3, s_log2, k[:, :, None]))              # step 5, native positions
         # the pattern repeats every 4 blocks (quarter = block % 4): with whole 128-key tiles it is
@@ -160,8 +180,48 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
     else:
         packed = e2m1_index(y_lo) | (e2m1_index(y_hi) << 4)
     sbyte = (ub - shift).to(tl.int32)                                # step 6: >= 1, never subnormal
-    saturated = tl.sum((e + _BIAS > _MAX_U * 1.0).to(tl.int32), axis=1)
+    saturated = (e + _BIAS > _MAX_U * 1.0).to(tl.int32)
     return packed.to(tl.uint8), sbyte.to(tl.uint8), saturated
+
+
+@triton.jit
+def _key_tile(q, qs, KC, KS, VC, VS, kbase, ksbase, vbase, vsbase, j0, SKP, NUM_KEYS, zero, m, rows,
+              s_log2, affine_a, affine_b, shift, acc, den_acc, sat_blocks, n_sat,
+              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ANCHORED: tl.constexpr,
+              NATIVE: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr, REGISTER_LEAN: tl.constexpr,
+              FMA_X2: tl.constexpr, MASK: tl.constexpr):
+    """One key tile j0..j0+BLOCK_N of the main loop: Q·Kᵀ, Direct-P, the denominator and P·V MMAs; returns the
+    updated accumulators and saturation counts (MASK: see _direct_p)."""
+    od = tl.arange(0, D)
+    otp = tl.arange(0, BLOCK_N // 2)
+    ots = tl.arange(0, BLOCK_N // _KEY_BLOCK)
+    # E2M1 code 2 is 1.0; E8M0 127 is 2^0
+    ones = tl.full((BLOCK_N // 2, _DEN_N), 0x22, tl.uint8)
+    ones_s = tl.full((_DEN_N, BLOCK_N // 32), 127, tl.uint8)
+    v_row = tl.multiple_of(SKP // 2, BLOCK_N // 2)
+    vs_row = tl.multiple_of(SKP // 32, BLOCK_N // 32)
+    raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
+    keys = j0 + tl.arange(0, BLOCK_N)
+    p, ps, sat = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
+                           BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT, FMA_X2, MASK)
+    if REGISTER_LEAN:
+        n_sat += tl.sum(tl.where(rows, tl.sum(sat, axis=1), 0))
+    else:
+        sat_blocks += tl.where(rows[:, None], sat, 0)
+    # step 7 on the tensor cores: l = Σ_B α'_B Σ_j q_j = (P codes with α') x (a column of 1.0s),
+    # the same codes and scales P·V consumes; every column of den_acc is l (exact products,
+    # float32 sums)
+    den_acc = tl.dot_scaled(p, ps, "e2m1", ones, ones_s, "e2m1", den_acc)
+    # V as the (BLOCK_N/2, D) B operand (packed along tokens), its scales as (D, BLOCK_N/32)
+    if REGISTER_LEAN:   # byte-wide loads (Triton sees no alignment): fewer registers in flight
+        v = tl.load(VC + vbase + od[None, :] * (SKP // 2) + (j0 // 2 + otp)[:, None])
+        vs = tl.load(VS + vsbase + od[:, None] * (SKP // 32) + (j0 // 32 + ots)[None, :])
+    else:
+        v = tl.load(VC + vbase + od[None, :] * v_row + tl.multiple_of(j0 // 2, BLOCK_N // 2) + otp[:, None])
+        vs = tl.load(VS + vsbase + od[:, None] * vs_row + tl.multiple_of(j0 // 32, BLOCK_N // 32) + ots[None, :])
+    acc = tl.dot_scaled(p, ps, "e2m1", v, vs, "e2m1", acc)
+
+    return acc, den_acc, sat_blocks, n_sat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +232,8 @@ def _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
 def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
                  SQ, SQP, SKP, NUM_KEYS, N_ANCHOR, HEADS, s_log2, margin_raw, affine_a, affine_b, shift, CALL,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
-                 ANCHORED: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr, KEY_LENGTHS: tl.constexpr):
+                 ANCHORED: tl.constexpr, HW_CVT: tl.constexpr, QK_DECODE: tl.constexpr, KEY_LENGTHS: tl.constexpr,
+                 REGISTER_LEAN: tl.constexpr, FMA_X2: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1).to(tl.int64)
     key_end = SKP
@@ -187,8 +248,12 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
     qbase = pid_g * SQP * (D // 2)
     kbase = pid_g * SKP * (D // 2)
     ksbase = pid_g * SKP * (D // _SF16)
-    vbase = pid_g * D * (SKP // 2)
-    vsbase = pid_g * D * (SKP // 32)
+    # the pre-pass pads the keys to whole tiles, so V's rows (SKP/2 bytes) start 16-byte aligned and its codes
+    # load in 16-byte vectors, its scales in 4-byte words (Triton cannot know this of an int argument)
+    v_row = tl.multiple_of(SKP // 2, BLOCK_N // 2)
+    vbase = pid_g * D * v_row
+    vs_row = tl.multiple_of(SKP // 32, BLOCK_N // 32)
+    vsbase = pid_g * D * vs_row
     zero = s_log2 * 0.0   # s_log2 is finite: a runtime zero (see _qk_scores)
     q = tl.load(QC + qbase + om[:, None] * (D // 2) + odp[None, :])
     qs = tl.load(QS + pid_g * SQP * (D // _SF16) + om[:, None] * (D // _SF16) + ods[None, :])
@@ -208,27 +273,27 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
 
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     den_acc = tl.zeros((BLOCK_M, _DEN_N), tl.float32)
-    # E2M1 code 2 is 1.0; E8M0 127 is 2^0
-    ones = tl.full((BLOCK_N // 2, _DEN_N), 0x22, tl.uint8)
-    ones_s = tl.full((_DEN_N, BLOCK_N // 32), 127, tl.uint8)
-    otp = tl.arange(0, BLOCK_N // 2)
-    ots = tl.arange(0, BLOCK_N // _KEY_BLOCK)
     rows = om < SQ
-    n_sat = tl.sum(tl.zeros((BLOCK_M,), tl.int32))   # one scalar: the record adds registers nowhere else
-    for j0 in range(0, key_end, BLOCK_N):
-        raw = _qk_scores(q, qs, KC, KS, kbase, ksbase, j0, SKP, zero, D, BLOCK_N, QK_DECODE)
-        keys = j0 + tl.arange(0, BLOCK_N)
-        p, ps, sat = _direct_p(raw, keys, m, s_log2, affine_a, affine_b, shift, NUM_KEYS,
-                               BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT)
-        n_sat += tl.sum(tl.where(rows, sat, 0))
-        # step 7 on the tensor cores: l = Σ_B α'_B Σ_j q_j = (P codes with α') x (a column of 1.0s),
-        # the same codes and scales P·V consumes; every column of den_acc is l (exact products,
-        # float32 sums)
-        den_acc = tl.dot_scaled(p, ps, "e2m1", ones, ones_s, "e2m1", den_acc)
-        # V as the (BLOCK_N/2, D) B operand (packed along tokens), its scales as (D, BLOCK_N/32)
-        v = tl.load(VC + vbase + od[None, :] * (SKP // 2) + (j0 // 2 + otp)[:, None])
-        vs = tl.load(VS + vsbase + od[:, None] * (SKP // 32) + (j0 // 32 + ots)[None, :])
-        acc = tl.dot_scaled(p, ps, "e2m1", v, vs, "e2m1", acc)
+    # saturated blocks, counted where each thread holds them and summed across the tile once, after the loop (a
+    # REGISTER_LEAN build sums them per tile into one scalar instead: no registers, a CTA reduction per tile)
+    sat_blocks = tl.zeros((BLOCK_M, BLOCK_N // _KEY_BLOCK), tl.int32)
+    n_sat = tl.sum(tl.zeros((BLOCK_M,), tl.int32))
+    # the tiles wholly below the last key, then the one past it: the loop has no mask test (whose branch costs
+    # a CTA reduction, and on the anchored builds 64 register moves at its merge, per tile); a REGISTER_LEAN
+    # build, which the second copy of the tile spills, tests each tile instead
+    full_end = key_end if REGISTER_LEAN else NUM_KEYS // BLOCK_N * BLOCK_N
+    for j0 in range(0, full_end, BLOCK_N):
+        acc, den_acc, sat_blocks, n_sat = _key_tile(
+            q, qs, KC, KS, VC, VS, kbase, ksbase, vbase, vsbase, j0, SKP, NUM_KEYS, zero, m, rows,
+            s_log2, affine_a, affine_b, shift, acc, den_acc, sat_blocks, n_sat,
+            D, BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT, QK_DECODE, REGISTER_LEAN, FMA_X2,
+            "test" if REGISTER_LEAN else "none")
+    if not REGISTER_LEAN:
+        if full_end < key_end:
+            acc, den_acc, sat_blocks, n_sat = _key_tile(
+                q, qs, KC, KS, VC, VS, kbase, ksbase, vbase, vsbase, full_end, SKP, NUM_KEYS, zero, m, rows,
+                s_log2, affine_a, affine_b, shift, acc, den_acc, sat_blocks, n_sat,
+                D, BLOCK_M, BLOCK_N, ANCHORED, NATIVE, HW_CVT, QK_DECODE, REGISTER_LEAN, FMA_X2, "keys")
 
     # O = Σ (α' q)(α c) / 36 / (Σ α' c_B / 6) = acc / (6 den)  (docs/numerics.md sections 1, 2 step 8);
     # a row whose probabilities all underflowed (den = 0) gives 0, as the Hopper kernel does
@@ -249,6 +314,7 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
         n_empty = tl.sum((rows & (den == 0.0)).to(tl.int32))
         bad = ~(tl.abs(o) < limit) & rows[:, None]
         n_nonfinite = tl.sum(tl.sum(bad.to(tl.int32), axis=1))
+        n_sat += tl.sum(tl.sum(sat_blocks, axis=1))
         if n_sat + n_empty + n_nonfinite > 0:
             tl.atomic_add(REC, n_sat)
             tl.atomic_add(REC + 1, n_empty)
@@ -279,7 +345,8 @@ def constexprs(cfg, qk_decode: bool = False) -> dict:
     """The compile-time specialisation of ``cfg`` (``qk_decode``: the CPU-interpreter test build)."""
     return dict(D=cfg.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NATIVE=cfg.native,
                 ANCHORED=cfg.anchored, HW_CVT=cfg.hw_cvt and not qk_decode, QK_DECODE=qk_decode,
-                KEY_LENGTHS=cfg.key_lengths)
+                KEY_LENGTHS=cfg.key_lengths, REGISTER_LEAN=cfg.register_lean,
+                FMA_X2=cfg.fma_x2 and not qk_decode)
 
 
 def compile_for_target(cfg):

@@ -31,6 +31,10 @@ def test_blackwell_build_uses_fp4_block_scaled_mma(arch, native):
         assert any("MMA" in op for op in rep.sass_mma)
     assert not any("bf16" in k or "wgmma" in k for k in rep.mma_ptx)
     assert rep.e2m1_cvt > 0 and rep.ttgir_upcasts == 0 and rep.sass_local == 0 and rep.local_ptx == 0
+    if arch in (100, 103):   # the code argument two lanes at a time
+        assert rep.fma_x2 > 0 and rep.steady_mix.get("FFMA2", 0) > 0
+        # what the model's schedule reads: TMEM columns, registers, the MMA groups committed and waited on
+        assert rep.tmem_columns in (256, 512) and 0 < rep.registers <= 255 and rep.mma_commits > 0
 
 
 @needs_38
@@ -50,3 +54,24 @@ def test_judge_catches_missing_mma_and_spills():
     compile_check._judge(cfg, rep)
     text = " ".join(rep.failures)
     assert not rep.ok and "mxf4nvf4" in text and "BF16" in text and "spills" in text and "e2m1x2" in text
+    assert "f32x2" in text
+
+
+def test_b200_model_serialises_waited_mmas_and_counts_ctas():
+    cfg = KernelConfig(64, "bf16", False, False, 100)
+    rep = compile_check.Report(cfg.tag(), cfg.arch_name, 0.0, steady_loop=300, shared=13824, tmem_columns=256,
+                               registers=128, mma_commits=3, mma_waits=3)
+    m = compile_check.b200_model(cfg, rep)
+    # issue 300 x 8 warps / 4 = 600 cycles; tensor (2 x 128 x 128 x (64 x 2 + 16)) / 32768 = 144; two CTAs fit
+    assert m["mma_serialised"] and m["ctas_per_sm"] == 2
+    assert m["cycles_per_tile"]["schedule"] == (600 + 144) / 2 and m["bound_cycles"] == 600
+    assert round(m["needed_steady"]) == 300   # 1.2x: issue <= 721/1.2
+    rep.registers = 136   # one CTA: a tile costs issue + tensor
+    m = compile_check.b200_model(cfg, rep)
+    assert m["ctas_per_sm"] == 1 and m["bound_cycles"] == 744
+
+
+def test_steady_roles_first_match_wins():
+    roles = compile_check.steady_roles(["IMAD.MOV.U32", "IMAD.X", "FFMA2", "BAR.SYNC", "STTM.x64", "XYZ"])
+    assert roles == {"register moves": 1, "loads and addresses": 1, "Direct-P arithmetic": 1, "MMA issue and sync": 1,
+                     "operand layout (TMEM, shared)": 1, "other": 1}

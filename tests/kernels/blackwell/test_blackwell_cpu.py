@@ -85,9 +85,9 @@ user = Policy("user", affine_a=1.55, affine_b=1.0, native_exp2=True, anchor=64, 
 cases = [("fast", 64, (1, 1, 130, 200)), ("wan_fast", 128, (1, 1, 64, 333)), ("accurate", 64, (2, 1, 150, 96)),
          ("guard", 128, (1, 1, 128, 300)), (user, 64, (1, 1, 100, 260)), (guard_policy(112, 14), 64, (1, 1, 33, 129))]
 
-def run(q, k, v, p, scale):
+def run(q, k, v, p, scale, arch=90):
     d = q.shape[-1]
-    cfg = KernelConfig(d, "bf16", p.native_exp2, p.anchor > 0, 90)
+    cfg = KernelConfig(d, "bf16", p.native_exp2, p.anchor > 0, arch)
     ops = prepass.prepare(q, k, v, p.qk_layout(d), p.anchor, cfg.block_m, cfg.block_n)
     out = torch.empty(q.shape[0] * q.shape[1], q.shape[2], d, dtype=torch.float32)
     kernel.launch_jit(cfg, ops, out, p.kernel_params(d, scale), qk_decode=True)
@@ -111,6 +111,11 @@ for pol, d, shape in cases:
             ref_nonfinite_rows=int((~fin).sum()), rel=rel_l2(out[fin], ref[fin]),
             rows_exact=float((row_err[fin] < 1e-6).double().mean()),
             same_bf16=float((out.bfloat16() == ref.bfloat16()).double().mean()))
+# the register-lean build (sm_120a native D128: byte-wide V loads, per-tile saturation sums) computes the same bits
+q, k, v = (t.float() for t in make_inputs((1, 1, 128, 300, 128), torch.bfloat16, "wide", "guard", seed=5))
+assert KernelConfig(128, "bf16", True, True, 120).register_lean
+res["register_lean_equal"] = bool(torch.equal(run(q, k, v, POLICIES["guard"], 0.088, arch=120),
+                                              run(q, k, v, POLICIES["guard"], 0.088)))
 # the backend's host glue (policy -> op arguments -> kernel arguments, the route's config) with
 # the interpreter as the launcher
 launch.route = lambda index: ("jit", 90)
@@ -225,6 +230,10 @@ def test_kernel_interpreted_matches_reference(interpreted, case):
     assert r["rel"] <= 5e-3, r
     assert r["rows_exact"] >= 0.98, r
     assert r["same_bf16"] > 0.99, r
+
+
+def test_register_lean_build_is_bit_identical_interpreted(interpreted):
+    assert interpreted["register_lean_equal"]
 
 
 def test_kernel_interpreted_empty_rows_give_zero(interpreted):
