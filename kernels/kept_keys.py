@@ -45,11 +45,10 @@ def _physical_order(lengths: torch.Tensor, skv: int, anchor: int) -> torch.Tenso
     pos = torch.arange(skv, device=lengths.device).expand(b, skv)
     kept = pos < lengths[:, None]
     if anchor > 0 and skv > anchor:
-        is_anchor = pos < lengths[:, None]
-        sampled = lengths > anchor
+        # an element with at most `anchor` kept keys samples every one of them
         marks = torch.zeros(b, skv, dtype=torch.bool, device=lengths.device)
         marks.scatter_(1, anchor_positions(lengths, anchor).clamp(0, skv - 1), True)
-        is_anchor = torch.where(sampled[:, None], marks, is_anchor)
+        is_anchor = torch.where((lengths > anchor)[:, None], marks, kept)
         rank = torch.where(kept, torch.where(is_anchor, 0, 1), 2)
     else:
         rank = torch.where(kept, 0, 2)

@@ -53,17 +53,21 @@ def test_an_element_masking_every_key_attends_to_one_zero_key():
     assert int(kept.lengths[0]) == 1 and bool((kept.k[0] == 0).all()) and bool((kept.v[0] == 0).all())
 
 
+def _gathered(policy: str):
+    """D = 64 inputs of ``_masked``, a query, ``policy``'s kernel parameters and the gathered kept keys."""
+    k, v, mask = _masked(d=64)
+    v = v[..., :64]
+    q = torch.randn(k.shape[0], k.shape[1], 20, 64, generator=torch.Generator().manual_seed(1))
+    params = POLICIES[policy].kernel_params(64, 0.125)
+    return q, k, v, mask, params, kept_keys(k, v, mask, params.anchor)
+
+
 @pytest.mark.parametrize("policy", ["fast", "accurate", "guard", "fast_fp8qk"])
 def test_hopper_operands_of_kept_keys_are_the_unmasked_calls(policy):
     """The Hopper pre-pass (its PyTorch statement, which the interpreted tests hold the Triton one to) of the
     gathered keys, without a permutation, equals on the kept keys the unmasked call's with its permutation."""
     from fp4vis.kernels.hopper import prepass_torch
-    pol = POLICIES[policy]
-    k, v, mask = _masked(d=64)
-    v = v[..., :64]
-    q = torch.randn(k.shape[0], k.shape[1], 20, 64, generator=torch.Generator().manual_seed(1))
-    params = pol.kernel_params(64, 0.125)
-    kept = kept_keys(k, v, mask, params.anchor)
+    q, k, v, mask, params, kept = _gathered(policy)
     ops = prepass_torch.kernel_operands(q, kept.k, kept.v, params.qk_layout, 0)
     for b in range(k.shape[0]):
         keep = mask[b].nonzero().flatten()
@@ -81,12 +85,7 @@ def test_hopper_operands_of_kept_keys_are_the_unmasked_calls(policy):
 @pytest.mark.parametrize("policy", ["fast", "guard"])
 def test_blackwell_operands_of_kept_keys_are_the_unmasked_calls(policy):
     from fp4vis.kernels.blackwell import prepass
-    pol = POLICIES[policy]
-    k, v, mask = _masked(d=64)
-    v = v[..., :64]
-    q = torch.randn(k.shape[0], k.shape[1], 20, 64, generator=torch.Generator().manual_seed(1))
-    params = pol.kernel_params(64, 0.125)
-    kept = kept_keys(k, v, mask, params.anchor)
+    q, k, v, mask, params, kept = _gathered(policy)
     ops = prepass.prepare(q, kept.k, kept.v, params.qk_layout, 0, 128, 128, fused=False)
     h = k.shape[1]
     for b in range(k.shape[0]):
