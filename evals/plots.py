@@ -54,7 +54,10 @@ def _first(row: Mapping[str, Any], keys: Iterable[str]) -> tuple[str | None, Any
 def _label(row: Mapping[str, Any]) -> str:
     base = next((str(row[k]) for k in LABEL_KEYS if row.get(k) not in (None, "")), "?")
     pol = row.get("policy")
-    return f"{base} / {pol}" if pol not in (None, "", base) else base
+    label = f"{base} / {pol}" if pol not in (None, "", base) else base
+    # the route a backend ran through (the Blackwell kernel's: "jit", "cubin", or its sm_90 verification build on
+    # an H200), so that the plot alone does not pass one route's speed off as another's
+    return f"{label} ({row['route']})" if row.get("route") else label
 
 
 def summarize(result: Any) -> list[dict[str, Any]]:
@@ -103,6 +106,7 @@ def speed_error_plot(result: Any, path: str | os.PathLike, *, title: str = "fp4v
     use_tflops = any(p.get("tflops") for p in pts)
     fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
     plotted = 0
+    points = []
     for i, p in enumerate(sorted(pts, key=lambda p: p["label"])):
         y = p.get("tflops") if use_tflops else (1000.0 / p["time_ms"] if p.get("time_ms") else None)
         x = p.get("rel_l2")
@@ -112,12 +116,18 @@ def speed_error_plot(result: Any, path: str | os.PathLike, *, title: str = "fp4v
             ax.axhline(y, color=f"C{i % 10}", ls="--", lw=1.0, zorder=2, label=f"{p['label']} (no error measured)")
         else:
             ax.scatter([x], [y], s=46, color=f"C{i % 10}", label=p["label"], zorder=3)
-            ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+            points.append((x, y, p["label"]))
         plotted += 1
+    # each point's label on the side facing the middle of the plot (log x), so none runs off the figure
+    mid = (math.log(min(x for x, _, _ in points)) + math.log(max(x for x, _, _ in points))) / 2 if points else 0.0
+    for x, y, label in points:
+        right = math.log(x) > mid
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(-5 if right else 5, 4), fontsize=7,
+                    ha="right" if right else "left")
     has_err = any((p.get("rel_l2") or 0) > 0 for p in pts)
     if has_err:
         ax.set_xscale("log")
-    ax.set_xlabel("relative L2 error vs exact BF16 attention (mean over shapes); dashed: speed of a row without "
+    ax.set_xlabel("relative L2 error vs exact BF16 attention (mean over shapes)\ndashed: speed of a row without "
                   "an error" if has_err else "no error measured in this run: the dashed lines are speeds only")
     ax.set_ylabel("TFLOPS (mean over shapes)" if use_tflops else "calls per second (1 / mean time)")
     ax.set_title(title, fontsize=10)

@@ -106,6 +106,16 @@ def test_speed_error_plot_makes_up_no_error(tmp_path, monkeypatch):
     assert points == [(0.3, 250.0)] and sorted(lines) == [500.0, 1000.0]
 
 
+def test_speed_error_plot_names_the_route():
+    """A row that ran through a named route (the Blackwell kernel's sm_90 verification build on an H200) keeps it in
+    its label, so the plot alone does not pass it off as the product route."""
+    rows = [{"backend": "blackwell", "policy": "fast", "time_ms": 4.0, "rel_l2": 0.3,
+             "route": "sm_90 verification (not Blackwell)"},
+            {"backend": "fa4", "time_ms": 1.0, "rel_l2": 0.003}]
+    assert sorted(p["label"] for p in summarize({"rows": rows})) == [
+        "blackwell / fast (sm_90 verification (not Blackwell))", "fa4"]
+
+
 def test_bench_runs_the_blackwell_backend_where_it_exists():
     """`fp4vis bench` times the Blackwell backend with the others; where it cannot run, its row says why."""
     import torch
