@@ -109,3 +109,20 @@ def fp4vis_settings(monkeypatch):
     yield set_settings
     monkeypatch.undo()
     config.refresh()
+
+
+@pytest.fixture()
+def cli(capsys):
+    """Run the ``fp4vis`` command in-process: ``cli(*argv)`` gives its exit status, stdout and stderr (an option
+    argparse refuses exits 2 from the parser)."""
+    from fp4vis.cli import main
+
+    def run(*argv):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -23,16 +23,6 @@ def assets(tmp_path_factory, tiny_wan, tiny_mae):
             "data": make_image_folder(root / "data", classes=("0", "2"), per_class=1, size=36)}
 
 
-def run(capsys, *argv):
-    """main's exit status, stdout and stderr; an option argparse refuses exits 2 from the parser."""
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_console_script_help():
     r = subprocess.run([sys.executable, "-m", "fp4vis.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
@@ -52,21 +42,21 @@ def test_every_subcommand_has_help(argv, capsys):
     assert "(default:" in out or argv == ["info"]  # defaults are shown
 
 
-def test_info_lists_backends_with_reasons(capsys):
-    code, out, _ = run(capsys, "info")
+def test_info_lists_backends_with_reasons(cli):
+    code, out, _ = cli("info")
     assert code == 0 and "reference  available" in out and "hopper" in out
     import diffusers
     assert f"diffusers {diffusers.__version__}" in out and f"torch {torch.__version__}" in out   # the libraries
     if NO_GPU:
         assert "GPU: none visible" in out and "hopper     unavailable:" in out
-    code, out, _ = run(capsys, "info", "--json")
+    code, out, _ = cli("info", "--json")
     info = json.loads(out)
     assert info["backends"]["reference"] is None and "fast" in info["policies"]
 
 
-def test_bench_quick_says_what_it_measured(tmp_path, capsys):
+def test_bench_quick_says_what_it_measured(tmp_path, cli):
     """Times of the reference on the CPU, and nothing it did not measure: no FLOP rate, no error, no plot."""
-    code, out, _ = run(capsys, "bench", "--quick", "--out-dir", tmp_path, "--no-progress")
+    code, out, _ = cli("bench", "--quick", "--out-dir", tmp_path, "--no-progress")
     assert code == 0
     rows = json.loads((tmp_path / "kernel_bench_quick.json").read_text())["rows"]
     assert rows and all(r["backend"] == "reference" and r["ms"] > 0 and "tflops" not in r for r in rows)
@@ -83,34 +73,34 @@ def test_cli_parser_loads_no_model_library():
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 
 
-def test_zoo_export_digits_is_what_eval_reads(tmp_path, capsys):
+def test_zoo_export_digits_is_what_eval_reads(tmp_path, cli):
     from fp4vis.evals.datasets import data_layout
 
     dest = tmp_path / "digits"
-    code, out, err = run(capsys, "zoo", "export", "digits", dest, "--limit", 20)
+    code, out, err = cli("zoo", "export", "digits", dest, "--limit", 20)
     assert code == 0, err
     assert sorted(p.name for p in dest.iterdir()) == [str(d) for d in range(10)]
     assert len(list(dest.glob("*/*.png"))) == 20 and "2 per digit" in out and "--labels index" in out
     assert data_layout(dest)[0] == "imagefolder"   # the evals' reader takes it as it is
-    code, _, err = run(capsys, "zoo", "export", "digits", dest)
+    code, _, err = cli("zoo", "export", "digits", dest)
     assert code == 2 and "not empty" in err and len(list(dest.glob("*/*.png"))) == 20   # never overwritten
-    code, out, _ = run(capsys, "zoo", "list")
+    code, out, _ = cli("zoo", "list")
     assert code == 0 and "fp4vis:digits-wan" in out
 
 
 @pytest.mark.parametrize("command", ["generate", "calibrate"])
-def test_commands_refuse_a_prompt_the_shipped_model_does_not_know(capsys, tmp_path, command):
+def test_commands_refuse_a_prompt_the_shipped_model_does_not_know(cli, tmp_path, command):
     """Before any loading: exit 2 with the grammar, and nothing written (generate; calibrate wan)."""
     argv = (["generate", "--output", tmp_path / "fox.mp4"] if command == "generate" else
             ["calibrate", "wan", "--out", tmp_path / "plan.json", "--prompt", "digit 3 moving left"])
-    code, _, err = run(capsys, *argv, "--model", "fp4vis:digits-wan", "--prompt", "a red fox in the snow")
+    code, _, err = cli(*argv, "--model", "fp4vis:digits-wan", "--prompt", "a red fox in the snow")
     assert code == 2 and "digit <0-9> moving <left|right|up|down>" in err and "--force" in err
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
 
 
-def test_generate_end_to_end(assets, tmp_path, capsys):
+def test_generate_end_to_end(assets, tmp_path, cli):
     out_mp4 = tmp_path / "fox.mp4"
-    code, out, err = run(capsys, "generate", "--model", assets["wan"], "--prompt", "a red fox in the snow",
+    code, out, err = cli("generate", "--model", assets["wan"], "--prompt", "a red fox in the snow",
                          "--policy", "wan_fast", "--frames", 5, "--steps", 2, "--height", 32, "--width", 32,
                          "--seed", 7, "--output", out_mp4, "--device", "cpu", "--exact-steps", "0")
     assert code == 0, err
@@ -130,8 +120,8 @@ def test_generate_end_to_end(assets, tmp_path, capsys):
     assert "denoise (wan_fast, reference):" in err and err.count("Warning") == 1, err
 
 
-def test_eval_vit_mae_wan(assets, tmp_path, capsys):
-    code, out, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"],
+def test_eval_vit_mae_wan(assets, tmp_path, cli):
+    code, out, err = cli("eval", "vit", "--model", assets["vit"], "--data", assets["data"],
                          "--resolution", 48, "--policies", "fast", "--out-dir", tmp_path)
     assert code == 0, err
     header = f"eval vit: {assets['vit']} at 48 px (37 tokens), 2 images from {assets['data']} (labels: "
@@ -141,12 +131,12 @@ def test_eval_vit_mae_wan(assets, tmp_path, capsys):
     report = (tmp_path / "vit_top1.md").read_text()   # no absolute path of this machine in a report
     assert str(assets["vit"]) not in report and str(assets["data"]) not in report
     assert json.loads((tmp_path / "vit_top1.json").read_text())["tokens"] == 37
-    code, out, err = run(capsys, "eval", "mae", "--model", assets["mae"], "--data", assets["data"],
+    code, out, err = cli("eval", "mae", "--model", assets["mae"], "--data", assets["data"],
                          "--policies", "accurate", "--out-dir", tmp_path, "--no-progress")
     assert code == 0, err
     assert "bf16 (baseline): masked-patch PSNR" in out and "accurate: masked-patch PSNR" in out
     assert (tmp_path / "mae_psnr.json").exists()
-    code, out, err = run(capsys, "eval", "wan", "--model", assets["wan"], "--policies", "fast", "--frames", 5,
+    code, out, err = cli("eval", "wan", "--model", assets["wan"], "--policies", "fast", "--frames", 5,
                          "--steps", 1, "--height", 32, "--width", 32, "--out-dir", tmp_path, "--no-warmup",
                          "--no-progress")
     assert code == 0, err
@@ -154,15 +144,15 @@ def test_eval_vit_mae_wan(assets, tmp_path, capsys):
     assert json.loads((tmp_path / "wan_fidelity.json").read_text())["runs"]["fast"]["video"]["psnr_mean"] > 20
 
 
-def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
+def test_calibrate_then_use_the_plan(assets, tmp_path, cli):
     plan = tmp_path / "vit_plan.json"
-    code, out, err = run(capsys, "calibrate", "vit", "--model", assets["vit"], "--data", assets["data"],
+    code, out, err = cli("calibrate", "vit", "--model", assets["vit"], "--data", assets["data"],
                          "--limit", 2, "--out", plan)
     assert code == 0, err
     assert f"calibrate vit: {assets['vit']} on 2 images from {assets['data']}: the model's exact attention" in err
     data = json.loads(plan.read_text())
     assert data["format"] == "fp4vis.guard_plan" and len(data["layers"]) == 2 and "guarded layers:" in out
-    code, out, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"], "--policies",
+    code, out, err = cli("eval", "vit", "--model", assets["vit"], "--data", assets["data"], "--policies",
                          "fast,accurate", "--guard-plan", plan, "--out-dir", tmp_path, "--no-progress",
                          "--no-per-layer")
     assert code == 0, err
@@ -171,7 +161,7 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
     # calibrate's default policy is generate's and eval's; the plan guards only the policy it was made for
     assert [report["policies"][p]["guard_plan_applied"] for p in ("fast", "accurate")] == [True, False]
     wplan = tmp_path / "wan_plan.json"
-    code, out, err = run(capsys, "calibrate", "wan", "--model", assets["wan"], "--prompt", "a cat", "--frames", 5,
+    code, out, err = cli("calibrate", "wan", "--model", assets["wan"], "--prompt", "a cat", "--frames", 5,
                          "--steps", 1, "--height", 32, "--width", 32, "--out", wplan, "--no-progress")
     assert code == 0, err
     # --no-progress hides the libraries' loading bars too, and gives their switches back afterwards
@@ -181,7 +171,7 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
     assert "Loading" not in err and "it/s" not in err, err
     assert transformers_logging.is_progress_bar_enabled() and diffusers_logging.is_progress_bar_enabled()
     assert len(json.loads(wplan.read_text())["layers"]) == 2
-    code, _, err = run(capsys, "generate", "--model", assets["wan"], "--prompt", "x", "--frames", 5, "--steps", 1,
+    code, _, err = cli("generate", "--model", assets["wan"], "--prompt", "x", "--frames", 5, "--steps", 1,
                        "--height", 32, "--width", 32, "--policy", "accurate", "--guard-plan", wplan, "--output",
                        tmp_path / "v.mp4", "--no-progress")
     assert code == 2 and "calibrated for policy 'fast', not 'accurate'" in err, err
@@ -189,25 +179,25 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, capsys):
     from fp4vis.evals.tiny import make_tiny_wan_i2v
     i2v = make_tiny_wan_i2v(tmp_path / "i2v")
     img = assets["data"] / "0" / "img0.png"
-    code, out, err = run(capsys, "calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--image", img,
+    code, out, err = cli("calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--image", img,
                          "--frames", 5, "--steps", 1, "--height", 32, "--width", 32, "--out", tmp_path / "i2v.json",
                          "--no-progress")
     assert code == 0, err
     assert len(json.loads((tmp_path / "i2v.json").read_text())["layers"]) == 2
-    code, _, err = run(capsys, "calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--frames", 5, "--height", 32,
+    code, _, err = cli("calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--frames", 5, "--height", 32,
                        "--width", 32, "--out", tmp_path / "x.json")
     assert code == 2 and "is an image-to-video model: pass --image" in err, err
-    code, out, err = run(capsys, "calibrate", "mae", "--model", assets["mae"], "--data", assets["data"],
+    code, out, err = cli("calibrate", "mae", "--model", assets["mae"], "--data", assets["data"],
                          "--limit", 1, "--out", tmp_path / "mae_plan.json")
     assert code == 0, err
 
 
-def test_clear_errors(assets, tmp_path, capsys):
-    code, _, err = run(capsys, "generate", "--model", tmp_path / "no_such_dir", "--prompt", "x", "--device", "cpu")
+def test_clear_errors(assets, tmp_path, capsys, cli):
+    code, _, err = cli("generate", "--model", tmp_path / "no_such_dir", "--prompt", "x", "--device", "cpu")
     assert code == 2 and "does not exist" in err and "Traceback" not in err
-    code, _, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", tmp_path / "nodata")
+    code, _, err = cli("eval", "vit", "--model", assets["vit"], "--data", tmp_path / "nodata")
     assert code == 2 and "data:" in err and "does not exist" in err
-    code, _, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"],
+    code, _, err = cli("eval", "vit", "--model", assets["vit"], "--data", assets["data"],
                        "--guard-plan", tmp_path / "nope.json")
     assert code == 2 and "guard plan" in err
     with pytest.raises(SystemExit) as e:
@@ -217,7 +207,7 @@ def test_clear_errors(assets, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "vit", "--model", "m", "--data", "d", "--policies", "fast,nope"])
     assert "unknown policy 'nope'" in capsys.readouterr().err
-    code, _, err = run(capsys, "eval", "wan", "--out-dir", tmp_path)   # neither --model nor --speed-only
+    code, _, err = cli("eval", "wan", "--out-dir", tmp_path)   # neither --model nor --speed-only
     assert code == 2 and "--model or --speed-only: one is required (or --protocol paper)" in err
 
 
@@ -239,15 +229,15 @@ def test_bad_options_are_one_line_and_exit_2(argv, expected, capsys):
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the messages given without a GPU")
-def test_gpu_only_options_without_gpu(assets, capsys):
-    code, _, err = run(capsys, "generate", "--model", assets["wan"], "--prompt", "x", "--device", "cuda")
+def test_gpu_only_options_without_gpu(assets, cli):
+    code, _, err = cli("generate", "--model", assets["wan"], "--prompt", "x", "--device", "cuda")
     assert code == 2 and "needs a CUDA GPU" in err
-    code, _, err = run(capsys, "eval", "vit", "--model", assets["vit"], "--data", assets["data"], "--backend",
+    code, _, err = cli("eval", "vit", "--model", assets["vit"], "--data", assets["data"], "--backend",
                        "hopper")
     assert code == 2 and "runs only on a CUDA GPU" in err
-    code, _, err = run(capsys, "bench")
+    code, _, err = cli("bench")
     assert code == 2 and "bench --quick" in err
-    code, _, err = run(capsys, "selfcheck")
+    code, _, err = cli("selfcheck")
     assert code == 2 and "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
 
 
@@ -377,9 +367,9 @@ CASES = list(_bad_cases({"vit": "", "mae": "", "wan": "", "data": Path(".")},
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_user_errors_exit_2_with_one_line(case, assets, bad, capsys):
+def test_user_errors_exit_2_with_one_line(case, assets, bad, cli):
     argv, expected = _bad_cases(assets, bad)[case]
-    code, _, err = run(capsys, *argv)
+    code, _, err = cli(*argv)
     progress = re.compile(r"\d+%\||it/s\]|s/it\]")   # loading bars of the libraries, not messages
     # the error is one line; before it may stand the one warning a CPU run gives (it runs the reference)
     lines = [line for line in err.splitlines() if line.strip() and not progress.search(line)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from PIL import Image
 
-from fp4vis.cli import main
 from fp4vis.evals.tiny import _tiny_text_encoder
 from fp4vis.pipelines.diffusers_generate import PipelineCall, is_wan, run_pipeline_generate
 from fp4vis.pipelines.wan_generate import GenerateConfig
@@ -51,15 +50,6 @@ def tiny_flux(tmp_path_factory):
     return path
 
 
-def run(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_the_call_is_read_from_the_pipeline_class(tiny_flux, tiny_wan):
     assert is_wan(str(tiny_wan)) and not is_wan(str(tiny_flux))
     call = PipelineCall.of("FluxPipeline")
@@ -83,9 +73,9 @@ def patches(monkeypatch):
     return applied
 
 
-def test_generate_an_image_then_calibrate_and_use_the_plan(tiny_flux, tmp_path, capsys, patches):
+def test_generate_an_image_then_calibrate_and_use_the_plan(tiny_flux, tmp_path, cli, patches):
     png = tmp_path / "fox.png"
-    code, out, err = run(capsys, "generate", "--model", tiny_flux, "--prompt", "a red fox in the snow", *SIZE,
+    code, out, err = cli("generate", "--model", tiny_flux, "--prompt", "a red fox in the snow", *SIZE,
                          "--steps", 2, "--seed", 3, "--exact-steps", "0", "--dtype", "float32", "--device", "cpu",
                          "--backend", "reference", "--output", png)
     assert code == 0, err
@@ -108,7 +98,7 @@ def test_generate_an_image_then_calibrate_and_use_the_plan(tiny_flux, tmp_path, 
     assert all(state is not None for state in layers.values())
 
     plan = tmp_path / "plan.json"
-    code, out, err = run(capsys, "calibrate", "pipeline", "--model", tiny_flux, "--prompt", "a red fox",
+    code, out, err = cli("calibrate", "pipeline", "--model", tiny_flux, "--prompt", "a red fox",
                          "--prompt", "a blue dog", *SIZE, "--steps", 1, "--dtype", "float32", "--device", "cpu",
                          "--out", plan, "--no-progress")
     assert code == 0, err
@@ -117,14 +107,14 @@ def test_generate_an_image_then_calibrate_and_use_the_plan(tiny_flux, tmp_path, 
     assert len(layers) == 2 and all(name.startswith("transformer.") for name in layers)
 
     again = tmp_path / "guarded.png"
-    code, out, err = run(capsys, "generate", "--model", tiny_flux, "--prompt", "a red fox", *SIZE, "--steps", 1,
+    code, out, err = cli("generate", "--model", tiny_flux, "--prompt", "a red fox", *SIZE, "--steps", 1,
                          "--dtype", "float32", "--device", "cpu", "--backend", "reference", "--guard-plan", plan,
                          "--output", again, "--no-progress")
     assert code == 0, err
     side = json.loads(again.with_suffix(".json").read_text())
     assert side["guard_plan"] == str(plan) and set(side["guard_plan_content"]["layers"]) == set(layers)
     assert patches[-1][0]["guard"] is not None and set(patches[-1][1]) == set(layers)
-    code, out, err = run(capsys, "eval", "pipeline", "--model", tiny_flux, *SIZE, "--steps", 2, "--no-warmup",
+    code, out, err = cli("eval", "pipeline", "--model", tiny_flux, *SIZE, "--steps", 2, "--no-warmup",
                          "--dtype", "float32", "--device", "cpu", "--backend", "reference", "--guard-plan", plan,
                          "--out-dir", tmp_path / "eval", "--no-progress")
     assert code == 0, err
@@ -132,10 +122,10 @@ def test_generate_an_image_then_calibrate_and_use_the_plan(tiny_flux, tmp_path, 
     assert result["guard_plan"]["layers"].keys() == layers.keys() and result["runs"]["fast"]["latent_cosine"] < 1
 
 
-def test_settings_not_given_are_the_pipelines_defaults(tiny_flux, tmp_path, capsys):
+def test_settings_not_given_are_the_pipelines_defaults(tiny_flux, tmp_path, cli):
     """No size and no guidance given: FluxPipeline's own (128 x 128 from its default_sample_size, guidance 3.5);
     the default output is image.png in the working folder."""
-    code, out, err = run(capsys, "generate", "--model", tiny_flux, "--prompt", "a cat", "--steps", 1, "--policy",
+    code, out, err = cli("generate", "--model", tiny_flux, "--prompt", "a cat", "--steps", 1, "--policy",
                          "bf16", "--dtype", "float32", "--device", "cpu", "--output", tmp_path / "cat.png",
                          "--no-progress")
     assert code == 0, err
@@ -166,8 +156,8 @@ def test_a_video_pipeline_writes_an_mp4(tiny_wan, tmp_path):
     (["--image", "cat.png"], r"--image: image-to-video conditioning is for Wan2.1 pipelines"),
     (["--exact-steps", "0,5", "--steps", 2], "--exact-steps: step 5 does not exist in 2 denoising steps"),
 ])
-def test_options_the_pipeline_does_not_take_are_one_line(tiny_flux, tmp_path, capsys, argv, expected):
-    code, _, err = run(capsys, "generate", "--model", tiny_flux, "--prompt", "x", "--device", "cpu",
+def test_options_the_pipeline_does_not_take_are_one_line(tiny_flux, tmp_path, cli, argv, expected):
+    code, _, err = cli("generate", "--model", tiny_flux, "--prompt", "x", "--device", "cpu",
                        *[tmp_path / a if a in ("fox.mp4", "cat.png") else a for a in argv])
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("fp4vis generate: error: "), err
@@ -175,8 +165,8 @@ def test_options_the_pipeline_does_not_take_are_one_line(tiny_flux, tmp_path, ca
     assert not list(tmp_path.iterdir())   # refused before anything was written
 
 
-def test_calibrate_pipeline_refuses_what_the_call_does_not_take(tiny_flux, tmp_path, capsys):
-    code, _, err = run(capsys, "calibrate", "pipeline", "--model", tiny_flux, "--prompt", "x", "--frames", 5,
+def test_calibrate_pipeline_refuses_what_the_call_does_not_take(tiny_flux, tmp_path, cli):
+    code, _, err = cli("calibrate", "pipeline", "--model", tiny_flux, "--prompt", "x", "--frames", 5,
                        "--out", tmp_path / "plan.json")
     assert code == 2 and err.strip() == ("fp4vis calibrate pipeline: error: --frames: FluxPipeline is an image "
                                          "pipeline whose call takes no num_frames"), err
