@@ -244,57 +244,80 @@ def _judge(cfg: KernelConfig, rep: Report) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# B200 performance MODEL (not a measurement: nobody here has run this kernel on Blackwell)
+# performance MODEL (not a measurement: nobody here has run this kernel on Blackwell)
 # ---------------------------------------------------------------------------------------------
 
-# Per SM per clock. FP4 / BF16 dense tensor rates: the vendor's B200 figures (18 and 4.5 PFLOPS with
-# sparsity, i.e. 9 and 2.25 dense) over 148 SMs at ~1.86 GHz -> 32768 and 8192 FLOP/clk/SM. Issue:
-# 4 schedulers x 1 warp instruction per clock. MUFU.EX2: 16/clk/SM (the CUDA guide's figure for
-# recent architectures). The E2M1 conversion's rate is not published: a range, 16 to 64 per clock.
-# Per SM: 512 TMEM columns, 65536 registers, 228 KiB shared memory (232448 B usable by CTAs).
-B200 = dict(sms=148, clock_ghz=1.86, fp4_flop_clk=32768, bf16_flop_clk=8192, issue_warp_clk=4, ex2_clk=16,
-            cvt_clk_low=16, cvt_clk_high=64, fa4_bf16_efficiency=0.71, tmem_columns=512, registers=65536,
-            shared_bytes=232448)
+# Per SM per clock; issue: 4 schedulers x 1 warp instruction per clock; MUFU.EX2: 16/clk/SM (the CUDA guide's
+# figure for recent architectures); the E2M1 conversion's rate is not published: a range, 16 to 64 per clock.
+# B200 (sm_100a): the vendor's dense FP4 / BF16 rates (18 and 4.5 PFLOPS with sparsity, i.e. 9 and 2.25 dense)
+# over 148 SMs at ~1.86 GHz -> 32768 and 8192 FLOP/clk/SM; 512 TMEM columns, 65536 registers, 232448 B of
+# shared memory for CTAs. The MMAs are issued per CTA (tcgen05) and run beside its warps' instructions.
+B200 = dict(name="B200", sms=148, clock_ghz=1.86, fp4_flop_clk=32768, bf16_flop_clk=8192, issue_warp_clk=4,
+            ex2_clk=16, cvt_clk_low=16, cvt_clk_high=64, fa4_bf16_efficiency=0.71, tmem_columns=512,
+            registers=65536, shared_bytes=232448)
+# The BF16 FlashAttention it is compared with runs at 71 % of that BF16 peak.
+# RTX 5090 (sm_120a): the vendor's dense FP4 rate 1676 TFLOPS (3352 "AI TOPS" with sparsity) over 170 SMs at
+# 2.407 GHz -> 4096 FLOP/clk/SM. Its BF16 side is a published measurement instead of a peak: FlashAttention2's
+# forward at 212 TFLOP/s on this GPU (SageAttention3, arXiv 2505.11594; GeForce parts' FP32-accumulate tensor
+# rate, which FlashAttention needs, is not the FP16 one) -> 518 FLOP/clk/SM. No TMEM; 65536 registers, 102400 B
+# of shared memory per SM. Its MMAs (mma.sync) are warp instructions: each warp waits for its own results, and
+# the other warps on its scheduler fill the gap.
+RTX5090 = dict(name="RTX 5090", sms=170, clock_ghz=2.407, fp4_flop_clk=4096, bf16_flop_clk=212e3 / (170 * 2.407),
+               issue_warp_clk=4, ex2_clk=16, cvt_clk_low=16, cvt_clk_high=64, fa4_bf16_efficiency=1.0,
+               tmem_columns=None, registers=65536, shared_bytes=102400)
+# the GPU each arch is modelled on (sm_103a's B300 has other rates, not modelled)
+MODEL_GPUS = {100: B200, 120: RTX5090}
+SCHEDULERS = 4
 
 
-def b200_model(cfg: KernelConfig, rep: Report) -> dict:
-    """Cycles per SM for one (block_m x block_n) tile of the steady loop on B200, with the overlap this build's
-    schedule has, and the modelled ratio to a BF16 FlashAttention at ``fa4_bf16_efficiency`` of its tensor peak.
+def gpu_model(cfg: KernelConfig, rep: Report) -> dict:
+    """Cycles per SM for one (block_m x block_n) tile of the steady loop on ``MODEL_GPUS[cfg.arch]``, with the
+    overlap this build's schedule has, and the modelled ratio to a BF16 FlashAttention at ``fa4_bf16_efficiency``
+    of that GPU's ``bf16_flop_clk``.
 
-    The overlap, from the SASS: where every MMA group the loop commits (UTCBAR) is waited on in the same
-    iteration (SYNCS.PHASECHK), one CTA's MMAs do not overlap its own instructions, so a CTA's tile takes
-    issue + tensor cycles; other CTAs on the SM (as many as TMEM, registers and shared memory let in) fill the
-    gaps, giving max(issue, tensor, (issue + tensor) / CTAs). MUFU.EX2 and the E2M1 conversion (its slow
-    end) are pipe limits beside them. ``needed_steady`` is the steady-loop length (SASS instructions per
+    The overlap, from the SASS. sm_100a: where every MMA group the loop commits (UTCBAR) is waited on in the same
+    iteration (SYNCS.PHASECHK), one CTA's MMAs do not overlap its own instructions, so its tile takes issue +
+    tensor cycles, and the other CTAs on the SM (as many as TMEM, registers and shared memory let in) fill the
+    gaps. sm_120a: each warp waits for its own mma.sync results, and the other warps on its scheduler fill the
+    gaps. With n such streams: max(issue, tensor, (issue + tensor) / n). MUFU.EX2 and the E2M1 conversion (its
+    slow end) are pipe limits beside them. ``needed_steady`` is the steady-loop length (SASS instructions per
     thread and tile) at which this schedule would reach 2.0x (D128) / 1.2x (D64)."""
+    gpu = MODEL_GPUS[cfg.arch]
     scores = cfg.block_m * cfg.block_n
     warps = cfg.num_warps
     threads = 32 * warps
     flops = 2 * scores * cfg.head_dim * 2 + 2 * scores * 16        # QK, PV, and the denominator MMA
     special = rep.steady_special
     ex2 = sum(n for op, n in special.items() if op.startswith("MUFU.EX2")) * threads
-    cvt = sum(n for op, n in special.items() if "E2M1" in op) * threads
-    issue = rep.steady_loop * warps / B200["issue_warp_clk"]
-    tensor = flops / B200["fp4_flop_clk"]
-    ctas = min(B200["tmem_columns"] // max(rep.tmem_columns, 1),
-               B200["registers"] // max(rep.registers * threads, 1),
-               B200["shared_bytes"] // max(rep.shared, 1))
-    serial = rep.mma_waits >= rep.mma_commits > 0
-    overlapped = (issue + tensor) / max(ctas, 1) if serial else 0.0
-    cyc = {"tensor_fp4": tensor, "issue": issue, "ex2": ex2 / B200["ex2_clk"],
-           "e2m1_cvt": [cvt / B200["cvt_clk_high"], cvt / B200["cvt_clk_low"]], "schedule": overlapped}
+    cvt = sum(n for op, n in special.items() if op.startswith("F2FP") and "E2M1" in op) * threads   # not the MMAs
+    issue = rep.steady_loop * warps / gpu["issue_warp_clk"]
+    tensor = flops / gpu["fp4_flop_clk"]
+    ctas = min(gpu["registers"] // max(rep.registers * threads, 1), gpu["shared_bytes"] // max(rep.shared, 1))
+    if gpu["tmem_columns"]:
+        ctas = min(ctas, gpu["tmem_columns"] // max(rep.tmem_columns, 1))
+        serial = rep.mma_waits >= rep.mma_commits > 0
+        streams = ctas
+    else:
+        serial = True   # mma.sync: a warp's results are waited on by that warp
+        streams = max(ctas, 1) * warps / SCHEDULERS
+    overlapped = (issue + tensor) / max(streams, 1) if serial else 0.0
+    cyc = {"tensor_fp4": tensor, "issue": issue, "ex2": ex2 / gpu["ex2_clk"],
+           "e2m1_cvt": [cvt / gpu["cvt_clk_high"], cvt / gpu["cvt_clk_low"]], "schedule": overlapped}
     bound = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][1], overlapped)
-    bf16 = 2 * scores * cfg.head_dim * 2 / B200["bf16_flop_clk"] / B200["fa4_bf16_efficiency"]
+    bf16 = 2 * scores * cfg.head_dim * 2 / gpu["bf16_flop_clk"] / gpu["fa4_bf16_efficiency"]
     target = 2.0 if cfg.head_dim == 128 else 1.2
-    # issue cycles allowed at the target: bf16/target, and where the MMAs are waited on, (issue + tensor)/CTAs
+    # issue cycles allowed at the target: bf16/target, and where the MMAs are waited on, (issue + tensor)/streams
     # within it too
     allowed = bf16 / target
     if serial:
-        allowed = min(allowed, allowed * max(ctas, 1) - tensor)
-    return {"cycles_per_tile": cyc, "bound_cycles": bound, "bf16_fa_cycles": bf16, "ctas_per_sm": ctas,
-            "mma_serialised": serial, "modelled_speedup_vs_bf16": bf16 / bound,
-            "per_score_instructions": rep.per_score, "target": target,
-            "needed_steady": max(allowed, 0.0) * B200["issue_warp_clk"] / warps}
+        allowed = min(allowed, allowed * max(streams, 1) - tensor)
+    # attention FLOP per tile (4 x scores x D, the usual count) at the bound, over the GPU's SMs and clock
+    tflops = 4 * scores * cfg.head_dim / bound * gpu["sms"] * gpu["clock_ghz"] * 1e-3
+    return {"gpu": gpu["name"], "cycles_per_tile": cyc, "bound_cycles": bound, "bf16_fa_cycles": bf16,
+            "modelled_tflops": tflops,
+            "ctas_per_sm": ctas, "mma_streams": streams, "mma_serialised": serial,
+            "modelled_speedup_vs_bf16": bf16 / bound, "per_score_instructions": rep.per_score, "target": target,
+            "needed_steady": max(allowed, 0.0) * gpu["issue_warp_clk"] / warps}
 
 
 def variants(arch: int, head_dims=(128, 64)) -> list[KernelConfig]:
@@ -310,7 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, choices=(64, 128), action="append")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", metavar="DIR", help="write PTX/TTGIR/SASS here")
-    ap.add_argument("--model", action="store_true", help="print the B200 performance MODEL from the counts")
+    ap.add_argument("--model", action="store_true",
+                    help="print the performance MODEL from the counts (sm_100a: B200, sm_120a: RTX 5090)")
     a = ap.parse_args(argv)
     arch = ARCH_BY_NAME[a.arch]
     reports = [inspect(cfg, a.keep) for cfg in variants(arch, tuple(a.head_dim or (128, 64)))]
@@ -327,17 +351,22 @@ def main(argv=None) -> int:
             print(f"  steady loop {r.steady_loop} instructions ({r.per_score:.1f} per score): "
                   f"{dict(list(r.steady_mix.items())[:8])}; {r.steady_special}")
             print(f"  steady loop by role: {r.steady_roles}")
-            if a.model:
+            if a.model and arch in MODEL_GPUS:
                 cfg = next(c for c in variants(arch, tuple(a.head_dim or (128, 64))) if c.tag() == r.variant)
-                m = b200_model(cfg, r)
+                m = gpu_model(cfg, r)
                 c = m["cycles_per_tile"]
-                print(f"  MODEL (B200, not measured): cycles/tile tensor {c['tensor_fp4']:.0f}, "
+                waits = (f"MMAs {'waited in the loop' if m['mma_serialised'] else 'overlapped'} ({r.mma_commits} "
+                         f"commits, {r.mma_waits} waits), {m['ctas_per_sm']} CTA/SM (TMEM {r.tmem_columns} cols, "
+                         if r.tmem_columns else f"mma.sync waited per warp, {m['ctas_per_sm']} CTA/SM, "
+                         f"{m['mma_streams']:.0f} warps per scheduler (")
+                print(f"  MODEL ({m['gpu']}, not measured): cycles/tile tensor {c['tensor_fp4']:.0f}, "
                       f"issue {c['issue']:.0f}, ex2 {c['ex2']:.0f}, e2m1 cvt {c['e2m1_cvt'][0]:.0f}-"
-                      f"{c['e2m1_cvt'][1]:.0f}; MMAs {'waited in the loop' if m['mma_serialised'] else 'overlapped'} "
-                      f"({r.mma_commits} commits, {r.mma_waits} waits), {m['ctas_per_sm']} CTA/SM (TMEM "
-                      f"{r.tmem_columns} cols, {r.registers} regs, {r.shared} B) -> schedule {c['schedule']:.0f}; "
-                      f"BF16 FA {m['bf16_fa_cycles']:.0f} -> {m['modelled_speedup_vs_bf16']:.2f}x; "
+                      f"{c['e2m1_cvt'][1]:.0f}; {waits}{r.registers} regs, {r.shared} B) -> schedule "
+                      f"{c['schedule']:.0f} ({m['modelled_tflops']:.0f} TFLOP/s); BF16 FA {m['bf16_fa_cycles']:.0f} -> "
+                      f"{m['modelled_speedup_vs_bf16']:.2f}x; "
                       f"{m['target']}x needs a steady loop <= {m['needed_steady']:.0f} instructions")
+            elif a.model:
+                print(f"  MODEL: none for {a.arch} (its GPU's rates are not modelled)")
             for msg in r.failures:
                 print(f"  FAIL {msg}")
     return 0 if all(r.ok for r in reports) else 1

@@ -61,14 +61,31 @@ def test_b200_model_serialises_waited_mmas_and_counts_ctas():
     cfg = KernelConfig(64, "bf16", False, False, 100)
     rep = compile_check.Report(cfg.tag(), cfg.arch_name, 0.0, steady_loop=300, shared=13824, tmem_columns=256,
                                registers=128, mma_commits=3, mma_waits=3)
-    m = compile_check.b200_model(cfg, rep)
+    m = compile_check.gpu_model(cfg, rep)
     # issue 300 x 8 warps / 4 = 600 cycles; tensor (2 x 128 x 128 x (64 x 2 + 16)) / 32768 = 144; two CTAs fit
     assert m["mma_serialised"] and m["ctas_per_sm"] == 2
     assert m["cycles_per_tile"]["schedule"] == (600 + 144) / 2 and m["bound_cycles"] == 600
     assert round(m["needed_steady"]) == 300   # 1.2x: issue <= 721/1.2
     rep.registers = 136   # one CTA: a tile costs issue + tensor
-    m = compile_check.b200_model(cfg, rep)
+    m = compile_check.gpu_model(cfg, rep)
     assert m["ctas_per_sm"] == 1 and m["bound_cycles"] == 744
+
+
+def test_rtx5090_model_waits_per_warp():
+    """sm_120a: mma.sync results are waited on by their own warp; the warps on a scheduler fill each other's gaps,
+    and the E2M1 count is the conversions', not the MMAs' (whose names carry E2M1 too)."""
+    cfg = KernelConfig(128, "bf16", False, False, 120)
+    rep = compile_check.Report(cfg.tag(), cfg.arch_name, 0.0, steady_loop=600, shared=33792, registers=252,
+                               steady_special={"OMMA.SF.16864.F32.E2M1.E2M1.E8": 36,
+                                               "F2FP.SATFINITE.RELU.E2M1.F32.PACK_AB_MERGE_C": 32})
+    m = compile_check.gpu_model(cfg, rep)
+    # issue 600 x 8 / 4 = 1200; tensor 2 x 128 x 128 x (128 x 2 + 16) / 4096 = 2176; one CTA, 2 warps per scheduler
+    assert m["gpu"] == "RTX 5090" and m["mma_serialised"] and m["ctas_per_sm"] == 1 and m["mma_streams"] == 2
+    assert m["cycles_per_tile"]["schedule"] == (1200 + 2176) / 2 and m["bound_cycles"] == 2176
+    assert m["cycles_per_tile"]["e2m1_cvt"] == [32 * 256 / 64, 32 * 256 / 16]
+    # BF16 FlashAttention at its published 212 TFLOP/s on 170 SMs at 2.407 GHz
+    assert m["bf16_fa_cycles"] == pytest.approx(2 * 128 * 128 * 128 * 2 / (212e12 / 170 / 2.407e9))
+    assert 103 not in compile_check.MODEL_GPUS   # B300's rates: not modelled
 
 
 def test_steady_roles_first_match_wins():
