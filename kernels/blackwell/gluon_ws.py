@@ -18,13 +18,14 @@ TMEM (columns of 32 bits, per CTA): S 2 x 128, O D, den 16, P codes 2 x 16 (128 
 
 Operand layouts (the pre-pass writes today's; the codes are the same, the scales are re-ordered):
   QC (G*SQP, D/2) u8, KC (G*SKP, D/2) u8 as today (2-D views);
-  VC (G*D, SKP/2) u8 as today (2-D view; each tile is loaded as two 32-byte halves? no: one (D, 64) box);
+  VC (G*D, SKP/2) u8 as today (2-D view; one (D, 64) box per tile);
   QS, KS, VS in the tcgen05 "packed block" scale order (the order ``tcgen05_copy`` reads, as the Gluon
   block-scaled matmul example uses): per 128 rows and 4 scale columns one 512-byte unit laid out
   [32][4][4] (row r = 32 i + l of the unit at byte 16 l + 4 i + c), units of a tile contiguous:
   QSP (1, G*SQP/128, D/64, 2, 256) e4m3, KSP (1, G*SKP/128, D/64, 2, 256) e4m3,
-  VSP (1, G*DP/128, SKP/128, 2, 256) u8 with DP = D rounded up to 128 (D = 64: rows 64..127 of each unit are
-  padding the MMA never reads).
+  VSP (1, G*DP/128, SKP/128, 2, 256) u8 with DP = D rounded up to 128. D = 64: P·V and the denominator are
+  one MMA of N = 128 (B rows 64..79 are 1.0 codes, 80..127 zero codes, written once in SMEM), so rows 64..127
+  of each scale unit must hold 127 (2^0; never 0xFF, the E8M0 NaN, which would poison the zero products).
   OUT (G, SQ, D) bf16.
 Requirements of this build: SKP = NUM_KEYS (whole 128-key tiles; no key mask), SQP a multiple of 128.
 """
@@ -53,7 +54,9 @@ _LOG2_6 = gl.constexpr(LOG2_6)
 _ONE_MINUS_LOG2_1P5 = gl.constexpr(1.0 - LOG2_1P5)
 _DEN_N = gl.constexpr(16)      # columns of the denominator MMA (the smallest N the FP4 MMAs take)
 _BLOCK = gl.constexpr(128)     # query rows per CTA = keys per tile
-_STAGES = gl.constexpr(2)      # K/V ring depth
+# K/V ring depth: the load warp refills a stage after that tile's P·V, and QK runs two tiles ahead of P·V, so
+# with 4 stages a K tile's TMA starts about two tiles before its QK MMA is issued (2 stages: after)
+_STAGES = gl.constexpr(4)
 _WORKER_REGS = gl.constexpr([192, 48, 48])   # registers per thread: Direct-P worker, MMA warp, load warp
 
 
@@ -190,23 +193,25 @@ def _mma_partition(q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, ones_smem,
                    q_bar, k_ready, k_empty, v_ready, v_empty, s_ready, s_free, p_ready, p_free, o_bar,
                    SKP, D: gl.constexpr, DP: gl.constexpr):
     """One warp: every tcgen05 instruction of the CTA, completion to mbarriers. Two tiles per iteration (the
-    scale buffers cannot be indexed at run time): QK_j, then P·V_{j-1}, so S_j computes while Direct-P
-    finishes tile j - 1; the P·V MMAs accumulate in tile order."""
+    scale buffers cannot be indexed at run time). S runs two tiles ahead: QK_{j+2} is issued before P·V_j, as
+    soon as Direct-P has read S_j (s_free), so a Direct-P warpgroup finds its next S ready when it finishes a
+    tile; the P·V MMAs accumulate in tile order (kernel.py's order)."""
     n_tiles = SKP // 128
     mbarrier.wait(q_bar, 0)
     tcgen05_copy(_scales_2d(qs_smem, _BLOCK, D // 16), qs_tmem)
+    _qk(0, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
+    if n_tiles > 1:
+        _qk(1, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
     for j0 in range(0, n_tiles, 2):
-        _qk(j0, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
-        if j0 > 0:
-            _pv(j0 - 1, 1, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps1, vs1, ones_s_tmem,
-                v_ready, v_empty, p_ready, p_free, D, DP)
-        if j0 + 1 < n_tiles:
-            _qk(j0 + 1, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
+        if j0 + 2 < n_tiles:
+            _qk(j0 + 2, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
         _pv(j0, 0, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps0, vs0, ones_s_tmem,
             v_ready, v_empty, p_ready, p_free, D, DP)
-    if n_tiles % 2 == 0:
-        _pv(n_tiles - 1, 1, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps1, vs1, ones_s_tmem,
-            v_ready, v_empty, p_ready, p_free, D, DP)
+        if j0 + 3 < n_tiles:
+            _qk(j0 + 3, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
+        if j0 + 1 < n_tiles:
+            _pv(j0 + 1, 1, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps1, vs1, ones_s_tmem,
+                v_ready, v_empty, p_ready, p_free, D, DP)
     tcgen05_commit(o_bar)
 
 
@@ -388,3 +393,164 @@ def compile_for_target(head_dim: int, arch: int = 100):
     src = GluonASTSource(fn=direct_p_ws_fwd, signature=signature(head_dim), constexprs={"D": head_dim},
                          attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+# ---------------------------------------------------------------------------------------------
+# what the SASS says, per partition, and the B200 MODEL of it (compile_check's constants)
+# ---------------------------------------------------------------------------------------------
+
+# per partition: warps, tiles per loop iteration (the MMA loop is unrolled by two), tiles it handles of each
+# tile (the two Direct-P warpgroups alternate: each runs its loop on every other tile)
+PARTITIONS = {"direct_p": (4, 1, 0.5), "mma": (1, 2, 1.0), "load": (1, 1, 1.0)}
+
+
+def _loop_spans(sass: str) -> list[tuple[int, int]]:
+    """(first, last) line of each innermost loop (compile_check's definition: a backward branch to a label,
+    containing no other one)."""
+    import re
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    return [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
+
+
+def _role(ops: list[str]) -> str | None:
+    if any(op.startswith("LDTM") for op in ops) and any("E2M1" in op for op in ops):
+        return "direct_p"
+    if any(op.startswith("UTCOMMA") or op.startswith("UTCQMMA") for op in ops):
+        return "mma"
+    if any(op.startswith("UTMALDG") for op in ops):
+        return "load"
+    return None
+
+
+def inspect_ws(head_dim: int, keep_dir: str | None = None) -> dict:
+    """Compile for sm_100a and read the facts the model needs from PTX/SASS (compile_check's helpers)."""
+    import os
+    import re
+    import time
+    from collections import Counter
+
+    from . import compile_check as cc
+
+    t0 = time.perf_counter()
+    k = compile_for_target(head_dim)
+    ptx, cubin = k.asm["ptx"], k.asm["cubin"]
+    sass = cc.sass_of(cubin)
+    if keep_dir:
+        os.makedirs(keep_dir, exist_ok=True)
+        for ext, text in (("ptx", ptx), ("ttgir", k.asm["ttgir"]), ("sass", sass)):
+            with open(os.path.join(keep_dir, f"gluon_ws_d{head_dim}.{ext}"), "w") as f:
+                f.write(text)
+    lines = sass.splitlines()
+    parts = []
+    for a, b in _loop_spans(sass):
+        ops = [op for i in range(a, b + 1) if (op := cc._op(lines[i]))]
+        role = _role(ops)
+        if role is None:
+            continue
+        warps, tiles_per_iter, share = PARTITIONS[role]
+        parts.append(dict(
+            role=role, warps=warps, loop=len(ops), tiles_per_iteration=tiles_per_iter, share_of_tiles=share,
+            per_tile=len(ops) / tiles_per_iter, roles=cc.steady_roles(ops),
+            mix=dict(Counter(op.split(".")[0] for op in ops).most_common()),
+            special=dict(Counter(op for op in ops if op.startswith(("MUFU", "F2FP", "UTC", "STTM", "LDTM", "UTMA",
+                                                                   "SYNCS.PHASECHK", "SYNCS.ARRIVE")))),
+            local=sum(1 for op in ops if op.split(".")[0] in ("LDL", "STL")),
+            mma_waits=sum(1 for op in ops if op.startswith("SYNCS.PHASECHK")),
+            mma_commits=sum(1 for op in ops if op.startswith("UTCBAR"))))
+    all_ops = cc._SASS_OP.findall(sass)
+    return dict(
+        head_dim=head_dim, compile_s=time.perf_counter() - t0,
+        mma_ptx=dict(Counter(cc._MMA_PTX.findall(ptx))),
+        mma_a_from_tmem=len(re.findall(r"tcgen05\.mma[\w.:]*kind::mxf4\.block_scale[\w.:]*\s+\[[^\]]+\],\s*\[", ptx)),
+        e2m1_cvt=len(re.findall(r"cvt\.rn\.satfinite\.relu\.e2m1x2\.f32", ptx)),
+        fma_x2=len(re.findall(r"fma\.rn\.f32x2", ptx)),
+        local_ptx=len(re.findall(r"\.local\b", ptx)),
+        sass_local=sum(1 for op in all_ops if op.split(".")[0] in ("LDL", "STL")),
+        sass_total=len(all_ops),
+        registers=cc.register_count(cubin),
+        setmaxnreg=sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:U?P\d+, )?0x([0-9a-f]+)", sass)}),
+        num_warps=k.metadata.num_warps, tmem_columns=k.metadata.tmem_size, shared=k.metadata.shared,
+        partitions=parts)
+
+
+def ws_model(rep: dict) -> dict:
+    """compile_check.b200_model's constants applied to the warp-specialised schedule, per 128 x 128 tile:
+    tensor (the MMAs' FLOPs at the FP4 rate), issue (every partition's loop instructions per tile, times its
+    warps, over 4 schedulers), MUFU.EX2, the E2M1 conversion (16-64/clk: the unpublished rate; the bound takes
+    the slow end, as b200_model does) and the Direct-P chain (one warpgroup runs a tile's loop with one warp
+    per scheduler: at best one instruction a clock, and the two warpgroups alternate tiles: loop / 2).
+    No (issue + tensor) / CTAs term: the MMAs are issued by their own warp and the Direct-P warps wait only for
+    S of their tile (which QK_{j+2} computes while they work on tile j), never for the P·V MMAs they feed."""
+    from .compile_check import B200
+
+    d = rep["head_dim"]
+    scores = 128 * 128
+    n_pv = 128 if d == 64 else d + 16      # D = 64: V and the 1.0 block in one N = 128 MMA; D = 128: N = 128 + 16
+    flops = 2 * scores * d + 2 * scores * n_pv
+    tensor = flops / B200["fp4_flop_clk"]
+    warp_instr = sum(p["per_tile"] * p["warps"] * p["share_of_tiles"] for p in rep["partitions"])
+    # the Direct-P loops: two warpgroups, each its own loop; per tile one of them runs
+    dp = [p for p in rep["partitions"] if p["role"] == "direct_p"]
+    issue = warp_instr / B200["issue_warp_clk"]
+    threads_dp = 128
+    ex2 = sum(n for p in dp for op, n in p["special"].items() if op.startswith("MUFU.EX2")) / len(dp) * threads_dp
+    cvt = sum(n for p in dp for op, n in p["special"].items() if "E2M1" in op) / len(dp) * threads_dp
+    chain = max(p["loop"] for p in dp) / 2
+    cyc = {"tensor_fp4": tensor, "issue": issue, "ex2": ex2 / B200["ex2_clk"],
+           "e2m1_cvt": [cvt / B200["cvt_clk_high"], cvt / B200["cvt_clk_low"]], "direct_p_chain": chain}
+    bound = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][1], chain)
+    bound_fast_cvt = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][0], chain)
+    bf16 = 2 * scores * d * 2 / B200["bf16_flop_clk"] / B200["fa4_bf16_efficiency"]
+    names = {tensor: "tensor", issue: "issue", cyc["e2m1_cvt"][1]: "e2m1 cvt at 16/clk", chain: "Direct-P chain",
+             cyc["ex2"]: "MUFU.EX2"}
+    return {"cycles_per_tile": cyc, "warp_instructions_per_tile": warp_instr, "bound_cycles": bound,
+            "bound_by": names[bound], "bound_cycles_cvt_64": bound_fast_cvt, "bf16_fa_cycles": bf16,
+            "modelled_speedup_vs_bf16": bf16 / bound, "modelled_speedup_cvt_64": bf16 / bound_fast_cvt,
+            "target": 2.0 if d == 128 else 1.2, "flops_per_tile": flops}
+
+
+def main(argv=None) -> int:
+    """``python -m fp4vis.kernels.blackwell.gluon_ws [--keep DIR]``: compile both head dims, print the SASS
+    figures per partition and the MODEL."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(prog="python -m fp4vis.kernels.blackwell.gluon_ws")
+    ap.add_argument("--keep", metavar="DIR")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    out = []
+    for d in (128, 64):
+        rep = inspect_ws(d, a.keep)
+        rep["model"] = ws_model(rep)
+        out.append(rep)
+        if a.json:
+            continue
+        m = rep["model"]
+        c = m["cycles_per_tile"]
+        print(f"gluon_ws fast D{d}: {rep['compile_s']:.1f} s, {rep['num_warps']} warps, {rep['registers']} regs "
+              f"(setmaxnreg {rep['setmaxnreg']}), TMEM {rep['tmem_columns']} cols, shared {rep['shared']} B, "
+              f"LDL/STL {rep['sass_local']} (in loops {sum(p['local'] for p in rep['partitions'])})")
+        for k_, n in rep["mma_ptx"].items():
+            print(f"  PTX  {k_}  x{n}")
+        print(f"  P·V / denominator MMAs with A (P) in TMEM: {rep['mma_a_from_tmem']}; e2m1x2 cvt x{rep['e2m1_cvt']}; "
+              f"fma.rn.f32x2 x{rep['fma_x2']}")
+        for p in rep["partitions"]:
+            print(f"  {p['role']:9s} {p['warps']} warps: loop {p['loop']} instr / {p['tiles_per_iteration']} tile(s) "
+                  f"-> {p['per_tile']:.1f} per tile, runs on {p['share_of_tiles']:.0%} of tiles; waits "
+                  f"{p['mma_waits']}, commits {p['mma_commits']}; {p['roles']}")
+        print(f"  MODEL (B200, not measured): warp-instructions/tile {m['warp_instructions_per_tile']:.0f} -> issue "
+              f"{c['issue']:.0f}; tensor {c['tensor_fp4']:.0f}; ex2 {c['ex2']:.0f}; e2m1 cvt {c['e2m1_cvt'][0]:.0f}-"
+              f"{c['e2m1_cvt'][1]:.0f}; Direct-P chain {c['direct_p_chain']:.0f} -> bound {m['bound_cycles']:.0f} "
+              f"({m['bound_by']}); BF16 FA {m['bf16_fa_cycles']:.0f} -> {m['modelled_speedup_vs_bf16']:.2f}x "
+              f"({m['modelled_speedup_cvt_64']:.2f}x with the conversion at 64/clk); target {m['target']}x")
+    if a.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())
