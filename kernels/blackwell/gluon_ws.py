@@ -128,7 +128,7 @@ def _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, SKP,
     p_layout: gl.constexpr = p_buf.get_reg_layout()
     ps_layout: gl.constexpr = ps_buf.get_reg_layout()
     i = 0
-    for j in range(WG, n_tiles, 2):
+    for _ in range(WG, n_tiles, 2):   # tiles WG, WG + 2, ...
         phase = i & 1
         mbarrier.wait(s_ready.index(WG), phase)
         raw = s_buf.load(s_layout)
@@ -239,7 +239,8 @@ def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, q
         tma.async_load(ks_desc, [0, (k_row + j * 128) // 128, 0, 0, 0], k_ready.index(st), ks_smem.index(st))
         mbarrier.wait(v_empty.index(st), ph)
         mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes + vs_desc.block_type.nbytes)
-        tma.async_load(v_desc, [v_row, j * 64], v_ready.index(st), v_smem.index(st).slice(0, v_desc.block_type.shape[0]))
+        v_dst = v_smem.index(st).slice(0, v_desc.block_type.shape[0])   # the first D rows (D = 64: see the kernel)
+        tma.async_load(v_desc, [v_row, j * 64], v_ready.index(st), v_dst)
         tma.async_load(vs_desc, [0, vs_unit, j, 0, 0], v_ready.index(st), vs_smem.index(st))
 
 
@@ -471,7 +472,8 @@ def inspect_ws(head_dim: int, keep_dir: str | None = None) -> dict:
         sass_local=sum(1 for op in all_ops if op.split(".")[0] in ("LDL", "STL")),
         sass_total=len(all_ops),
         registers=cc.register_count(cubin),
-        setmaxnreg=sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:U?P\d+, )?0x([0-9a-f]+)", sass)}),
+        setmaxnreg=sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:U?P\d+, )?0x([0-9a-f]+)",
+                                                           sass)}),
         num_warps=k.metadata.num_warps, tmem_columns=k.metadata.tmem_size, shared=k.metadata.shared,
         partitions=parts)
 

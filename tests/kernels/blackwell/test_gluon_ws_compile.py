@@ -1,0 +1,60 @@
+"""CPU compile checks of the warp-specialised Gluon Direct-P kernel (kernels/blackwell/gluon_ws.py; no GPU):
+compiled for sm_100a, its PTX must hold the block-scaled FP4 tcgen05 MMAs (NVFP4 Q·Kᵀ, MXFP4 P·V with P in
+TMEM), the hardware E2M1 conversion and the packed FMA, no local memory in any partition's loop, and the SASS
+must hold the four partitions the schedule relies on (two Direct-P warpgroups, an MMA warp, a load warp)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+TRITON_38 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
+pytestmark = pytest.mark.skipif(not TRITON_38, reason="Gluon tcgen05_mma_scaled / warp_specialize as of Triton 3.8")
+
+
+@pytest.fixture(scope="module", params=[128, 64], ids=["d128", "d64"])
+def report(request):
+    from fp4vis.kernels.blackwell import gluon_ws
+    return gluon_ws.inspect_ws(request.param)
+
+
+def test_block_scaled_fp4_mmas(report):
+    kinds = " ".join(report["mma_ptx"])
+    assert "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16" in kinds   # Q·Kᵀ, E4M3 per 16
+    assert "tcgen05.mma.cta_group::1.kind::mxf4.block_scale.block32" in kinds       # P·V, E8M0 per 32
+    assert not any(k in kinds for k in ("kind::f16", "kind::tf32", "kind::f8f6f4"))
+    # every MXFP4 MMA takes P from tensor memory (the A operand the Direct-P warps store)
+    n_mxf4 = sum(n for k, n in report["mma_ptx"].items() if "kind::mxf4.block_scale" in k)
+    assert report["mma_a_from_tmem"] == n_mxf4 > 0
+
+
+def test_direct_p_instructions(report):
+    assert report["e2m1_cvt"] > 0 and report["fma_x2"] > 0
+    dp = [p for p in report["partitions"] if p["role"] == "direct_p"]
+    for p in dp:   # 128 scores per thread: 64 conversions of two, 64 packed FMAs of the code argument
+        assert p["special"].get("F2FP.SATFINITE.RELU.E2M1.F32.PACK_AB_MERGE_C") == 64
+        assert p["mix"].get("FFMA2", 0) >= 64
+        assert not any(op.startswith("MUFU") for op in p["special"])   # fast: no exp2
+
+
+def test_partitions_and_no_spills_in_loops(report):
+    roles = sorted(p["role"] for p in report["partitions"])
+    assert roles == ["direct_p", "direct_p", "load", "mma"]
+    assert report["local_ptx"] == 0
+    assert all(p["local"] == 0 for p in report["partitions"])
+    # the Direct-P loops wait on two mbarriers (S ready, P buffer free) and commit no MMA; the MMA warp commits
+    dp = [p for p in report["partitions"] if p["role"] == "direct_p"]
+    assert all(p["mma_commits"] == 0 and p["mma_waits"] == 2 for p in dp)
+    mma = next(p for p in report["partitions"] if p["role"] == "mma")
+    assert mma["mma_commits"] > 0
+    assert report["tmem_columns"] <= 512 and report["num_warps"] == 12
+
+
+def test_model_reads_the_schedule(report):
+    from fp4vis.kernels.blackwell import gluon_ws
+    m = gluon_ws.ws_model(report)
+    c = m["cycles_per_tile"]
+    assert c["tensor_fp4"] == m["flops_per_tile"] / 32768
+    assert m["bound_cycles"] == max(c["tensor_fp4"], c["issue"], c["ex2"], c["e2m1_cvt"][1], c["direct_p_chain"])
+    assert m["modelled_speedup_vs_bf16"] == pytest.approx(m["bf16_fa_cycles"] / m["bound_cycles"])
