@@ -514,6 +514,35 @@ def ws_model(rep: dict) -> dict:
             "target": 2.0 if d == 128 else 1.2, "flops_per_tile": flops}
 
 
+def direct_p_float_ops(ptx: str) -> tuple[dict, set]:
+    """Float32 operations of the Direct-P loop in PTX: (opcode -> count per score, the float32 immediates the loop
+    uses). A packed ``.f32x2`` op counts as two lanes of its scalar opcode (its constants come through registers,
+    hence the immediates as one set). The loop is the innermost PTX loop holding the E2M1 conversion; a thread's
+    scores are its conversions x 2. Compares this kernel's Direct-P with kernel.py's: the same operations in the
+    same number, the same constants, the same contractions into fma."""
+    import re
+    from collections import Counter
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line))}
+    body = None
+    for i, line in enumerate(lines):
+        m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            cand = lines[labels[m.group(1)]:i + 1]
+            if any("e2m1x2" in x for x in cand) and (body is None or len(cand) < len(body)):
+                body = cand
+    op_re = re.compile(r"^\s*(?:@%p\d+\s+)?((?:max|min|fma|add|sub|mul|cvt|selp|setp|neg|abs)\.[\w.]*f32[\w.]*)\s")
+    counts = Counter()
+    for line in body or ():
+        if m := op_re.match(line):
+            op = m.group(1)
+            packed = op.endswith("f32x2") and "e2m1x2" not in op
+            counts[op[:-2] if packed else op] += 2 if packed else 1
+    scores = 2 * counts.get("cvt.rn.satfinite.relu.e2m1x2.f32", 0)
+    imms = {x for line in body or () for x in re.findall(r"0f[0-9A-F]{8}", line)}
+    return ({k: n / scores for k, n in counts.items()} if scores else {}), imms
+
+
 def main(argv=None) -> int:
     """``python -m fp4vis.kernels.blackwell.gluon_ws [--keep DIR]``: compile both head dims, print the SASS
     figures per partition and the MODEL."""

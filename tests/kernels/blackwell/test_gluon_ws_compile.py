@@ -58,3 +58,16 @@ def test_model_reads_the_schedule(report):
     assert c["tensor_fp4"] == m["flops_per_tile"] / 32768
     assert m["bound_cycles"] == max(c["tensor_fp4"], c["issue"], c["ex2"], c["e2m1_cvt"][1], c["direct_p_chain"])
     assert m["modelled_speedup_vs_bf16"] == pytest.approx(m["bf16_fa_cycles"] / m["bound_cycles"])
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_direct_p_float_ops_match_kernel_py(head_dim):
+    """The same float32 operations per score as kernel.py's fast build (same constants, the same contractions into
+    fma), but for its saturation compare (e + 127 > 254), which feeds only the range record."""
+    from fp4vis.kernels.blackwell import gluon_ws, kernel
+    from fp4vis.kernels.blackwell.config import KernelConfig
+    ref, ref_imm = gluon_ws.direct_p_float_ops(
+        kernel.compile_for_target(KernelConfig(head_dim, "bf16", False, False, 100)).asm["ptx"])
+    ws, ws_imm = gluon_ws.direct_p_float_ops(gluon_ws.compile_for_target(head_dim).asm["ptx"])
+    assert ref.pop("setp.gt.f32") == 1 / 32
+    assert ws == ref and ws_imm == ref_imm
