@@ -27,7 +27,9 @@ Operand layouts (the pre-pass writes today's; the codes are the same, the scales
   one MMA of N = 128 (B rows 64..79 are 1.0 codes, 80..127 zero codes, written once in SMEM), so rows 64..127
   of each scale unit must hold 127 (2^0; never 0xFF, the E8M0 NaN, which would poison the zero products).
   OUT (G, SQ, D) bf16.
-Requirements of this build: SKP = NUM_KEYS (whole 128-key tiles; no key mask), SQP a multiple of 128.
+SKP is NUM_KEYS padded to whole 128-key tiles (zero codes); the tile past the last key is masked as kernel.py
+masks it. SQP is a multiple of 128. No per-batch key counts (KEY_LENGTHS), anchors, native positions or range
+record in this build.
 """
 
 from __future__ import annotations
@@ -118,33 +120,47 @@ def _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, BLOCK_M: gl.constexpr
 # ---------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, SKP,
-                  s_log2, affine_a, affine_b, shift, WG: gl.constexpr):
-    """Direct-P on key tiles WG, WG + 2, ... (S, P and α' buffers WG)."""
-    n_tiles = SKP // 128
-    s_buf = s_tmem.index(WG)
-    p_buf = p_tmem.index(WG)
+def _dp_tile(j, phase, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+             s_log2, affine_a, affine_b, shift, WG: gl.constexpr, MASKED: gl.constexpr):
+    """Direct-P of key tile j in buffers WG. MASKED: the tile past the last key (kernel.py's MASK == "keys":
+    keys >= NUM_KEYS are -inf, so they leave the block max and get code 0)."""
     s_layout: gl.constexpr = s_buf.get_reg_layout()
-    p_layout: gl.constexpr = p_buf.get_reg_layout()
-    ps_layout: gl.constexpr = ps_buf.get_reg_layout()
-    i = 0
-    for _ in range(WG, n_tiles, 2):   # tiles WG, WG + 2, ...
-        phase = i & 1
-        mbarrier.wait(s_ready.index(WG), phase)
-        raw = s_buf.load(s_layout)
-        mbarrier.arrive(s_free.index(WG), count=1)                    # S buffer WG free for tile j + 2
-        p, ps = _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, _BLOCK, _BLOCK)
-        mbarrier.wait(p_free.index(WG), phase ^ 1)                   # P·V of tile j - 2 done with P buffer WG
-        p_buf.store(gl.convert_layout(p, p_layout))
-        ps_buf.store(gl.convert_layout(ps, ps_layout))
-        mbarrier.arrive(p_ready.index(WG), count=1)
-        i += 1
+    mbarrier.wait(s_ready.index(WG), phase)
+    raw = s_buf.load(s_layout)
+    mbarrier.arrive(s_free.index(WG), count=1)                        # S buffer WG free for tile j + 2
+    if MASKED:
+        keys = j * 128 + gl.arange(0, 128, gl.SliceLayout(0, s_layout))
+        raw = gl.where((keys < NUM_KEYS)[None, :], raw, float("-inf"))
+    p, ps = _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, _BLOCK, _BLOCK)
+    mbarrier.wait(p_free.index(WG), phase ^ 1)                       # P·V of tile j - 2 done with P buffer WG
+    p_buf.store(gl.convert_layout(p, p_buf.get_reg_layout()))
+    ps_buf.store(gl.convert_layout(ps, ps_buf.get_reg_layout()))
+    mbarrier.arrive(p_ready.index(WG), count=1)
 
 
 @gluon.jit
-def _dp_worker(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, SKP,
+def _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                  s_log2, affine_a, affine_b, shift, WG: gl.constexpr):
+    """Direct-P on key tiles WG, WG + 2, ... (S, P and α' buffers WG): the tiles wholly below the last key in a
+    loop without a mask, then the one past it (if it is this warpgroup's), as kernel.py does."""
+    n_tiles = (NUM_KEYS + 127) // 128
+    n_full = NUM_KEYS // 128
+    s_buf = s_tmem.index(WG)
+    p_buf = p_tmem.index(WG)
+    i = 0
+    for j in range(WG, n_full, 2):
+        _dp_tile(j, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                 s_log2, affine_a, affine_b, shift, WG, False)
+        i += 1
+    if (n_full < n_tiles) & (n_full % 2 == WG):
+        _dp_tile(n_full, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                 s_log2, affine_a, affine_b, shift, WG, True)
+
+
+@gluon.jit
+def _dp_worker(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
                s_log2, affine_a, affine_b, shift):
-    _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, SKP,
+    _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
                   s_log2, affine_a, affine_b, shift, 1)
 
 
@@ -191,12 +207,12 @@ def _pv(t, b: gl.constexpr, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem
 def _mma_partition(q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, ones_smem,
                    s_tmem, o_tmem, den_tmem, p_tmem, ps0, ps1, qs_tmem, ks0, ks1, vs0, vs1, ones_s_tmem,
                    q_bar, k_ready, k_empty, v_ready, v_empty, s_ready, s_free, p_ready, p_free, o_bar,
-                   SKP, D: gl.constexpr, DP: gl.constexpr):
+                   NUM_KEYS, D: gl.constexpr, DP: gl.constexpr):
     """One warp: every tcgen05 instruction of the CTA, completion to mbarriers. Two tiles per iteration (the
     scale buffers cannot be indexed at run time). S runs two tiles ahead: QK_{j+2} is issued before P·V_j, as
     soon as Direct-P has read S_j (s_free), so a Direct-P warpgroup finds its next S ready when it finishes a
     tile; the P·V MMAs accumulate in tile order (kernel.py's order)."""
-    n_tiles = SKP // 128
+    n_tiles = (NUM_KEYS + 127) // 128
     mbarrier.wait(q_bar, 0)
     tcgen05_copy(_scales_2d(qs_smem, _BLOCK, D // 16), qs_tmem)
     _qk(0, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
@@ -217,12 +233,12 @@ def _mma_partition(q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, ones_smem,
 
 @gluon.jit
 def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, qs_smem, k_smem, ks_smem,
-                    v_smem, vs_smem, q_bar, k_ready, k_empty, v_ready, v_empty, SQP, SKP, D: gl.constexpr,
-                    DP: gl.constexpr):
+                    v_smem, vs_smem, q_bar, k_ready, k_empty, v_ready, v_empty, SQP, SKP, NUM_KEYS,
+                    D: gl.constexpr, DP: gl.constexpr):
     """One warp: TMA of Q once, then K and V of each tile into the ring. (Each partition computes its own
     offsets from the program ids: values live across the partition entry spill on D = 128.)"""
     pid_g = gl.program_id(1)
-    n_tiles = SKP // 128
+    n_tiles = (NUM_KEYS + 127) // 128
     q_row = pid_g * SQP + gl.program_id(0) * 128
     k_row = pid_g * SKP
     v_row = pid_g * D
@@ -250,7 +266,7 @@ def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, q
 
 @gluon.jit
 def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT,
-                    SQ, SQP, SKP, s_log2, affine_a, affine_b, shift, D: gl.constexpr):
+                    SQ, SQP, SKP, NUM_KEYS, s_log2, affine_a, affine_b, shift, D: gl.constexpr):
     pid_m = gl.program_id(0)
     pid_g = gl.program_id(1)
     DP: gl.constexpr = (D + 127) // 128 * 128
@@ -327,16 +343,16 @@ def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT,
         mbarrier.init(p_free.index(i), count=1)
 
     gl.warp_specialize([
-        (_dp_partition, (s_tmem, p_tmem, ps0, s_ready, s_free, p_ready, p_free, SKP,
+        (_dp_partition, (s_tmem, p_tmem, ps0, s_ready, s_free, p_ready, p_free, NUM_KEYS,
                          s_log2, affine_a, affine_b, shift, 0)),
-        (_dp_worker, (s_tmem, p_tmem, ps1, s_ready, s_free, p_ready, p_free, SKP,
+        (_dp_worker, (s_tmem, p_tmem, ps1, s_ready, s_free, p_ready, p_free, NUM_KEYS,
                       s_log2, affine_a, affine_b, shift)),
         (_mma_partition, (q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, ones_smem,
                           s_tmem, o_tmem, den_tmem, p_tmem, ps0, ps1, qs_tmem, ks0, ks1, vs0, vs1, ones_s_tmem,
                           q_bar, k_ready, k_empty, v_ready, v_empty, s_ready, s_free, p_ready, p_free, o_bar,
-                          SKP, D, DP)),
+                          NUM_KEYS, D, DP)),
         (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, qs_smem, k_smem, ks_smem,
-                           v_smem, vs_smem, q_bar, k_ready, k_empty, v_ready, v_empty, SQP, SKP, D, DP)),
+                           v_smem, vs_smem, q_bar, k_ready, k_empty, v_ready, v_empty, SQP, SKP, NUM_KEYS, D, DP)),
     ], [4, 1, 1], _WORKER_REGS)
 
     # epilogue (default warps): O = acc / (6 den), div_rn; den = 0 gives 0 (acc * 0 keeps a NaN), as kernel.py.
@@ -379,8 +395,8 @@ def _desc_layouts(D: int) -> dict:
 def signature(D: int) -> dict:
     sig = {name: f"tensordesc<{dt}[{','.join(map(str, block))}],{layout!r}>"
            for name, (dt, block, layout) in _desc_layouts(D).items()}
-    sig.update(OUT="*bf16", SQ="i32", SQP="i32", SKP="i32", s_log2="fp32", affine_a="fp32", affine_b="fp32",
-               shift="i32", D="constexpr")
+    sig.update(OUT="*bf16", SQ="i32", SQP="i32", SKP="i32", NUM_KEYS="i32", s_log2="fp32", affine_a="fp32",
+               affine_b="fp32", shift="i32", D="constexpr")
     return sig
 
 

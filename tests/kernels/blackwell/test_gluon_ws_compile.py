@@ -41,7 +41,7 @@ def test_direct_p_instructions(report):
 def test_partitions_and_no_spills_in_loops(report):
     roles = sorted(p["role"] for p in report["partitions"])
     assert roles == ["direct_p", "direct_p", "load", "mma"]
-    assert report["local_ptx"] == 0
+    assert report["local_ptx"] == 0 and report["sass_local"] == 0
     assert all(p["local"] == 0 for p in report["partitions"])
     # the Direct-P loops wait on two mbarriers (S ready, P buffer free) and commit no MMA; the MMA warp commits
     dp = [p for p in report["partitions"] if p["role"] == "direct_p"]
