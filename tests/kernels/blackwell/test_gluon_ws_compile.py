@@ -1,6 +1,6 @@
 """CPU compile checks of the warp-specialised Gluon Direct-P kernel (kernels/blackwell/gluon_ws.py; no GPU):
 compiled for sm_100a, its PTX must hold the block-scaled FP4 tcgen05 MMAs (NVFP4 Q·Kᵀ, MXFP4 P·V with P in
-TMEM), the hardware E2M1 conversion and the packed FMA, no local memory in any partition's loop, and the SASS
+TMEM), the hardware E2M1 conversion and the packed FMA, no local memory (no LDL/STL anywhere), and the SASS
 must hold the four partitions the schedule relies on (two Direct-P warpgroups, an MMA warp, a load warp)."""
 
 from __future__ import annotations
