@@ -413,6 +413,54 @@ def compile_for_target(head_dim: int, arch: int = 100):
 
 
 # ---------------------------------------------------------------------------------------------
+# host side: the operands in this kernel's layouts, and a launch (needs a Blackwell GPU; not run here)
+# ---------------------------------------------------------------------------------------------
+
+def packed_block_scales(scales):
+    """(G, R, C) scale bytes (R a multiple of 128, C of 4) in the tcgen05 packed-block order the kernel's
+    ``_scales_2d`` view reads: (1, G*R/128, C/4, 2, 256), unit (u, kk) holding rows 128 u.., columns 4 kk.. with
+    row 32 i + l, column c at byte 16 l + 4 i + c."""
+    g, r, c = scales.shape
+    assert r % 128 == 0 and c % 4 == 0, (r, c)
+    x = scales.reshape(g * r // 128, 4, 32, c // 4, 4).permute(0, 3, 2, 1, 4)
+    return x.contiguous().reshape(1, g * r // 128, c // 4, 2, 256)
+
+
+def operands(ops) -> dict:
+    """The pre-pass ``Operands`` (prepass.py) as this kernel's tensors (name -> tensor, the descriptor bases):
+    the codes as 2-D views, the scales re-ordered; D = 64 pads V's scale rows to 128 with 127 (2^0), the rows
+    that scale the denominator's 1.0 codes and the zero codes after them."""
+    import torch
+    g, d = ops.vc.shape[0], ops.vc.shape[1]
+    vs = ops.vs
+    if d < 128:
+        vs = torch.cat([vs, torch.full((g, 128 - d, vs.shape[2]), 127, dtype=vs.dtype, device=vs.device)], dim=1)
+    return {"q_desc": ops.qc.reshape(-1, d // 2), "qs_desc": packed_block_scales(ops.qs),
+            "k_desc": ops.kc.reshape(-1, d // 2), "ks_desc": packed_block_scales(ops.ks),
+            "v_desc": ops.vc.reshape(-1, ops.vc.shape[2]), "vs_desc": packed_block_scales(vs)}
+
+
+def descriptors(ops) -> dict:
+    """Host TMA descriptors of ``operands(ops)`` with the block shapes and layouts the kernel was compiled for."""
+    from triton.experimental.gluon.nvidia.blackwell import TensorDescriptor
+    d = ops.vc.shape[1]
+    lay = _desc_layouts(d)
+    return {name: TensorDescriptor.from_tensor(t, lay[name][1], lay[name][2]) for name, t in operands(ops).items()}
+
+
+def launch(ops, out, params) -> None:
+    """Run the kernel on the current stream: ``ops`` from ``prepass.prepare`` (block16 Q/K layout, no anchors),
+    ``out`` (G, Sq, D) bf16, ``params`` a fast policy's ``KernelParams``. Untested here (no Blackwell GPU)."""
+    assert not params.native_exp2 and params.anchor == 0 and out.dtype.itemsize == 2
+    d = ops.vc.shape[1]
+    desc = descriptors(ops)
+    direct_p_ws_fwd[(ops.rows_q // 128, ops.qc.shape[0])](
+        *(desc[name] for name in ("q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "vs_desc")), out,
+        ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, float(params.s_log2), float(params.affine_a),
+        float(params.affine_b), int(params.shift), D=d, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
 # what the SASS says, per partition, and the B200 MODEL of it (compile_check's constants)
 # ---------------------------------------------------------------------------------------------
 

@@ -71,3 +71,56 @@ def test_direct_p_float_ops_match_kernel_py(head_dim):
     ws, ws_imm = gluon_ws.direct_p_float_ops(gluon_ws.compile_for_target(head_dim).asm["ptx"])
     assert ref.pop("setp.gt.f32") == 1 / 32
     assert ws == ref and ws_imm == ref_imm
+
+
+def _fake_operands(head_dim, heads=2, sq=256, skv=384):
+    import torch
+
+    from fp4vis.kernels.blackwell.prepass import Operands
+    g = torch.Generator().manual_seed(head_dim)
+
+    def rnd(*shape):
+        return torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
+    return Operands(rnd(heads, sq, head_dim // 2), rnd(heads, sq, head_dim // 16).view(torch.float8_e4m3fn),
+                    rnd(heads, skv, head_dim // 2), rnd(heads, skv, head_dim // 16).view(torch.float8_e4m3fn),
+                    rnd(heads, head_dim, skv // 2), rnd(heads, head_dim, skv // 32), sq - 5, sq, skv, skv - 7)
+
+
+def _kernel_view(unit):
+    """What ``gluon_ws._scales_2d`` makes of one TMA box (1, U, K4, 2, 256): the same reshape/permute in torch."""
+    u, k4 = unit.shape[1], unit.shape[2]
+    return unit.reshape(u, k4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(u * 128, k4 * 4)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_host_scale_order_is_what_the_kernel_reads(head_dim):
+    """The host's packed-block scales, cut into the kernel's TMA boxes and viewed as the kernel views them, are
+    the pre-pass scales of each tile (Q and K rows x D/16; V's D rows x 4 blocks per key tile, D = 64 padded
+    with 127)."""
+    import torch
+
+    from fp4vis.kernels.blackwell import gluon_ws
+    ops = _fake_operands(head_dim)
+    t = gluon_ws.operands(ops)
+    g, d = ops.vc.shape[0], head_dim
+    for name, src, rows in (("qs_desc", ops.qs, ops.rows_q), ("ks_desc", ops.ks, ops.keys)):
+        packed = t[name].view(torch.uint8)
+        for gi in range(g):
+            for r0 in range(0, rows, 128):
+                box = packed[:, (gi * rows + r0) // 128:(gi * rows + r0) // 128 + 1]   # the kernel's coordinate
+                assert torch.equal(_kernel_view(box), src.view(torch.uint8)[gi, r0:r0 + 128])
+    dp = max(d, 128)
+    for gi in range(g):
+        for j in range(ops.keys // 128):
+            box = t["vs_desc"][:, gi * (dp // 128):(gi + 1) * (dp // 128), j:j + 1]
+            view = _kernel_view(box)
+            assert torch.equal(view[:d], ops.vs[gi, :, 4 * j:4 * j + 4])
+            assert bool((view[d:] == 127).all())
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_host_descriptors_match_the_compiled_signature(head_dim):
+    from fp4vis.kernels.blackwell import gluon_ws
+    desc = gluon_ws.descriptors(_fake_operands(head_dim))
+    sig = gluon_ws.signature(head_dim)
+    assert {name: dsc.__mangle__() for name, dsc in desc.items()} == {name: sig[name] for name in desc}
