@@ -1,0 +1,651 @@
+"""A warp-specialised Direct-P forward in Gluon for sm_100a (compile-level; policy ``fast`` only).
+
+The numbers are ``kernel.py``'s ``direct_p_fwd`` for m = 0, no native positions, no key mask and no range record
+(docs/numerics.md section 2): the same block-scaled MMAs (NVFP4 Q·Kᵀ, MXFP4 P·V, the denominator as P against a
+block of 1.0 codes) and ``_direct_p``'s float32 operations in the same order. What differs is the schedule:
+
+Partitions (``gl.warp_specialize``), per CTA one (batch·head, 128 query rows):
+  * default, 4 warps: Direct-P on the even key tiles (S buffer 0), then the epilogue O = acc / (6 den);
+  * worker 0, 4 warps: Direct-P on the odd key tiles (S buffer 1). With m = 0 the tiles are independent (no
+    running max), so two warpgroups ping-pong over the key tiles of one query tile, two warps per scheduler;
+  * worker 1, 1 warp: the MMAs. Per tile j: tcgen05_copy of K's scales to TMEM, S_j = Q·K_jᵀ (use_acc=False:
+    no zero accumulator), then for tile j - 1 the denominator and P·V MMAs; completion goes to mbarriers,
+    the warp waits only for operands, never for its own MMAs;
+  * worker 2, 1 warp: TMA loads of Q (once) and of the K/V codes and scales into a STAGES-deep SMEM ring.
+
+TMEM (columns of 32 bits, per CTA): S 2 x 128, O D, den 16, P codes 2 x 16 (128 x 64 bytes each), scales
+(Q, K x 2, V x 2, α' x 2, the 1.0 block); Triton rounds the allocation to 512 at both head dims (1 CTA/SM).
+
+Operand layouts (the pre-pass writes today's; the codes are the same, the scales are re-ordered):
+  QC (G*SQP, D/2) u8, KC (G*SKP, D/2) u8 as today (2-D views);
+  VC (G*D, SKP/2) u8 as today (2-D view; one (D, 64) box per tile);
+  QS, KS, VS in the tcgen05 "packed block" scale order (the order ``tcgen05_copy`` reads, as the Gluon
+  block-scaled matmul example uses): per 128 rows and 4 scale columns one 512-byte unit laid out
+  [32][4][4] (row r = 32 i + l of the unit at byte 16 l + 4 i + c), units of a tile contiguous:
+  QSP (1, G*SQP/128, D/64, 2, 256) e4m3, KSP (1, G*SKP/128, D/64, 2, 256) e4m3,
+  VSP (1, G*DP/128, SKP/128, 2, 256) u8 with DP = D rounded up to 128. D = 64: P·V and the denominator are
+  one MMA of N = 128 (B rows 64..79 are 1.0 codes, 80..127 zero codes, written once in SMEM), so rows 64..127
+  of each scale unit must hold 127 (2^0; never 0xFF, the E8M0 NaN, which would poison the zero products).
+  OUT (G, SQ, D) bf16.
+SKP is NUM_KEYS padded to whole 128-key tiles (zero codes); the tile past the last key is masked as kernel.py
+masks it. SQP is a multiple of 128. No per-batch key counts (KEY_LENGTHS), anchors, native positions or range
+record in this build.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout,
+    TensorMemoryScalesLayout,
+    allocate_tensor_memory,
+    fence_async_shared,
+    mbarrier,
+    tcgen05_commit,
+    tcgen05_copy,
+    tcgen05_mma_scaled,
+    tma,
+)
+
+from .config import E8M0_BIAS, LOG2_1P5, LOG2_6, MAX_EXP_BYTE
+
+_BIAS = gl.constexpr(float(E8M0_BIAS))
+_MAX_U = gl.constexpr(float(MAX_EXP_BYTE))
+_LOG2_6 = gl.constexpr(LOG2_6)
+_ONE_MINUS_LOG2_1P5 = gl.constexpr(1.0 - LOG2_1P5)
+_DEN_N = gl.constexpr(16)      # columns of the denominator MMA (the smallest N the FP4 MMAs take)
+_BLOCK = gl.constexpr(128)     # query rows per CTA = keys per tile
+# K/V ring depth: the load warp refills a stage after that tile's P·V, and QK runs two tiles ahead of P·V, so
+# with 4 stages a K tile's TMA starts about two tiles before its QK MMA is issued (2 stages: after)
+_STAGES = gl.constexpr(4)
+_WORKER_REGS = gl.constexpr([192, 48, 48])   # registers per thread: Direct-P worker, MMA warp, load warp
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct-P (kernel.py's _direct_p for m = 0, no native positions, no mask; same float32 order)
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _e2m1x2_hw(lo, hi):
+    """kernel.py's ``_e2m1x2_hw``: four bytes of two E2M1 codes each (lo in the low nibble) of relu(lo),
+    relu(hi) by ``cvt.rn.satfinite.relu.e2m1x2.f32`` (its first source goes to the upper nibble)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b8 t0, t1, t2, t3;\n"
+        "cvt.rn.satfinite.relu.e2m1x2.f32 t0, $5, $1;\n"
+        "cvt.rn.satfinite.relu.e2m1x2.f32 t1, $6, $2;\n"
+        "cvt.rn.satfinite.relu.e2m1x2.f32 t2, $7, $3;\n"
+        "cvt.rn.satfinite.relu.e2m1x2.f32 t3, $8, $4;\n"
+        "mov.b32 $0, {t0, t1, t2, t3}; }",
+        "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=gl.uint8, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _fma_x2(a, b, c):
+    """kernel.py's ``_fma_x2``: a·b + c two lanes per ``fma.rn.f32x2`` (each lane one fma.rn.f32 rounding)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b64 a, b, c, d;\n"
+        "mov.b64 a, {$2, $3};\n"
+        "mov.b64 b, {$4, $5};\n"
+        "mov.b64 c, {$6, $7};\n"
+        "fma.rn.f32x2 d, a, b, c;\n"
+        "mov.b64 {$0, $1}, d; }",
+        "=r,=r,r,r,r,r,r,r", [a, b, c], dtype=gl.float32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """docs/numerics.md section 2 steps 1-6 for one (BLOCK_M, BLOCK_N) score tile with m = 0: the packed P codes
+    (BLOCK_M, BLOCK_N/2) u8 and their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8. Operation for operation
+    kernel.py's ``_direct_p`` with ANCHORED, NATIVE, MASK off and HW_CVT, FMA_X2 on."""
+    NB: gl.constexpr = BLOCK_N // 32
+    d3 = gl.reshape(raw, (BLOCK_M, NB, 32))                          # d = raw (m = 0: exact, skipped)
+    g = gl.max(d3, axis=2) * s_log2                                  # step 1 (s > 0)
+    e = gl.floor(g + _ONE_MINUS_LOG2_1P5)                            # step 2 (-inf for empty blocks)
+    u = gl.minimum(gl.maximum(e + _BIAS, 0.0), _MAX_U)
+    ub = gl.maximum(u, (shift + 1) * 1.0)                            # step 3: working exponent
+    k = gl.where(u == 0.0, float("-inf"), _LOG2_6 - (ub - _BIAS))    # step 4's k = log2 6 - ē
+    kaff = affine_a * k + affine_b
+    a_s = affine_a * s_log2
+    y3 = _fma_x2(d3, gl.full(d3.shape, a_s, gl.float32, d3.type.layout),
+                 gl.broadcast(kaff[:, :, None], d3)[0])               # step 5, affine positions
+    y_lo, y_hi = gl.split(gl.reshape(y3, (BLOCK_M, BLOCK_N // 2, 2)))
+    packed = _e2m1x2_hw(y_lo, y_hi)
+    sbyte = (ub - shift).to(gl.int32)                                # step 6: >= 1, never subnormal
+    return packed, sbyte.to(gl.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# partitions
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _dp_tile(j, phase, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+             s_log2, affine_a, affine_b, shift, WG: gl.constexpr, MASKED: gl.constexpr):
+    """Direct-P of key tile j in buffers WG. MASKED: the tile past the last key (kernel.py's MASK == "keys":
+    keys >= NUM_KEYS are -inf, so they leave the block max and get code 0)."""
+    s_layout: gl.constexpr = s_buf.get_reg_layout()
+    mbarrier.wait(s_ready.index(WG), phase)
+    raw = s_buf.load(s_layout)
+    mbarrier.arrive(s_free.index(WG), count=1)                        # S buffer WG free for tile j + 2
+    if MASKED:
+        keys = j * 128 + gl.arange(0, 128, gl.SliceLayout(0, s_layout))
+        raw = gl.where((keys < NUM_KEYS)[None, :], raw, float("-inf"))
+    p, ps = _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, _BLOCK, _BLOCK)
+    mbarrier.wait(p_free.index(WG), phase ^ 1)                       # P·V of tile j - 2 done with P buffer WG
+    p_buf.store(gl.convert_layout(p, p_buf.get_reg_layout()))
+    ps_buf.store(gl.convert_layout(ps, ps_buf.get_reg_layout()))
+    mbarrier.arrive(p_ready.index(WG), count=1)
+
+
+@gluon.jit
+def _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                  s_log2, affine_a, affine_b, shift, WG: gl.constexpr):
+    """Direct-P on key tiles WG, WG + 2, ... (S, P and α' buffers WG): the tiles wholly below the last key in a
+    loop without a mask, then the one past it (if it is this warpgroup's), as kernel.py does."""
+    n_tiles = (NUM_KEYS + 127) // 128
+    n_full = NUM_KEYS // 128
+    s_buf = s_tmem.index(WG)
+    p_buf = p_tmem.index(WG)
+    i = 0
+    for j in range(WG, n_full, 2):
+        _dp_tile(j, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                 s_log2, affine_a, affine_b, shift, WG, False)
+        i += 1
+    if (n_full < n_tiles) & (n_full % 2 == WG):
+        _dp_tile(n_full, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                 s_log2, affine_a, affine_b, shift, WG, True)
+
+
+@gluon.jit
+def _dp_worker(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+               s_log2, affine_a, affine_b, shift):
+    _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                  s_log2, affine_a, affine_b, shift, 1)
+
+
+@gluon.jit
+def _scales_2d(smem, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """The (ROWS, COLS) scale matrix of a packed-block SMEM tile (1, ROWS/128, COLS/4, 2, 256): the view
+    ``tcgen05_copy`` takes (the Gluon block-scaled matmul example's order)."""
+    s = smem.reshape((smem.shape[1], smem.shape[2], 32, 4, 4))
+    s = s.permute((0, 3, 2, 1, 4))
+    return s.reshape((ROWS, COLS))
+
+
+@gluon.jit
+def _qk(j, b: gl.constexpr, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks_buf, k_ready, k_empty, s_ready, s_free,
+        D: gl.constexpr):
+    """Tile j's S = Q·Kᵀ into S buffer b (use_acc=False: no zero accumulator)."""
+    st = j % _STAGES
+    mbarrier.wait(k_ready.index(st), (j // _STAGES) & 1)
+    mbarrier.wait(s_free.index(b), ((j // 2) & 1) ^ 1)
+    tcgen05_copy(_scales_2d(ks_smem.index(st), _BLOCK, D // 16), ks_buf)
+    tcgen05_mma_scaled(q_smem, k_smem.index(st).permute((1, 0)), s_tmem.index(b), qs_tmem, ks_buf,
+                       "e2m1", "e2m1", use_acc=False, mbarriers=[s_ready.index(b), k_empty.index(st)])
+
+
+@gluon.jit
+def _pv(t, b: gl.constexpr, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps_buf, vs_buf, ones_s_tmem,
+        v_ready, v_empty, p_ready, p_free, D: gl.constexpr, DP: gl.constexpr):
+    """Tile t's denominator and P·V MMAs from P buffer b (the denominator first; P·V's commit covers both).
+    DP > D (D = 64): one MMA of N = DP, B = [V; 16 rows of 1.0 codes; zero rows], whose columns D..D+15 are the
+    denominator (``o_tmem`` is (128, DP))."""
+    st = t % _STAGES
+    mbarrier.wait(v_ready.index(st), (t // _STAGES) & 1)
+    mbarrier.wait(p_ready.index(b), (t // 2) & 1)
+    tcgen05_copy(_scales_2d(vs_smem.index(st), DP, _BLOCK // 32), vs_buf)
+    acc = t > 0
+    if DP == D:
+        tcgen05_mma_scaled(p_tmem.index(b), ones_smem.permute((1, 0)), den_tmem, ps_buf, ones_s_tmem,
+                           "e2m1", "e2m1", use_acc=acc)
+    tcgen05_mma_scaled(p_tmem.index(b), v_smem.index(st).permute((1, 0)), o_tmem, ps_buf, vs_buf,
+                       "e2m1", "e2m1", use_acc=acc, mbarriers=[p_free.index(b), v_empty.index(st)])
+
+
+@gluon.jit
+def _mma_partition(q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, ones_smem,
+                   s_tmem, o_tmem, den_tmem, p_tmem, ps0, ps1, qs_tmem, ks0, ks1, vs0, vs1, ones_s_tmem,
+                   q_bar, k_ready, k_empty, v_ready, v_empty, s_ready, s_free, p_ready, p_free, o_bar,
+                   NUM_KEYS, D: gl.constexpr, DP: gl.constexpr):
+    """One warp: every tcgen05 instruction of the CTA, completion to mbarriers. Two tiles per iteration (the
+    scale buffers cannot be indexed at run time). S runs two tiles ahead: QK_{j+2} is issued before P·V_j, as
+    soon as Direct-P has read S_j (s_free), so a Direct-P warpgroup finds its next S ready when it finishes a
+    tile; the P·V MMAs accumulate in tile order (kernel.py's order)."""
+    n_tiles = (NUM_KEYS + 127) // 128
+    mbarrier.wait(q_bar, 0)
+    tcgen05_copy(_scales_2d(qs_smem, _BLOCK, D // 16), qs_tmem)
+    _qk(0, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
+    if n_tiles > 1:
+        _qk(1, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
+    for j0 in range(0, n_tiles, 2):
+        if j0 + 2 < n_tiles:
+            _qk(j0 + 2, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
+        _pv(j0, 0, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps0, vs0, ones_s_tmem,
+            v_ready, v_empty, p_ready, p_free, D, DP)
+        if j0 + 3 < n_tiles:
+            _qk(j0 + 3, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
+        if j0 + 1 < n_tiles:
+            _pv(j0 + 1, 1, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps1, vs1, ones_s_tmem,
+                v_ready, v_empty, p_ready, p_free, D, DP)
+    tcgen05_commit(o_bar)
+
+
+@gluon.jit
+def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, qs_smem, k_smem, ks_smem,
+                    v_smem, vs_smem, q_bar, k_ready, k_empty, v_ready, v_empty, SQP, SKP, NUM_KEYS,
+                    D: gl.constexpr, DP: gl.constexpr):
+    """One warp: TMA of Q once, then K and V of each tile into the ring. (Each partition computes its own
+    offsets from the program ids: values live across the partition entry spill on D = 128.)"""
+    pid_g = gl.program_id(1)
+    n_tiles = (NUM_KEYS + 127) // 128
+    q_row = pid_g * SQP + gl.program_id(0) * 128
+    k_row = pid_g * SKP
+    v_row = pid_g * D
+    vs_unit = pid_g * (DP // 128)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + qs_desc.block_type.nbytes)
+    tma.async_load(q_desc, [q_row, 0], q_bar, q_smem)
+    tma.async_load(qs_desc, [0, q_row // 128, 0, 0, 0], q_bar, qs_smem)
+    for j in range(n_tiles):
+        st = j % _STAGES
+        ph = ((j // _STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(st), ph)
+        mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
+        tma.async_load(k_desc, [k_row + j * 128, 0], k_ready.index(st), k_smem.index(st))
+        tma.async_load(ks_desc, [0, (k_row + j * 128) // 128, 0, 0, 0], k_ready.index(st), ks_smem.index(st))
+        mbarrier.wait(v_empty.index(st), ph)
+        mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes + vs_desc.block_type.nbytes)
+        v_dst = v_smem.index(st).slice(0, v_desc.block_type.shape[0])   # the first D rows (D = 64: see the kernel)
+        tma.async_load(v_desc, [v_row, j * 64], v_ready.index(st), v_dst)
+        tma.async_load(vs_desc, [0, vs_unit, j, 0, 0], v_ready.index(st), vs_smem.index(st))
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT,
+                    SQ, SQP, SKP, NUM_KEYS, s_log2, affine_a, affine_b, shift, D: gl.constexpr):
+    pid_m = gl.program_id(0)
+    pid_g = gl.program_id(1)
+    DP: gl.constexpr = (D + 127) // 128 * 128
+
+    # shared memory: Q, the K/V ring, their scales, the 1.0 block of the denominator MMA
+    q_smem = gl.allocate_shared_memory(gl.uint8, q_desc.block_type.shape, q_desc.layout)
+    qs_smem = gl.allocate_shared_memory(qs_desc.dtype, qs_desc.block_type.shape, qs_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.uint8, [_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [_STAGES] + ks_desc.block_type.shape, ks_desc.layout)
+    # V's stage is (DP, 64): D = 64 appends 16 rows of 1.0 codes and 48 zero rows (written once, below)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DP, _BLOCK // 2], gl.uint8)
+    v_smem = gl.allocate_shared_memory(gl.uint8, [_STAGES, DP, _BLOCK // 2], v_layout)
+    vs_smem = gl.allocate_shared_memory(gl.uint8, [_STAGES] + vs_desc.block_type.shape, vs_desc.layout)
+    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_DEN_N, _BLOCK // 2], gl.uint8)
+    ones_smem = gl.allocate_shared_memory(gl.uint8, [_DEN_N, _BLOCK // 2], ones_layout)
+
+    # tensor memory
+    s_layout: gl.constexpr = TensorMemoryLayout((128, 128), col_stride=1)
+    o_layout: gl.constexpr = TensorMemoryLayout((128, DP), col_stride=1)
+    den_layout: gl.constexpr = TensorMemoryLayout((128, _DEN_N), col_stride=1)
+    p_layout: gl.constexpr = TensorMemoryLayout((128, _BLOCK // 2), col_stride=1)
+    sc_layout: gl.constexpr = TensorMemoryScalesLayout()
+    s_tmem = allocate_tensor_memory(gl.float32, [2, 128, 128], s_layout)
+    o_tmem = allocate_tensor_memory(gl.float32, [128, DP], o_layout)
+    if DP == D:
+        den_tmem = allocate_tensor_memory(gl.float32, [128, _DEN_N], den_layout)
+    else:
+        den_tmem = o_tmem.slice(D, _DEN_N)
+    p_tmem = allocate_tensor_memory(gl.uint8, [2, 128, _BLOCK // 2], p_layout)
+    # scales: one buffer each (Gluon: "Scales don't currently support multibuffering")
+    ps0 = allocate_tensor_memory(gl.uint8, [128, _BLOCK // 32], sc_layout)
+    ps1 = allocate_tensor_memory(gl.uint8, [128, _BLOCK // 32], sc_layout)
+    qs_tmem = allocate_tensor_memory(qs_desc.dtype, [128, D // 16], sc_layout)
+    ks0 = allocate_tensor_memory(ks_desc.dtype, [128, D // 16], sc_layout)
+    ks1 = allocate_tensor_memory(ks_desc.dtype, [128, D // 16], sc_layout)
+    vs0 = allocate_tensor_memory(gl.uint8, [DP, _BLOCK // 32], sc_layout)
+    vs1 = allocate_tensor_memory(gl.uint8, [DP, _BLOCK // 32], sc_layout)
+    ones_s_tmem = allocate_tensor_memory(gl.uint8, [_DEN_N, _BLOCK // 32], sc_layout)
+
+    # E2M1 code 2 is 1.0 (0x22: two per byte); E8M0 127 is 2^0
+    ones_reg: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+    ones_smem.store(gl.full([_DEN_N, _BLOCK // 2], 0x22, gl.uint8, ones_reg))
+    ones_s_tmem.store(gl.full([_DEN_N, _BLOCK // 32], 127, gl.uint8, ones_s_tmem.get_reg_layout()))
+    if DP != D:
+        rows_reg: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+        r = gl.arange(0, DP - D, gl.SliceLayout(1, rows_reg))[:, None] + gl.zeros([DP - D, _BLOCK // 2], gl.int32,
+                                                                                   rows_reg)
+        tail = gl.where(r < _DEN_N, 0x22, 0).to(gl.uint8)
+        for i in gl.static_range(_STAGES):
+            v_smem.index(i).slice(D, DP - D).store(tail)
+    fence_async_shared()
+
+    q_bar = mbarrier.allocate_mbarrier()
+    o_bar = mbarrier.allocate_mbarrier()
+    k_ready = mbarrier.allocate_mbarrier(batch=_STAGES)
+    k_empty = mbarrier.allocate_mbarrier(batch=_STAGES)
+    v_ready = mbarrier.allocate_mbarrier(batch=_STAGES)
+    v_empty = mbarrier.allocate_mbarrier(batch=_STAGES)
+    s_ready = mbarrier.allocate_mbarrier(batch=2)
+    s_free = mbarrier.allocate_mbarrier(batch=2)
+    p_ready = mbarrier.allocate_mbarrier(batch=2)
+    p_free = mbarrier.allocate_mbarrier(batch=2)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(o_bar, count=1)
+    for i in gl.static_range(_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(s_ready.index(i), count=1)
+        mbarrier.init(s_free.index(i), count=1)
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+
+    gl.warp_specialize([
+        (_dp_partition, (s_tmem, p_tmem, ps0, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                         s_log2, affine_a, affine_b, shift, 0)),
+        (_dp_worker, (s_tmem, p_tmem, ps1, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+                      s_log2, affine_a, affine_b, shift)),
+        (_mma_partition, (q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, ones_smem,
+                          s_tmem, o_tmem, den_tmem, p_tmem, ps0, ps1, qs_tmem, ks0, ks1, vs0, vs1, ones_s_tmem,
+                          q_bar, k_ready, k_empty, v_ready, v_empty, s_ready, s_free, p_ready, p_free, o_bar,
+                          NUM_KEYS, D, DP)),
+        (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, qs_smem, k_smem, ks_smem,
+                           v_smem, vs_smem, q_bar, k_ready, k_empty, v_ready, v_empty, SQP, SKP, NUM_KEYS, D, DP)),
+    ], [4, 1, 1], _WORKER_REGS)
+
+    # epilogue (default warps): O = acc / (6 den), div_rn; den = 0 gives 0 (acc * 0 keeps a NaN), as kernel.py.
+    # In 32-column slices of O (the whole (128, D) tile at once spills around div_rn's slow path).
+    mbarrier.wait(o_bar, 0)
+    EPI_N: gl.constexpr = 32
+    o_reg: gl.constexpr = o_tmem.slice(0, EPI_N).get_reg_layout()
+    den_all = den_tmem.load(den_tmem.get_reg_layout())
+    den = gl.convert_layout(gl.max(den_all, axis=1), gl.SliceLayout(1, o_reg))
+    den6 = gl.where(den > 0.0, 6.0 * den, 1.0)
+    om = pid_m * 128 + gl.arange(0, 128, gl.SliceLayout(1, o_reg))
+    orow = OUT + pid_g.to(gl.int64) * SQ * D + om[:, None] * D
+    for c in gl.static_range(0, D, EPI_N):
+        acc = o_tmem.slice(c, EPI_N).load(o_reg)
+        o = gl.div_rn(acc, gl.broadcast(den6[:, None], acc)[0])
+        o = gl.where((den > 0.0)[:, None], o, acc * 0.0)
+        od = c + gl.arange(0, EPI_N, gl.SliceLayout(0, o_reg))
+        gl.store(orow + od[None, :], o.to(OUT.dtype.element_ty), mask=(om < SQ)[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# compile for sm_100a without a GPU
+# ---------------------------------------------------------------------------------------------
+
+def _desc_layouts(D: int) -> dict:
+    """Block shapes and shared layouts of the six TMA descriptors (name -> (dtype string, block, layout))."""
+    nv = gl.NVMMASharedLayout
+    flat = nv(swizzle_byte_width=0, element_bitwidth=8, rank=5)
+    dp = (D + 127) // 128 * 128
+    return {
+        "q_desc": ("u8", [128, D // 2], nv.get_default_for([128, D // 2], gl.uint8)),
+        "qs_desc": ("fp8e4nv", [1, 1, D // 64, 2, 256], flat),
+        "k_desc": ("u8", [128, D // 2], nv.get_default_for([128, D // 2], gl.uint8)),
+        "ks_desc": ("fp8e4nv", [1, 1, D // 64, 2, 256], flat),
+        "v_desc": ("u8", [D, 64], nv.get_default_for([D, 64], gl.uint8)),
+        "vs_desc": ("u8", [1, dp // 128, 1, 2, 256], flat),
+    }
+
+
+def signature(D: int) -> dict:
+    sig = {name: f"tensordesc<{dt}[{','.join(map(str, block))}],{layout!r}>"
+           for name, (dt, block, layout) in _desc_layouts(D).items()}
+    sig.update(OUT="*bf16", SQ="i32", SQP="i32", SKP="i32", NUM_KEYS="i32", s_log2="fp32", affine_a="fp32",
+               affine_b="fp32", shift="i32", D="constexpr")
+    return sig
+
+
+def compile_for_target(head_dim: int, arch: int = 100):
+    """Compile the kernel for sm_100a on this machine (Triton's bundled ptxas; no GPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    attrs = {(direct_p_ws_fwd.arg_names.index("OUT"),): [["tt.divisibility", 16]]}
+    src = GluonASTSource(fn=direct_p_ws_fwd, signature=signature(head_dim), constexprs={"D": head_dim},
+                         attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+# ---------------------------------------------------------------------------------------------
+# host side: the operands in this kernel's layouts, and a launch (needs a Blackwell GPU; not run here)
+# ---------------------------------------------------------------------------------------------
+
+def packed_block_scales(scales):
+    """(G, R, C) scale bytes (R a multiple of 128, C of 4) in the tcgen05 packed-block order the kernel's
+    ``_scales_2d`` view reads: (1, G*R/128, C/4, 2, 256), unit (u, kk) holding rows 128 u.., columns 4 kk.. with
+    row 32 i + l, column c at byte 16 l + 4 i + c."""
+    g, r, c = scales.shape
+    assert r % 128 == 0 and c % 4 == 0, (r, c)
+    x = scales.reshape(g * r // 128, 4, 32, c // 4, 4).permute(0, 3, 2, 1, 4)
+    return x.contiguous().reshape(1, g * r // 128, c // 4, 2, 256)
+
+
+def operands(ops) -> dict:
+    """The pre-pass ``Operands`` (prepass.py) as this kernel's tensors (name -> tensor, the descriptor bases):
+    the codes as 2-D views, the scales re-ordered; D = 64 pads V's scale rows to 128 with 127 (2^0), the rows
+    that scale the denominator's 1.0 codes and the zero codes after them."""
+    import torch
+    g, d = ops.vc.shape[0], ops.vc.shape[1]
+    vs = ops.vs
+    if d < 128:
+        vs = torch.cat([vs, torch.full((g, 128 - d, vs.shape[2]), 127, dtype=vs.dtype, device=vs.device)], dim=1)
+    return {"q_desc": ops.qc.reshape(-1, d // 2), "qs_desc": packed_block_scales(ops.qs),
+            "k_desc": ops.kc.reshape(-1, d // 2), "ks_desc": packed_block_scales(ops.ks),
+            "v_desc": ops.vc.reshape(-1, ops.vc.shape[2]), "vs_desc": packed_block_scales(vs)}
+
+
+def descriptors(ops) -> dict:
+    """Host TMA descriptors of ``operands(ops)`` with the block shapes and layouts the kernel was compiled for."""
+    from triton.experimental.gluon.nvidia.blackwell import TensorDescriptor
+    d = ops.vc.shape[1]
+    lay = _desc_layouts(d)
+    return {name: TensorDescriptor.from_tensor(t, lay[name][1], lay[name][2]) for name, t in operands(ops).items()}
+
+
+def launch(ops, out, params) -> None:
+    """Run the kernel on the current stream: ``ops`` from ``prepass.prepare`` (block16 Q/K layout, no anchors),
+    ``out`` (G, Sq, D) bf16, ``params`` a fast policy's ``KernelParams``. Untested here (no Blackwell GPU)."""
+    assert not params.native_exp2 and params.anchor == 0 and out.dtype.itemsize == 2
+    d = ops.vc.shape[1]
+    desc = descriptors(ops)
+    direct_p_ws_fwd[(ops.rows_q // 128, ops.qc.shape[0])](
+        *(desc[name] for name in ("q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "vs_desc")), out,
+        ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, float(params.s_log2), float(params.affine_a),
+        float(params.affine_b), int(params.shift), D=d, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the SASS says, per partition, and the B200 MODEL of it (compile_check's constants)
+# ---------------------------------------------------------------------------------------------
+
+# per partition: warps, tiles per loop iteration (the MMA loop is unrolled by two), tiles it handles of each
+# tile (the two Direct-P warpgroups alternate: each runs its loop on every other tile)
+PARTITIONS = {"direct_p": (4, 1, 0.5), "mma": (1, 2, 1.0), "load": (1, 1, 1.0)}
+
+
+def _loop_spans(sass: str) -> list[tuple[int, int]]:
+    """(first, last) line of each innermost loop (compile_check's definition: a backward branch to a label,
+    containing no other one)."""
+    import re
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    return [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
+
+
+def _role(ops: list[str]) -> str | None:
+    if any(op.startswith("LDTM") for op in ops) and any("E2M1" in op for op in ops):
+        return "direct_p"
+    if any(op.startswith("UTCOMMA") or op.startswith("UTCQMMA") for op in ops):
+        return "mma"
+    if any(op.startswith("UTMALDG") for op in ops):
+        return "load"
+    return None
+
+
+def inspect_ws(head_dim: int, keep_dir: str | None = None) -> dict:
+    """Compile for sm_100a and read the facts the model needs from PTX/SASS (compile_check's helpers)."""
+    import os
+    import re
+    import time
+    from collections import Counter
+
+    from . import compile_check as cc
+
+    t0 = time.perf_counter()
+    k = compile_for_target(head_dim)
+    ptx, cubin = k.asm["ptx"], k.asm["cubin"]
+    sass = cc.sass_of(cubin)
+    if keep_dir:
+        os.makedirs(keep_dir, exist_ok=True)
+        for ext, text in (("ptx", ptx), ("ttgir", k.asm["ttgir"]), ("sass", sass)):
+            with open(os.path.join(keep_dir, f"gluon_ws_d{head_dim}.{ext}"), "w") as f:
+                f.write(text)
+    lines = sass.splitlines()
+    parts = []
+    for a, b in _loop_spans(sass):
+        ops = [op for i in range(a, b + 1) if (op := cc._op(lines[i]))]
+        role = _role(ops)
+        if role is None:
+            continue
+        warps, tiles_per_iter, share = PARTITIONS[role]
+        parts.append(dict(
+            role=role, warps=warps, loop=len(ops), tiles_per_iteration=tiles_per_iter, share_of_tiles=share,
+            per_tile=len(ops) / tiles_per_iter, roles=cc.steady_roles(ops),
+            mix=dict(Counter(op.split(".")[0] for op in ops).most_common()),
+            special=dict(Counter(op for op in ops if op.startswith(("MUFU", "F2FP", "UTC", "STTM", "LDTM", "UTMA",
+                                                                   "SYNCS.PHASECHK", "SYNCS.ARRIVE")))),
+            local=sum(1 for op in ops if op.split(".")[0] in ("LDL", "STL")),
+            mma_waits=sum(1 for op in ops if op.startswith("SYNCS.PHASECHK")),
+            mma_commits=sum(1 for op in ops if op.startswith("UTCBAR"))))
+    all_ops = cc._SASS_OP.findall(sass)
+    return dict(
+        head_dim=head_dim, compile_s=time.perf_counter() - t0,
+        mma_ptx=dict(Counter(cc._MMA_PTX.findall(ptx))),
+        mma_a_from_tmem=len(re.findall(r"tcgen05\.mma[\w.:]*kind::mxf4\.block_scale[\w.:]*\s+\[[^\]]+\],\s*\[", ptx)),
+        e2m1_cvt=len(re.findall(r"cvt\.rn\.satfinite\.relu\.e2m1x2\.f32", ptx)),
+        fma_x2=len(re.findall(r"fma\.rn\.f32x2", ptx)),
+        local_ptx=len(re.findall(r"\.local\b", ptx)),
+        sass_local=sum(1 for op in all_ops if op.split(".")[0] in ("LDL", "STL")),
+        sass_total=len(all_ops),
+        registers=cc.register_count(cubin),
+        setmaxnreg=sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:U?P\d+, )?0x([0-9a-f]+)",
+                                                           sass)}),
+        num_warps=k.metadata.num_warps, tmem_columns=k.metadata.tmem_size, shared=k.metadata.shared,
+        partitions=parts)
+
+
+def ws_model(rep: dict) -> dict:
+    """compile_check.b200_model's constants applied to the warp-specialised schedule, per 128 x 128 tile:
+    tensor (the MMAs' FLOPs at the FP4 rate), issue (every partition's loop instructions per tile, times its
+    warps, over 4 schedulers), MUFU.EX2, the E2M1 conversion (16-64/clk: the unpublished rate; the bound takes
+    the slow end, as b200_model does) and the Direct-P chain (one warpgroup runs a tile's loop with one warp
+    per scheduler: at best one instruction a clock, and the two warpgroups alternate tiles: loop / 2).
+    No (issue + tensor) / CTAs term: the MMAs are issued by their own warp and the Direct-P warps wait only for
+    S of their tile (which QK_{j+2} computes while they work on tile j), never for the P·V MMAs they feed."""
+    from .compile_check import B200
+
+    d = rep["head_dim"]
+    scores = 128 * 128
+    n_pv = 128 if d == 64 else d + 16      # D = 64: V and the 1.0 block in one N = 128 MMA; D = 128: N = 128 + 16
+    flops = 2 * scores * d + 2 * scores * n_pv
+    tensor = flops / B200["fp4_flop_clk"]
+    warp_instr = sum(p["per_tile"] * p["warps"] * p["share_of_tiles"] for p in rep["partitions"])
+    # the Direct-P loops: two warpgroups, each its own loop; per tile one of them runs
+    dp = [p for p in rep["partitions"] if p["role"] == "direct_p"]
+    issue = warp_instr / B200["issue_warp_clk"]
+    threads_dp = 128
+    ex2 = sum(n for p in dp for op, n in p["special"].items() if op.startswith("MUFU.EX2")) / len(dp) * threads_dp
+    cvt = sum(n for p in dp for op, n in p["special"].items() if "E2M1" in op) / len(dp) * threads_dp
+    chain = max(p["loop"] for p in dp) / 2
+    cyc = {"tensor_fp4": tensor, "issue": issue, "ex2": ex2 / B200["ex2_clk"],
+           "e2m1_cvt": [cvt / B200["cvt_clk_high"], cvt / B200["cvt_clk_low"]], "direct_p_chain": chain}
+    bound = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][1], chain)
+    bound_fast_cvt = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][0], chain)
+    bf16 = 2 * scores * d * 2 / B200["bf16_flop_clk"] / B200["fa4_bf16_efficiency"]
+    names = {tensor: "tensor", issue: "issue", cyc["e2m1_cvt"][1]: "e2m1 cvt at 16/clk", chain: "Direct-P chain",
+             cyc["ex2"]: "MUFU.EX2"}
+    return {"cycles_per_tile": cyc, "warp_instructions_per_tile": warp_instr, "bound_cycles": bound,
+            "bound_by": names[bound], "bound_cycles_cvt_64": bound_fast_cvt, "bf16_fa_cycles": bf16,
+            "modelled_speedup_vs_bf16": bf16 / bound, "modelled_speedup_cvt_64": bf16 / bound_fast_cvt,
+            "target": 2.0 if d == 128 else 1.2, "flops_per_tile": flops}
+
+
+def direct_p_float_ops(ptx: str) -> tuple[dict, set]:
+    """Float32 operations of the Direct-P loop in PTX: (opcode -> count per score, the float32 immediates the loop
+    uses). A packed ``.f32x2`` op counts as two lanes of its scalar opcode (its constants come through registers,
+    hence the immediates as one set). The loop is the innermost PTX loop holding the E2M1 conversion; a thread's
+    scores are its conversions x 2. Compares this kernel's Direct-P with kernel.py's: the same operations in the
+    same number, the same constants, the same contractions into fma."""
+    import re
+    from collections import Counter
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line))}
+    body = None
+    for i, line in enumerate(lines):
+        m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            cand = lines[labels[m.group(1)]:i + 1]
+            if any("e2m1x2" in x for x in cand) and (body is None or len(cand) < len(body)):
+                body = cand
+    op_re = re.compile(r"^\s*(?:@%p\d+\s+)?((?:max|min|fma|add|sub|mul|cvt|selp|setp|neg|abs)\.[\w.]*f32[\w.]*)\s")
+    counts = Counter()
+    for line in body or ():
+        if m := op_re.match(line):
+            op = m.group(1)
+            packed = op.endswith("f32x2") and "e2m1x2" not in op
+            counts[op[:-2] if packed else op] += 2 if packed else 1
+    scores = 2 * counts.get("cvt.rn.satfinite.relu.e2m1x2.f32", 0)
+    imms = {x for line in body or () for x in re.findall(r"0f[0-9A-F]{8}", line)}
+    return ({k: n / scores for k, n in counts.items()} if scores else {}), imms
+
+
+def main(argv=None) -> int:
+    """``python -m fp4vis.kernels.blackwell.gluon_ws [--keep DIR]``: compile both head dims, print the SASS
+    figures per partition and the MODEL."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(prog="python -m fp4vis.kernels.blackwell.gluon_ws")
+    ap.add_argument("--keep", metavar="DIR")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    out = []
+    for d in (128, 64):
+        rep = inspect_ws(d, a.keep)
+        rep["model"] = ws_model(rep)
+        out.append(rep)
+        if a.json:
+            continue
+        m = rep["model"]
+        c = m["cycles_per_tile"]
+        print(f"gluon_ws fast D{d}: {rep['compile_s']:.1f} s, {rep['num_warps']} warps, {rep['registers']} regs "
+              f"(setmaxnreg {rep['setmaxnreg']}), TMEM {rep['tmem_columns']} cols, shared {rep['shared']} B, "
+              f"LDL/STL {rep['sass_local']} (in loops {sum(p['local'] for p in rep['partitions'])})")
+        for k_, n in rep["mma_ptx"].items():
+            print(f"  PTX  {k_}  x{n}")
+        print(f"  P·V / denominator MMAs with A (P) in TMEM: {rep['mma_a_from_tmem']}; e2m1x2 cvt x{rep['e2m1_cvt']}; "
+              f"fma.rn.f32x2 x{rep['fma_x2']}")
+        for p in rep["partitions"]:
+            print(f"  {p['role']:9s} {p['warps']} warps: loop {p['loop']} instr / {p['tiles_per_iteration']} tile(s) "
+                  f"-> {p['per_tile']:.1f} per tile, runs on {p['share_of_tiles']:.0%} of tiles; waits "
+                  f"{p['mma_waits']}, commits {p['mma_commits']}; {p['roles']}")
+        print(f"  MODEL (B200, not measured): warp-instructions/tile {m['warp_instructions_per_tile']:.0f} -> issue "
+              f"{c['issue']:.0f}; tensor {c['tensor_fp4']:.0f}; ex2 {c['ex2']:.0f}; e2m1 cvt {c['e2m1_cvt'][0]:.0f}-"
+              f"{c['e2m1_cvt'][1]:.0f}; Direct-P chain {c['direct_p_chain']:.0f} -> bound {m['bound_cycles']:.0f} "
+              f"({m['bound_by']}); BF16 FA {m['bf16_fa_cycles']:.0f} -> {m['modelled_speedup_vs_bf16']:.2f}x "
+              f"({m['modelled_speedup_cvt_64']:.2f}x with the conversion at 64/clk); target {m['target']}x")
+    if a.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())
