@@ -54,6 +54,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "(the H200 verification route, kernels/blackwell/cubin.py); empty: Triton compiles it", text=True),
     Setting("FP4VIS_BLACKWELL_PREPASS_FUSED", "1", "Blackwell pre-pass: the fused Triton launch on CUDA tensors "
             "(same bits); 0 runs the PyTorch statement"),
+    Setting("FP4VIS_BLACKWELL_WARP_SPECIALIZED", "0", "Blackwell backend on sm_100/sm_103: the warp-specialised "
+            "Gluon kernel (kernels/blackwell/gluon_ws.py) for the policies with m = 0 and no native positions (fast, "
+            "wan_fast); never run by the project, so the self-check verifies it on first use; 1 turns it on"),
     Setting("FP4VIS_BLACKWELL_REPORT", "", "Tests: a JSON file where the Blackwell GPU tests write their "
             "per-case relL2 and bit-identical shares", text=True),
     Setting("FP4VIS_EXHAUSTIVE", "0", "Tests: run the exhaustive E2M1 rounding check over every float32 "
@@ -73,6 +76,7 @@ class KernelSettings:
     prepass_direct_launch: bool
     blackwell_cubins: str
     blackwell_prepass_fused: bool
+    blackwell_warp_specialized: bool
 
 
 @functools.cache
@@ -81,7 +85,8 @@ def kernel_settings() -> KernelSettings:
     ``refresh`` read them again)."""
     return KernelSettings(*(setting(name) for name in (
         "FP4VIS_HOPPER_TVM_FFI", "FP4VIS_HOPPER_SHORT", "FP4VIS_PREPASS_F16_CODES", "FP4VIS_PREPASS_FULL_SEARCH",
-        "FP4VIS_PREPASS_DIRECT_LAUNCH", "FP4VIS_BLACKWELL_CUBINS", "FP4VIS_BLACKWELL_PREPASS_FUSED")))
+        "FP4VIS_PREPASS_DIRECT_LAUNCH", "FP4VIS_BLACKWELL_CUBINS", "FP4VIS_BLACKWELL_PREPASS_FUSED",
+        "FP4VIS_BLACKWELL_WARP_SPECIALIZED")))
 
 
 def refresh() -> None:

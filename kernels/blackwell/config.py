@@ -29,6 +29,9 @@ ARCHS = {100: "sm_100a", 103: "sm_103a", 120: "sm_120a", 90: "sm_90a"}
 HW_CVT_ARCHS = (100, 103, 120)
 # the packed float32 FMA (fma.rn.f32x2) exists on these
 FMA_X2_ARCHS = (100, 103)
+# the warp-specialised Gluon kernel (gluon_ws.py: tcgen05 and TMEM) exists for these
+WARP_SPECIALIZED_ARCHS = (100, 103)
+SCHEDULES = ("serial", "warp_specialized")
 # the Triton release that lowers NVFP4 tl.dot_scaled everywhere we need it (docs/blackwell_kernel.md, "Pins")
 MIN_TRITON = (3, 8)
 # the Blackwell GPUs this kernel is built for (sm_100a, sm_103a, sm_120a): where "auto" picks it (its sm_90 build is
@@ -48,7 +51,9 @@ class KernelConfig:
     (accurate, guard); anchored: a row reference from anchor samples (else m = 0); arch: Triton
     capability (100, 103, 120 or 90); hw_cvt: P codes through the hardware E2M1 conversion (only
     where the arch has it), else the exact emulation; key_lengths: a key count per batch element (a key-masked
-    call: ``kernels/kept_keys.py``), else every element has all keys."""
+    call: ``kernels/kept_keys.py``), else every element has all keys; schedule: "serial" (``kernel.py``: one
+    Triton source for every arch, each tile's MMAs waited on in its iteration) or "warp_specialized"
+    (``gluon_ws.py``: sm_100a/sm_103a, m = 0 without native positions; its tile shape and warps are its own)."""
 
     head_dim: int
     out_dtype: str
@@ -60,6 +65,7 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 2
     key_lengths: bool = False
+    schedule: str = "serial"
 
     def __post_init__(self) -> None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -68,6 +74,11 @@ class KernelConfig:
             raise ValueError(f"out_dtype: {self.out_dtype!r} not in {OUT_DTYPES}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch: {self.arch} not in {sorted(ARCHS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: {self.schedule!r} not in {SCHEDULES}")
+        if self.warp_specialized and (self.arch not in WARP_SPECIALIZED_ARCHS or self.native or self.anchored):
+            raise ValueError(f"schedule: the warp-specialised kernel is built for sm_100a/sm_103a with m = 0 and no "
+                             f"native positions, not {self.arch_name} native={self.native} anchored={self.anchored}")
         if self.block_n % 64 or self.block_m % 64:
             raise ValueError(f"block_m/block_n: multiples of 64 needed, got {self.block_m}/{self.block_n}")
 
@@ -78,6 +89,10 @@ class KernelConfig:
     @property
     def fma_x2(self) -> bool:
         return self.arch in FMA_X2_ARCHS
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.schedule == "warp_specialized"
 
     @property
     def register_lean(self) -> bool:
@@ -94,13 +109,13 @@ class KernelConfig:
         """The fields in order, plain values (``KernelConfig(*key)``; spelled out: torch.compile traces it,
         and ``dataclasses.asdict`` does not trace in every torch release)."""
         return (self.head_dim, self.out_dtype, self.native, self.anchored, self.arch, self.block_m, self.block_n,
-                self.num_warps, self.num_stages, self.key_lengths)
+                self.num_warps, self.num_stages, self.key_lengths, self.schedule)
 
     def tag(self) -> str:
         """A file-name-safe name of the variant (cubin cache, logs)."""
         return (f"{self.arch_name}_d{self.head_dim}_{self.out_dtype}_n{int(self.native)}a{int(self.anchored)}"
                 f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
-                + ("_klen" if self.key_lengths else ""))
+                + ("_klen" if self.key_lengths else "") + ("_ws" if self.warp_specialized else ""))
 
 
 def arch_of_capability(cap: tuple[int, int]) -> int | None:

@@ -84,8 +84,12 @@ def cannot_measure_now() -> str | None:
 
 def route_label(identity: dict) -> str:
     """The route the figures come from: ``SM90_ROUTE`` on compute capability 9.0, else the launch kind ("jit" /
-    "cubin")."""
-    return SM90_ROUTE if identity.get("capability") == SM90_CAPABILITY else str(identity.get("route", "?"))
+    "cubin"), with the warp-specialised kernel named where the fast-class policies took it."""
+    if identity.get("capability") == SM90_CAPABILITY:
+        return SM90_ROUTE
+    kind = str(identity.get("route", "?"))
+    return kind + (", warp-specialised kernel for fast/wan_fast" if identity.get("schedule") == "warp_specialized"
+                   else "")
 
 
 # ------------------------------------------------------------------------------------------------- timing

@@ -1,7 +1,9 @@
 """The eager launcher of the Blackwell backend and its self-check gate. ``attention(call)``: the policy's kernel
-parameters, the route's ``KernelConfig``, the pre-pass (``prepass.prepare``), the kernel's arguments and the launch
-on the current CUDA stream. ``ensure_verified(device)``: the first call on a device runs the self-check
-(``selfcheck``) and a device whose verdict failed gets ``SelfCheckError``; later calls look the verdict up.
+parameters, the route's ``KernelConfig`` (the serial Triton kernel, or the warp-specialised Gluon one where
+``FP4VIS_BLACKWELL_WARP_SPECIALIZED`` asks and the call can take it), the pre-pass (``prepass.prepare``), the
+kernel's arguments and the launch on the current CUDA stream. ``ensure_verified(device)``: the first call on a
+device runs the self-check (``selfcheck``) and a device whose verdict failed gets ``SelfCheckError``; later calls
+look the verdict up.
 
 Compiled kernels are cached per ``KernelConfig.key()`` and device; compile/load times are logged (logger
 ``fp4vis.kernels.blackwell``) and kept in ``COMPILE_TIMES``.
@@ -16,11 +18,13 @@ import time
 import torch
 
 from fp4vis.call import AttentionCall
+from fp4vis.config import kernel_settings
+from fp4vis.tracing import warn_once
 
 from ..kept_keys import kept_keys
 from . import cubin as cubin_mod
 from . import selfcheck
-from .config import KernelConfig
+from .config import WARP_SPECIALIZED_ARCHS, KernelConfig
 from .prepass import prepare
 from .route import _index, identity, route
 
@@ -31,13 +35,34 @@ _KERNELS: dict[tuple, object] = {}
 COMPILE_TIMES: dict[tuple, float] = {}
 
 
+# the warp-specialised kernel's launch shape (gluon_ws.py: 4 Direct-P warps in the default partition, a 4-deep K/V
+# ring); its other three partitions are its own
+WS_WARPS, WS_STAGES = 4, 4
+
+
 def kernel_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, anchored: bool,
                   key_lengths: bool = False) -> KernelConfig:
     r = route(index)
     if isinstance(r, str):
         raise RuntimeError(f"fp4vis blackwell: {r}")
-    return KernelConfig(head_dim, "bf16" if dtype == torch.bfloat16 else "fp16", native, anchored, r[1],
-                        key_lengths=key_lengths)
+    out = "bf16" if dtype == torch.bfloat16 else "fp16"
+    if kernel_settings().blackwell_warp_specialized:
+        why = _no_warp_specialized(r[1], native, anchored)
+        if why is None:
+            return KernelConfig(head_dim, out, native, anchored, r[1], num_warps=WS_WARPS, num_stages=WS_STAGES,
+                                key_lengths=key_lengths, schedule="warp_specialized")
+        warn_once(("blackwell-ws-not-taken", why),
+                  f"fp4vis blackwell: FP4VIS_BLACKWELL_WARP_SPECIALIZED=1, but {why}: the serial Triton kernel runs")
+    return KernelConfig(head_dim, out, native, anchored, r[1], key_lengths=key_lengths)
+
+
+def _no_warp_specialized(arch: int, native: bool, anchored: bool) -> str | None:
+    """Why a call cannot take the warp-specialised kernel, or None."""
+    if arch not in WARP_SPECIALIZED_ARCHS:
+        return f"this GPU's build is sm_{arch} (the warp-specialised kernel is sm_100a/sm_103a)"
+    if native or anchored:
+        return "the policy has native positions or an anchored row reference (it serves m = 0, affine codes)"
+    return None
 
 
 def _jit_launcher(cfg: KernelConfig):
@@ -49,8 +74,23 @@ def _jit_launcher(cfg: KernelConfig):
     return fn
 
 
+def _launch_serial(base):
+    """``base(grid, args)`` (a JIT or cubin launcher of ``kernel.py``) as the backend's launch of operands."""
+    from .kernel import grid, runtime_args
+
+    def fn(cfg, ops, out, params, record, key_lengths, heads):
+        base(grid(cfg, ops), runtime_args(ops, out, params, record, key_lengths, heads))
+    return fn
+
+
+def _launch_warp_specialized(cfg, ops, out, params, record, key_lengths, heads):
+    from . import gluon_ws
+    gluon_ws.launch(ops, out, params, record, key_lengths, heads)
+
+
 def get_kernel(index: int, cfg: KernelConfig):
-    """The launcher ``fn(grid, args)`` of ``cfg`` on device ``index`` (compiled / loaded once)."""
+    """The launch ``fn(cfg, ops, out, params, record, key_lengths, heads)`` of ``cfg`` on device ``index``
+    (compiled / loaded once; the Gluon kernel compiles at its first launch)."""
     key = (cfg.key(), index)
     fn = _KERNELS.get(key)
     if fn is not None:
@@ -60,10 +100,12 @@ def get_kernel(index: int, cfg: KernelConfig):
         if fn is None:
             t0 = time.perf_counter()
             kind = route(index)[0]
-            if kind == "cubin":
-                fn = cubin_mod.get(cfg)
+            if cfg.warp_specialized:
+                fn = _launch_warp_specialized
+            elif kind == "cubin":
+                fn = _launch_serial(cubin_mod.get(cfg))
             else:
-                fn = _jit_launcher(cfg)
+                fn = _launch_serial(_jit_launcher(cfg))
             COMPILE_TIMES[key] = time.perf_counter() - t0
             log.info("fp4vis blackwell: %s ready via %s in %.2f s", cfg.tag(), kind, COMPILE_TIMES[key])
             _KERNELS[key] = fn
@@ -72,8 +114,9 @@ def get_kernel(index: int, cfg: KernelConfig):
 
 def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
     """The eager launcher: ``call`` (validated (B, H, S, D) CUDA views) through the pre-pass and the kernel,
-    without the self-check's gate (the self-check runs this). ``launcher(cfg, grid, args)``: another launch (the
-    tests inject Triton's interpreter). The call's ``record``: the kernel adds its range counts there."""
+    without the self-check's gate (the self-check runs this). ``launcher(cfg, grid, args)``: another launch of the
+    serial kernel (the tests inject Triton's interpreter). The call's ``record``: the kernel adds its range counts
+    there."""
     from .kernel import grid, runtime_args
     q, k, v = call.q, call.k, call.v
     index = _index(q.device)
@@ -88,11 +131,10 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
     ops = prepare(q, k, v, params.qk_layout, perm_anchor, cfg.block_m, cfg.block_n, record=call.record)
     b, h = q.shape[:2]
     out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
-    args = runtime_args(ops, out, params, call.record, key_lengths, h)
     if launcher is None:
-        get_kernel(index, cfg)(grid(cfg, ops), args)
+        get_kernel(index, cfg)(cfg, ops, out, params, call.record, key_lengths, h)
     else:
-        launcher(cfg, grid(cfg, ops), args)
+        launcher(cfg, grid(cfg, ops), runtime_args(ops, out, params, call.record, key_lengths, h))
     return out.unflatten(0, (b, h))
 
 

@@ -15,10 +15,11 @@ import os
 import torch
 
 from fp4vis.backends.base import device_capability
+from fp4vis.config import kernel_settings
 from fp4vis.tracing import constant_at_trace_time
 
 from . import cubin as cubin_mod
-from .config import CAPABILITIES, MIN_TRITON, KernelConfig, arch_of_capability
+from .config import CAPABILITIES, MIN_TRITON, WARP_SPECIALIZED_ARCHS, KernelConfig, arch_of_capability
 
 VERIFICATION_CAPABILITY = (9, 0)
 
@@ -55,7 +56,7 @@ def driver_version() -> int:
 def _source_hash() -> str:
     here = os.path.dirname(__file__)
     h = hashlib.sha256()
-    for name in ("kernel.py", "prepass.py", "config.py"):
+    for name in ("kernel.py", "gluon_ws.py", "prepass.py", "config.py"):
         with open(os.path.join(here, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
@@ -120,7 +121,8 @@ def _index(device: torch.device) -> int:
 
 def identity(device: torch.device) -> dict:
     """What the self-check's verdict on ``device`` is keyed on: the GPU, its driver, fp4vis, the route and its
-    compiler, the kernel's source."""
+    compiler, the kernels' source and which kernel the fast-class policies take ("serial", or "warp_specialized"
+    where ``FP4VIS_BLACKWELL_WARP_SPECIALIZED`` asks and the GPU has it)."""
     index = _index(device)
     r = route(index)
     kind = r if isinstance(r, str) else r[0]
@@ -130,6 +132,8 @@ def identity(device: torch.device) -> dict:
     else:
         compiler = "cubin:" + str(cubin_mod.cubin_dir())
     cap = device_capability(index)
+    ws = (kernel_settings().blackwell_warp_specialized and not isinstance(r, str)
+          and r[1] in WARP_SPECIALIZED_ARCHS)
     return {"device": torch.cuda.get_device_name(index), "capability": f"{cap[0]}.{cap[1]}",
             "driver": driver_version(), "fp4vis": _fp4vis_version(), "route": kind, "compiler": compiler,
-            "source": _source_hash()}
+            "source": _source_hash(), "schedule": "warp_specialized" if ws else "serial"}

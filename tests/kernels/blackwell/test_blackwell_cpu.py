@@ -513,3 +513,63 @@ def test_kernel_config_key_is_its_fields_in_order():
 
     for cfg in (KernelConfig(128, "bf16", True, False, 90), KernelConfig(64, "fp16", False, True, 120, num_stages=3)):
         assert cfg.key() == tuple(dataclasses.asdict(cfg).values()) and KernelConfig(*cfg.key()) == cfg
+
+
+def test_warp_specialized_kernel_is_taken_where_asked_and_possible(monkeypatch, fp4vis_settings):
+    """FP4VIS_BLACKWELL_WARP_SPECIALIZED=1: sm_100a/sm_103a calls of the fast class (m = 0, affine codes) get the
+    Gluon kernel's config; any other call runs the serial kernel, with one warning that says why; off, nothing
+    changes. The verdict's identity names the schedule, so a serial verdict never covers the Gluon kernel."""
+    import warnings
+
+    from fp4vis.kernels.blackwell import launch, route
+    from fp4vis.tracing import forget_warnings
+
+    caps = {0: (10, 0), 1: (12, 0)}
+    monkeypatch.setattr(route, "device_capability", lambda i: caps[i])
+    monkeypatch.setattr(route, "triton_problem", lambda: None)
+    monkeypatch.setattr(route.torch.cuda, "get_device_name", lambda i: f"gpu{i}")
+    route.clear_route_cache()
+    forget_warnings()
+    try:
+        assert launch.kernel_config(0, 128, torch.bfloat16, False, False).schedule == "serial"
+        assert route.identity(torch.device("cuda", 0))["schedule"] == "serial"
+        fp4vis_settings(FP4VIS_BLACKWELL_WARP_SPECIALIZED="1")
+        cfg = launch.kernel_config(0, 64, torch.float16, False, False, key_lengths=True)
+        assert cfg.warp_specialized and cfg.key_lengths and cfg.tag().endswith("_klen_ws")
+        assert (cfg.num_warps, cfg.num_stages) == (launch.WS_WARPS, launch.WS_STAGES)
+        assert route.identity(torch.device("cuda", 0))["schedule"] == "warp_specialized"
+        assert route.identity(torch.device("cuda", 1))["schedule"] == "serial"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not launch.kernel_config(0, 128, torch.bfloat16, True, True).warp_specialized
+            assert not launch.kernel_config(0, 128, torch.bfloat16, True, True).warp_specialized   # warned once
+            assert not launch.kernel_config(1, 128, torch.bfloat16, False, False).warp_specialized
+        texts = [str(w.message) for w in caught]
+        assert len(texts) == 2 and "native positions or an anchored" in texts[0] and "sm_120" in texts[1]
+        with pytest.raises(ValueError, match="warp-specialised kernel is built for sm_100a"):
+            KernelConfig(128, "bf16", True, True, 100, schedule="warp_specialized")
+        with pytest.raises(ValueError, match="schedule"):
+            KernelConfig(128, "bf16", False, False, 100, schedule="pingpong")
+    finally:
+        route.clear_route_cache()
+        forget_warnings()
+
+
+def test_launch_sends_a_warp_specialized_config_to_the_gluon_kernel(monkeypatch):
+    """get_kernel's launch of a warp-specialised config is gluon_ws.launch, with the call's record, key counts and
+    heads; a serial config still goes through kernel.py's runtime arguments."""
+    from fp4vis.kernels.blackwell import gluon_ws, launch, route
+
+    seen = []
+    monkeypatch.setattr(gluon_ws, "launch", lambda *a: seen.append(("ws", a)))
+    monkeypatch.setattr(route, "_ROUTES", {7: ("jit", 100)})
+    monkeypatch.setattr(launch, "_jit_launcher", lambda cfg: lambda grid, args: seen.append(("serial", grid, args)))
+    monkeypatch.setattr(launch, "_KERNELS", {})
+    ws = KernelConfig(128, "bf16", False, False, 100, num_warps=4, num_stages=4, schedule="warp_specialized")
+    launch.get_kernel(7, ws)(ws, "ops", "out", "params", "record", "lens", 3)
+    assert seen == [("ws", ("ops", "out", "params", "record", "lens", 3))]
+    serial = KernelConfig(128, "bf16", False, False, 100)
+    monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.runtime_args", lambda *a: a)
+    monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.grid", lambda cfg, ops: (cfg.block_m, ops))
+    launch.get_kernel(7, serial)(serial, "ops", "out", "params", "record", "lens", 3)
+    assert seen[1] == ("serial", (128, "ops"), ("ops", "out", "params", "record", "lens", 3))
