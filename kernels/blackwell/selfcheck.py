@@ -22,6 +22,7 @@ import json
 import math
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,6 +33,9 @@ from fp4vis.policy import POLICIES, Policy
 from fp4vis.reference import reference_attention
 
 TOLERANCE = 5e-3        # relL2 against the reference: the GPU tests' bound
+# how long a check case's kernel may run on the GPU after its launch returned (they take milliseconds): longer is a
+# hang (a kernel never run on this GPU, e.g. the warp-specialised one, waiting on a barrier that never arrives)
+HANG_S = 30.0
 CACHE_FILE = "blackwell_selfcheck.json"
 
 # (policy, head dim, dtype, B, H, Sq, Skv): every policy x D x dtype once, shapes cycling through
@@ -100,6 +104,7 @@ def run_problems(kernel_fn, device, problems=None) -> list[CaseResult]:
         policy: Policy = POLICIES[problem[0]]
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = kernel_fn(q, k, v, policy, scale)
+        wait_for_gpu(out.device, case_name(problem))
         ref, _ = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), policy, scale)
         ref = ref.unflatten(0, q.shape[:2])
         finite = bool(torch.isfinite(out).all())
@@ -107,6 +112,26 @@ def run_problems(kernel_fn, device, problems=None) -> list[CaseResult]:
         same = float((out == ref).double().mean())
         results.append(CaseResult(case_name(problem), err, same, finite, finite and err <= TOLERANCE))
     return results
+
+
+def wait_for_gpu(device, case: str, timeout_s: float = HANG_S, event=None, clock=time.monotonic) -> None:
+    """Wait for the work queued on ``device``'s current stream, at most ``timeout_s``; past it, SelfCheckError:
+    the kernel hangs on this GPU, and saying so beats a process that waits for ever (its CUDA context stays
+    unusable). ``event``/``clock``: the tests' fakes."""
+    if event is None:
+        if torch.device(device).type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+    deadline = clock() + timeout_s
+    while not event.query():
+        if clock() > deadline:
+            raise SelfCheckError(
+                f"fp4vis: the Blackwell kernel did not finish self-check case {case} within {timeout_s:.0f} s on "
+                "this GPU: it hangs here, and this process's CUDA context cannot be used again. Restart without "
+                "FP4VIS_BLACKWELL_WARP_SPECIALIZED (if it was set), or use backend='reference', and please report "
+                "this with `fp4vis info` output.")
+        time.sleep(0.001)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -573,3 +573,23 @@ def test_launch_sends_a_warp_specialized_config_to_the_gluon_kernel(monkeypatch)
     monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.grid", lambda cfg, ops: (cfg.block_m, ops))
     launch.get_kernel(7, serial)(serial, "ops", "out", "params", "record", "lens", 3)
     assert seen[1] == ("serial", (128, "ops"), ("ops", "out", "params", "record", "lens", 3))
+
+
+def test_selfcheck_says_a_hanging_kernel_hangs():
+    """A check case whose kernel never finishes on the GPU raises SelfCheckError after the timeout, naming the case,
+    instead of waiting for ever; one that finishes returns."""
+    from fp4vis.kernels.blackwell import selfcheck
+
+    class Never:
+        def query(self):
+            return False
+
+    class Done:
+        def query(self):
+            return True
+
+    t = iter(range(100))
+    with pytest.raises(selfcheck.SelfCheckError, match="did not finish self-check case fast D=64.*within 5 s"):
+        selfcheck.wait_for_gpu("cuda", "fast D=64", timeout_s=5, event=Never(), clock=lambda: float(next(t)))
+    selfcheck.wait_for_gpu("cuda", "fast D=64", timeout_s=5, event=Done(), clock=lambda: 0.0)
+    selfcheck.wait_for_gpu("cpu", "fast D=64")   # nothing to wait for off the GPU
