@@ -388,3 +388,79 @@ def test_no_key_tile_does_nothing(build):
     assert async_blocks <= set().union(*(_reachable(blocks, succ, _fold(ptx, {nk: n})) for n in (1, 200, 300, 4097)))
     # the epilogue's output of that case: den and acc by the tile count (selects on NUM_KEYS > 0), not from TMEM
     assert re.search(rf"setp\.(gt|lt)\.s32\s+%p\d+, {nk}, [01];", ptx)
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch interface the backend calls (the kernel replaced by a recorder: no GPU here)
+# ---------------------------------------------------------------------------------------------
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+        return run
+
+
+def _params(**kw):
+    from fp4vis.policy import KernelParams
+    base = dict(s_log2=0.18, margin_raw=0.0, affine_a=1.0, affine_b=0.5, shift=2, native_exp2=False, anchor=0,
+                qk_layout="block16", code_rounding="exact")
+    return KernelParams(**{**base, **kw})
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-keys", "key-lengths"])
+@pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])
+def test_launch_arguments_follow_runtime_args(monkeypatch, masked, out_dtype):
+    """``launch(ops, out, params, record, key_lengths, heads)`` passes what ``kernel.runtime_args`` does, in this
+    kernel's signature order: the record's fields, flag and number (or int32 stand-ins and CALL = 0), the key counts
+    with KEY_LENGTHS on (or a stand-in with it off), HEADS, the policy's numbers; grid (row tiles, G)."""
+    import torch
+
+    from fp4vis.call import RecordSlot
+    from fp4vis.kernels.blackwell import gluon_ws
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_ws, "direct_p_ws_fwd", rec)
+    ops = _fake_operands(128, heads=4)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[out_dtype]
+    out = torch.empty(4, ops.seq_q, 128, dtype=dt)
+    fields, flag = torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    lens = torch.tensor([300, 0], dtype=torch.int32) if masked else None
+    gluon_ws.launch(ops, out, _params(), record=None, key_lengths=lens, heads=2)
+    gluon_ws.launch(ops, out, _params(), record=RecordSlot(fields, flag, 7), key_lengths=lens, heads=2)
+    sig = gluon_ws.signature(128, out_dtype)
+    names = [n for n, t in sig.items() if t != "constexpr"]
+    for (grid, args, kwargs), call in zip(rec.calls, (0, 7)):
+        assert grid == (ops.rows_q // 128, 4)
+        assert len(args) == len(names)
+        a = dict(zip(names, args))
+        assert a["OUT"] is out
+        assert {"D": 128, "KEY_LENGTHS": masked}.items() <= kwargs.items()
+        assert a["CALL"] == call and a["HEADS"] == 2 and a["NUM_KEYS"] == ops.num_keys
+        assert (a["SQ"], a["SQP"], a["SKP"]) == (ops.seq_q, ops.rows_q, ops.keys)
+        assert (a["s_log2"], a["affine_a"], a["affine_b"], a["shift"]) == (0.18, 1.0, 0.5, 2)
+        for name in ("REC", "FLAG", "KEY_LENS"):
+            assert a[name].dtype == torch.int32
+        if call:
+            assert a["REC"] is fields and a["FLAG"] is flag
+        if masked:
+            assert a["KEY_LENS"] is lens
+        for name in ("q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "vs_desc"):
+            assert a[name].__mangle__() == sig[name]
+
+
+def test_launch_refuses_what_the_kernel_does_not_compute(monkeypatch):
+    import torch
+
+    from fp4vis.kernels.blackwell import gluon_ws
+    monkeypatch.setattr(gluon_ws, "direct_p_ws_fwd", _Recorder())
+    ops = _fake_operands(64)
+    out = torch.empty(2, ops.seq_q, 64, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="anchors"):
+        gluon_ws.launch(ops, out, _params(anchor=128))
+    with pytest.raises(AssertionError, match="native exp2"):
+        gluon_ws.launch(ops, out, _params(native_exp2=True))
+    with pytest.raises(AssertionError, match="bf16 or fp16"):
+        gluon_ws.launch(ops, out.float(), _params())
