@@ -36,11 +36,12 @@ loads, issues, waits or commits anything, and the epilogue writes 0 (den = 0 by 
 
 The range record (kernel.py's module docstring): REC (i32: saturated, empty, non-finite, first call as a
 minimum), FLAG (i32, pinned host memory), CALL. Each Direct-P thread counts its row's saturated blocks
-(e + 127 > 254, before the clamp) in a float32 register, every tile; where CALL > 0 each Direct-P warpgroup
-leaves its counts in shared memory at its end, and the epilogue sums them over the rows of SQ with its empty rows
-(den = 0) and its outputs that are NaN or round to Inf in OUT's dtype, and where any count is not zero thread 0
-adds them to REC, lowers REC[3] to CALL and stores CALL into FLAG. CALL = 0 records nothing (REC, FLAG may be
-any int32 memory); the steady loop's cost is the count (the compare and adds).
+(e + 127 > 254, before the clamp) in four float32 registers (one per block position of a tile), every tile;
+where CALL > 0 each Direct-P warpgroup leaves its counts per row in shared memory at its end, and the epilogue
+sums them over the rows of SQ with its empty rows (den = 0) and its outputs that are NaN or round to Inf in
+OUT's dtype, and where any count is not zero thread 0 adds them to REC, lowers REC[3] to CALL and stores CALL
+into FLAG. CALL = 0 records nothing (REC, FLAG may be any int32 memory); the steady loop's cost is the count
+(four compares and two packed adds per tile and thread).
 No anchors or native positions in this build.
 """
 
@@ -112,9 +113,9 @@ def _fma_x2(a, b, c):
 @gluon.jit
 def _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """docs/numerics.md section 2 steps 1-6 for one (BLOCK_M, BLOCK_N) score tile with m = 0: the packed P codes
-    (BLOCK_M, BLOCK_N/2) u8, their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8 and each row's number of saturated
-    blocks (BLOCK_M,) i32. Operation for operation kernel.py's ``_direct_p`` with ANCHORED, NATIVE, MASK off and
-    HW_CVT, FMA_X2 on."""
+    (BLOCK_M, BLOCK_N/2) u8, their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8 and which blocks saturated
+    (BLOCK_M, BLOCK_N/32) float32 1.0/0.0. Operation for operation kernel.py's ``_direct_p`` with ANCHORED,
+    NATIVE, MASK off and HW_CVT, FMA_X2 on."""
     NB: gl.constexpr = BLOCK_N // 32
     d3 = gl.reshape(raw, (BLOCK_M, NB, 32))                          # d = raw (m = 0: exact, skipped)
     g = gl.max(d3, axis=2) * s_log2                                  # step 1 (s > 0)
@@ -130,8 +131,8 @@ def _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, BLOCK_M: gl.constexpr
     y_lo, y_hi = gl.split(gl.reshape(y3, (BLOCK_M, BLOCK_N // 2, 2)))
     packed = _e2m1x2_hw(y_lo, y_hi)
     sbyte = (ub - shift).to(gl.int32)                                # step 6: >= 1, never subnormal
-    # the range record: saturated blocks of each row (e + 127 > 254, before the clamp), in the thread's registers
-    n_sat = gl.sum(gl.where(ebias > _MAX_U, 1.0, 0.0), axis=1)
+    # the range record: which blocks saturated (e + 127 > 254, before the clamp), in the thread's registers
+    n_sat = gl.where(ebias > _MAX_U, 1.0, 0.0)
     return packed, sbyte.to(gl.uint8), n_sat
 
 
@@ -162,7 +163,7 @@ def _add_to_record(REC, FLAG, CALL, n_sat, n_empty, n_nonfinite, like):
 @gluon.jit
 def _dp_tile(j, phase, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, n_sat,
              s_log2, affine_a, affine_b, shift, WG: gl.constexpr, MASKED: gl.constexpr):
-    """Direct-P of key tile j in buffers WG; returns ``n_sat`` plus the tile's saturated blocks per row. MASKED:
+    """Direct-P of key tile j in buffers WG; returns ``n_sat`` plus the tile's saturated blocks. MASKED:
     the tile past the last key (kernel.py's MASK == "keys": keys >= NUM_KEYS are -inf, so they leave the block
     max and get code 0)."""
     s_layout: gl.constexpr = s_buf.get_reg_layout()
@@ -185,14 +186,17 @@ def _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_
                   s_log2, affine_a, affine_b, shift, WG: gl.constexpr):
     """Direct-P on key tiles WG, WG + 2, ... (S, P and α' buffers WG): the tiles wholly below the last key in a
     loop without a mask, then the one past it (if it is this warpgroup's), as kernel.py does. The saturated
-    blocks are counted per row in registers (the compare and adds of each tile, no reduction); where CALL > 0
-    the partition sums its rows of SQ once, after its loop, and adds a non-zero count to the record."""
+    blocks are counted in registers, one float32 per (row, block position) of the tile (a thread's four: per tile
+    four compares and two packed adds, no reduction); where CALL > 0 the partition leaves its counts per row in
+    ``sat_smem`` after its loop, for the epilogue's record (no atomics in the partitions)."""
     n_tiles = (NUM_KEYS + 127) // 128
     n_full = NUM_KEYS // 128
     s_buf = s_tmem.index(WG)
     p_buf = p_tmem.index(WG)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_buf.get_reg_layout())
-    n_sat = gl.zeros([_BLOCK], gl.float32, row_layout)
+    # the block maxima's layout (one row per thread, its four blocks in registers, as the S tile's TMEM load)
+    blk_layout: gl.constexpr = gl.SliceLayout(2, gl.BlockedLayout([1, 1, 32], [32, 1, 1], [4, 1, 1], [2, 1, 0]))
+    n_sat = gl.zeros([_BLOCK, _BLOCK // 32], gl.float32, blk_layout)
     i = 0
     for j in range(WG, n_full, 2):
         n_sat = _dp_tile(j, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, n_sat,
@@ -202,7 +206,7 @@ def _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_
         n_sat = _dp_tile(n_full, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, n_sat,
                          s_log2, affine_a, affine_b, shift, WG, True)
     if CALL > 0:   # the range record: this warpgroup's counts per row, for the epilogue (after the join)
-        sat_smem.index(WG).store(n_sat.to(gl.int32))
+        sat_smem.index(WG).store(gl.convert_layout(gl.sum(n_sat, axis=1), row_layout).to(gl.int32))
 
 
 @gluon.jit
