@@ -318,8 +318,10 @@ def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, q
 # the kernel
 # ---------------------------------------------------------------------------------------------
 
-# the JIT specialises no argument that varies from call to call (a key count, the call number) on its value
-@gluon.jit(do_not_specialize=["SQ", "NUM_KEYS", "HEADS", "CALL"])
+# the JIT specialises no argument that varies from call to call (a key count, the call number) on its value, and
+# the record's words and the key counts not on their alignment (compile_for_target's build, whichever is passed)
+@gluon.jit(do_not_specialize=["SQ", "NUM_KEYS", "HEADS", "CALL"],
+           do_not_specialize_on_alignment=["REC", "FLAG", "KEY_LENS"])
 def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT, REC, FLAG, KEY_LENS,
                     SQ, SQP, SKP, NUM_KEYS, HEADS, s_log2, affine_a, affine_b, shift, CALL,
                     D: gl.constexpr, KEY_LENGTHS: gl.constexpr):

@@ -464,3 +464,13 @@ def test_launch_refuses_what_the_kernel_does_not_compute(monkeypatch):
         gluon_ws.launch(ops, out, _params(native_exp2=True))
     with pytest.raises(AssertionError, match="bf16 or fp16"):
         gluon_ws.launch(ops, out.float(), _params())
+
+
+def test_jit_specialises_as_compile_for_target():
+    """The JIT compiles what compile_for_target does: no value specialisation of the arguments that vary from call
+    to call (SQ, the key count, HEADS, the call number: no new build per call number or key count), no alignment
+    specialisation of the record's words and the key counts (compile_for_target gives only OUT's)."""
+    from fp4vis.kernels.blackwell import gluon_ws
+    f = gluon_ws.direct_p_ws_fwd
+    assert {p.name for p in f.params if p.do_not_specialize} == {"SQ", "NUM_KEYS", "HEADS", "CALL"}
+    assert {p.name for p in f.params if p.do_not_specialize_on_alignment} == {"REC", "FLAG", "KEY_LENS"}
