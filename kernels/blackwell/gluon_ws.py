@@ -1,8 +1,9 @@
 """A warp-specialised Direct-P forward in Gluon for sm_100a (compile-level; policy ``fast`` only).
 
-The numbers are ``kernel.py``'s ``direct_p_fwd`` for m = 0, no native positions, no key mask and no range record
-(docs/numerics.md section 2): the same block-scaled MMAs (NVFP4 Q·Kᵀ, MXFP4 P·V, the denominator as P against a
-block of 1.0 codes) and ``_direct_p``'s float32 operations in the same order. What differs is the schedule:
+The numbers are ``kernel.py``'s ``direct_p_fwd`` for m = 0 and no native positions (docs/numerics.md section 2),
+with its range record, per-batch key counts and BF16 or FP16 output: the same block-scaled MMAs (NVFP4 Q·Kᵀ,
+MXFP4 P·V, the denominator as P against a block of 1.0 codes) and ``_direct_p``'s float32 operations in the same
+order. What differs is the schedule:
 
 Partitions (``gl.warp_specialize``), per CTA one (batch·head, 128 query rows):
   * default, 4 warps: Direct-P on the even key tiles (S buffer 0), then the epilogue O = acc / (6 den);
@@ -26,10 +27,22 @@ Operand layouts (the pre-pass writes today's; the codes are the same, the scales
   VSP (1, G*DP/128, SKP/128, 2, 256) u8 with DP = D rounded up to 128. D = 64: P·V and the denominator are
   one MMA of N = 128 (B rows 64..79 are 1.0 codes, 80..127 zero codes, written once in SMEM), so rows 64..127
   of each scale unit must hold 127 (2^0; never 0xFF, the E8M0 NaN, which would poison the zero products).
-  OUT (G, SQ, D) bf16.
+  OUT (G, SQ, D) bf16 or fp16 (the JIT specialises on its dtype).
 SKP is NUM_KEYS padded to whole 128-key tiles (zero codes); the tile past the last key is masked as kernel.py
-masks it. SQP is a multiple of 128. No per-batch key counts (KEY_LENGTHS), anchors, native positions or range
-record in this build.
+masks it. SQP is a multiple of 128. KEY_LENGTHS (a key-masked call, kept keys gathered first by
+kernels/kept_keys.py): NUM_KEYS = KEY_LENS[pid_g // HEADS], loaded once before the partitions start, and every
+partition derives its tile count from it. NUM_KEYS = 0 (an element whose mask keeps nothing): no partition
+loads, issues, waits or commits anything, and the epilogue writes 0 (den = 0 by the tile count, not from TMEM).
+
+The range record (kernel.py's module docstring): REC (i32: saturated, empty, non-finite, first call as a
+minimum), FLAG (i32, pinned host memory), CALL. Each Direct-P thread counts its row's saturated blocks
+(e + 127 > 254, before the clamp) in four float32 registers (one per block position of a tile), every tile;
+where CALL > 0 each Direct-P warpgroup leaves its counts per row in shared memory at its end, and the epilogue
+sums them over the rows of SQ with its empty rows (den = 0) and its outputs that are NaN or round to Inf in
+OUT's dtype, and where any count is not zero thread 0 adds them to REC, lowers REC[3] to CALL and stores CALL
+into FLAG. CALL = 0 records nothing (REC, FLAG may be any int32 memory); the steady loop's cost is the count
+(four compares and two packed adds per tile and thread).
+No anchors or native positions in this build.
 """
 
 from __future__ import annotations
@@ -48,12 +61,16 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tma,
 )
 
+from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
+
 from .config import E8M0_BIAS, LOG2_1P5, LOG2_6, MAX_EXP_BYTE
 
 _BIAS = gl.constexpr(float(E8M0_BIAS))
 _MAX_U = gl.constexpr(float(MAX_EXP_BYTE))
 _LOG2_6 = gl.constexpr(LOG2_6)
 _ONE_MINUS_LOG2_1P5 = gl.constexpr(1.0 - LOG2_1P5)
+_OVERFLOW_FP16 = gl.constexpr(OVERFLOW_FP16)   # fp4vis.formats: magnitudes that round to Inf in FP16
+_OVERFLOW_BF16 = gl.constexpr(OVERFLOW_BF16)
 _DEN_N = gl.constexpr(16)      # columns of the denominator MMA (the smallest N the FP4 MMAs take)
 _BLOCK = gl.constexpr(128)     # query rows per CTA = keys per tile
 # K/V ring depth: the load warp refills a stage after that tile's P·V, and QK runs two tiles ahead of P·V, so
@@ -96,13 +113,15 @@ def _fma_x2(a, b, c):
 @gluon.jit
 def _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """docs/numerics.md section 2 steps 1-6 for one (BLOCK_M, BLOCK_N) score tile with m = 0: the packed P codes
-    (BLOCK_M, BLOCK_N/2) u8 and their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8. Operation for operation
-    kernel.py's ``_direct_p`` with ANCHORED, NATIVE, MASK off and HW_CVT, FMA_X2 on."""
+    (BLOCK_M, BLOCK_N/2) u8, their E8M0 scale bytes α' (BLOCK_M, BLOCK_N/32) u8 and which blocks saturated
+    (BLOCK_M, BLOCK_N/32) float32 1.0/0.0. Operation for operation kernel.py's ``_direct_p`` with ANCHORED,
+    NATIVE, MASK off and HW_CVT, FMA_X2 on."""
     NB: gl.constexpr = BLOCK_N // 32
     d3 = gl.reshape(raw, (BLOCK_M, NB, 32))                          # d = raw (m = 0: exact, skipped)
     g = gl.max(d3, axis=2) * s_log2                                  # step 1 (s > 0)
     e = gl.floor(g + _ONE_MINUS_LOG2_1P5)                            # step 2 (-inf for empty blocks)
-    u = gl.minimum(gl.maximum(e + _BIAS, 0.0), _MAX_U)
+    ebias = e + _BIAS
+    u = gl.minimum(gl.maximum(ebias, 0.0), _MAX_U)
     ub = gl.maximum(u, (shift + 1) * 1.0)                            # step 3: working exponent
     k = gl.where(u == 0.0, float("-inf"), _LOG2_6 - (ub - _BIAS))    # step 4's k = log2 6 - ē
     kaff = affine_a * k + affine_b
@@ -112,7 +131,29 @@ def _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, BLOCK_M: gl.constexpr
     y_lo, y_hi = gl.split(gl.reshape(y3, (BLOCK_M, BLOCK_N // 2, 2)))
     packed = _e2m1x2_hw(y_lo, y_hi)
     sbyte = (ub - shift).to(gl.int32)                                # step 6: >= 1, never subnormal
-    return packed, sbyte.to(gl.uint8)
+    # the range record: which blocks saturated (e + 127 > 254, before the clamp), in the thread's registers
+    n_sat = gl.where(ebias > _MAX_U, 1.0, 0.0)
+    return packed, sbyte.to(gl.uint8), n_sat
+
+
+# ---------------------------------------------------------------------------------------------
+# the range record
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _add_to_record(REC, FLAG, CALL, n_sat, n_empty, n_nonfinite, like):
+    """kernel.py's atomics of the record, by thread 0 of the CTA: REC[0..2] += the counts, REC[3] = min(REC[3],
+    CALL), FLAG = CALL. ``like``: an int32 tensor of one element per thread. Thread 0 is found by reading %tid.x
+    here (inline asm, not hoisted): a scalar atomic's own one-thread predicate reuses the lane and warp ids
+    computed at the kernel's entry, which then stay live across every partition and spill at D = 128."""
+    tid = gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+    first = tid == 0
+    zero = gl.zeros_like(like)
+    gl.atomic_add(REC + zero, zero + n_sat, mask=first)
+    gl.atomic_add(REC + 1 + zero, zero + n_empty, mask=first)
+    gl.atomic_add(REC + 2 + zero, zero + n_nonfinite, mask=first)
+    gl.atomic_min(REC + 3 + zero, zero + CALL, mask=first)
+    gl.store(FLAG + zero, zero + CALL, mask=first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,10 +161,11 @@ def _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, BLOCK_M: gl.constexpr
 # ---------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _dp_tile(j, phase, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+def _dp_tile(j, phase, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, n_sat,
              s_log2, affine_a, affine_b, shift, WG: gl.constexpr, MASKED: gl.constexpr):
-    """Direct-P of key tile j in buffers WG. MASKED: the tile past the last key (kernel.py's MASK == "keys":
-    keys >= NUM_KEYS are -inf, so they leave the block max and get code 0)."""
+    """Direct-P of key tile j in buffers WG; returns ``n_sat`` plus the tile's saturated blocks. MASKED:
+    the tile past the last key (kernel.py's MASK == "keys": keys >= NUM_KEYS are -inf, so they leave the block
+    max and get code 0)."""
     s_layout: gl.constexpr = s_buf.get_reg_layout()
     mbarrier.wait(s_ready.index(WG), phase)
     raw = s_buf.load(s_layout)
@@ -131,36 +173,46 @@ def _dp_tile(j, phase, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, N
     if MASKED:
         keys = j * 128 + gl.arange(0, 128, gl.SliceLayout(0, s_layout))
         raw = gl.where((keys < NUM_KEYS)[None, :], raw, float("-inf"))
-    p, ps = _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, _BLOCK, _BLOCK)
+    p, ps, sat = _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, _BLOCK, _BLOCK)
     mbarrier.wait(p_free.index(WG), phase ^ 1)                       # P·V of tile j - 2 done with P buffer WG
     p_buf.store(gl.convert_layout(p, p_buf.get_reg_layout()))
     ps_buf.store(gl.convert_layout(ps, ps_buf.get_reg_layout()))
     mbarrier.arrive(p_ready.index(WG), count=1)
+    return n_sat + gl.convert_layout(sat, n_sat.type.layout)
 
 
 @gluon.jit
-def _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+def _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, sat_smem, CALL,
                   s_log2, affine_a, affine_b, shift, WG: gl.constexpr):
     """Direct-P on key tiles WG, WG + 2, ... (S, P and α' buffers WG): the tiles wholly below the last key in a
-    loop without a mask, then the one past it (if it is this warpgroup's), as kernel.py does."""
+    loop without a mask, then the one past it (if it is this warpgroup's), as kernel.py does. The saturated
+    blocks are counted in registers, one float32 per (row, block position) of the tile (a thread's four: per tile
+    four compares and two packed adds, no reduction); where CALL > 0 the partition leaves its counts per row in
+    ``sat_smem`` after its loop, for the epilogue's record (no atomics in the partitions)."""
     n_tiles = (NUM_KEYS + 127) // 128
     n_full = NUM_KEYS // 128
     s_buf = s_tmem.index(WG)
     p_buf = p_tmem.index(WG)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_buf.get_reg_layout())
+    # the block maxima's layout (one row per thread, its four blocks in registers, as the S tile's TMEM load)
+    blk_layout: gl.constexpr = gl.SliceLayout(2, gl.BlockedLayout([1, 1, 32], [32, 1, 1], [4, 1, 1], [2, 1, 0]))
+    n_sat = gl.zeros([_BLOCK, _BLOCK // 32], gl.float32, blk_layout)
     i = 0
     for j in range(WG, n_full, 2):
-        _dp_tile(j, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
-                 s_log2, affine_a, affine_b, shift, WG, False)
+        n_sat = _dp_tile(j, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, n_sat,
+                         s_log2, affine_a, affine_b, shift, WG, False)
         i += 1
     if (n_full < n_tiles) & (n_full % 2 == WG):
-        _dp_tile(n_full, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
-                 s_log2, affine_a, affine_b, shift, WG, True)
+        n_sat = _dp_tile(n_full, i & 1, s_buf, p_buf, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, n_sat,
+                         s_log2, affine_a, affine_b, shift, WG, True)
+    if CALL > 0:   # the range record: this warpgroup's counts per row, for the epilogue (after the join)
+        sat_smem.index(WG).store(gl.convert_layout(gl.sum(n_sat, axis=1), row_layout).to(gl.int32))
 
 
 @gluon.jit
-def _dp_worker(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+def _dp_worker(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, sat_smem, CALL,
                s_log2, affine_a, affine_b, shift):
-    _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+    _dp_partition(s_tmem, p_tmem, ps_buf, s_ready, s_free, p_ready, p_free, NUM_KEYS, sat_smem, CALL,
                   s_log2, affine_a, affine_b, shift, 1)
 
 
@@ -213,22 +265,23 @@ def _mma_partition(q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, ones_smem,
     soon as Direct-P has read S_j (s_free), so a Direct-P warpgroup finds its next S ready when it finishes a
     tile; the P·V MMAs accumulate in tile order (kernel.py's order)."""
     n_tiles = (NUM_KEYS + 127) // 128
-    mbarrier.wait(q_bar, 0)
-    tcgen05_copy(_scales_2d(qs_smem, _BLOCK, D // 16), qs_tmem)
-    _qk(0, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
-    if n_tiles > 1:
-        _qk(1, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
-    for j0 in range(0, n_tiles, 2):
-        if j0 + 2 < n_tiles:
-            _qk(j0 + 2, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
-        _pv(j0, 0, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps0, vs0, ones_s_tmem,
-            v_ready, v_empty, p_ready, p_free, D, DP)
-        if j0 + 3 < n_tiles:
-            _qk(j0 + 3, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
-        if j0 + 1 < n_tiles:
-            _pv(j0 + 1, 1, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps1, vs1, ones_s_tmem,
+    if n_tiles > 0:   # NUM_KEYS = 0: no loads come, no MMA is issued, nobody waits on o_bar
+        mbarrier.wait(q_bar, 0)
+        tcgen05_copy(_scales_2d(qs_smem, _BLOCK, D // 16), qs_tmem)
+        _qk(0, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
+        if n_tiles > 1:
+            _qk(1, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
+        for j0 in range(0, n_tiles, 2):
+            if j0 + 2 < n_tiles:
+                _qk(j0 + 2, 0, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks0, k_ready, k_empty, s_ready, s_free, D)
+            _pv(j0, 0, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps0, vs0, ones_s_tmem,
                 v_ready, v_empty, p_ready, p_free, D, DP)
-    tcgen05_commit(o_bar)
+            if j0 + 3 < n_tiles:
+                _qk(j0 + 3, 1, q_smem, k_smem, ks_smem, s_tmem, qs_tmem, ks1, k_ready, k_empty, s_ready, s_free, D)
+            if j0 + 1 < n_tiles:
+                _pv(j0 + 1, 1, v_smem, vs_smem, ones_smem, o_tmem, den_tmem, p_tmem, ps1, vs1, ones_s_tmem,
+                    v_ready, v_empty, p_ready, p_free, D, DP)
+        tcgen05_commit(o_bar)
 
 
 @gluon.jit
@@ -243,9 +296,10 @@ def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, q
     k_row = pid_g * SKP
     v_row = pid_g * D
     vs_unit = pid_g * (DP // 128)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes + qs_desc.block_type.nbytes)
-    tma.async_load(q_desc, [q_row, 0], q_bar, q_smem)
-    tma.async_load(qs_desc, [0, q_row // 128, 0, 0, 0], q_bar, qs_smem)
+    if n_tiles > 0:   # NUM_KEYS = 0: the MMA warp waits for nothing (no load left in flight at the CTA's exit)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + qs_desc.block_type.nbytes)
+        tma.async_load(q_desc, [q_row, 0], q_bar, q_smem)
+        tma.async_load(qs_desc, [0, q_row // 128, 0, 0, 0], q_bar, qs_smem)
     for j in range(n_tiles):
         st = j % _STAGES
         ph = ((j // _STAGES) & 1) ^ 1
@@ -264,12 +318,19 @@ def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, q_smem, q
 # the kernel
 # ---------------------------------------------------------------------------------------------
 
-@gluon.jit
-def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT,
-                    SQ, SQP, SKP, NUM_KEYS, s_log2, affine_a, affine_b, shift, D: gl.constexpr):
+# the JIT specialises no argument that varies from call to call (a key count, the call number) on its value, and
+# the record's words and the key counts not on their alignment (compile_for_target's build, whichever is passed)
+@gluon.jit(do_not_specialize=["SQ", "NUM_KEYS", "HEADS", "CALL"],
+           do_not_specialize_on_alignment=["REC", "FLAG", "KEY_LENS"])
+def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT, REC, FLAG, KEY_LENS,
+                    SQ, SQP, SKP, NUM_KEYS, HEADS, s_log2, affine_a, affine_b, shift, CALL,
+                    D: gl.constexpr, KEY_LENGTHS: gl.constexpr):
     pid_m = gl.program_id(0)
     pid_g = gl.program_id(1)
     DP: gl.constexpr = (D + 127) // 128 * 128
+    if KEY_LENGTHS:   # a key-masked call: this batch element's kept keys, gathered first (kernels/kept_keys.py)
+        NUM_KEYS = gl.load(KEY_LENS + pid_g // HEADS)
+    # every partition derives its tile count from this one NUM_KEYS (0 tiles: each of them does nothing)
 
     # shared memory: Q, the K/V ring, their scales, the 1.0 block of the denominator MMA
     q_smem = gl.allocate_shared_memory(gl.uint8, q_desc.block_type.shape, q_desc.layout)
@@ -282,6 +343,8 @@ def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT,
     vs_smem = gl.allocate_shared_memory(gl.uint8, [_STAGES] + vs_desc.block_type.shape, vs_desc.layout)
     ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_DEN_N, _BLOCK // 2], gl.uint8)
     ones_smem = gl.allocate_shared_memory(gl.uint8, [_DEN_N, _BLOCK // 2], ones_layout)
+    # the range record: each Direct-P warpgroup's saturated blocks per row, which the epilogue adds up
+    sat_smem = gl.allocate_shared_memory(gl.int32, [2, _BLOCK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     # tensor memory
     s_layout: gl.constexpr = TensorMemoryLayout((128, 128), col_stride=1)
@@ -343,9 +406,9 @@ def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT,
         mbarrier.init(p_free.index(i), count=1)
 
     gl.warp_specialize([
-        (_dp_partition, (s_tmem, p_tmem, ps0, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+        (_dp_partition, (s_tmem, p_tmem, ps0, s_ready, s_free, p_ready, p_free, NUM_KEYS, sat_smem, CALL,
                          s_log2, affine_a, affine_b, shift, 0)),
-        (_dp_worker, (s_tmem, p_tmem, ps1, s_ready, s_free, p_ready, p_free, NUM_KEYS,
+        (_dp_worker, (s_tmem, p_tmem, ps1, s_ready, s_free, p_ready, p_free, NUM_KEYS, sat_smem, CALL,
                       s_log2, affine_a, affine_b, shift)),
         (_mma_partition, (q_smem, qs_smem, k_smem, ks_smem, v_smem, vs_smem, ones_smem,
                           s_tmem, o_tmem, den_tmem, p_tmem, ps0, ps1, qs_tmem, ks0, ks1, vs0, vs1, ones_s_tmem,
@@ -356,21 +419,39 @@ def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT,
     ], [4, 1, 1], _WORKER_REGS)
 
     # epilogue (default warps): O = acc / (6 den), div_rn; den = 0 gives 0 (acc * 0 keeps a NaN), as kernel.py.
+    # No key tile (NUM_KEYS = 0): den = 0 and acc = 0 by the tile count, not from TMEM, which nothing wrote.
     # In 32-column slices of O (the whole (128, D) tile at once spills around div_rn's slow path).
-    mbarrier.wait(o_bar, 0)
+    has_keys = NUM_KEYS > 0
+    if has_keys:
+        mbarrier.wait(o_bar, 0)
     EPI_N: gl.constexpr = 32
     o_reg: gl.constexpr = o_tmem.slice(0, EPI_N).get_reg_layout()
     den_all = den_tmem.load(den_tmem.get_reg_layout())
     den = gl.convert_layout(gl.max(den_all, axis=1), gl.SliceLayout(1, o_reg))
+    den = gl.where(has_keys, den, 0.0)
     den6 = gl.where(den > 0.0, 6.0 * den, 1.0)
     om = pid_m * 128 + gl.arange(0, 128, gl.SliceLayout(1, o_reg))
+    rows = om < SQ
     orow = OUT + pid_g.to(gl.int64) * SQ * D + om[:, None] * D
+    # the range record's non-finite outputs: NaN, or a magnitude that rounds to Inf in the output dtype
+    limit: gl.constexpr = _OVERFLOW_FP16 if OUT.dtype.element_ty == gl.float16 else _OVERFLOW_BF16
+    n_bad = gl.zeros([128], gl.int32, gl.SliceLayout(1, o_reg))
     for c in gl.static_range(0, D, EPI_N):
         acc = o_tmem.slice(c, EPI_N).load(o_reg)
+        acc = gl.where(has_keys, acc, 0.0)
         o = gl.div_rn(acc, gl.broadcast(den6[:, None], acc)[0])
         o = gl.where((den > 0.0)[:, None], o, acc * 0.0)
         od = c + gl.arange(0, EPI_N, gl.SliceLayout(0, o_reg))
-        gl.store(orow + od[None, :], o.to(OUT.dtype.element_ty), mask=(om < SQ)[:, None])
+        gl.store(orow + od[None, :], o.to(OUT.dtype.element_ty), mask=rows[:, None])
+        if CALL > 0:
+            n_bad += gl.sum((~(gl.abs(o) < limit)).to(gl.int32), axis=1)
+    if CALL > 0:   # the range record (kernel.py's CALL > 0 block): saturated blocks, empty rows, non-finite outputs
+        n_empty = gl.sum((rows & (den == 0.0)).to(gl.int32), axis=0)
+        n_nonfinite = gl.sum(gl.where(rows, n_bad, 0), axis=0)
+        sat_reg: gl.constexpr = gl.SliceLayout(1, o_reg)
+        n_sat = gl.sum(gl.where(rows, sat_smem.index(0).load(sat_reg) + sat_smem.index(1).load(sat_reg), 0), axis=0)
+        if n_sat + n_empty + n_nonfinite > 0:
+            _add_to_record(REC, FLAG, CALL, n_sat, n_empty, n_nonfinite, om)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,23 +473,34 @@ def _desc_layouts(D: int) -> dict:
     }
 
 
-def signature(D: int) -> dict:
+# the runtime arguments after the six descriptors, in order
+POINTER_ARGS = ("OUT", "REC", "FLAG", "KEY_LENS")
+SCALAR_ARGS = {"SQ": "i32", "SQP": "i32", "SKP": "i32", "NUM_KEYS": "i32", "HEADS": "i32", "s_log2": "fp32",
+               "affine_a": "fp32", "affine_b": "fp32", "shift": "i32", "CALL": "i32"}
+
+
+def signature(D: int, out_dtype: str = "bf16") -> dict:
+    """Triton signature of ``direct_p_ws_fwd`` for head dim D and an output dtype ("bf16"/"fp16")."""
+    assert out_dtype in ("bf16", "fp16"), out_dtype
     sig = {name: f"tensordesc<{dt}[{','.join(map(str, block))}],{layout!r}>"
            for name, (dt, block, layout) in _desc_layouts(D).items()}
-    sig.update(OUT="*bf16", SQ="i32", SQP="i32", SKP="i32", NUM_KEYS="i32", s_log2="fp32", affine_a="fp32",
-               affine_b="fp32", shift="i32", D="constexpr")
+    sig.update(OUT=f"*{out_dtype}", REC="*i32", FLAG="*i32", KEY_LENS="*i32")
+    sig.update(SCALAR_ARGS)
+    sig.update(D="constexpr", KEY_LENGTHS="constexpr")
     return sig
 
 
-def compile_for_target(head_dim: int, arch: int = 100):
-    """Compile the kernel for sm_100a on this machine (Triton's bundled ptxas; no GPU)."""
+def compile_for_target(head_dim: int, arch: int = 100, out_dtype: str = "bf16", key_lengths: bool = False):
+    """Compile the kernel for sm_100a on this machine (Triton's bundled ptxas; no GPU): head dim, output dtype
+    ("bf16"/"fp16") and per-batch key counts (KEY_LENGTHS) as the JIT would specialise them (OUT 16-byte aligned;
+    the record's words and the key counts not)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     attrs = {(direct_p_ws_fwd.arg_names.index("OUT"),): [["tt.divisibility", 16]]}
-    src = GluonASTSource(fn=direct_p_ws_fwd, signature=signature(head_dim), constexprs={"D": head_dim},
-                         attrs=attrs)
+    src = GluonASTSource(fn=direct_p_ws_fwd, signature=signature(head_dim, out_dtype),
+                         constexprs={"D": head_dim, "KEY_LENGTHS": bool(key_lengths)}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
@@ -448,16 +540,33 @@ def descriptors(ops) -> dict:
     return {name: TensorDescriptor.from_tensor(t, lay[name][1], lay[name][2]) for name, t in operands(ops).items()}
 
 
-def launch(ops, out, params) -> None:
-    """Run the kernel on the current stream: ``ops`` from ``prepass.prepare`` (block16 Q/K layout, no anchors),
-    ``out`` (G, Sq, D) bf16, ``params`` a fast policy's ``KernelParams``. Untested here (no Blackwell GPU)."""
-    assert not params.native_exp2 and params.anchor == 0 and out.dtype.itemsize == 2
+def launch(ops, out, params, record=None, key_lengths=None, heads=1) -> None:
+    """Run the kernel on torch's current stream (Gluon's JIT), with ``kernel.runtime_args``'s meaning: ``ops``
+    the ``prepass.Operands`` of ``prepare(q, k, v, params.qk_layout, 0, 128, 128, record=...)``, ``out``
+    (G, Sq, D) bf16/fp16, ``params`` a fast policy's ``KernelParams`` (no native positions, no anchors),
+    ``record`` the call's ``fp4vis.call.RecordSlot`` (fields, flag, number) or None (record nothing), and a
+    key-masked call's int32 (B,) ``key_lengths`` with its ``heads`` per batch element (None: every element has
+    all ``ops.num_keys`` keys). Untested here (no Blackwell GPU)."""
+    import torch
+    assert not params.native_exp2, "gluon_ws: fast policies only (no native exp2 positions)"
+    assert params.anchor == 0, "gluon_ws: fast policies only (m = 0, no anchors)"
+    assert out.dtype in (torch.bfloat16, torch.float16), f"gluon_ws: output bf16 or fp16, not {out.dtype}"
     d = ops.vc.shape[1]
+    g = ops.qc.shape[0]
+    assert out.shape == (g, ops.seq_q, d) and out.is_contiguous(), (tuple(out.shape), g, ops.seq_q, d)
+    assert ops.rows_q % 128 == 0 and ops.keys % 128 == 0, (ops.rows_q, ops.keys)
+    stand_in = out.view(torch.int32)   # for the pointers a call does not read (CALL = 0, no key counts)
+    rec, flag, call = record if record is not None else (stand_in, stand_in, 0)
+    if key_lengths is not None:
+        assert key_lengths.dtype == torch.int32 and key_lengths.numel() * int(heads) == g, \
+            (key_lengths.dtype, key_lengths.numel(), heads, g)
     desc = descriptors(ops)
-    direct_p_ws_fwd[(ops.rows_q // 128, ops.qc.shape[0])](
-        *(desc[name] for name in ("q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "vs_desc")), out,
-        ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, float(params.s_log2), float(params.affine_a),
-        float(params.affine_b), int(params.shift), D=d, num_warps=4)
+    direct_p_ws_fwd[(ops.rows_q // 128, g)](
+        *(desc[name] for name in ("q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "vs_desc")),
+        out, rec, flag, stand_in if key_lengths is None else key_lengths,
+        ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, int(heads), float(params.s_log2), float(params.affine_a),
+        float(params.affine_b), int(params.shift), int(call),
+        D=d, KEY_LENGTHS=key_lengths is not None, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,8 +599,10 @@ def _role(ops: list[str]) -> str | None:
     return None
 
 
-def inspect_ws(head_dim: int, keep_dir: str | None = None) -> dict:
-    """Compile for sm_100a and read the facts the model needs from PTX/SASS (compile_check's helpers)."""
+def inspect_ws(head_dim: int, keep_dir: str | None = None, out_dtype: str = "bf16", key_lengths: bool = False,
+               kernel=None) -> dict:
+    """Compile for sm_100a (or take ``kernel``, the CompiledKernel of these arguments) and read the facts the model
+    needs from PTX/SASS (compile_check's helpers)."""
     import os
     import re
     import time
@@ -500,13 +611,14 @@ def inspect_ws(head_dim: int, keep_dir: str | None = None) -> dict:
     from . import compile_check as cc
 
     t0 = time.perf_counter()
-    k = compile_for_target(head_dim)
+    k = kernel if kernel is not None else compile_for_target(head_dim, out_dtype=out_dtype, key_lengths=key_lengths)
     ptx, cubin = k.asm["ptx"], k.asm["cubin"]
     sass = cc.sass_of(cubin)
     if keep_dir:
         os.makedirs(keep_dir, exist_ok=True)
         for ext, text in (("ptx", ptx), ("ttgir", k.asm["ttgir"]), ("sass", sass)):
-            with open(os.path.join(keep_dir, f"gluon_ws_d{head_dim}.{ext}"), "w") as f:
+            tag = f"d{head_dim}_{out_dtype}" + ("_key_lengths" if key_lengths else "")
+            with open(os.path.join(keep_dir, f"gluon_ws_{tag}.{ext}"), "w") as f:
                 f.write(text)
     lines = sass.splitlines()
     parts = []
@@ -527,7 +639,7 @@ def inspect_ws(head_dim: int, keep_dir: str | None = None) -> dict:
             mma_commits=sum(1 for op in ops if op.startswith("UTCBAR"))))
     all_ops = cc._SASS_OP.findall(sass)
     return dict(
-        head_dim=head_dim, compile_s=time.perf_counter() - t0,
+        head_dim=head_dim, out_dtype=out_dtype, key_lengths=key_lengths, compile_s=time.perf_counter() - t0,
         mma_ptx=dict(Counter(cc._MMA_PTX.findall(ptx))),
         mma_a_from_tmem=len(re.findall(r"tcgen05\.mma[\w.:]*kind::mxf4\.block_scale[\w.:]*\s+\[[^\]]+\],\s*\[", ptx)),
         e2m1_cvt=len(re.findall(r"cvt\.rn\.satfinite\.relu\.e2m1x2\.f32", ptx)),
@@ -608,24 +720,27 @@ def direct_p_float_ops(ptx: str) -> tuple[dict, set]:
 
 
 def main(argv=None) -> int:
-    """``python -m fp4vis.kernels.blackwell.gluon_ws [--keep DIR]``: compile both head dims, print the SASS
-    figures per partition and the MODEL."""
+    """``python -m fp4vis.kernels.blackwell.gluon_ws [--keep DIR] [--out-dtype fp16] [--key-lengths]``: compile
+    both head dims, print the SASS figures per partition and the MODEL."""
     import argparse
     import json
     ap = argparse.ArgumentParser(prog="python -m fp4vis.kernels.blackwell.gluon_ws")
     ap.add_argument("--keep", metavar="DIR")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out-dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--key-lengths", action="store_true", help="the key-masked build (per-batch key counts)")
     a = ap.parse_args(argv)
     out = []
     for d in (128, 64):
-        rep = inspect_ws(d, a.keep)
+        rep = inspect_ws(d, a.keep, a.out_dtype, a.key_lengths)
         rep["model"] = ws_model(rep)
         out.append(rep)
         if a.json:
             continue
         m = rep["model"]
         c = m["cycles_per_tile"]
-        print(f"gluon_ws fast D{d}: {rep['compile_s']:.1f} s, {rep['num_warps']} warps, {rep['registers']} regs "
+        build = f"D{d} {a.out_dtype}" + (" key lengths" if a.key_lengths else "")
+        print(f"gluon_ws fast {build}: {rep['compile_s']:.1f} s, {rep['num_warps']} warps, {rep['registers']} regs "
               f"(setmaxnreg {rep['setmaxnreg']}), TMEM {rep['tmem_columns']} cols, shared {rep['shared']} B, "
               f"LDL/STL {rep['sass_local']} (in loops {sum(p['local'] for p in rep['partitions'])})")
         for k_, n in rep["mma_ptx"].items():
