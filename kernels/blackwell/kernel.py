@@ -34,7 +34,10 @@ from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 
 from ..triton_formats import e2m1_index, e2m1_value
 from .config import E8M0_BIAS, KEY_BLOCK, LOG2_1P5, LOG2_6, MAX_EXP_BYTE, NVFP4_BLOCK
+from .ptx import E2M1X2, FMA_F32X2
 
+_E2M1X2_ASM, _E2M1X2_CONSTRAINTS = tl.constexpr(E2M1X2[0]), tl.constexpr(E2M1X2[1])
+_FMA_X2_ASM, _FMA_X2_CONSTRAINTS = tl.constexpr(FMA_F32X2[0]), tl.constexpr(FMA_F32X2[1])
 _KEY_BLOCK = tl.constexpr(KEY_BLOCK)
 _SF16 = tl.constexpr(NVFP4_BLOCK)
 _BIAS = tl.constexpr(E8M0_BIAS)
@@ -53,32 +56,17 @@ _OVERFLOW_BF16 = tl.constexpr(OVERFLOW_BF16)
 @triton.jit
 def _e2m1x2_hw(lo, hi):
     """One byte of two E2M1 codes (lo in the low nibble) of relu(lo), relu(hi), by the hardware
-    conversion ``cvt.rn.satfinite.relu.e2m1x2.f32``, which defines docs/numerics.md section 1's rounding. Its
-    first source goes to the upper nibble."""
-    # four pairs per call, their four bytes written straight into one 32-bit register (no byte
-    # permutes to build the uint8 operand)
-    return tl.inline_asm_elementwise(
-        "{ .reg .b8 t0, t1, t2, t3;\n"
-        "cvt.rn.satfinite.relu.e2m1x2.f32 t0, $5, $1;\n"
-        "cvt.rn.satfinite.relu.e2m1x2.f32 t1, $6, $2;\n"
-        "cvt.rn.satfinite.relu.e2m1x2.f32 t2, $7, $3;\n"
-        "cvt.rn.satfinite.relu.e2m1x2.f32 t3, $8, $4;\n"
-        "mov.b32 $0, {t0, t1, t2, t3}; }",
-        "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=tl.uint8, is_pure=True, pack=4)
+    conversion ``cvt.rn.satfinite.relu.e2m1x2.f32`` (``ptx.E2M1X2``: four pairs per call into one 32-bit
+    register), which defines docs/numerics.md section 1's rounding."""
+    return tl.inline_asm_elementwise(_E2M1X2_ASM, _E2M1X2_CONSTRAINTS, [lo, hi], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.jit
 def _fma_x2(a, b, c):
-    """a·b + c, two lanes per ``fma.rn.f32x2`` (sm_100a on): each lane is ``fma.rn.f32``'s one rounding, so the
-    bits are ``tl.fma``'s."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b64 a, b, c, d;\n"
-        "mov.b64 a, {$2, $3};\n"
-        "mov.b64 b, {$4, $5};\n"
-        "mov.b64 c, {$6, $7};\n"
-        "fma.rn.f32x2 d, a, b, c;\n"
-        "mov.b64 {$0, $1}, d; }",
-        "=r,=r,r,r,r,r,r,r", [a, b, c], dtype=tl.float32, is_pure=True, pack=2)
+    """a·b + c, two lanes per ``fma.rn.f32x2`` (sm_100a on; ``ptx.FMA_F32X2``): each lane is ``fma.rn.f32``'s one
+    rounding, so the bits are ``tl.fma``'s."""
+    return tl.inline_asm_elementwise(_FMA_X2_ASM, _FMA_X2_CONSTRAINTS, [a, b, c], dtype=tl.float32, is_pure=True,
+                                     pack=2)
 
 
 @triton.jit

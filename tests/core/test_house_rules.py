@@ -2,7 +2,8 @@
 parameters, outside tests. Read from the tracked files (``git ls-files``) with ``ast``.
 
 The exceptions are where a signature or a module's length is fixed by something other than readability:
-a Triton kernel's arguments (``@triton.jit``) are its ABI; the methods of a CuTe DSL kernel class (a class of
+a Triton or Gluon kernel's arguments (``@triton.jit``, ``@gluon.jit``: device functions take no dataclass) are its
+ABI; the methods of a CuTe DSL kernel class (a class of
 ``kernels/*/kernel.py`` with a ``@cute.jit`` / ``@cute.kernel`` method) pass the kernel's traced state; a
 custom op's body and its fake take the op's schema, one argument per field (``OP_REGISTRATION``); the CuTe DSL
 kernel class is one class (``LONG_MODULES``)."""
@@ -80,7 +81,7 @@ def _decorated(fn: ast.AST, *names: str) -> bool:
 
 def _exempt_functions(rel: str, tree: ast.Module) -> set[ast.AST]:
     """The function nodes of one module that the parameter rule leaves alone (module docstring)."""
-    exempt = {n for n in ast.walk(tree) if _decorated(n, "triton.jit")}
+    exempt = {n for n in ast.walk(tree) if _decorated(n, "triton.jit", "gluon.jit")}
     exempt |= {n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                and (rel, n.name) in OP_REGISTRATION}
     if fnmatch.fnmatch(rel, KERNEL_CLASS_MODULES):
@@ -118,6 +119,8 @@ class C:
 def kernel({_params(20)}): pass
 @triton.jit(do_not_specialize=["a0"])
 def kernel_too({_params(20)}): pass
+@gluon.jit
+def partition({_params(20)}): pass
 def outer():
     def inner({_params(11)}): pass
 def hopper_attention({_params(27)}): pass

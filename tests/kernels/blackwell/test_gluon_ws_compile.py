@@ -35,9 +35,9 @@ def _compiled(head_dim, out_dtype="bf16", key_lengths=False):
 
 @functools.cache
 def _report(build):
-    from fp4vis.kernels.blackwell import gluon_ws
+    from fp4vis.kernels.blackwell import gluon_ws_check
     d, dt, kl = build
-    return gluon_ws.inspect_ws(d, out_dtype=dt, key_lengths=kl, kernel=_compiled(d, dt, kl))
+    return gluon_ws_check.inspect_ws(d, out_dtype=dt, key_lengths=kl, kernel=_compiled(d, dt, kl))
 
 
 @pytest.fixture(scope="module", params=[128, 64], ids=["d128", "d64"])
@@ -78,8 +78,8 @@ def test_partitions_and_no_spills_in_loops(report):
 
 
 def test_model_reads_the_schedule(report):
-    from fp4vis.kernels.blackwell import gluon_ws
-    m = gluon_ws.ws_model(report)
+    from fp4vis.kernels.blackwell import gluon_ws_check
+    m = gluon_ws_check.ws_model(report)
     c = m["cycles_per_tile"]
     assert c["tensor_fp4"] == m["flops_per_tile"] / 32768
     assert m["bound_cycles"] == max(c["tensor_fp4"], c["issue"], c["ex2"], c["e2m1_cvt"][1], c["direct_p_chain"])
@@ -91,11 +91,11 @@ def test_direct_p_float_ops_match_kernel_py(head_dim):
     """The same float32 operations per score as kernel.py's fast build (same constants, the same contractions into
     fma, the same saturation compare e + 127 > 254 per block), but for the count of the saturated blocks, which this
     kernel keeps in float32 (a select of 1.0 and an add per block; kernel.py's is an int32 sum)."""
-    from fp4vis.kernels.blackwell import gluon_ws, kernel
+    from fp4vis.kernels.blackwell import gluon_ws_check, kernel
     from fp4vis.kernels.blackwell.config import KernelConfig
-    ref, ref_imm = gluon_ws.direct_p_float_ops(
+    ref, ref_imm = gluon_ws_check.direct_p_float_ops(
         kernel.compile_for_target(KernelConfig(head_dim, "bf16", False, False, 100)).asm["ptx"])
-    ws, ws_imm = gluon_ws.direct_p_float_ops(_compiled(head_dim).asm["ptx"])
+    ws, ws_imm = gluon_ws_check.direct_p_float_ops(_compiled(head_dim).asm["ptx"])
     assert ref["setp.gt.f32"] == ws["setp.gt.f32"] == 1 / 32
     ref["selp.f32"] += 1 / 32
     ref["add.f32"] += 1 / 32
