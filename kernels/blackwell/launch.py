@@ -18,7 +18,6 @@ import time
 import torch
 
 from fp4vis.call import AttentionCall
-from fp4vis.config import kernel_settings
 from fp4vis.tracing import warn_once
 
 from ..kept_keys import kept_keys
@@ -26,7 +25,7 @@ from . import cubin as cubin_mod
 from . import selfcheck
 from .config import WARP_SPECIALIZED_ARCHS, KernelConfig
 from .prepass import prepare
-from .route import _index, identity, route
+from .route import _index, identity, route, warp_specialized_asked
 
 log = logging.getLogger("fp4vis.kernels.blackwell")
 
@@ -46,7 +45,7 @@ def kernel_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, a
     if isinstance(r, str):
         raise RuntimeError(f"fp4vis blackwell: {r}")
     out = "bf16" if dtype == torch.bfloat16 else "fp16"
-    if kernel_settings().blackwell_warp_specialized:
+    if warp_specialized_asked():
         why = _no_warp_specialized(r[1], native, anchored)
         if why is None:
             return KernelConfig(head_dim, out, native, anchored, r[1], num_warps=WS_WARPS, num_stages=WS_STAGES,

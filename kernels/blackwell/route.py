@@ -89,6 +89,12 @@ def route(index: int) -> tuple[str, int] | str:
 
 
 @constant_at_trace_time
+def warp_specialized_asked() -> bool:
+    """``FP4VIS_BLACKWELL_WARP_SPECIALIZED`` (read once with the kernel settings; a constant while Dynamo traces)."""
+    return kernel_settings().blackwell_warp_specialized
+
+
+@constant_at_trace_time
 def _has_cubin(key: tuple) -> bool:
     """Whether the cubin of the ``KernelConfig`` with this ``key()`` is there (a key: Dynamo passes plain
     values to a function it runs while tracing)."""
@@ -132,8 +138,7 @@ def identity(device: torch.device) -> dict:
     else:
         compiler = "cubin:" + str(cubin_mod.cubin_dir())
     cap = device_capability(index)
-    ws = (kernel_settings().blackwell_warp_specialized and not isinstance(r, str)
-          and r[1] in WARP_SPECIALIZED_ARCHS)
+    ws = warp_specialized_asked() and not isinstance(r, str) and r[1] in WARP_SPECIALIZED_ARCHS
     return {"device": torch.cuda.get_device_name(index), "capability": f"{cap[0]}.{cap[1]}",
             "driver": driver_version(), "fp4vis": _fp4vis_version(), "route": kind, "compiler": compiler,
             "source": _source_hash(), "schedule": "warp_specialized" if ws else "serial"}
