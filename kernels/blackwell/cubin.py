@@ -82,7 +82,8 @@ class CubinKernel:
         self.cfg = cfg
         with open(os.path.join(directory, cfg.tag() + ".json")) as f:
             self.meta = json.load(f)
-        if tuple(self.meta["config"]) != cfg.key():
+        # a cubin directory built before KernelConfig had its schedule field holds serial builds
+        if KernelConfig(*self.meta["config"]).key() != cfg.key():
             raise RuntimeError(f"{cfg.tag()}: cubin metadata is for another config {self.meta['config']}")
         self._cupy = cupy
         self._streams: dict[int, object] = {}

@@ -29,6 +29,8 @@ import torch
 from fp4vis.policy import POLICIES, Policy
 from fp4vis.tracing import warn_once
 
+from .selfcheck import wait_for_gpu
+
 WARMUP = 2
 REPEATS = 5
 BUDGET_S = 0.3          # timed calls per function: fewer than REPEATS (never fewer than 3) past this
@@ -112,7 +114,8 @@ def cuda_event_timer(name: str, fn: Callable, shape: CallShape, device: torch.de
         start.record()
         fn(q, k, v)
         end.record()
-        end.synchronize()
+        # a deadline, not end.synchronize(): this is the first long run of a kernel (a hang says so)
+        wait_for_gpu(device, f"the first-use timing of {name} at {shape.label()}", event=end)
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 

@@ -11,6 +11,7 @@ Compiled kernels are cached per ``KernelConfig.key()`` and device; compile/load 
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -34,6 +35,8 @@ _KERNELS: dict[tuple, object] = {}
 COMPILE_TIMES: dict[tuple, float] = {}
 
 
+# set while the self-check runs a case (``_checked_attention``)
+_SELF_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("fp4vis_blackwell_self_check", default=False)
 # the warp-specialised kernel's launch shape (gluon_ws.py: 4 Direct-P warps in the default partition, a 4-deep K/V
 # ring); its other three partitions are its own
 WS_WARPS, WS_STAGES = 4, 4
@@ -50,8 +53,9 @@ def kernel_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, a
         if why is None:
             return KernelConfig(head_dim, out, native, anchored, r[1], num_warps=WS_WARPS, num_stages=WS_STAGES,
                                 key_lengths=key_lengths, schedule="warp_specialized")
-        warn_once(("blackwell-ws-not-taken", why),
-                  f"fp4vis blackwell: FP4VIS_BLACKWELL_WARP_SPECIALIZED=1, but {why}: the serial Triton kernel runs")
+        if not _SELF_CHECK.get():
+            warn_once(("blackwell-ws-not-taken", why), f"fp4vis blackwell: FP4VIS_BLACKWELL_WARP_SPECIALIZED=1, but "
+                      f"{why}: the serial Triton kernel runs")
     return KernelConfig(head_dim, out, native, anchored, r[1], key_lengths=key_lengths)
 
 
@@ -106,6 +110,7 @@ def get_kernel(index: int, cfg: KernelConfig):
             else:
                 fn = _launch_serial(_jit_launcher(cfg))
             COMPILE_TIMES[key] = time.perf_counter() - t0
+            # (the Gluon kernel compiles at its first launch, not here: its time is that launch's)
             log.info("fp4vis blackwell: %s ready via %s in %.2f s", cfg.tag(), kind, COMPILE_TIMES[key])
             _KERNELS[key] = fn
     return fn
@@ -137,9 +142,14 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
     return out.unflatten(0, (b, h))
 
 
-def _checked_attention(q, k, v, policy, scale):
-    """What the self-check runs: ``attention`` of plain tensors."""
-    return attention(AttentionCall(q, k, v, policy, float(scale)))
+def _checked_attention(q, k, v, policy, scale, key_mask=None, record=None):
+    """What the self-check runs: ``attention`` of plain tensors (its warp-specialised cases add a key mask or a
+    record). Its cases of other policies say nothing about the user's calls: no fallback warning from them."""
+    token = _SELF_CHECK.set(True)
+    try:
+        return attention(AttentionCall(q, k, v, policy, float(scale), key_mask=key_mask, record=record))
+    finally:
+        _SELF_CHECK.reset(token)
 
 
 def verdict(device: torch.device, force: bool = False, kernel_fn=None, shape=None, timer=None) -> dict:

@@ -47,6 +47,15 @@ PROBLEMS = tuple(
                                      for d in (64, 128) for dt in ("bf16", "fp16")))
 
 
+# The warp-specialised kernel's own cases (a verdict whose identity has schedule "warp_specialized"), beside PROBLEMS:
+# 9 key tiles (8 whole, one partial), so both Direct-P warpgroups, both phases of every barrier and the wrap of its
+# 4-deep K/V ring run; then a key-masked batch (one element keeps part of its keys, one none: zeros) and a recorded
+# call whose logits saturate (the range record's counts against the reference's report)
+WS_KEYS = 8 * 128 + 37
+WS_PROBLEMS = tuple((pol, d, dt, 1, 2, 200, WS_KEYS) for pol, d, dt in (
+    ("fast", 128, "bf16"), ("wan_fast", 128, "fp16"), ("fast", 64, "fp16"), ("wan_fast", 64, "bf16")))
+
+
 class SelfCheckError(RuntimeError):
     """The Blackwell kernel disagreed with the reference on this GPU: its results are refused."""
 
@@ -104,7 +113,7 @@ def run_problems(kernel_fn, device, problems=None) -> list[CaseResult]:
         policy: Policy = POLICIES[problem[0]]
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = kernel_fn(q, k, v, policy, scale)
-        wait_for_gpu(out.device, case_name(problem))
+        wait_for_gpu(out.device, f"self-check case {case_name(problem)}")
         ref, _ = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), policy, scale)
         ref = ref.unflatten(0, q.shape[:2])
         finite = bool(torch.isfinite(out).all())
@@ -114,24 +123,68 @@ def run_problems(kernel_fn, device, problems=None) -> list[CaseResult]:
     return results
 
 
-def wait_for_gpu(device, case: str, timeout_s: float = HANG_S, event=None, clock=time.monotonic) -> None:
-    """Wait for the work queued on ``device``'s current stream, at most ``timeout_s``; past it, SelfCheckError:
-    the kernel hangs on this GPU, and saying so beats a process that waits for ever (its CUDA context stays
-    unusable). ``event``/``clock``: the tests' fakes."""
+def wait_for_gpu(device, what: str, timeout_s: float = HANG_S, event=None, clock=time.monotonic) -> None:
+    """Wait for the work queued on ``device``'s current stream (or for ``event``), at most ``timeout_s``; past it,
+    SelfCheckError naming ``what``: the kernel hangs on this GPU, and saying so beats a process that waits for ever
+    (its CUDA context stays unusable). ``clock``: the tests' fake."""
     if event is None:
         if torch.device(device).type != "cuda":
             return
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(device))
     deadline = clock() + timeout_s
     while not event.query():
         if clock() > deadline:
             raise SelfCheckError(
-                f"fp4vis: the Blackwell kernel did not finish self-check case {case} within {timeout_s:.0f} s on "
+                f"fp4vis: the Blackwell kernel did not finish {what} within {timeout_s:.0f} s on "
                 "this GPU: it hangs here, and this process's CUDA context cannot be used again. Restart without "
                 "FP4VIS_BLACKWELL_WARP_SPECIALIZED (if it was set), or use backend='reference', and please report "
                 "this with `fp4vis info` output.")
         time.sleep(0.001)
+
+
+def _result(name: str, out: torch.Tensor, ref: torch.Tensor, extra_ok: bool = True) -> CaseResult:
+    finite = bool(torch.isfinite(out).all())
+    err = rel_l2(out.float(), ref.float()) if finite else math.inf
+    return CaseResult(name, err, float((out == ref).double().mean()), finite,
+                      finite and err <= TOLERANCE and extra_ok)
+
+
+def masked_case(kernel_fn, device) -> CaseResult:
+    """A key-masked batch: element 0 keeps about 60 % of ``WS_KEYS`` keys (the reference on its kept keys is what it
+    must give), element 1 none (its rows must be 0). ``kernel_fn(q, k, v, policy, scale, key_mask=...)``."""
+    q, k, v = make_inputs((2, 2, 200, WS_KEYS, 128), torch.bfloat16, "gauss", "fast", seed=77, device=device)
+    keep = torch.rand(WS_KEYS, generator=torch.Generator().manual_seed(78)) < 0.6
+    mask = torch.stack([keep, torch.zeros_like(keep)]).to(q.device)
+    policy, scale = POLICIES["fast"], 1.0 / math.sqrt(128)
+    out = kernel_fn(q, k, v, policy, scale, key_mask=mask)
+    wait_for_gpu(out.device, "the key-masked self-check case")
+    kept = keep.to(q.device)
+    ref, _ = reference_attention(q[0], k[0][:, kept], v[0][:, kept], policy, scale)
+    return _result(f"fast D=128 bf16 B=2 H=2 Sq=200 Skv={WS_KEYS} key mask (keeps {int(keep.sum())}, 0)",
+                   out[0], ref, extra_ok=bool((out[1] == 0).all()))
+
+
+def recorded_case(kernel_fn, device) -> CaseResult:
+    """A recorded call whose logits saturate: the kernel's saturated blocks and empty rows in the range record are the
+    reference's report, its non-finite count its output's, and the output the reference's.
+    ``kernel_fn(q, k, v, policy, scale, record=...)``."""
+    from fp4vis.backends.range_record import RangeRecord
+
+    q, k, v = make_inputs((1, 2, 200, WS_KEYS, 128), torch.bfloat16, "gauss", "fast", seed=79, device=device)
+    q, k = q * 12.0, k * 12.0
+    policy, scale = POLICIES["fast"], 0.125
+    rec = RangeRecord(torch.device(device))
+    out = kernel_fn(q, k, v, policy, scale, record=rec.start_call("blackwell", policy, "raise", "bhsd", (q, k, v)))
+    wait_for_gpu(out.device, "the recorded self-check case")
+    found = rec.collect()
+    ref, report = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), policy, scale)
+    counts = None if found is None else found[2]
+    ok = (report.saturated_blocks > 0 and counts is not None and counts.saturated_blocks == report.saturated_blocks
+          and counts.empty_rows == report.empty_rows
+          and counts.nonfinite_outputs == int((~torch.isfinite(out)).sum()))
+    return _result(f"fast D=128 bf16 B=1 H=2 Sq=200 Skv={WS_KEYS} recorded, saturating", out,
+                   ref.unflatten(0, q.shape[:2]), extra_ok=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +254,9 @@ def verdict_for(identity: dict, kernel_fn, device, *, force: bool = False, probl
                                      "cannot run under CUDA-graph capture; make one eager call (or call "
                                      "fp4vis.kernels.blackwell.selfcheck.ensure()) before capturing")
             cases = run_problems(kernel_fn, device, problems)
+            if problems is None and identity.get("schedule") == "warp_specialized":
+                cases += run_problems(kernel_fn, device, WS_PROBLEMS)
+                cases += [masked_case(kernel_fn, device), recorded_case(kernel_fn, device)]
             v = {"identity": identity, "passed": all(c.passed for c in cases), "cases": [asdict(c) for c in cases]}
         if measure is not None and v["passed"] and "timing" not in v:
             timing = measure()

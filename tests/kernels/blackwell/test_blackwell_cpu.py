@@ -590,6 +590,49 @@ def test_selfcheck_says_a_hanging_kernel_hangs():
 
     t = iter(range(100))
     with pytest.raises(selfcheck.SelfCheckError, match="did not finish self-check case fast D=64.*within 5 s"):
-        selfcheck.wait_for_gpu("cuda", "fast D=64", timeout_s=5, event=Never(), clock=lambda: float(next(t)))
-    selfcheck.wait_for_gpu("cuda", "fast D=64", timeout_s=5, event=Done(), clock=lambda: 0.0)
+        selfcheck.wait_for_gpu("cuda", "self-check case fast D=64", timeout_s=5, event=Never(),
+                               clock=lambda: float(next(t)))
+    selfcheck.wait_for_gpu("cuda", "self-check case fast D=64", timeout_s=5, event=Done(), clock=lambda: 0.0)
     selfcheck.wait_for_gpu("cpu", "fast D=64")   # nothing to wait for off the GPU
+
+
+def test_warp_specialized_verdict_runs_its_own_cases(monkeypatch, cache):
+    """A verdict for the warp-specialised schedule runs PROBLEMS, then WS_PROBLEMS (9 key tiles) and the key-masked
+    and recorded cases; a serial verdict runs PROBLEMS only."""
+    from fp4vis.kernels.blackwell import selfcheck
+
+    ran = []
+    ok = selfcheck.CaseResult("x", 0.0, 1.0, True, True)
+    monkeypatch.setattr(selfcheck, "run_problems", lambda fn, dev, problems=None: ran.append(problems) or [ok])
+    monkeypatch.setattr(selfcheck, "masked_case", lambda fn, dev: ran.append("masked") or ok)
+    monkeypatch.setattr(selfcheck, "recorded_case", lambda fn, dev: ran.append("recorded") or ok)
+    v = selfcheck.verdict_for({"device": "b200", "schedule": "warp_specialized"}, None, "cpu")
+    assert v["passed"] and len(v["cases"]) == 4 and ran == [None, selfcheck.WS_PROBLEMS, "masked", "recorded"]
+    assert all(p[-1] == selfcheck.WS_KEYS and -(-p[-1] // 128) % 2 == 1 for p in selfcheck.WS_PROBLEMS)  # 9 tiles
+    ran.clear()
+    selfcheck.verdict_for({"device": "b200", "schedule": "serial"}, None, "cpu")
+    assert ran == [None]
+
+
+def test_masked_and_recorded_cases_refuse_what_they_check():
+    """The key-masked case passes a kernel that is the reference on the kept keys (zeros where none is kept) and
+    refuses one that ignores the mask; the recorded case refuses a kernel that records nothing."""
+    import fp4vis
+    from fp4vis.kernels.blackwell import selfcheck
+
+    def masked_ref(q, k, v, policy, scale, key_mask=None, record=None):
+        # per element the reference on its kept keys; an element that keeps none gives 0 (the kernels' rows with
+        # no key; fp4vis.attention refuses such a mask, the kernels' check case does not)
+        out = torch.zeros_like(q)
+        for b in range(q.shape[0]):
+            if key_mask[b].any():
+                out[b] = reference_attention(q[b], k[b][:, key_mask[b]], v[b][:, key_mask[b]], policy, scale)[0]
+        return out
+
+    assert selfcheck.masked_case(masked_ref, "cpu").passed
+    ignores = lambda q, k, v, policy, scale, key_mask=None, record=None: masked_ref(  # noqa: E731
+        q, k, v, policy, scale, torch.ones_like(key_mask))
+    assert not selfcheck.masked_case(ignores, "cpu").passed
+    silent = lambda q, k, v, policy, scale, key_mask=None, record=None: fp4vis.attention(  # noqa: E731
+        q, k, v, policy=policy, scale=scale, backend="reference", range_check="off")
+    assert not selfcheck.recorded_case(silent, "cpu").passed
