@@ -253,17 +253,19 @@ def _judge(cfg: KernelConfig, rep: Report) -> None:
 # over 148 SMs at ~1.86 GHz -> 32768 and 8192 FLOP/clk/SM; 512 TMEM columns, 65536 registers, 232448 B of
 # shared memory for CTAs. The MMAs are issued per CTA (tcgen05) and run beside its warps' instructions.
 B200 = dict(name="B200", sms=148, clock_ghz=1.86, fp4_flop_clk=32768, bf16_flop_clk=8192, issue_warp_clk=4,
-            ex2_clk=16, cvt_clk_low=16, cvt_clk_high=64, fa4_bf16_efficiency=0.71, tmem_columns=512,
+            ex2_clk=16, cvt_clk_low=16, cvt_clk_high=64, bf16_fa_efficiency=0.71, tmem_columns=512,
             registers=65536, shared_bytes=232448)
 # The BF16 FlashAttention it is compared with runs at 71 % of that BF16 peak.
-# RTX 5090 (sm_120a): the vendor's dense FP4 rate 1676 TFLOPS (3352 "AI TOPS" with sparsity) over 170 SMs at
-# 2.407 GHz -> 4096 FLOP/clk/SM. Its BF16 side is a published measurement instead of a peak: FlashAttention2's
-# forward at 212 TFLOP/s on this GPU (SageAttention3, arXiv 2505.11594; GeForce parts' FP32-accumulate tensor
-# rate, which FlashAttention needs, is not the FP16 one) -> 518 FLOP/clk/SM. No TMEM; 65536 registers, 102400 B
+# RTX 5090 (sm_120a): the vendor's dense FP4 rate 1676 TFLOPS (3352 "AI TOPS" with sparsity; the accumulate mode of
+# that figure is not stated beside it) over 170 SMs at 2.407 GHz -> 4096 FLOP/clk/SM. Its BF16 side is a published
+# measurement instead of a peak: FlashAttention2's forward at 212 TFLOP/s on this GPU (SageAttention3, arXiv
+# 2505.11594, its headline kernel comparison, one figure for every head dim; GeForce parts' FP32-accumulate tensor
+# rate, which FlashAttention needs, is not the FP16 one) -> 518 FLOP/clk/SM, taken at efficiency 1. FP4 at its
+# peak against a measured BF16: the ratios are upper bounds. No TMEM; 65536 registers, 102400 B
 # of shared memory per SM. Its MMAs (mma.sync) are warp instructions: each warp waits for its own results, and
 # the other warps on its scheduler fill the gap.
 RTX5090 = dict(name="RTX 5090", sms=170, clock_ghz=2.407, fp4_flop_clk=4096, bf16_flop_clk=212e3 / (170 * 2.407),
-               issue_warp_clk=4, ex2_clk=16, cvt_clk_low=16, cvt_clk_high=64, fa4_bf16_efficiency=1.0,
+               issue_warp_clk=4, ex2_clk=16, cvt_clk_low=16, cvt_clk_high=64, bf16_fa_efficiency=1.0,
                tmem_columns=None, registers=65536, shared_bytes=102400)
 # the GPU each arch is modelled on (sm_103a's B300 has other rates, not modelled)
 MODEL_GPUS = {100: B200, 120: RTX5090}
@@ -272,7 +274,7 @@ SCHEDULERS = 4
 
 def gpu_model(cfg: KernelConfig, rep: Report) -> dict:
     """Cycles per SM for one (block_m x block_n) tile of the steady loop on ``MODEL_GPUS[cfg.arch]``, with the
-    overlap this build's schedule has, and the modelled ratio to a BF16 FlashAttention at ``fa4_bf16_efficiency``
+    overlap this build's schedule has, and the modelled ratio to a BF16 FlashAttention at ``bf16_fa_efficiency``
     of that GPU's ``bf16_flop_clk``.
 
     The overlap, from the SASS. sm_100a: where every MMA group the loop commits (UTCBAR) is waited on in the same
@@ -304,7 +306,7 @@ def gpu_model(cfg: KernelConfig, rep: Report) -> dict:
     cyc = {"tensor_fp4": tensor, "issue": issue, "ex2": ex2 / gpu["ex2_clk"],
            "e2m1_cvt": [cvt / gpu["cvt_clk_high"], cvt / gpu["cvt_clk_low"]], "schedule": overlapped}
     bound = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][1], overlapped)
-    bf16 = 2 * scores * cfg.head_dim * 2 / gpu["bf16_flop_clk"] / gpu["fa4_bf16_efficiency"]
+    bf16 = 2 * scores * cfg.head_dim * 2 / gpu["bf16_flop_clk"] / gpu["bf16_fa_efficiency"]
     target = 2.0 if cfg.head_dim == 128 else 1.2
     # issue cycles allowed at the target: bf16/target, and where the MMAs are waited on, (issue + tensor)/streams
     # within it too

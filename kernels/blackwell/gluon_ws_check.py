@@ -99,10 +99,10 @@ def inspect_ws(head_dim: int, keep_dir: str | None = None, out_dtype: str = "bf1
 
 
 def ws_model(rep: dict) -> dict:
-    """compile_check.b200_model's constants applied to the warp-specialised schedule, per 128 x 128 tile:
+    """compile_check.gpu_model's B200 constants applied to the warp-specialised schedule, per 128 x 128 tile:
     tensor (the MMAs' FLOPs at the FP4 rate), issue (every partition's loop instructions per tile, times its
     warps, over 4 schedulers), MUFU.EX2, the E2M1 conversion (16-64/clk: the unpublished rate; the bound takes
-    the slow end, as b200_model does) and the Direct-P chain (one warpgroup runs a tile's loop with one warp
+    the slow end, as gpu_model does) and the Direct-P chain (one warpgroup runs a tile's loop with one warp
     per scheduler: at best one instruction a clock, and the two warpgroups alternate tiles: loop / 2).
     No (issue + tensor) / CTAs term: the MMAs are issued by their own warp and the Direct-P warps wait only for
     S of their tile (which QK_{j+2} computes while they work on tile j), never for the P·V MMAs they feed."""
@@ -124,7 +124,7 @@ def ws_model(rep: dict) -> dict:
            "e2m1_cvt": [cvt / B200["cvt_clk_high"], cvt / B200["cvt_clk_low"]], "direct_p_chain": chain}
     bound = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][1], chain)
     bound_fast_cvt = max(tensor, issue, cyc["ex2"], cyc["e2m1_cvt"][0], chain)
-    bf16 = 2 * scores * d * 2 / B200["bf16_flop_clk"] / B200["fa4_bf16_efficiency"]
+    bf16 = 2 * scores * d * 2 / B200["bf16_flop_clk"] / B200["bf16_fa_efficiency"]
     names = {tensor: "tensor", issue: "issue", cyc["e2m1_cvt"][1]: "e2m1 cvt at 16/clk", chain: "Direct-P chain",
              cyc["ex2"]: "MUFU.EX2"}
     return {"cycles_per_tile": cyc, "warp_instructions_per_tile": warp_instr, "bound_cycles": bound,

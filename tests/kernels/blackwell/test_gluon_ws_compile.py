@@ -179,6 +179,18 @@ def test_every_build_compiles_without_local_memory(build):
     assert len(re.findall(r"ld\.global", ptx)) == (1 if kl else 0)
 
 
+def test_sm103a_builds_too():
+    """sm_103a (B300) is in WARP_SPECIALIZED_ARCHS: its build has the same block-scaled MMAs and no local memory."""
+    from fp4vis.kernels.blackwell import gluon_ws
+    from fp4vis.kernels.blackwell.config import WARP_SPECIALIZED_ARCHS
+
+    assert 103 in WARP_SPECIALIZED_ARCHS
+    k = gluon_ws.compile_for_target(128, arch=103)
+    ptx = k.asm["ptx"]
+    assert "kind::mxf4nvf4.block_scale.block16" in ptx and "kind::mxf4.block_scale.block32" in ptx
+    assert ".local" not in ptx and ".target sm_103a" in ptx
+
+
 def _param_of(ptx, name):
     """The PTX register holding the kernel's scalar argument ``name`` (ld.param of its index)."""
     from fp4vis.kernels.blackwell import gluon_ws
