@@ -129,14 +129,24 @@ def register_count(cubin: bytes) -> int:
     return 0
 
 
-def innermost_loops(sass: str) -> list[int]:
-    """Instruction counts of the SASS loops that contain no other loop (backward branch to a label)."""
+def _labels(lines: list[str]) -> dict[str, int]:
+    return {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+
+
+def innermost_spans(sass: str) -> list[tuple[int, int]]:
+    """(first, last) line of each SASS loop that contains no other loop (a backward branch to a label)."""
     lines = sass.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    labels = _labels(lines)
     spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
-    inner = [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
-    return [sum(1 for line in lines[a:b + 1] if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)) for a, b in inner]
+    return [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
+
+
+def innermost_loops(sass: str) -> list[int]:
+    """Instruction counts of the SASS loops that contain no other loop."""
+    lines = sass.splitlines()
+    return [sum(1 for line in lines[a:b + 1] if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line))
+            for a, b in innermost_spans(sass)]
 
 
 def _op(line: str) -> str | None:
@@ -149,10 +159,8 @@ def steady_loop(sass: str) -> tuple[list[str], int]:
     by its forward branches): the loop minus the regions a forward branch inside it jumps over
     (here: the key mask, executed only on the tile past the last key)."""
     lines = sass.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
-    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
-    inner = [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
+    labels = _labels(lines)
+    inner = innermost_spans(sass)
     if not inner:
         return [], 0
     a, b = max(inner, key=lambda span: span[1] - span[0])

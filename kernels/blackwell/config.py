@@ -31,6 +31,11 @@ HW_CVT_ARCHS = (100, 103, 120)
 FMA_X2_ARCHS = (100, 103)
 # the warp-specialised Gluon kernel (gluon_ws.py: tcgen05 and TMEM) exists for these
 WARP_SPECIALIZED_ARCHS = (100, 103)
+# its launch shape: 4 warps in the default partition (the even tiles' Direct-P and the epilogue; the three worker
+# partitions bring their own), and the depth of its K/V ring: the load warp refills a stage after that tile's P·V
+# and Q·Kᵀ runs two tiles ahead of P·V, so with 4 stages a K tile's TMA starts about two tiles before its MMA
+WS_WARPS = 4
+WS_STAGES = 4
 SCHEDULES = ("serial", "warp_specialized")
 # the Triton release that lowers NVFP4 tl.dot_scaled everywhere we need it (docs/blackwell_kernel.md, "Pins")
 MIN_TRITON = (3, 8)

@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 
-from .config import E8M0_BIAS, LOG2_1P5, LOG2_6, MAX_EXP_BYTE
+from .config import E8M0_BIAS, LOG2_1P5, LOG2_6, MAX_EXP_BYTE, WS_STAGES, WS_WARPS
 from .ptx import E2M1X2, FMA_F32X2
 
 _E2M1X2_ASM, _E2M1X2_CONSTRAINTS = gl.constexpr(E2M1X2[0]), gl.constexpr(E2M1X2[1])
@@ -76,9 +76,7 @@ _OVERFLOW_FP16 = gl.constexpr(OVERFLOW_FP16)   # fp4vis.formats: magnitudes that
 _OVERFLOW_BF16 = gl.constexpr(OVERFLOW_BF16)
 _DEN_N = gl.constexpr(16)      # columns of the denominator MMA (the smallest N the FP4 MMAs take)
 _BLOCK = gl.constexpr(128)     # query rows per CTA = keys per tile
-# K/V ring depth: the load warp refills a stage after that tile's P·V, and QK runs two tiles ahead of P·V, so
-# with 4 stages a K tile's TMA starts about two tiles before its QK MMA is issued (2 stages: after)
-_STAGES = gl.constexpr(4)
+_STAGES = gl.constexpr(WS_STAGES)   # the K/V ring's depth (config.py)
 _WORKER_REGS = gl.constexpr([192, 48, 48])   # registers per thread: Direct-P worker, MMA warp, load warp
 
 
@@ -490,7 +488,7 @@ def compile_for_target(head_dim: int, arch: int = 100, out_dtype: str = "bf16", 
     attrs = {(direct_p_ws_fwd.arg_names.index("OUT"),): [["tt.divisibility", 16]]}
     src = GluonASTSource(fn=direct_p_ws_fwd, signature=signature(head_dim, out_dtype),
                          constexprs={"D": head_dim, "KEY_LENGTHS": bool(key_lengths)}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": WS_WARPS})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,4 +553,4 @@ def launch(ops, out, params, record=None, key_lengths=None, heads=1) -> None:
         out, rec, flag, stand_in if key_lengths is None else key_lengths,
         ops.seq_q, ops.rows_q, ops.keys, ops.num_keys, int(heads), float(params.s_log2), float(params.affine_a),
         float(params.affine_b), int(params.shift), int(call),
-        D=d, KEY_LENGTHS=key_lengths is not None, num_warps=4)
+        D=d, KEY_LENGTHS=key_lengths is not None, num_warps=WS_WARPS)

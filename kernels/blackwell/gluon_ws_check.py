@@ -28,16 +28,6 @@ from .gluon_ws import compile_for_target
 PARTITIONS = {"direct_p": (4, 1, 0.5), "mma": (1, 2, 1.0), "load": (1, 1, 1.0)}
 
 
-def _loop_spans(sass: str) -> list[tuple[int, int]]:
-    """(first, last) line of each innermost loop (compile_check's definition: a backward branch to a label,
-    containing no other one)."""
-    lines = sass.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
-    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
-             if (m := re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
-    return [(a, b) for a, b in spans if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in spans)]
-
-
 def _role(ops: list[str]) -> str | None:
     if any(op.startswith("LDTM") for op in ops) and any("E2M1" in op for op in ops):
         return "direct_p"
@@ -66,7 +56,7 @@ def inspect_ws(head_dim: int, keep_dir: str | None = None, out_dtype: str = "bf1
                 f.write(text)
     lines = sass.splitlines()
     parts = []
-    for a, b in _loop_spans(sass):
+    for a, b in cc.innermost_spans(sass):
         ops = [op for i in range(a, b + 1) if (op := cc._op(lines[i]))]
         role = _role(ops)
         if role is None:

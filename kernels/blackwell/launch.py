@@ -24,7 +24,7 @@ from fp4vis.tracing import warn_once
 from ..kept_keys import kept_keys
 from . import cubin as cubin_mod
 from . import selfcheck
-from .config import WARP_SPECIALIZED_ARCHS, KernelConfig
+from .config import WARP_SPECIALIZED_ARCHS, WS_STAGES, WS_WARPS, KernelConfig
 from .prepass import prepare
 from .route import _index, identity, route, warp_specialized_asked
 
@@ -37,9 +37,6 @@ COMPILE_TIMES: dict[tuple, float] = {}
 
 # set while the self-check runs a case (``_checked_attention``)
 _SELF_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("fp4vis_blackwell_self_check", default=False)
-# the warp-specialised kernel's launch shape (gluon_ws.py: 4 Direct-P warps in the default partition, a 4-deep K/V
-# ring); its other three partitions are its own
-WS_WARPS, WS_STAGES = 4, 4
 
 
 def kernel_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, anchored: bool,

@@ -115,11 +115,7 @@ def run_problems(kernel_fn, device, problems=None) -> list[CaseResult]:
         out = kernel_fn(q, k, v, policy, scale)
         wait_for_gpu(out.device, f"self-check case {case_name(problem)}")
         ref, _ = reference_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), policy, scale)
-        ref = ref.unflatten(0, q.shape[:2])
-        finite = bool(torch.isfinite(out).all())
-        err = rel_l2(out.float(), ref.float()) if finite else math.inf
-        same = float((out == ref).double().mean())
-        results.append(CaseResult(case_name(problem), err, same, finite, finite and err <= TOLERANCE))
+        results.append(_result(case_name(problem), out, ref.unflatten(0, q.shape[:2])))
     return results
 
 

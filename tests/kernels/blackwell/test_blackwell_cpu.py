@@ -521,7 +521,7 @@ def test_warp_specialized_kernel_is_taken_where_asked_and_possible(monkeypatch, 
     changes. The verdict's identity names the schedule, so a serial verdict never covers the Gluon kernel."""
     import warnings
 
-    from fp4vis.kernels.blackwell import launch, route
+    from fp4vis.kernels.blackwell import config, launch, route
     from fp4vis.tracing import forget_warnings
 
     caps = {0: (10, 0), 1: (12, 0)}
@@ -536,7 +536,7 @@ def test_warp_specialized_kernel_is_taken_where_asked_and_possible(monkeypatch, 
         fp4vis_settings(FP4VIS_BLACKWELL_WARP_SPECIALIZED="1")
         cfg = launch.kernel_config(0, 64, torch.float16, False, False, key_lengths=True)
         assert cfg.warp_specialized and cfg.key_lengths and cfg.tag().endswith("_klen_ws")
-        assert (cfg.num_warps, cfg.num_stages) == (launch.WS_WARPS, launch.WS_STAGES)
+        assert (cfg.num_warps, cfg.num_stages) == (config.WS_WARPS, config.WS_STAGES)
         assert route.identity(torch.device("cuda", 0))["schedule"] == "warp_specialized"
         assert route.identity(torch.device("cuda", 1))["schedule"] == "serial"
         with warnings.catch_warnings(record=True) as caught:
