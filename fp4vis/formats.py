@@ -497,6 +497,16 @@ def fp8_pow2_quantize(x: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, t
     return vals, pow2(e).unsqueeze(-1)
 
 
+def fp8_channel_quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 values ``v / 2**E`` (float32, shape of v) and scales ``2**E`` (float32, (..., 1, D)) of V (..., S, D)
+    for the FP8 P/V policies (docs/numerics.md section 7): one power-of-two scale per channel over all S tokens,
+    E by ``fp8_group_exponent``, so the channel's largest element lands in [2**7, 2**8) and E4M3 never saturates
+    (448 is above 2**8); the scale factors out of the sum over keys, exactly, and multiplies the output column."""
+    xf = v.float()
+    e = fp8_group_exponent(xf.abs().amax(dim=-2, keepdim=True))
+    return e4m3_round(xf * pow2(-e)), pow2(e)
+
+
 def fp8_pow2_qdq(x: torch.Tensor, group_rows: int) -> torch.Tensor:
     """float32 ``2**E * E4M3(x / 2**E)`` of ``fp8_pow2_quantize`` (exact in float32)."""
     vals, scales = fp8_pow2_quantize(x, group_rows)

@@ -1,6 +1,7 @@
-"""Definitions every backend shares (docs/numerics.md sections 2 and 4): the 32-key block of Direct-P, the
-anchor samples and the physical key order of anchored policies, and the native exp2 positions. The reference
-and every kernel import them from here, so that a key means the same position everywhere."""
+"""Definitions every backend shares (docs/numerics.md sections 2, 4 and 7): the 32-key block of Direct-P, the key
+tile and P scale of the FP8 P/V softmax, the anchor samples and the physical key order of anchored policies, and
+the native exp2 positions. The reference and every kernel import them from here, so that a key means the same
+position everywhere."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import torch
 from fp4vis.formats import MXFP4_BLOCK
 
 KEY_BLOCK = MXFP4_BLOCK  # keys per P block (section 2) = tokens per MXFP4 V block (section 1)
+# FP8 P/V policies (section 7): the row maximum is updated once per tile of this many physical keys (the Hopper
+# kernel's key tile), and P in [0, 1] is scaled by 2**P_E4M3_LOG2 before its E4M3 rounding (P = 1 -> 256: no
+# saturation at 448, and 8 more binades before E4M3's subnormals)
+SOFTMAX_TILE = 128
+P_E4M3_LOG2 = 8
 
 
 def anchor_indices(seq_len: int, n: int, device=None) -> torch.Tensor:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, NamedTuple
 
-Method = Literal["direct_p", "nv_fp8", "exact"]
+Method = Literal["direct_p", "fp8_pv", "nv_fp8", "exact"]
+METHODS = ("direct_p", "fp8_pv", "nv_fp8", "exact")
 QKFormat = Literal["block16", "folded64_mse", "fp8_e4m3"]
 QK_FP8 = "fp8_e4m3"   # the one non-NVFP4 Q/K format (FP8 with power-of-two scales; docs/numerics.md section 7)
 MarginUnits = Literal["code", "paper"]
@@ -28,9 +29,9 @@ LOG2E = 1.0 / LN2   # a softmax scale times LOG2E: the scores' binary exponent p
 
 
 class KernelParams(NamedTuple):
-    """What a Direct-P kernel takes of a policy for one call (``Policy.kernel_params``): ``s_log2`` (the softmax
-    scale times log2 e), the anchors' margin in raw-score units, the affine code, the shift L, native positions,
-    anchors, the Q/K layout actually used and the code rounding."""
+    """What a kernel takes of a policy for one call (``Policy.kernel_params``): ``s_log2`` (the softmax scale times
+    log2 e), the anchors' margin in raw-score units, the affine code, the shift L, native positions, anchors, the
+    Q/K layout actually used, the code rounding, and ``pv_fp8``: the FP8 P/V softmax in place of Direct-P."""
 
     s_log2: float
     margin_raw: float
@@ -41,6 +42,7 @@ class KernelParams(NamedTuple):
     anchor: int
     qk_layout: str
     code_rounding: str
+    pv_fp8: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,10 @@ class Policy:
 
     Attributes:
         name: label used in logs, guard plans and reports.
-        method: ``"direct_p"`` (the FP4 method), ``"nv_fp8"`` (control: NVFP4 Q/K, max-subtracted
-            softmax, FP8 P and V) or ``"exact"`` (control: softmax attention, what SDPA computes).
+        method: ``"direct_p"`` (the FP4 method), ``"fp8_pv"`` (the method's FP8 P/V configuration: Q/K in
+            ``qk_format``, softmax with an online row maximum per 128-key tile, P and V in E4M3; docs/numerics.md
+            section 7, the Hopper speed mode), ``"nv_fp8"`` (control: NVFP4 Q/K, max-subtracted softmax, FP8 P
+            and V) or ``"exact"`` (control: softmax attention, what SDPA computes).
         affine_a, affine_b: the affine stand-in ``A*x + B`` for ``2**x`` at affine key positions.
         native_exp2: compute ``2**x`` at the native key positions (25 % of keys, docs/numerics.md section 2).
         anchor: number of anchor samples (0: row reference ``m = 0``).
@@ -91,8 +95,8 @@ class Policy:
             value = getattr(self, field_name)
             if type(value) is not bool:   # the string "no" must not switch an option on
                 raise TypeError(f"Policy {self.name!r}: {field_name} must be True or False, got {value!r}")
-        if self.method not in ("direct_p", "nv_fp8", "exact"):
-            raise ValueError(f"Policy {self.name!r}: method must be 'direct_p', 'nv_fp8' or 'exact', "
+        if self.method not in METHODS:
+            raise ValueError(f"Policy {self.name!r}: method must be one of {', '.join(map(repr, METHODS))}, "
                              f"got {self.method!r}")
         if self.qk_format not in ("block16", "folded64_mse", "fp8_e4m3"):
             raise ValueError(f"Policy {self.name!r}: qk_format must be 'block16', 'folded64_mse' or "
@@ -120,6 +124,9 @@ class Policy:
                              f"[0, {MAX_MARGIN_PLUS_SHIFT}], got {self.shift!r}")
         if type(self.anchor) is not int or self.anchor < 0:
             raise ValueError(f"Policy {self.name!r}: anchor must be a non-negative integer, got {self.anchor!r}")
+        if self.method == "fp8_pv" and (self.anchor or self.native_exp2):
+            raise ValueError(f"Policy {self.name!r}: method 'fp8_pv' takes its row maximum online (no anchors) "
+                             "and computes every exponential (no native_exp2)")
         if self.anchor == 0 and self.margin != 0:
             raise ValueError(f"Policy {self.name!r}: margin (M) needs anchor > 0 (the row reference "
                              "is m = 0 without anchors)")
@@ -134,6 +141,11 @@ class Policy:
     @property
     def is_direct_p(self) -> bool:
         return self.method == "direct_p"
+
+    @property
+    def is_fp8_pv(self) -> bool:
+        """The FP8 P/V softmax (``method="fp8_pv"``): what the Hopper kernel runs at FP8 speed."""
+        return self.method == "fp8_pv"
 
     @property
     def qk_fp8(self) -> bool:
@@ -180,7 +192,7 @@ class Policy:
         s_log2 = scale * LOG2E
         return KernelParams(s_log2, float(self.margin_raw(s_log2)), float(self.affine_a), float(self.affine_b),
                             int(self.shift), bool(self.native_exp2), int(self.anchor), self.qk_layout(head_dim),
-                            self.code_rounding)
+                            self.code_rounding, self.is_fp8_pv)
 
     def margin_log2(self, scale: float) -> float:
         """The same margin in binary exponents of P, for a softmax scale (the guard's statistics): ``M * scale``
@@ -232,6 +244,11 @@ POLICIES: Mapping[str, Policy] = MappingProxyType({
     "accurate": Policy("accurate", affine_a=1.65, affine_b=0.80, native_exp2=True, anchor=32,
                        margin=64, shift=8, qk_format="block16"),
     "guard": guard_policy(110, 16, name="guard"),
+    # the method's FP8 P/V configuration (docs/numerics.md section 7): softmax with an online row maximum, P and V
+    # in E4M3; Q/K in NVFP4 block16 (`fp8pv`, the paper's training route) or in FP8 as `fast_fp8qk` (`fp8`, the
+    # Hopper speed mode: both products on FP8 tensor cores)
+    "fp8pv": Policy("fp8pv", method="fp8_pv", qk_format="block16"),
+    "fp8": Policy("fp8", method="fp8_pv", qk_format="fp8_e4m3"),
     "nv_fp8": Policy("nv_fp8", method="nv_fp8", qk_format="block16"),
     "bf16": Policy("bf16", method="exact"),
 })   # read-only: a named policy means the same everywhere (build others with Policy(...) or .replace)

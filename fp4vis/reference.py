@@ -31,12 +31,13 @@ from fp4vis.formats import (
     check_no_nan,
     e2m1_round,
     e4m3_round,
+    fp8_channel_quantize,
     fp8_pow2_qdq,
     fp8_pow2_scale_counts,
     mxfp4_quantize,
     nvfp4_quantize,
 )
-from fp4vis.layout import KEY_BLOCK, anchor_permutation, native_positions
+from fp4vis.layout import KEY_BLOCK, P_E4M3_LOG2, SOFTMAX_TILE, anchor_permutation, native_positions
 from fp4vis.policy import LOG2E, Policy
 
 LOG2_6 = math.log2(6.0)
@@ -174,10 +175,10 @@ class QuantizedOperands:
     scale_ranges: tuple[ScaleRange, ScaleRange, ScaleRange] = (ScaleRange(),) * 3
 
 
-def pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad the last dim to a multiple (zeros change no dot product)."""
+def pad_last(x: torch.Tensor, multiple: int, value: float = 0.0) -> torch.Tensor:
+    """Pad the last dim to a multiple with ``value`` (zeros change no dot product; -inf no maximum)."""
     pad = (-x.shape[-1]) % multiple
-    return F.pad(x, (0, pad)) if pad else x
+    return F.pad(x, (0, pad), value=value) if pad else x
 
 
 def quantize_qk(q: torch.Tensor, k: torch.Tensor,
@@ -520,6 +521,51 @@ def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     return out, report
 
 
+def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                     scale: float, score_product=None) -> tuple[torch.Tensor, RangeReport]:
+    """The FP8 P/V softmax (docs/numerics.md section 7): Q/K in the policy's format (decoded, exact in float32),
+    V in E4M3 with a power-of-two scale per channel (``fp8_channel_quantize``), and per row an online maximum
+    updated once per ``SOFTMAX_TILE`` physical keys: t = raw * s, m_j = max(m_{j-1}, max of tile j's t),
+    P = 2^(t - m_j) for tile j's keys, numerator sum_j 2^(m_j - m_n) sum E4M3(2^8 P) V8 (float32), denominator
+    the same sum of the unrounded 2^8 P, O = numerator / denominator * 2^Ev. Float32 output (G, Sq, Dv) and a
+    RangeReport of Q's and K's scale ranges. ``score_product`` as in ``direct_p_attention`` (it gets the keys
+    zero-padded to whole 32-key blocks)."""
+    qd, kd, tensor_scale, qk_ranges = quantize_qk(q, k, policy)
+    report = RangeReport()
+    report.add_scale_ranges((*qk_ranges, ScaleRange()))
+    s = scale * tensor_scale * LOG2E
+    v8, v_scale = fp8_channel_quantize(v)
+    groups, sq, nk = qd.shape[0], qd.shape[1], kd.shape[1]
+    out = torch.empty(groups, sq, v.shape[-1], dtype=torch.float32, device=q.device)
+    cg, cq, ck = _chunk_sizes(groups, sq, max(nk, 1), SOFTMAX_TILE)
+    p_scale = float(2 ** P_E4M3_LOG2)
+    for g0, g1 in _chunks(groups, cg):
+        for q0, q1 in _chunks(sq, cq):
+            qc = qd[g0:g1, q0:q1]
+            m = torch.full((g1 - g0, q1 - q0), -math.inf, dtype=torch.float32, device=q.device)
+            num = torch.zeros(g1 - g0, q1 - q0, v.shape[-1], dtype=torch.float32, device=q.device)
+            den = torch.zeros(g1 - g0, q1 - q0, dtype=torch.float32, device=q.device)
+            for k0, k1 in _chunks(nk, ck):   # ck: whole tiles, so tiles start where the kernel's do
+                kc = kd[g0:g1, k0:k1]
+                if score_product is None:
+                    raw = qc @ kc.mT
+                else:
+                    raw = score_product(qc, F.pad(kc, (0, 0, 0, (-kc.shape[1]) % KEY_BLOCK)))[..., : kc.shape[1]]
+                t = pad_last(raw * s, SOFTMAX_TILE, -math.inf)
+                t = t.unflatten(-1, (-1, SOFTMAX_TILE))                       # (g, q, tiles, keys)
+                run = torch.maximum(torch.cummax(t.amax(-1), -1).values, m.unsqueeze(-1))   # m_j per tile
+                p = torch.exp2(t - run.unsqueeze(-1)) * p_scale
+                last = run[..., -1]
+                weight = torch.exp2(run - last.unsqueeze(-1)).unsqueeze(-1)   # 2^(m_j - m_last)
+                p8 = (e4m3_round(p) * weight).flatten(-2)[..., : k1 - k0]
+                corr = torch.exp2(m - last)                                   # 0 for the first chunk
+                num = num * corr.unsqueeze(-1) + p8 @ v8[g0:g1, k0:k1]
+                den = den * corr + (p * weight).sum((-2, -1))
+                m = last
+            out[g0:g1, q0:q1] = num / den.unsqueeze(-1) * v_scale[g0:g1]
+    return out, report
+
+
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention as SDPA computes it, in the input dtype, chunked over head groups. Where
     finite inputs give scores that overflow (q = k = 1e20: SDPA returns NaN), the call is recomputed
@@ -547,6 +593,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, polic
         return exact_attention(q, k, v, scale), RangeReport()
     if policy.method == "nv_fp8":
         out, report = nv_fp8_attention(q, k, v, policy, scale)
+    elif policy.is_fp8_pv:
+        out, report = fp8_pv_attention(q, k, v, policy, scale)
     else:
         out, report = direct_p_attention(q, k, v, policy, scale)
     out = out.to(q.dtype)
