@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
     # every option is checked before the model loads (minutes on a real checkpoint)
     if not get_policy(args.policy).is_direct_p:
-        raise UsageError(f"--policy: {args.policy!r} is not a Direct-P policy; a guard plan protects one "
+        why = (" (its online row maximum has no range to guard: run it without a plan)"
+               if get_policy(args.policy).is_fp8_pv else "")
+        raise UsageError(f"--policy: {args.policy!r} is not a Direct-P policy{why}; a guard plan protects one "
                          "(fast, wan_fast, accurate, ...)")
     try:
         rule = GuardRule(**{k: v for k, v in (("fraction", args.fraction), ("threshold", args.threshold))

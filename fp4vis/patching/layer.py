@@ -262,7 +262,7 @@ def kernel_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Pol
                   scale: float | None, backend: str = "auto", key_mask: torch.Tensor | None = None) -> str | None:
     """Why the layer's backend cannot run ``policy`` on this call (``backend_reason``; only the kernels' policies
     are asked), ``key_mask`` included: the bool (B, Skv) key-padding mask the patcher will hand over."""
-    if policy.is_direct_p or policy.method == "nv_fp8":
+    if policy.method != "exact":
         qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
         return backend_reason(qb, kb, vb, policy, scale, backend, key_mask)
     return None

@@ -32,9 +32,9 @@ from fp4vis.backends.base import (
     first_reason,
     has_capability,
     need_cuda_capability,
-    need_direct_p,
     need_dtype,
     need_head_dims,
+    need_kernel_method,
     need_nonempty,
 )
 from fp4vis.policy import Policy
@@ -84,7 +84,7 @@ class HopperBackend(Backend):
     def supports(self, call) -> str | None:
         q, k, v, policy = call.q, call.k, call.v, call.policy
         return first_reason(
-            need_direct_p(policy),
+            need_kernel_method(policy),
             need_cuda_capability(q, CAPABILITIES, "sm_90"),
             need_dtype(q, SUPPORTED_DTYPES),
             need_head_dims(q, k, v, SUPPORTED_HEAD_DIMS),

@@ -99,13 +99,20 @@ def _fake_args(cfg):
     qk_dt = cutlass.Uint8 if cfg.qk_fp8 else cutlass.BFloat16   # E4M3 bytes arrive as uint8
     q = t(qk_dt, sq)
     k = t(qk_dt, skv)
-    v = t(cutlass.BFloat16, skv)
+    v, v_scale = t(cutlass.BFloat16, skv), None
+    if cfg.pv_fp8:   # V^T E4M3 bytes (B, H, D, S'), S' a multiple of 32; one float32 scale per channel
+        sp = cute.sym_int32(divisibility=32)
+        v = make_fake_tensor(cutlass.Uint8, (cute.sym_int32(), cute.sym_int32(), d, sp),
+                             stride=(cute.sym_int64(divisibility=32), cute.sym_int64(divisibility=32),
+                                     cute.sym_int64(divisibility=32), 1), assumed_align=16)
+        v_scale = make_fake_tensor(cutlass.Float32, (cute.sym_int32(), cute.sym_int32(), d),
+                                   stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     o = t(out_dt, sq)
     # a key-masked variant reads one int32 key count per batch element
     key_lens = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
                 if cfg.key_lengths else None)
-    return (q, k, v, o, scales(sq), scales(cute.sym_int32()), key_lens, cutlass.Float32(0.18), cutlass.Float32(0.0),
-            cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), make_fake_stream())
+    return (q, k, v, o, scales(sq), scales(cute.sym_int32()), key_lens, v_scale, cutlass.Float32(0.18),
+            cutlass.Float32(0.0), cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), make_fake_stream())
 
 
 def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = True) -> CompileReport:
@@ -373,13 +380,14 @@ def variants(head_dims=(128, 64)):
     policies with at most 64 anchors, three consumer warpgroups, the short-sequence variant (two CTAs
     per SM: ``*_short``), and (first head dim) the scalar, integer-constant and timing-only P paths with
     the default schedule, one serial warpgroup, the per-thread block constants, the range record
-    (``*_record``) and the key counts of a key-masked call (``*_klen``; BF16 out)."""
+    (``*_record``), the key counts of a key-masked call (``*_klen``; BF16 out) and the FP8 P/V softmax on the
+    serial schedule."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
     from .config import DirectPConfig
     pols = {name: POLICIES[name] for name in ("fast", "wan_fast", "accurate", "guard")}
     pols["guard_h40"] = guard_policy_for_heads(40)
-    pols.update((name, POLICIES[name]) for name in ("fast_bf16round", "fast_fp8qk"))
+    pols.update((name, POLICIES[name]) for name in ("fast_bf16round", "fast_fp8qk", "fp8", "fp8pv"))
     fast = pols["fast"]
     out = []
     for d in head_dims:
@@ -391,7 +399,7 @@ def variants(head_dims=(128, 64)):
             out.append((f"{name}_serial_scalar", DirectPConfig.from_policy(pols[name], d, "bf16", schedule="serial",
                                                                            p_path="scalar")))
         out.append(("fast_3wg", DirectPConfig.from_policy(fast, d, "bf16", num_wg=3)))
-        for name in ("fast", "accurate", "guard", "fast_fp8qk"):   # two CTAs per SM (short sequences)
+        for name in ("fast", "accurate", "guard", "fast_fp8qk", "fp8", "fp8pv"):   # two CTAs per SM (short sequences)
             out.append((f"{name}_short", DirectPConfig.from_policy(pols[name], d, "bf16", ctas_per_sm=2)))
         if d == head_dims[0]:  # the timing-only P paths (wrong results) must stay buildable
             for pp in ("scalar", "packed_alu", "none", "timing_scales", "timing_codes"):
@@ -401,7 +409,8 @@ def variants(head_dims=(128, 64)):
             for name in ("fast", "guard", "fast_fp8qk"):   # block constants per thread, the earlier form
                 out.append((f"{name}_lane", DirectPConfig.from_policy(pols[name], d, "bf16", block_scales="lane")))
             # the range record (range_check "raise"/"warn"): default, anchored, short FP8
-            for name, kw in (("fast", {}), ("guard", {}), ("fast_fp8qk", {"ctas_per_sm": 2})):
+            out.append(("fp8_serial", DirectPConfig.from_policy(pols["fp8"], d, "bf16", schedule="serial")))
+            for name, kw in (("fast", {}), ("guard", {}), ("fast_fp8qk", {"ctas_per_sm": 2}), ("fp8", {})):
                 cfg = DirectPConfig.from_policy(pols[name], d, "bf16", **kw)
                 out.append((f"{name}{'_short' if kw else ''}_record", dataclasses.replace(cfg, range_record=True)))
                 # a key count per batch element (key masks), on the same three

@@ -58,6 +58,10 @@ DEFAULT_BLOCK_SCALES = "quad"
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # DirectPConfig.eighths: the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS_LOG2 = 3
+# pv_fp8: the FP8 WGMMA's A fragment holds, in slot k of each 32-key block, the accumulator's column
+# 16 (k // 16) + 8 ((k % 4) // 2) + 2 ((k % 16) // 4) + k % 2 of the same thread; V^T stores its keys in that order
+# (prepass_kernels.pv_key_order), so P goes from the scores to the A fragment by relabelling registers
+PV_FP8_KEY_ORDER = tuple(16 * (k // 16) + 8 * ((k % 4) // 2) + 2 * ((k % 16) // 4) + k % 2 for k in range(32))
 
 
 
@@ -83,6 +87,7 @@ class DirectPConfig:
     eighths: bool = True             # affine codes as q/8 (EIGHTHS_LOG2; only where shift >= 3)
     range_record: bool = False       # count saturated blocks, empty rows, non-finite outputs (range_check)
     key_lengths: bool = False        # a key count per batch element (key masks: kernels/kept_keys.py), else Skv
+    pv_fp8: bool = False             # Policy method "fp8_pv": online softmax, E4M3 P and V (softmax_fp8.SoftmaxFP8)
 
     @property
     def overlap(self) -> bool:
@@ -92,7 +97,7 @@ class DirectPConfig:
         return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
                 self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
                 self.code_rounding, self.qk_fp8, self.block_scales, self.ctas_per_sm, self.eighths,
-                self.range_record, self.key_lengths)
+                self.range_record, self.key_lengths, self.pv_fp8)
 
     @staticmethod
     def make(params: KernelParams, head_dim: int, out_dtype: str, *, range_record: bool = False,
@@ -147,6 +152,10 @@ class DirectPConfig:
         block_scales = block_scales or DEFAULT_BLOCK_SCALES
         if block_scales not in BLOCK_SCALES_MODES:
             raise ValueError(f"block_scales: one of {BLOCK_SCALES_MODES}, got {block_scales!r}")
+        if params.pv_fp8 and (schedule == "overlap" or tile_n != 128 or p_path != DEFAULT_P_PATH):
+            raise ValueError("pv_fp8 (the FP8 P/V softmax) runs 128-key tiles (layout.SOFTMAX_TILE) on the pingpong "
+                             f"or serial schedule and has one P path; got schedule {schedule!r}, tile_n {tile_n}, "
+                             f"p_path {p_path!r}")
         if tile_n != 128 or p_path in ("none", "timing_codes"):
             block_scales = "lane"   # a quad shares four blocks only in 128-key tiles; no scales to share
         return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(params.affine_a),
@@ -154,7 +163,8 @@ class DirectPConfig:
                              native_exp2=bool(params.native_exp2), anchor=anchor, schedule=schedule, tile_n=tile_n,
                              p_path=p_path, num_wg=num_wg, code_rounding=params.code_rounding, qk_fp8=qk_fp8,
                              block_scales=block_scales, ctas_per_sm=ctas_per_sm, eighths=eighths,
-                             range_record=bool(range_record) and p_path not in TIMING_P_PATHS)
+                             range_record=bool(range_record) and p_path not in TIMING_P_PATHS,
+                             pv_fp8=bool(params.pv_fp8))
 
     @staticmethod
     def from_policy(policy: Policy, head_dim: int, out_dtype: str, **variant) -> DirectPConfig:

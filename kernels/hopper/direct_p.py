@@ -82,6 +82,7 @@ class DirectP:
     qk_scales: tuple | None = None         # qk_fp8: (2^Eq of the two rows, k_scale (N, H, B), h, b)
 
     RUNTIME_FIELDS = ("s_log2", "lane_q", "row_m", "row_l", "saturated", "qk_scales")
+    DENOMINATOR_SCALE = 6.0   # O = acc / (6 l): the two factors 1/6 of P-tilde and V-hat, applied once
 
     def __extract_mlir_values__(self) -> list:
         values, self._counts = [], []

@@ -8,6 +8,9 @@ What the kernel consumes (produced by ``prepass.py``):
   at physical key positions 0..n-1.
 * ``v``: the MXFP4 value operand as ``alpha * c`` in BF16 (exact; the two factors 1/6 of P-tilde
   and V-hat are applied once, at the end).
+* With ``pv_fp8`` (policies ``fp8`` and ``fp8pv``, docs/numerics.md section 7) ``v`` is V^T, E4M3 bytes (B, H, D,
+  Skv rounded up to 32) with a power-of-two scale per channel (``v_scale``, (B, H, D)), and the P path is the online
+  softmax of ``softmax_fp8.SoftmaxFP8`` (E4M3 P from registers, FP8 P V WGMMA) in place of Direct-P.
 * With ``qk_fp8`` (policy ``fast_fp8qk``, not exact to docs/numerics.md) ``q``, ``k`` are instead E4M3 values with
   power-of-two scales per query row (``q_scale``) and per 32-key block (``k_scale``), and S = Q K^T
   runs on FP8 WGMMA (twice BF16's rate; FP8 accumulation is not exact: docs/numerics.md section 7). The scales
@@ -60,17 +63,19 @@ from .ptx import (
     not_below,
     record_range,
 )
+from .softmax_fp8 import softmax_fp8_for
 
 
 class DirectPAttentionSm90:
     """Direct-P FP4 attention forward, non-causal, for sm_90a.
 
-    Host entry: ``__call__(q, k, v, o, q_scale, k_scale, s_log2, m_offset, range_record, range_flag,
-    call_number, stream)`` with q/k/v/o in
+    Host entry: ``__call__(q, k, v, o, q_scale, k_scale, key_lengths, v_scale, s_log2, m_offset, range_record,
+    range_flag, call_number, stream)`` with q/k/v/o in
     SDPA's layout (B, H, S, D), D contiguous, BF16 q/k/v (with ``qk_fp8``: q, k E4M3 bytes as uint8),
     ``o`` in ``out_dtype``; ``q_scale`` (B, H, Sq) and ``k_scale`` (B, H, key blocks padded to whole
     128-key tiles) float32 powers of two (read only with ``qk_fp8``); ``s_log2 = scale * log2(e)``;
-    ``m_offset`` the anchor margin in raw-score units (ignored without anchors). With
+    ``m_offset`` the anchor margin in raw-score units (ignored without anchors); ``key_lengths`` (int32 (B,), or
+    None) and ``v_scale`` (float32 (B, H, D) with ``pv_fp8``, else None). With
     ``cfg.range_record``, ``range_record`` is the address of the device record's int32 fields and
     ``range_flag`` that of the host-visible flag (``fp4vis.backends.range_record``): threads whose rows
     saw saturated P blocks, empty rows or non-finite outputs add their counts there and store
@@ -97,11 +102,14 @@ class DirectPAttentionSm90:
         self.cfg = cfg
         self.head_dim = cfg.head_dim
         self.o_dtype = cutlass.BFloat16 if cfg.out_dtype == "bf16" else cutlass.Float16
-        self.in_dtype = cutlass.BFloat16     # V and P
+        self.in_dtype = cutlass.Float8E4M3FN if cfg.pv_fp8 else cutlass.BFloat16     # V and P
         self.qk_dtype = cutlass.Float8E4M3FN if cfg.qk_fp8 else cutlass.BFloat16
-        # K and V tiles alternate through one ring of V-sized stages; an FP8 K tile fills half a
-        # stage, so the K view of the ring has twice the stages and K uses the even ones
-        self.k_slot_factor = 2 if cfg.qk_fp8 else 1
+        # K and V tiles alternate through one ring of stages the size of the larger tile; a tile of half that
+        # size (FP8 beside BF16) sees a view of the ring with twice the stages and uses the even ones
+        k_tile, v_tile = (cfg.tile_n * cfg.head_dim * (1 if fp8 else 2) for fp8 in (cfg.qk_fp8, cfg.pv_fp8))
+        self.stage_bytes = max(k_tile, v_tile)
+        self.k_slot_factor = self.stage_bytes // k_tile
+        self.v_slot_factor = self.stage_bytes // v_tile
         self.acc_dtype = Float32
         self.num_wg = cfg.num_wg
         self.tile_m = TILE_M_PER_WG * cfg.num_wg
@@ -115,35 +123,42 @@ class DirectPAttentionSm90:
         if cfg.ctas_per_sm == 2:
             self.regs_producer, self.regs_consumer = REGS_2CTA
             # as many K/V stages as fit in SMEM_2CTA beside the barriers and Q: all 4 at D = 64, 3 at D = 128
-            stage_bytes = cfg.tile_n * cfg.head_dim * 2
-            self.kv_stages = min(self.kv_stages, (SMEM_2CTA - self.dynamic_smem_bytes(0)) // stage_bytes)
+            self.kv_stages = min(self.kv_stages, (SMEM_2CTA - self.dynamic_smem_bytes(0)) // self.stage_bytes)
 
     def dynamic_smem_bytes(self, kv_stages: int | None = None) -> int:
         """Shared memory of the layout ``__call__`` builds: the barriers (the first aligned 1 KB), the Q
-        tile and ``kv_stages`` (default: the kernel's) V-sized stages of the K/V ring."""
+        tile and ``kv_stages`` (default: the kernel's) stages of the K/V ring."""
         stages = self.kv_stages if kv_stages is None else kv_stages
         q_bytes = self.tile_m * self.head_dim * (1 if self.cfg.qk_fp8 else 2)
-        return self.buffer_align_bytes + q_bytes + stages * self.tile_n * self.head_dim * 2
+        return self.buffer_align_bytes + q_bytes + stages * self.stage_bytes
 
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mQs: cute.Tensor, mKs: cute.Tensor, mKeyLens: cute.Tensor | None, s_log2: Float32,
-                 m_offset: Float32, range_record: Int64, range_flag: Int64, call_number: Int32, stream):
+                 mQs: cute.Tensor, mKs: cute.Tensor, mKeyLens: cute.Tensor | None, mVs: cute.Tensor | None,
+                 s_log2: Float32, m_offset: Float32, range_record: Int64, range_flag: Int64, call_number: Int32,
+                 stream):
         # (B, H, S, D) -> (S, D, H, B); (B, H, N) -> (N, H, B)
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                           for t in (mQ, mK, mV, mO)]
         mQs, mKs = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mQs, mKs)]
+        if const_expr(self.cfg.pv_fp8):   # (B, H, D) -> (D, H, B)
+            mVs = cute.make_tensor(mVs.iterator, cute.select(mVs.layout, mode=[2, 1, 0]))
         if const_expr(self.cfg.qk_fp8):   # E4M3 bytes arrive as uint8
             mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=self.qk_dtype), mQ.layout)
             mK = cute.make_tensor(cute.recast_ptr(mK.iterator, dtype=self.qk_dtype), mK.layout)
-        # V as the B operand of P V: (N = D, K = S, H, B), N contiguous.
-        mVt = cute.make_tensor(mV.iterator, cute.make_layout(
-            (mV.shape[1], mV.shape[0], mV.shape[2], mV.shape[3]),
-            stride=(mV.stride[1], mV.stride[0], mV.stride[2], mV.stride[3])))
-
         K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.MN
+        if const_expr(self.cfg.pv_fp8):
+            # V^T bytes: (B, H, D, S') -> (N = D, K = S', H, B), K contiguous, as the FP8 WGMMA needs
+            mVt = cute.make_tensor(cute.recast_ptr(mV.iterator, dtype=self.in_dtype), mV.layout)
+        else:
+            # V as the B operand of P V: (N = D, K = S, H, B), N contiguous.
+            mVt = cute.make_tensor(mV.iterator, cute.make_layout(
+                (mV.shape[1], mV.shape[0], mV.shape[2], mV.shape[3]),
+                stride=(mV.stride[1], mV.stride[0], mV.stride[2], mV.stride[3])))
+        v_major = K_MAJOR if self.cfg.pv_fp8 else MN_MAJOR
+
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.qk_dtype, self.qk_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
             self.qk_tiler[:2])
@@ -153,13 +168,14 @@ class DirectPAttentionSm90:
             self.qk_dtype, self.qk_dtype, K_MAJOR, K_MAJOR, self.acc_dtype, (1, 1, 1),
             self.qk_tiler[:2])
         pv_mma = sm90_utils.make_trivial_tiled_mma(
-            self.in_dtype, self.in_dtype, K_MAJOR, MN_MAJOR, self.acc_dtype, (1, 1, 1),
+            self.in_dtype, self.in_dtype, K_MAJOR, v_major, self.acc_dtype, (1, 1, 1),
             self.pv_tiler[:2], cute.nvgpu.warpgroup.OperandSource.RMEM)
 
         q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype, self.num_wg)
         k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype,
                                              self.kv_stages * self.k_slot_factor)
-        v_sl = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, self.pv_tiler, self.in_dtype, self.kv_stages)
+        v_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR if self.cfg.pv_fp8 else LayoutEnum.COL_MAJOR,
+                                             self.pv_tiler, self.in_dtype, self.kv_stages * self.v_slot_factor)
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -188,7 +204,7 @@ class DirectPAttentionSm90:
         grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
         # two CTAs per SM: ptxas caps the launch at 128 registers per thread (setmaxnreg rebalances them);
         # the carveout is given (all shared memory), else the DSL asks the device for it while compiling
-        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, mKeyLens, s_log2,
+        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, mKeyLens, mVs, s_log2,
                     m_offset, range_record, range_flag, call_number, q_sl, k_sl, v_sl).launch(
             grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=self.cfg.ctas_per_sm,
@@ -199,7 +215,8 @@ class DirectPAttentionSm90:
     def kernel(self, qk_mma: cute.TiledMma, qk_mma_acc: cute.TiledMma, pv_mma: cute.TiledMma,
                tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
                tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
-               mKeyLens: cute.Tensor | None, s_log2: Float32, m_offset: Float32, range_record: Int64,
+               mKeyLens: cute.Tensor | None, mVs: cute.Tensor | None, s_log2: Float32, m_offset: Float32,
+               range_record: Int64,
                range_flag: Int64, call_number: Int32, q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout,
                v_sl: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -218,7 +235,7 @@ class DirectPAttentionSm90:
             barrier_storage=storage.kv_mbar.data_ptr(), num_stages=self.kv_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_wg),
-            tx_count=self.kv_bytes, defer_sync=True)
+            tx_count=max(self.k_bytes, self.kv_bytes), defer_sync=True)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1, 1))
 
@@ -239,7 +256,7 @@ class DirectPAttentionSm90:
                               m_blk, h_idx, b_idx, n_tiles)
         else:
             cute.arch.warpgroup_reg_alloc(self.regs_consumer)
-            self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
+            self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, mVs, s_log2, m_offset,
                           (range_record, range_flag, call_number), tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q,
                           seqlen_k, n_tiles)
 
@@ -266,22 +283,27 @@ class DirectPAttentionSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         for j in cutlass.range(n_tiles, unroll=1):
-            if const_expr(self.cfg.qk_fp8):
-                # an FP8 K tile moves fewer bytes than the pipeline's V-sized stage expects
-                kv_pipe.sync_object_empty.wait(kv_state.index, kv_state.phase)
-                kv_pipe.sync_object_full.arrive_and_expect_tx(kv_state.index, self.k_bytes)
-            else:
-                kv_pipe.producer_acquire(kv_state)
+            self.acquire_stage(kv_pipe, kv_state, self.k_slot_factor, self.k_bytes)
             cute.copy(tma_k, tKgK[None, j], tKsK[None, kv_state.index * self.k_slot_factor],
                       tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
             kv_state.advance()
-            kv_pipe.producer_acquire(kv_state)
-            cute.copy(tma_v, tVgV[None, j], tVsV[None, kv_state.index],
+            self.acquire_stage(kv_pipe, kv_state, self.v_slot_factor, self.kv_bytes)
+            cute.copy(tma_v, tVgV[None, j], tVsV[None, kv_state.index * self.v_slot_factor],
                       tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
             kv_state.advance()
 
+    @staticmethod
+    def acquire_stage(kv_pipe, kv_state, slot_factor: int, tile_bytes: int):
+        """Wait for a free stage of the K/V ring and expect the bytes of the tile loaded into it: a tile of half
+        the stage (``slot_factor`` 2) moves fewer bytes than the pipeline's transaction count."""
+        if const_expr(slot_factor == 1):
+            kv_pipe.producer_acquire(kv_state)
+        else:
+            kv_pipe.sync_object_empty.wait(kv_state.index, kv_state.phase)
+            kv_pipe.sync_object_full.arrive_and_expect_tx(kv_state.index, tile_bytes)
+
     @cute.jit
-    def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, s_log2, m_offset,
+    def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, mVs, s_log2, m_offset,
                  record_args, tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
         """One consumer warpgroup: 64 query rows against every key tile."""
         tid_wg = tidx % 128
@@ -299,7 +321,10 @@ class DirectPAttentionSm90:
         qk_mma_acc.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((TILE_M_PER_WG, self.tile_n)), self.in_dtype)
-        dp = direct_p_for(self.cfg, s_log2, lane_q)   # this thread's rows: m_i, l_i, the saturated count
+        if const_expr(self.cfg.pv_fp8):   # this thread's rows: the running maximum, l_i
+            dp = softmax_fp8_for(self.cfg, s_log2, lane_q, acc_o)
+        else:                             # this thread's rows: m_i, l_i, the saturated count
+            dp = direct_p_for(self.cfg, s_log2, lane_q)
         if const_expr(self.cfg.qk_fp8):
             dp.qk_scales = (self.query_scales(thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q), mKs, h_idx, b_idx)
 
@@ -359,13 +384,13 @@ class DirectPAttentionSm90:
                 # O += P V
                 kv_pipe.consumer_wait(kv_state)
                 cute.nvgpu.warpgroup.fence()
-                cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, kv_state.index], acc_o)
+                cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, kv_state.index * self.v_slot_factor], acc_o)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_pipe.consumer_release(kv_state)
                 kv_state.advance()
 
-        self.epilogue(thr_pv, acc_o, dp, mO, wg, m_blk, h_idx, b_idx, seqlen_q, record_args)
+        self.epilogue(thr_pv, acc_o, dp, mO, mVs, wg, m_blk, h_idx, b_idx, seqlen_q, record_args)
 
     @cute.jit
     def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
@@ -414,7 +439,7 @@ class DirectPAttentionSm90:
         kv_pipe.consumer_wait(v_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.fence()
-        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
         cute.nvgpu.warpgroup.commit_group()
         if wg != last:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
@@ -443,7 +468,7 @@ class DirectPAttentionSm90:
         cute.nvgpu.warpgroup.fence()
         self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
         cute.nvgpu.warpgroup.commit_group()
-        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
         cute.nvgpu.warpgroup.commit_group()
         cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(1)
@@ -477,7 +502,7 @@ class DirectPAttentionSm90:
         dp.tile_masked_if_last(acc_cur, r_p, tile_scales, seqlen_k, j, n_tiles, partial_last)
         kv_pipe.consumer_wait(v_state)
         cute.nvgpu.warpgroup.fence()
-        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index], acc_o)
+        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
         kv_pipe.consumer_release(v_state)
@@ -501,9 +526,9 @@ class DirectPAttentionSm90:
         return row_qs
 
     @cute.jit
-    def epilogue(self, thr_pv, acc_o, dp, mO, wg, m_blk, h_idx, b_idx, seqlen_q, record_args):
-        """O = acc / (6 * l), stored straight from registers with a row predicate; with the range record,
-        this thread's counts (``record_output_range``)."""
+    def epilogue(self, thr_pv, acc_o, dp, mO, mVs, wg, m_blk, h_idx, b_idx, seqlen_q, record_args):
+        """O = acc / (6 * l) (Direct-P; acc / l * 2^Ev per column with ``pv_fp8``), stored straight from registers
+        with a row predicate; with the range record, this thread's counts (``record_output_range``)."""
         row0 = (m_blk * self.num_wg + wg) * TILE_M_PER_WG
         gO = cute.local_tile(mO[None, None, h_idx, b_idx], (TILE_M_PER_WG, self.head_dim),
                              (m_blk * self.num_wg + wg, 0))
@@ -516,13 +541,16 @@ class DirectPAttentionSm90:
             lt = dp.row_l[r]
             lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
             lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
-            den[r] = lt * 6.0
+            den[r] = lt * dp.DENOMINATOR_SCALE
             inv[r] = 0.0
             if den[r] != 0.0:       # 0: every probability underflowed; NaN (non-finite input) stays NaN
                 inv[r] = 1.0 / den[r]
         r_o = cute.make_rmem_tensor_like(acc_o, self.o_dtype)
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = acc_o[i] * inv[(i // 2) % 2]
+        if const_expr(self.cfg.pv_fp8):   # V's per-channel scale, exact (a power of two)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * mVs[tOcO[i][1], h_idx, b_idx]
         r_o.store(acc_o.load().to(self.o_dtype))
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             if tOcO[i][0] + row0 < seqlen_q:
@@ -553,7 +581,9 @@ class DirectPAttentionSm90:
         empty = Int32(0)
         for r in cutlass.range_constexpr(2):
             empty = count_zero_row(empty, den[r], tOcO[2 * r][0] + row0, seqlen_q, lane_q)
-        sat = saturated[0]
-        if const_expr(self.cfg.block_scales != "quad"):
-            sat = sat * Int32(lane_q == 0)
+        sat = Int32(0)                       # the softmax saturates no P (P <= 2^8 < 448)
+        if const_expr(saturated is not None):
+            sat = saturated[0]
+            if const_expr(self.cfg.block_scales != "quad"):
+                sat = sat * Int32(lane_q == 0)
         record_range(record, flag, call, sat, empty, nonfinite[0])

@@ -137,15 +137,19 @@ def launch(cfg: DirectPConfig, ops: KernelOperands, out: torch.Tensor, params: K
     the current CUDA stream. ``record``: the call's range record where ``cfg.range_record``."""
     if cfg.range_record and record is None:
         raise ValueError("record: a kernel compiled with range_record needs the call's record")
-    if cfg.qk_fp8:   # the kernel recasts the bytes to E4M3
-        tensors = (ops.q.view(torch.uint8), ops.k.view(torch.uint8), ops.v6, out, ops.q_scale, ops.k_scale)
+    if cfg.pv_fp8 != (ops.v_scale is not None):
+        raise ValueError(f"v: the kernel variant {'reads V^T in E4M3' if cfg.pv_fp8 else 'reads MXFP4 V'}, the "
+                         f"operands {'have MXFP4 V' if ops.v_scale is None else 'have V^T in E4M3'}")
+    v = ops.v6.view(torch.uint8) if cfg.pv_fp8 else ops.v6   # the kernel recasts E4M3 bytes
+    if cfg.qk_fp8:
+        tensors = (ops.q.view(torch.uint8), ops.k.view(torch.uint8), v, out, ops.q_scale, ops.k_scale)
     else:
         unused = _unused_scales(out.device)
-        tensors = (ops.q, ops.k, ops.v6, out, unused, unused)
+        tensors = (ops.q, ops.k, v, out, unused, unused)
     if cfg.key_lengths != (ops.key_lengths is not None):
         raise ValueError(f"key_lengths: the kernel variant {'reads' if cfg.key_lengths else 'takes no'} key counts, "
                          f"the operands {'have none' if ops.key_lengths is None else 'have them'}")
-    tensors += (ops.key_lengths,)
+    tensors += (ops.key_lengths, ops.v_scale)
     words = record.addresses if record is not None and cfg.range_record else _NO_RECORD
     compiled_kernel(cfg, tensors, tvm_ffi)(tensors, params.s_log2, params.margin_raw, words)
 

@@ -189,6 +189,38 @@ def _mxfp4_block(V, Y, PERM, blk, g, S, H, sb, sh, ss, D: tl.constexpr, HAS_PERM
     return under, over
 
 
+@triton.jit
+def pv_key_order(k):
+    """The physical key stored at position k (0..31) of a 32-key block of the FP8 P/V kernel's V^T: the column of
+    the score accumulator that the FP8 WGMMA's A fragment holds in slot k (``config.PV_FP8_KEY_ORDER``), so that P
+    goes from the accumulator to the A fragment without moving between registers or threads."""
+    return 16 * (k // 16) + 8 * ((k % 4) // 2) + 2 * ((k % 16) // 4) + (k % 2)
+
+
+@triton.jit(do_not_specialize=["S", "SP", "H", "sb", "sh", "ss"])
+def _fp8_values_kernel(V, VT, AMAX, VS, S, SP, H, sb, sh, ss, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       ROW_ALIGN: tl.constexpr):
+    """One 32-key block of V (head group g = program 1; a (B, H, S, D) view with strides sb, sh, ss, 1) as E4M3
+    of v / 2^E into V^T (G, D, SP) bytes with the block's keys in ``pv_key_order``, E per channel from its
+    maximum magnitude over the keys (AMAX, (G, D), v's dtype; ``fp8_group_exponent``), and 2^E into VS (float32
+    (G, D), written by block 0); keys >= S are written as 0 (SP = S rounded up to 32: the kernel's TMA reads whole
+    blocks)."""
+    blk = tl.program_id(0)
+    g = tl.program_id(1)
+    k = tl.arange(0, 32)
+    s = blk * 32 + pv_key_order(k)
+    valid = s < S
+    src, _b, _h = _src_offsets(g, tl.where(valid, s, 0), H, sb, sh, ss, ROW_ALIGN)
+    dst = g.to(tl.int64) * D * SP + blk * 32 + k
+    for d0 in tl.static_range(0, D, BLOCK_D):
+        dcol = d0 + tl.arange(0, BLOCK_D)
+        v = exact_f32(tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0))
+        e = fp8_group_exponent(exact_f32(tl.load(AMAX + g * D + dcol)))
+        tl.store(VT + dst[:, None] + dcol[None, :].to(tl.int64) * SP, fp8_e4m3(v, e[None, :]))
+        if blk == 0:
+            tl.store(VS + g * D + dcol, pow2(e))
+
+
 # runtime integers of both pre-pass kernels (not specialised: one compile serves every shape)
 _RUNTIME_INTS = ["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB", "NKB", "H", "QSB", "QSH", "QSS", "KSB", "KSH", "KSS",
                  "VSB", "VSH", "VSS"]

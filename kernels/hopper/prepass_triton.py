@@ -23,7 +23,13 @@ import triton
 
 from ..scale_record import words as record_words
 from .layout import fp8_key_scale_blocks
-from .prepass_kernels import _fp8_prepass_kernel, _prepass_kernel, _rms_rstd_kernel, compile_signature
+from .prepass_kernels import (
+    _fp8_prepass_kernel,
+    _fp8_values_kernel,
+    _prepass_kernel,
+    _rms_rstd_kernel,
+    compile_signature,
+)
 from .prepass_tuning import (
     DEFAULT_LAUNCH,
     FP8_BLOCK_Q,
@@ -42,8 +48,8 @@ from .prepass_tuning import (
 # benchmarks, compile_check.py); FP8_BLOCK_Q and RMS_THREADS are read here, where the benchmarks set them
 __all__ = ["DEFAULT_LAUNCH", "FP8_BLOCK_Q", "FP8_MAX_REGISTERS", "NUM_WARPS", "NUM_WARPS_D64", "NVFP4_LAUNCH",
            "RMS_BLOCK_T", "RMS_THREADS", "PrepassLaunch", "compile_signature", "default_warps", "fp8_meta_key",
-           "fp8_prepass", "fusable_transform", "mxfp4_v6", "nvfp4_launch", "nvfp4_qdq", "prepass", "rms_rstd",
-           "row_align"]
+           "fp8_prepass", "fp8_values", "fusable_transform", "mxfp4_v6", "nvfp4_launch", "nvfp4_qdq", "prepass",
+           "rms_rstd", "row_align"]
 
 
 # Host path. ``prepass`` and ``fp8_prepass`` keep, per input signature, the launch geometry (one
@@ -265,7 +271,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
                                                                                             row_align(q, k, v))
         tail = ints + _view_ints(q, k, v) + consts
         shape = (launch.num_warps or warps, cap if launch.max_registers is None else (launch.max_registers or None))
-        meta = [(3,) + tuple(q.shape) if same else (nq + 2 * nk,), same, grid, tail, shape, None]
+        meta = [(3,) + tuple(q.shape) if same else (nq + nk + v.numel(),), same, grid, tail, shape, None]
         _META[key] = meta
     alloc, same, grid, tail, (warps, cap), _ = meta
     buf = torch.empty(alloc, dtype=torch.bfloat16, device=q.device)
@@ -302,7 +308,7 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool,
     g = k.numel() // (sk * d) if sk else 0
     nkb = fp8_key_scale_blocks(sk)
     shapes = ((torch.float8_e4m3fn, tuple(q.shape)), (torch.float8_e4m3fn, tuple(k.shape)),
-              (torch.bfloat16, tuple(k.shape)), (torch.float32, tuple(q.shape[:-1])),
+              (torch.bfloat16, tuple(v.shape)), (torch.float32, tuple(q.shape[:-1])),
               (torch.float32, tuple(k.shape[:-2]) + (nkb,)))
     parts, nbytes = [], 0
     for dtype, shape in shapes:
@@ -311,7 +317,7 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool,
         nbytes += -(-math.prod(shape) * item // _FP8_ALIGN) * _FP8_ALIGN
     nq = q.numel() // d
     tq = -(-nq // FP8_BLOCK_Q)
-    tail = (nq, q.shape[-2], tq, sk, nkb, -(-sk // 32)) + _view_ints(q, k, v) + (d, has_perm, FP8_BLOCK_Q,
+    tail = (nq, q.shape[-2], tq, sk, nkb, -(-v.shape[-2] // 32)) + _view_ints(q, k, v) + (d, has_perm, FP8_BLOCK_Q,
                                                                                  min(d, 64)) + flags + (
         row_align(q, k, v),)
     return [nbytes, parts, tq + g * nkb, tail, launch, None]
@@ -326,9 +332,9 @@ def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.
 
 def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None, qk=None,
                 record: tuple | None = None, launch: PrepassLaunch = DEFAULT_LAUNCH):
-    """(q8, k8, v6, q_scale, k_scale) of (B, H, S, D) views q, k, v (unit stride along D; v shaped
-    like k, D a power of two) in one launch (see ``prepass.KernelOperands`` for what they are);
-    views of one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor
+    """(q8, k8, v6, q_scale, k_scale) of (B, H, S, D) views q, k, v (unit stride along D; v shaped like k, or with
+    no keys where V takes its own pass; D a power of two) in one launch (see ``prepass.KernelOperands`` for what
+    they are); views of one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor
     permutation). ``qk``, ``record`` and ``launch`` as in ``prepass`` (warps and register cap: None
     ``default_warps``, ``FP8_MAX_REGISTERS``)."""
     _check_views(q, k, v)
@@ -348,6 +354,22 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
         ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs + record_words(record, q.device)
         _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, (warps, cap, launch.direct))
     return outs
+
+
+def fp8_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The V operand of the FP8 P/V kernel from a (B, H, S, D) view v (unit stride along D; D 64 or 128):
+    (V^T E4M3 bytes (B, H, D, SP) with SP = S rounded up to 32, each 32-key block in ``pv_key_order``, zeros past
+    S; its float32 scales 2^E (B, H, D), one per channel: ``fp4vis.formats.fp8_channel_quantize``). Two launches,
+    no host synchronisation: the channel maxima (one reduction over S in PyTorch), then the bytes and scales."""
+    b, h, s, d = v.shape
+    amax = torch.linalg.vector_norm(v, float("inf"), dim=-2)          # (B, H, D), exact in v's dtype
+    sp = -(-s // 32) * 32
+    vt = torch.empty((b, h, d, sp), dtype=torch.float8_e4m3fn, device=v.device)
+    scales = torch.empty((b, h, d), dtype=torch.float32, device=v.device)
+    if sp and b * h:
+        _fp8_values_kernel[(sp // 32, b * h)](v, vt, amax, scales, s, sp, h, v.stride(0), v.stride(1), v.stride(2),
+                                              d, min(d, 64), row_align(v), num_warps=4, enable_fp_fusion=False)
+    return vt, scales
 
 
 def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None,

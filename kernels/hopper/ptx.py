@@ -328,3 +328,25 @@ def bf16x2_sum(p: Int32, *, loc=None, ip=None) -> Float32:
             "mov.b32 b, hi;\n"
             "add.rn.f32 $0, a, b; }")
     return Float32(_asm(T.f32(), [Int32(p)], body, "=f,r", loc, ip))
+
+
+@dsl_user_op
+def e4m3x4(x0: Float32, x1: Float32, x2: Float32, x3: Float32, *, loc=None, ip=None) -> Int32:
+    """Four float32 as E4M3 bytes 0..3 of a word (round to nearest even, saturating to finite; NaN stays NaN): the
+    FP8 P/V kernel's P, four consecutive k slots of its A fragment. ``cvt...e4m3x2`` puts its first source in the
+    upper byte."""
+    body = ("{ .reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi}; }")
+    return Int32(_asm(T.i32(), [Float32(x0), Float32(x1), Float32(x2), Float32(x3)], body, "=r,f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def defined_here(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x``, copied by an instruction that stays where it is written (a volatile ``mov``): a value made before
+    ``wgmma.wait_group`` and written into a WGMMA operand after it must not have its register defined earlier,
+    while the WGMMA in flight still reads that register (ptxas would serialise every WGMMA of the kernel)."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+

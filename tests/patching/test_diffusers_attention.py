@@ -212,6 +212,26 @@ def test_default_layers_run_fp4_and_remove_restores_bit_identical(name):
     assert torch.equal(model(**inputs)[0], ref)
 
 
+@pytest.mark.parametrize("name", ["flux", "hunyuan_video", "cogvideox"])
+@torch.no_grad()
+def test_fp8_pv_policy_runs_in_the_default_layers_and_restores(name):
+    """The FP8 P/V softmax (``fp8``: docs/numerics.md section 7) in every default layer, text padding as a key
+    mask included: no fallback, closer to the model's attention than ``fast``, and remove() restores it."""
+    model, inputs = _build(name)
+    ref = model(**inputs)[0]
+    errors = {}
+    for policy in ("fp8", "fast"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fp4vis.FallbackWarning)
+            h = fp4vis.patch(model, policy)
+            out = model(**inputs)[0]
+        assert all(st.calls >= 1 and st.fallbacks == 0 for st in h.layers.values() if st is not None)
+        errors[policy] = ((out - ref).norm() / ref.norm()).item()
+        h.remove()
+    assert torch.isfinite(out).all() and 0 < errors["fp8"] < errors["fast"], errors
+    assert torch.equal(model(**inputs)[0], ref)
+
+
 def _key_mask_spy(monkeypatch):
     """The key_mask of every fp4vis.attention call (None where a call had none)."""
     module = sys.modules["fp4vis.attention"]

@@ -411,3 +411,30 @@ def test_convnext_has_no_attention_layer():
                               num_classes=10)
     assert timm_attention.find_layers(model) == []
     assert not any(timm_attention.is_known_non_attention(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("policy", ["fp8", "fp8pv"])
+@torch.no_grad()
+def test_fp8_pv_policies_patch_compute_and_restore(policy, x):
+    """The FP8 P/V softmax (docs/numerics.md section 7) through the timm patcher: the patched ViT computes what its
+    own forward computes with each attention call replaced by ``fp4vis.attention(policy=...)``, bit for bit, close
+    to the unpatched model, and removing the patch restores it."""
+    arch, extra = FAMILIES["vit"]
+    torch.manual_seed(0)
+    model = timm.create_model(arch, pretrained=False, **TINY, **extra).eval()
+    for m in _attention_modules(model):
+        m.fused_attn = True
+    oracle_mode = SdpaAsFp4(policy)
+    with oracle_mode:
+        oracle = model.forward_features(x)
+    for m in _attention_modules(model):
+        m.fused_attn = False
+    ref = model.forward_features(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        h = fp4vis.patch(model, policy)
+        out = model.forward_features(x)
+    assert torch.equal(out, oracle) and not torch.equal(out, ref)
+    assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99
+    h.remove()
+    assert torch.equal(model.forward_features(x), ref)

@@ -348,7 +348,7 @@ def test_fused_qk_transform_gives_the_unpatched_values_on_gpu():
                 fused = tp.fp8_prepass(*raw, qk=tr) if layout == "fp8" else tp.prepass(*raw, layout, qk=tr)
                 ref = tp.fp8_prepass(*plain) if layout == "fp8" else tp.prepass(*plain, layout)
                 assert all(torch.equal(bits(a), bits(b)) for a, b in zip(fused, ref)), layout
-        for policy in ("fast", "fast_fp8qk"):
+        for policy in ("fast", "fast_fp8qk", "fp8", "fp8pv"):
             spec = LayerSpec(name=kind, module=attn, index=0, group=kind, default=True, patcher="wan", num_heads=h,
                              head_dim=d)
             st = LayerState(spec, get_policy(policy), backend="hopper", range_check="raise", strict=True, handle=None)

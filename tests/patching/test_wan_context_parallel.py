@@ -38,7 +38,7 @@ TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, 
             qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 # Ulysses runs fp4vis.attention per head whatever the policy: one policy of each kind (fixed row reference,
 # anchored, the FP8 control); the ring has two paths: key streaming (both Q/K formats) and gathered keys
-POLICIES = {"ulysses": ("fast", "guard", "nv_fp8"), "ring": ("fast", "fast_fp8qk", "accurate")}
+POLICIES = {"ulysses": ("fast", "guard", "nv_fp8", "fp8"), "ring": ("fast", "fast_fp8qk", "accurate", "fp8")}
 STREAMED = ("fast", "wan_fast", "fast_fp8qk")     # the ring adds key-shard sums; the others gather the keys
 KEY_CHUNK = 32
 

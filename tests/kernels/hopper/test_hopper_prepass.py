@@ -689,3 +689,37 @@ def test_fp16_pair_codes_bit_identical_on_gpu(d):
                 vv = v[:, :, perm.long()] if anchor else v
                 v6 = mxfp4_qdq(vv, times_six=True).to(torch.bfloat16)
                 assert torch.equal(f16[2].view(torch.int16), v6.view(torch.int16))
+
+
+_CHECK_FP8_VALUES = r"""
+import torch
+from fp4vis.formats import fp8_channel_quantize
+from fp4vis.kernels.hopper.config import PV_FP8_KEY_ORDER
+from fp4vis.kernels.hopper.prepass_triton import fp8_values
+
+bad = []
+for seed, (s, d, dtype) in enumerate([(70, 64, torch.bfloat16), (64, 128, torch.float16), (33, 64, torch.bfloat16),
+                                      (5, 64, torch.float16)]):
+    g = torch.Generator().manual_seed(seed)
+    v = (torch.randn(2, 3, s, d, generator=g) * torch.logspace(-3, 2, d)).to(dtype)
+    v[0, 0, :, 3] = 0
+    v[1, 2, :, 5] *= 1e4 if dtype == torch.bfloat16 else 1.0
+    view = v.transpose(1, 2).contiguous().transpose(1, 2)      # strided (a patched layer's bshd layout)
+    vt, scales = fp8_values(view)
+    vals, ref_scales = fp8_channel_quantize(v)
+    sp = vt.shape[-1]
+    order = torch.tensor([32 * (p // 32) + PV_FP8_KEY_ORDER[p % 32] for p in range(sp)])
+    ref = torch.zeros(2, 3, d, sp)
+    kept = order < s
+    ref[..., kept] = vals.transpose(-1, -2)[..., order[kept]]
+    if sp % 32 or not torch.equal(vt.float(), ref) or not torch.equal(scales, ref_scales.squeeze(-2)):
+        bad.append((s, d, dtype))
+print("OK" if not bad else f"FAIL {bad}")
+"""
+
+
+def test_fp8_values_is_the_channel_quantization_in_key_order_interpreted():
+    """The FP8 P/V policies' V pass (``prepass_triton.fp8_values``): V^T bytes equal ``fp4vis.formats``'
+    ``fp8_channel_quantize`` of V, each 32-key block stored in ``PV_FP8_KEY_ORDER`` (the order the kernel's A
+    fragment holds P in), keys past S zero, and the scales equal; strided views, BF16 and FP16."""
+    _run_interpreted(_CHECK_FP8_VALUES)

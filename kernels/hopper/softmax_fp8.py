@@ -1,0 +1,97 @@
+"""The FP8 P/V softmax on the score tiles of one consumer warpgroup (docs/numerics.md section 7, policies ``fp8``
+and ``fp8pv``): the device-side twin of ``direct_p.DirectP`` for ``DirectPConfig.pv_fp8``, with the same row
+state, the same per-tile entry (``tile``) and the same register order, so the kernel's schedules run either.
+
+Per 128-key tile and row: the tile maximum of t = raw * s (s the softmax scale times log2 e, times 2^Eq 2^Ek for
+FP8 Q/K: positive, so the maximum of the raw block maxima times s is the maximum of the products), the running
+maximum m_j = max(m_{j-1}, that), P = 2^(t - m_j + 8) on the exponential unit (one FFMA and one MUFU.EX2 per
+score), the unrounded P summed into the row's denominator, and P rounded to E4M3 (``cvt.rn.satfinite.e4m3x2``:
+P <= 256, never saturated) straight into the A fragment of the P V WGMMA: slot k of a 32-key block is the
+accumulator column ``config.PV_FP8_KEY_ORDER[k]`` of the same thread, and V^T holds its keys in that order, so
+no value moves between registers or threads. The output accumulator and the denominator are multiplied by
+2^(m_{j-1} - m_j) once the P V product in flight (which reads the previous P and writes the accumulator) is done.
+A row whose tiles are all masked keeps m = -inf and gets l = 0 (its output 0, counted as an empty row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from fp4vis.layout import P_E4M3_LOG2
+
+from .direct_p import DirectP
+from .ptx import defined_here, e4m3x4, ex2_approx, fma_rn, fmax_nan, order_before_wait, select_f32
+
+
+def softmax_fp8_for(cfg, s_log2: Float32, lane_q: Int32, acc_o: cute.Tensor) -> SoftmaxFP8:
+    """The softmax object of a ``pv_fp8`` kernel variant, its row state made in registers (m = -inf, l = 0)."""
+    row_m = cute.make_rmem_tensor((2,), Float32)      # the running row maximum of t (log2 units)
+    row_l = cute.make_rmem_tensor((2,), Float32)      # sum of 2^8 P relative to row_m, this thread's part
+    row_m.fill(-Float32.inf)
+    row_l.fill(0.0)
+    return SoftmaxFP8(cfg, s_log2, lane_q, row_m, row_l, None, None, acc_o)
+
+
+@dataclass
+class SoftmaxFP8(DirectP):
+    """Online softmax with E4M3 P of one thread's two rows (r0, r0 + 8); ``acc_o``: the output accumulator it
+    rescales when the row maximum moves."""
+
+    acc_o: cute.Tensor | None = None
+
+    RUNTIME_FIELDS = DirectP.RUNTIME_FIELDS + ("acc_o",)
+    DENOMINATOR_SCALE = 1.0   # O = acc / l (Direct-P's 1/6 factors are its own)
+
+    def tile(self, acc_s, r_p, tile_scales, kv_limit, tile_idx, masked: bool, wait_pv: bool = False):
+        """P of one 64 x 128 score tile into the A fragment r_p (E4M3 words), the denominator and the rescaled
+        output. Reads the scores only (see ``DirectP.tile``); with ``wait_pv`` every P is made before waiting for
+        the P V product in flight, and r_p and the accumulator are written after it. Plain Python, unrolled while
+        the kernel is traced (its loops and dictionaries are over compile-time indices)."""
+        _, s_pair, _ = self.multipliers(tile_scales)
+        idx, vals, mx = self.block_maxima(acc_s, kv_limit, masked)
+        corr = [Float32(1.0), Float32(1.0)]
+        p = {}   # P by accumulator index
+        l_acc = [Float32(0.0), Float32(0.0)]
+        for r in range(2):
+            t = mx[r, 0] * s_pair[r, 0]
+            for b in range(1, self.nb):
+                t = fmax_nan(t, mx[r, b] * s_pair[r, b])
+            t = fmax_nan(t, cute.arch.shuffle_sync_bfly(t, offset=1))
+            t = fmax_nan(t, cute.arch.shuffle_sync_bfly(t, offset=2))
+            m_old = self.row_m[r]
+            m_new = fmax_nan(m_old, t)
+            # every key so far masked: keep m = -inf, and make P = 0 rather than NaN from (-inf) - (-inf)
+            m_use = select_f32(Int32(m_new == -Float32.inf), Float32(0.0), m_new)
+            corr[r] = ex2_approx(m_old - m_use)
+            self.row_m[r] = m_new
+            bias = Float32(P_E4M3_LOG2) - m_use
+            for b in range(self.nb):
+                block = [ex2_approx(fma_rn(vals[r, b][t8], s_pair[r, b], bias)) for t8 in range(8)]
+                for t8 in range(8):
+                    p[idx[r, b][t8]] = block[t8]
+                # a tree per block: short dependency chains for the denominator's adds
+                pairs = [block[2 * i] + block[2 * i + 1] for i in range(4)]
+                l_acc[r] = l_acc[r] + ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3]))
+        # A fragment word w = r + 2 kh + 4 kb holds slots 16 kh + 4 lane_q + 0..3 of key block kb: the
+        # accumulator's columns (chunk 4 kb + 2 kh, c = 0, 1) and (chunk 4 kb + 2 kh + 1, c = 0, 1) of row r
+        words = {}
+        for r in range(2):
+            for kb in range(self.nb):
+                for kh in range(2):
+                    i0 = 2 * r + 4 * (4 * kb + 2 * kh)
+                    words[r + 2 * kh + 4 * kb] = e4m3x4(p[i0], p[i0 + 1], p[i0 + 4], p[i0 + 5])
+        if const_expr(wait_pv):
+            order_before_wait(l_acc[0] + l_acc[1], kv_limit)   # kv_limit >= 1: never stores
+            cute.nvgpu.warpgroup.wait_group(0)
+        r_p4 = cute.recast_tensor(r_p, Int32)
+        for w, word in words.items():
+            r_p4[w] = defined_here(word) if wait_pv else word
+        # every tile, unconditionally: a warp-uniform branch that skips it where no row's maximum moved measured
+        # 2-11 % slower on the H100 (benchmarks/results/20261206b_h100_kernel_grid.json)
+        for i in range(cute.size(self.acc_o)):
+            self.acc_o[i] = self.acc_o[i] * corr[(i // 2) % 2]
+        for r in range(2):
+            self.row_l[r] = self.row_l[r] * corr[r] + l_acc[r]
