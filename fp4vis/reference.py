@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from fp4vis.formats import (
     fp8_pow2_scale_counts,
     mxfp4_quantize,
     nvfp4_quantize,
+    significant_underflow,
 )
 from fp4vis.layout import KEY_BLOCK, anchor_permutation, native_positions
 from fp4vis.policy import LOG2E, Policy
@@ -62,7 +63,10 @@ class RangeReport:
     empty_rows: rows with valid keys whose probabilities all fell below the floor (l = 0).
     nonfinite_outputs: output elements that are NaN or Inf.
     scale_underflow, scale_overflow: per operand (q, k, v), the blocks whose scale left its format's range
-        (``fp4vis.formats.ScaleRange``): values flushed to zero, or clipped.
+        (``fp4vis.formats.ScaleRange``): values clipped, or flushed to zero where that can change the result beyond
+        the policy's own rounding (``fp4vis.formats.significant_underflow``).
+    scale_ranges, score_scale: the reference's, what those counts were decided from, so that the reports of a
+        call's parts (the elements of a key-masked call) decide once, over the whole call, as a kernel does.
     """
 
     saturated_blocks: int = 0
@@ -70,6 +74,8 @@ class RangeReport:
     nonfinite_outputs: int = 0
     scale_underflow: tuple[int, int, int] = (0, 0, 0)
     scale_overflow: tuple[int, int, int] = (0, 0, 0)
+    scale_ranges: tuple[ScaleRange, ScaleRange, ScaleRange] | None = field(default=None, repr=False)
+    score_scale: float = field(default=0.0, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -81,13 +87,20 @@ class RangeReport:
         self.saturated_blocks += other.saturated_blocks
         self.empty_rows += other.empty_rows
         self.nonfinite_outputs += other.nonfinite_outputs
+        if other.scale_ranges is not None:
+            self.add_scale_ranges(other.scale_ranges, other.score_scale)
+            return
         self.scale_underflow = tuple(a + b for a, b in zip(self.scale_underflow, other.scale_underflow))
         self.scale_overflow = tuple(a + b for a, b in zip(self.scale_overflow, other.scale_overflow))
 
-    def add_scale_ranges(self, ranges: tuple[ScaleRange, ScaleRange, ScaleRange]) -> None:
-        """Add the ``ScaleRange`` of q, k and v."""
-        self.scale_underflow = tuple(a + r.underflow for a, r in zip(self.scale_underflow, ranges))
-        self.scale_overflow = tuple(a + r.overflow for a, r in zip(self.scale_overflow, ranges))
+    def add_scale_ranges(self, ranges: tuple[ScaleRange, ScaleRange, ScaleRange], s: float) -> None:
+        """Add the ``ScaleRange`` of q, k and v of a call whose scores ``raw * s`` are in log2 units; the underflow
+        counts are decided over every range added (``fp4vis.formats.significant_underflow``)."""
+        if self.scale_ranges is not None:
+            ranges = tuple(a + b for a, b in zip(self.scale_ranges, ranges))
+        self.scale_ranges, self.score_scale = ranges, s
+        self.scale_underflow = significant_underflow(ranges, s)
+        self.scale_overflow = tuple(r.overflow for r in ranges)
 
     def describe(self, policy: Policy) -> str:
         """The error message: what went past the range, and advice that fits the cause. The guard
@@ -323,7 +336,7 @@ def direct_p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy
     native = native_positions(nkp, device=q.device) if policy.native_exp2 else None
     out = torch.empty(groups, sq, ops.v6.shape[-1], dtype=torch.float32, device=q.device)
     report = RangeReport()
-    report.add_scale_ranges(ops.scale_ranges)
+    report.add_scale_ranges(ops.scale_ranges, ops.s)
     cg, cq, ck = _chunk_sizes(groups, sq, nkp, KEY_BLOCK)
     for g0, g1 in _chunks(groups, cg):
         for q0, q1 in _chunks(sq, cq):
@@ -477,7 +490,7 @@ class DirectPAccumulator:
                                "rest before result()")
         report = RangeReport(saturated_blocks=self.saturated_blocks,
                              empty_rows=int((self.denominator == 0).sum()))
-        report.add_scale_ranges(self.scale_ranges)
+        report.add_scale_ranges(self.scale_ranges, self.s)
         out = (self.numerator.double() / (6.0 * self.denominator.unsqueeze(-1))).float().to(self.dtype)
         report.nonfinite_outputs = int((~torch.isfinite(out)).sum())
         return out, report
@@ -500,8 +513,8 @@ def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     -3's FP8 path does). Float32 output (G, Sq, Dv) and a RangeReport of Q's and K's block scales."""
     qd, kd, tensor_scale, qk_ranges = quantize_qk(q, k, policy.replace(qk_format="block16"))
     report = RangeReport()
-    report.add_scale_ranges((*qk_ranges, ScaleRange()))
     s = scale * tensor_scale * LOG2E
+    report.add_scale_ranges((*qk_ranges, ScaleRange()), s)
     v8 = e4m3_round(v.float())
     groups, sq, nk = qd.shape[0], qd.shape[1], kd.shape[1]
     out = torch.empty(groups, sq, v.shape[-1], dtype=torch.float32, device=q.device)
