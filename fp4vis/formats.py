@@ -50,15 +50,6 @@ MXFP4_ZERO_AMAX = 1e-38  # blocks at or below this amax get u = 0
 # an NVFP4 scale amax/6 above this saturates E4M3 (RNE rounds it past 448, the largest value): the block's
 # values clip (docs/numerics.md section 1, "Scale range")
 E4M3_SATURATION = 464.0
-# docs/numerics.md section 1, "Scale range": a q or k block whose scale underflows counts only where it can move a
-# score (raw * s, log2 units: binary exponents of P) by more than this. E2M1 rounds each P code to within
-# log2(7/6) = 0.22 of these units at best (between codes 1.5 and 2, or 3 and 4; more elsewhere), so a flush that
-# stays below moves every normalised weight by at most 2**(2 * 2**-5) - 1 = 4.4 %, a fifth of that rounding
-SCORE_CHANGE_LIMIT = 2.0**-5
-# a v block whose scale underflows counts only where its amax is above this fraction of v's largest value: each
-# output is a weighted average of v, so a flush below changes no output element by more than float32's own
-# resolution of v's largest value; a v whose every block flushes (largest amax <= 1e-38) always counts
-V_FLUSH_FRACTION = 2.0**-24
 # the smallest float32 magnitudes that round (to nearest even) to Inf in an output dtype: half an ulp
 # above its largest finite value, whose odd significand rounds the tie up (the kernels' range record)
 OVERFLOW_BF16 = 3.3961775292304740e38   # 0x7F7F8000: BF16 max 0x7F7F plus half an ulp
@@ -255,28 +246,6 @@ def _scale_words(under: torch.Tensor, over: torch.Tensor, flushed: torch.Tensor,
         return x.float().amax().view(torch.int32) if x.numel() else torch.zeros((), dtype=torch.int32,
                                                                                  device=x.device)
     return torch.stack((under.sum(dtype=torch.int32), over.sum(dtype=torch.int32), top(flushed), top(amax)))
-
-
-def significant_underflow(ranges: tuple[ScaleRange, ScaleRange, ScaleRange], s: float) -> tuple[int, int, int]:
-    """The underflow counts of q, k, v that the range report gives (docs/numerics.md section 1, "Scale range"): an
-    operand's flushed blocks count where they can change the result beyond the policy's own rounding, else 0. q's
-    flushed values change a score ``raw * s`` (log2 units) by at most ``s * q.flushed * k.amax`` (the row's lost L1
-    norm times k's largest value), k's by ``s * k.flushed * q.amax``: they count where that exceeds
-    ``SCORE_CHANGE_LIMIT``; v's count where ``v.flushed > V_FLUSH_FRACTION * v.amax``. Evaluated exactly, as every
-    kernel's pre-pass evaluates it (``kernels/scale_record.py``): the float32 limit ``qk_flush_limit(s)`` against
-    the product of two float32 values, exact in float64."""
-    q, k, v = ranges
-    limit = qk_flush_limit(s)
-    return (q.underflow if q.flushed * k.amax > limit else 0,
-            k.underflow if k.flushed * q.amax > limit else 0,
-            v.underflow if v.flushed > v.amax * V_FLUSH_FRACTION else 0)
-
-
-def qk_flush_limit(s: float) -> float:
-    """``SCORE_CHANGE_LIMIT / s`` rounded to float32 (inf where s is 0): what a q or k row's flushed L1 bound times
-    the other operand's largest value may reach before its flushed blocks count (``significant_underflow``)."""
-    limit = SCORE_CHANGE_LIMIT / s if s else math.inf
-    return float(torch.tensor(limit, dtype=torch.float32))
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ from fp4vis.formats import (
     fp8_pow2_scale_counts,
     mxfp4_quantize,
     nvfp4_quantize,
-    significant_underflow,
 )
 from fp4vis.layout import KEY_BLOCK, anchor_permutation, native_positions
 from fp4vis.policy import LOG2E, Policy
+from fp4vis.scale_range import significant_underflow
 
 LOG2_6 = math.log2(6.0)
 LOG2_1P5 = math.log2(1.5)
@@ -64,7 +64,7 @@ class RangeReport:
     nonfinite_outputs: output elements that are NaN or Inf.
     scale_underflow, scale_overflow: per operand (q, k, v), the blocks whose scale left its format's range
         (``fp4vis.formats.ScaleRange``): values clipped, or flushed to zero where that can change the result beyond
-        the policy's own rounding (``fp4vis.formats.significant_underflow``).
+        the policy's own rounding (``fp4vis.scale_range.significant_underflow``).
     scale_ranges, score_scale: the reference's, what those counts were decided from, so that the reports of a
         call's parts (the elements of a key-masked call) decide once, over the whole call, as a kernel does.
     """
@@ -95,7 +95,7 @@ class RangeReport:
 
     def add_scale_ranges(self, ranges: tuple[ScaleRange, ScaleRange, ScaleRange], s: float) -> None:
         """Add the ``ScaleRange`` of q, k and v of a call whose scores ``raw * s`` are in log2 units; the underflow
-        counts are decided over every range added (``fp4vis.formats.significant_underflow``)."""
+        counts are decided over every range added (``fp4vis.scale_range.significant_underflow``)."""
         if self.scale_ranges is not None:
             ranges = tuple(a + b for a, b in zip(self.scale_ranges, ranges))
         self.scale_ranges, self.score_scale = ranges, s

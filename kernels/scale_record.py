@@ -5,7 +5,7 @@ leaves the format's range (docs/numerics.md section 1, "Scale range", the condit
 
 * saturated scales (overflow) are added to the record's words at once, with the flag raised, as the attention
   kernels do with their own counts;
-* underflows count only where they can change the result (``fp4vis.formats.significant_underflow``), which needs
+* underflows count only where they can change the result (``fp4vis.scale_range.significant_underflow``), which needs
   the whole call's maxima: each program adds its underflows and the maxima of its ``ScaleRange.flushed`` and
   ``.amax`` to the call's words (``CALL_UNDERFLOW`` ...; the float maxima as int32 bits: non-negative floats order
   as their bits do), then counts itself done (``scale_range_done``, acq_rel); the program that finishes last,
@@ -17,11 +17,12 @@ leaves the format's range (docs/numerics.md section 1, "Scale range", the condit
 host synchronisation. The words of the call in flight are one set per device: calls recorded on two streams of
 one device at once would mix them (fp4vis records a device's calls on one stream at a time).
 
-A record is passed as ``(fields, flag, call)``: the device's int32 fields, the pinned host flag (which
-the GPU writes directly) and the call's number; ``None`` records nothing. The launches take it as
-``words``: the fields, the flag's address (an int64: a pinned host tensor as a pointer argument would
-cost every launch a driver query of its address), the number and the q/k flush limit of the call's score scale
-(``fp4vis.formats.qk_flush_limit``)."""
+A record is passed as ``(fields, flag, call, score_scale)``: the device's int32 fields, the pinned host flag
+(which the GPU writes directly), the call's number and its score scale (the softmax scale times log2(e): scores
+``raw * score_scale`` in log2 units; ``recorded``); ``None`` records nothing. The launches take it as ``words``:
+the fields, the flag's address (an int64: a pinned host tensor as a pointer argument would cost every launch a
+driver query of its address), the number and the q/k flush limit of the score scale
+(``fp4vis.scale_range.qk_flush_limit``)."""
 
 from __future__ import annotations
 
@@ -39,14 +40,9 @@ from fp4vis.backends.range_record import (
     SCALE_OVERFLOW,
     SCALE_UNDERFLOW,
 )
-from fp4vis.formats import (
-    E4M3_SATURATION,
-    FP8_GROUP_TOP_EXP,
-    FP8_MIN_GROUP_EXP,
-    MXFP4_ZERO_AMAX,
-    V_FLUSH_FRACTION,
-    qk_flush_limit,
-)
+from fp4vis.formats import E4M3_SATURATION, FP8_GROUP_TOP_EXP, FP8_MIN_GROUP_EXP, MXFP4_ZERO_AMAX
+from fp4vis.policy import LOG2E
+from fp4vis.scale_range import V_FLUSH_FRACTION, qk_flush_limit
 
 # literals in the counts below (Triton's interpreter mishandles module constexprs in tensor arithmetic)
 assert E4M3_SATURATION == 464.0 and MXFP4_ZERO_AMAX == 1e-38 and V_FLUSH_FRACTION == 2.0**-24
@@ -93,7 +89,7 @@ def _take_float(ptr):
 @triton.jit
 def scale_range_done(REC, FLAG, CALL, LIMIT, programs):
     """A program of the call's pre-pass is done (after its ``record_scale_range``), where CALL > 0; the last of
-    ``programs`` decides on the call's underflows (``fp4vis.formats.significant_underflow``, the same exact
+    ``programs`` decides on the call's underflows (``fp4vis.scale_range.significant_underflow``, the same exact
     arithmetic: float32 maxima multiplied in float64 against the float32 LIMIT, ``qk_flush_limit``), adds those that
     count to the record and clears the call's words."""
     if CALL > 0:
@@ -169,15 +165,18 @@ def _add_counts(COUNTS, REC, FLAG, CALL, LIMIT, operand, programs):
 _NO_RECORD: dict[torch.device, torch.Tensor] = {}
 
 
-def words(record: tuple | None, device: torch.device, score_scale: float | None) -> tuple:
-    """(fields, flag address, call, q/k flush limit) launch arguments of ``record`` for a call whose scores
-    ``raw * score_scale`` are in log2 units (the softmax scale times log2(e): ``fp4vis.formats.qk_flush_limit``);
-    where nothing is recorded (None, or call 0), int32 words of the device stand in for both (the kernels then write
-    nothing), so that a launch with and one without a record share one compiled kernel."""
+def recorded(slot: tuple | None, softmax_scale: float) -> tuple | None:
+    """The pre-passes' record of a call: its range record's slot (``fp4vis.call.RecordSlot``: fields, flag, number;
+    None: nothing recorded) with the call's score scale."""
+    return None if slot is None else (*slot, softmax_scale * LOG2E)
+
+
+def words(record: tuple | None, device: torch.device) -> tuple:
+    """(fields, flag address, call, q/k flush limit) launch arguments of ``record``; where nothing is recorded
+    (None, or call 0), int32 words of the device stand in for both (the kernels then write nothing), so that a
+    launch with and one without a record share one compiled kernel."""
     if record is not None and record[2]:
-        if score_scale is None:
-            raise ValueError("score_scale: a recorded pre-pass needs the call's score scale (softmax scale * log2(e))")
-        fields, flag, call = record
+        fields, flag, call, score_scale = record
         return fields, flag.data_ptr(), call, qk_flush_limit(score_scale)
     t = placeholder(device)
     return t, t.data_ptr(), 0, 0.0
@@ -191,12 +190,11 @@ def placeholder(device: torch.device) -> torch.Tensor:
     return t
 
 
-def add_counts(counts: torch.Tensor, record: tuple | None, operand: int, score_scale: float | None,
-               programs: int) -> None:
+def add_counts(counts: torch.Tensor, record: tuple | None, operand: int, programs: int) -> None:
     """Add the int32 words of a ``fp4vis.formats`` ``*_scale_counts`` function to ``record`` under ``operand``
     (``Q_OPERAND``, ``K_OPERAND`` or ``V_OPERAND``), as one of the ``programs`` launches of the call's pre-pass
     (one per operand counted: the last decides, ``scale_range_done``); nothing where ``record`` is None or its
     call 0."""
     if record is not None and record[2]:
-        fields, flag, call, limit = words(record, counts.device, score_scale)
+        fields, flag, call, limit = words(record, counts.device)
         _add_counts[(1,)](counts, fields, flag, call, limit, operand, programs)

@@ -529,8 +529,8 @@ def descriptors(ops) -> dict:
 
 def launch(ops, out, params, record=None, key_lengths=None, heads=1) -> None:
     """Run the kernel on torch's current stream (Gluon's JIT), with ``kernel.runtime_args``'s meaning: ``ops``
-    the ``prepass.Operands`` of ``prepare(q, k, v, params.qk_layout, 0, 128, 128, record=..., score_scale=...)``,
-    ``out`` (G, Sq, D) bf16/fp16, ``params`` a fast policy's ``KernelParams`` (no native positions, no anchors),
+    the ``prepass.Operands`` of ``prepare(q, k, v, params.qk_layout, 0, 128, 128, record=...)``, ``out``
+    (G, Sq, D) bf16/fp16, ``params`` a fast policy's ``KernelParams`` (no native positions, no anchors),
     ``record`` the call's ``fp4vis.call.RecordSlot`` (fields, flag, number) or None (record nothing), and a
     key-masked call's int32 (B,) ``key_lengths`` with its ``heads`` per batch element (None: every element has
     all ``ops.num_keys`` keys). Untested here (no Blackwell GPU)."""

@@ -45,17 +45,16 @@ BLOCK_R = 32   # Q/K rows per program
 
 
 class RecordedLaunches(NamedTuple):
-    """The range record of a call's three launches (``kernels/scale_record.py``): the record's (fields, flag, call)
-    or None, the call's score scale (softmax scale times log2(e)) and the launches' ``programs`` in all (the last
-    of them decides on the call's underflows)."""
+    """The range record of a call's three launches (``kernels/scale_record.py``): the record's (fields, flag, call,
+    score scale) or None, and the launches' ``programs`` in all (the last of them decides on the call's
+    underflows)."""
 
     record: tuple | None
-    score_scale: float | None
     programs: int
 
     def words(self, device: torch.device) -> tuple:
         """The launches' REC, FLAG, CALL, LIMIT, PROGRAMS arguments."""
-        return (*record_words(self.record, device, self.score_scale), self.programs)
+        return (*record_words(self.record, device), self.programs)
 
 
 def programs(q_shape: tuple, rows_q: int, keys: int) -> int:
@@ -220,4 +219,4 @@ def mxfp4_v_operand(v: torch.Tensor, keys: int, perm: torch.Tensor | None, count
 
 
 def _words(counted: RecordedLaunches | None, device: torch.device) -> tuple:
-    return (counted or RecordedLaunches(None, None, 0)).words(device)
+    return (counted or RecordedLaunches(None, 0)).words(device)

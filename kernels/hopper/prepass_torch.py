@@ -32,31 +32,29 @@ def _nan_where_not_finite(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x_hat, torch.nan).contiguous()
 
 
-def _qk_hat(x: torch.Tensor, layout: str, record, operand: int, score_scale: float | None) -> torch.Tensor:
-    """Decoded NVFP4 of x in BF16 (exact); its scale range counted into ``record`` as ``operand`` (0 q, 1 k) of a
-    call of score scale ``score_scale``."""
+def _qk_hat(x: torch.Tensor, layout: str, record, operand: int) -> torch.Tensor:
+    """Decoded NVFP4 of x in BF16 (exact); its scale range counted into ``record`` as ``operand`` (0 q, 1 k)."""
     if record is None:
         x_hat = nvfp4_qdq(x, layout)
     else:
         x_hat, counts = nvfp4_qdq_counted(x, layout)
-        add_counts(counts, record, operand, score_scale, _OPERANDS)
+        add_counts(counts, record, operand, _OPERANDS)
     return _nan_where_not_finite(x_hat.to(torch.bfloat16), x)
 
 
-def _fp8_values(x: torch.Tensor, group_rows: int, record, operand: int,
-                score_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_values(x: torch.Tensor, group_rows: int, record, operand: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 values as float8_e4m3fn, NaN where x is not finite; float32 scales (..., groups)) of x (its values
     are E4M3 already: the cast is exact); its scale range counted as in ``_qk_hat``."""
     vals, scales = fp8_pow2_quantize(x, group_rows)
     if record is not None:
-        add_counts(fp8_pow2_scale_counts(x, group_rows), record, operand, score_scale, _OPERANDS)
+        add_counts(fp8_pow2_scale_counts(x, group_rows), record, operand, _OPERANDS)
     return _nan_where_not_finite(vals, x).to(torch.float8_e4m3fn), scales.squeeze(-1).contiguous()
 
 
-def _v6(v: torch.Tensor, record, score_scale: float | None) -> torch.Tensor:
+def _v6(v: torch.Tensor, record) -> torch.Tensor:
     """MXFP4 ``alpha * c`` of V in BF16 (exact), NaN where v is not finite; its scale range counted."""
     if record is not None:
-        add_counts(mxfp4_scale_counts(v), record, 2, score_scale, _OPERANDS)
+        add_counts(mxfp4_scale_counts(v), record, 2, _OPERANDS)
     return _nan_where_not_finite(mxfp4_qdq(v, times_six=True).to(torch.bfloat16), v)
 
 
@@ -69,20 +67,19 @@ def _physical_keys(k: torch.Tensor, v: torch.Tensor, anchor: int) -> tuple[torch
 
 
 def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, anchor: int,
-                    qk=None, record=None, score_scale: float | None = None) -> KernelOperands:
+                    qk=None, record=None) -> KernelOperands:
     """``prepass.kernel_operands``' result, computed in PyTorch: for NVFP4 Q/K (``qk_layout`` "block16" or
     "folded64_mse") q_hat, k_hat, v6 in BF16 and no scales; for ``"fp8_e4m3"`` float8_e4m3fn q8, k8 with their
     power-of-two scales (per query row; per 32 physical keys, padded with 1.0 to whole 128-key kernel tiles).
-    ``qk``: a ``fp4vis.qk_transform.QKTransform`` of raw projections q, k, applied first. ``record``,
-    ``score_scale``: as ``prepass_triton.prepass``'s."""
+    ``qk``: a ``fp4vis.qk_transform.QKTransform`` of raw projections q, k, applied first. ``record``: as
+    ``prepass_triton.prepass``'s."""
     if qk is not None:
         q, k = qk.apply(q, k, "bhsd")
     k, v = _physical_keys(k, v, anchor)
     if qk_layout == "fp8_e4m3":
-        q8, q_scale = _fp8_values(q, 1, record, 0, score_scale)
-        k8, k_scale = _fp8_values(k, FP8_KEY_GROUP, record, 1, score_scale)
+        q8, q_scale = _fp8_values(q, 1, record, 0)
+        k8, k_scale = _fp8_values(k, FP8_KEY_GROUP, record, 1)
         k_scale = torch.nn.functional.pad(k_scale, (0, fp8_key_scale_blocks(k.shape[-2]) - k_scale.shape[-1]),
                                           value=1.0)
-        return KernelOperands(q8, k8, _v6(v, record, score_scale), q_scale, k_scale)
-    return KernelOperands(_qk_hat(q, qk_layout, record, 0, score_scale), _qk_hat(k, qk_layout, record, 1, score_scale),
-                          _v6(v, record, score_scale))
+        return KernelOperands(q8, k8, _v6(v, record), q_scale, k_scale)
+    return KernelOperands(_qk_hat(q, qk_layout, record, 0), _qk_hat(k, qk_layout, record, 1), _v6(v, record))

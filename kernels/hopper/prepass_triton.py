@@ -176,10 +176,9 @@ def _transform_key(qk) -> tuple:
 
 
 def _launch(inputs: tuple, outputs: tuple, layout: str, perm, f16_codes: bool, full_search: bool = False,
-            record: tuple | None = None, score_scale: float | None = None):
+            record: tuple | None = None):
     """One ordinary Triton launch over the parts whose tensors are given ((q, k, v) ``inputs`` into (yq, yk, yv)
-    ``outputs``; None: skipped), counting into ``record`` (``kernels/scale_record.py``; ``score_scale`` as in
-    ``prepass``)."""
+    ``outputs``; None: skipped), counting into ``record`` (``kernels/scale_record.py``)."""
     q, k, v = inputs
     ref = q if q is not None else (k if k is not None else v)
     d = ref.shape[-1]
@@ -192,7 +191,7 @@ def _launch(inputs: tuple, outputs: tuple, layout: str, perm, f16_codes: bool, f
         return
     qv, kv, vv = (ref if t is None else t for t in inputs)
     ptrs = tuple(ref if t is None else t for t in (*inputs, *outputs, perm)) + (ref,) * 6 + record_words(
-        record, ref.device, score_scale)
+        record, ref.device)
     _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
                              perm is not None, block_r, min(d, 64), f16_codes, False, False, full_search,
                              row_align(qv, kv, vv), num_warps=warps, enable_fp_fusion=False,
@@ -237,7 +236,7 @@ def _aligned(inputs: tuple) -> bool:
 
 def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
             f16_codes: bool | None = None, qk=None, full_search: bool = False, record: tuple | None = None,
-            launch: PrepassLaunch = DEFAULT_LAUNCH, score_scale: float | None = None):
+            launch: PrepassLaunch = DEFAULT_LAUNCH):
     """(q_hat, k_hat, v6) of (B, H, S, D) views q, k, v (unit stride along D, any other strides) in
     one launch; BF16, contiguous, views of one buffer. ``perm`` (int32, length Skv) gathers the rows
     of K and V (anchor permutation). ``f16_codes``: the E2M1 codes on FP16 pairs (inline PTX; None: where the
@@ -245,9 +244,8 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     ``fp4vis.qk_transform.QKTransform`` that ``fusable_transform`` accepts; q and k are then the raw projections,
     normed and rotated on the way in (one more, small launch for the rstd). ``full_search``: the folded-K64 scale
     search over every candidate, not only the contenders (the same bits: for measurement). ``record``: the range
-    record's (fields, flag, call) that the blocks whose scale leaves its format are counted into
-    (``kernels/scale_record.py``; None: not counted), for a call whose scores ``raw * score_scale`` are in log2
-    units (the softmax scale times log2(e); needed with a record). ``launch``: ``PrepassLaunch`` (rows, warps and
+    record's (fields, flag, call, score scale) that the blocks whose scale leaves its format are counted into
+    (``kernels/scale_record.py``: ``recorded``; None: not counted). ``launch``: ``PrepassLaunch`` (rows, warps and
     register cap for measurement: None the tuned ones, whose cap applies also where rows or warps are given; the
     direct launch)."""
     _check_views(q, k, v)
@@ -276,7 +274,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     else:
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
-    ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs + record_words(record, q.device, score_scale)
+    ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs + record_words(record, q.device)
     _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, (warps, cap, launch.direct))
     return yq, yk, yv
 
@@ -327,11 +325,11 @@ def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.
 
 
 def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None, qk=None,
-                record: tuple | None = None, launch: PrepassLaunch = DEFAULT_LAUNCH, score_scale: float | None = None):
+                record: tuple | None = None, launch: PrepassLaunch = DEFAULT_LAUNCH):
     """(q8, k8, v6, q_scale, k_scale) of (B, H, S, D) views q, k, v (unit stride along D; v shaped
     like k, D a power of two) in one launch (see ``prepass.KernelOperands`` for what they are);
     views of one buffer. ``perm`` (int32, length Skv) gathers the rows of K and V (anchor
-    permutation). ``qk``, ``record``, ``launch`` and ``score_scale`` as in ``prepass`` (warps and register cap: None
+    permutation). ``qk``, ``record`` and ``launch`` as in ``prepass`` (warps and register cap: None
     ``default_warps``, ``FP8_MAX_REGISTERS``)."""
     _check_views(q, k, v)
     num_warps, max_registers = launch.num_warps, launch.max_registers
@@ -347,8 +345,7 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     typed = {dtype: buf.view(dtype) for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)}
     outs = tuple(typed[dtype].as_strided(shape, strides, off) for dtype, shape, strides, off in parts)
     if grid:
-        ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs + record_words(record, q.device,
-                                                                                           score_scale)
+        ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs + record_words(record, q.device)
         _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, (warps, cap, launch.direct))
     return outs
 
@@ -365,10 +362,9 @@ def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
     return y
 
 
-def mxfp4_v6(v: torch.Tensor, perm: torch.Tensor | None = None, record: tuple | None = None,
-             score_scale: float | None = None) -> torch.Tensor:
-    """``alpha * c`` of MXFP4 V (contiguous (B, H, S, D)), BF16, keys optionally permuted; ``record`` and
-    ``score_scale`` as in ``prepass``."""
+def mxfp4_v6(v: torch.Tensor, perm: torch.Tensor | None = None, record: tuple | None = None) -> torch.Tensor:
+    """``alpha * c`` of MXFP4 V (contiguous (B, H, S, D)), BF16, keys optionally permuted; ``record`` as in
+    ``prepass``."""
     y = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
-    _launch((None, None, v), (None, None, y), "block16", perm, v.is_cuda, record=record, score_scale=score_scale)
+    _launch((None, None, v), (None, None, y), "block16", perm, v.is_cuda, record=record)
     return y

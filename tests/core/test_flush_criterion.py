@@ -1,5 +1,5 @@
 """Blocks whose scale underflows count only where they can change the result beyond the policy's own rounding
-(docs/numerics.md section 1, "Scale range"; ``fp4vis.formats.significant_underflow``): the cases real models
+(docs/numerics.md section 1, "Scale range"; ``fp4vis.scale_range.significant_underflow``): the cases real models
 produce (a near-zero class or register token, zero padding rows, a head whose q is tiny in some channels, a text
 token whose embedding is all zeros) compute within the policy's error; operands that really are out of range still
 raise; and a call whose worst-case score change is within the limit computes within its twin's error."""
@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import fp4vis
 import fp4vis.formats as fm
+import fp4vis.scale_range as sr
 from fp4vis.policy import LOG2E
 
 POLICIES = ["fast", "accurate", "guard", "wan_fast"]
@@ -41,20 +42,20 @@ def _error(q, k, v, policy):
 def test_the_criterion_is_exact_at_its_limit():
     """The limit is a float32; the products of two float32 maxima are compared exactly (float64)."""
     s = SCALE * LOG2E
-    limit = fm.qk_flush_limit(s)
-    assert limit == float(torch.tensor(fm.SCORE_CHANGE_LIMIT / s, dtype=torch.float32))
+    limit = sr.qk_flush_limit(s)
+    assert limit == float(torch.tensor(sr.SCORE_CHANGE_LIMIT / s, dtype=torch.float32))
     at = fm.ScaleRange(3, 0, limit, 0.0), fm.ScaleRange(0, 0, 0.0, 1.0), fm.ScaleRange()
-    assert fm.significant_underflow(at, s) == (0, 0, 0)
+    assert sr.significant_underflow(at, s) == (0, 0, 0)
     above = fm.ScaleRange(3, 0, math.nextafter(limit, math.inf), 0.0), at[1], at[2]
-    assert fm.significant_underflow(above, s) == (3, 0, 0)
+    assert sr.significant_underflow(above, s) == (3, 0, 0)
     v_at = fm.ScaleRange(), fm.ScaleRange(), fm.ScaleRange(2, 0, 2.0**-130, 2.0**-106)
-    assert fm.significant_underflow(v_at, s) == (0, 0, 0)
+    assert sr.significant_underflow(v_at, s) == (0, 0, 0)
     v_above = fm.ScaleRange(), fm.ScaleRange(), fm.ScaleRange(2, 0, 2.0**-130, 2.0**-107)
-    assert fm.significant_underflow(v_above, s) == (0, 0, 2)
+    assert sr.significant_underflow(v_above, s) == (0, 0, 2)
     # a v that flushes everywhere: its largest block is a flushed one
-    assert fm.significant_underflow((fm.ScaleRange(), fm.ScaleRange(), fm.ScaleRange(5, 0, 1e-39, 1e-39)), s)[2] == 5
+    assert sr.significant_underflow((fm.ScaleRange(), fm.ScaleRange(), fm.ScaleRange(5, 0, 1e-39, 1e-39)), s)[2] == 5
     # scores scaled by 0 cannot move
-    assert fm.significant_underflow((above[0], at[1], at[2]), 0.0) == (0, 0, 0)
+    assert sr.significant_underflow((above[0], at[1], at[2]), 0.0) == (0, 0, 0)
 
 
 def _class_token(q, k, v):
@@ -149,7 +150,7 @@ def test_calls_within_the_limit_compute_within_their_twins_error(rows, channels,
     (q_bound, q_twin), (k_bound, k_twin) = _flushed_groups(q, layout), _flushed_groups(k, layout)
     worst = SCALE * LOG2E * max(q_bound * k.abs().max().item(), k_bound * q.abs().max().item())
     err = _error(q, k, v, policy)
-    if worst > fm.SCORE_CHANGE_LIMIT:
+    if worst > sr.SCORE_CHANGE_LIMIT:
         assert err is None, f"worst-case score change {worst:.3g} computed"
         return
     assert err is not None, f"worst-case score change {worst:.3g} within the limit raised"

@@ -1,6 +1,6 @@
 """The pre-passes of both kernel backends count the blocks whose scale leaves its format into the range
 record (``kernels/scale_record.py``; docs/numerics.md section 1, "Scale range"), as ``fp4vis.formats`` counts them
-and with the reference's criterion for underflows (``fp4vis.formats.significant_underflow``, decided by the last
+and with the reference's criterion for underflows (``fp4vis.scale_range.significant_underflow``, decided by the last
 program of the call): run on the CPU through Triton's interpreter (the fused Triton pre-passes) and in PyTorch (the
 pre-passes' PyTorch statements), every path, both layouts, with and without the anchor permutation, on inputs whose
 blocks flush and saturate (``wide``), whose flushed blocks cannot move the result (``harmless``: tiny q rows
@@ -17,6 +17,7 @@ _SCRIPT = r"""
 import json
 import torch
 import fp4vis.formats as fm
+import fp4vis.scale_range as sr
 from fp4vis.backends.range_record import CALL_UNDERFLOW, FIRST_CALL, NUM_FIELDS, SCALE_OVERFLOW, SCALE_UNDERFLOW
 from fp4vis.kernels.hopper import prepass as hp
 from fp4vis.kernels.hopper import prepass_torch as hpt
@@ -54,7 +55,7 @@ def expected(q, k, v, layout, anchor, fp8=False):
     else:
         ranges = [fm.nvfp4_quantize(x, layout).scale_range for x in (q, k)]
     ranges.append(fm.ScaleRange.of(fm.mxfp4_scale_counts(v)))
-    return dict(want=list(fm.significant_underflow(ranges, S)) + [r.overflow for r in ranges],
+    return dict(want=list(sr.significant_underflow(ranges, S)) + [r.overflow for r in ranges],
                 flushed=[r.underflow for r in ranges])
 
 def recorded(run):
@@ -76,12 +77,10 @@ for kind, dims, anchors in (("wide", (64, 128), (0, 32)), ("harmless", (64,), (0
                 want = expected(q, k, v, layout, anchor)
                 perm32 = hp.cached_anchor_permutation(45, anchor, q.device, torch.int32) if anchor else None
                 paths = {
-                    "hopper_fused": lambda r: htp.prepass(q, k, v, layout, perm32, record=r, score_scale=S),
-                    "hopper_torch": lambda r: hpt.kernel_operands(q, k, v, layout, anchor, record=r, score_scale=S),
-                    "blackwell_fused": lambda r: bp.prepare(q, k, v, layout, anchor, 64, 64, fused=True, record=r,
-                                                            score_scale=S),
-                    "blackwell_torch": lambda r: bp.prepare(q, k, v, layout, anchor, 64, 64, fused=False, record=r,
-                                                            score_scale=S),
+                    "hopper_fused": lambda r: htp.prepass(q, k, v, layout, perm32, record=(*r, S)),
+                    "hopper_torch": lambda r: hpt.kernel_operands(q, k, v, layout, anchor, record=(*r, S)),
+                    "blackwell_fused": lambda r: bp.prepare(q, k, v, layout, anchor, 64, 64, True, (*r, S)),
+                    "blackwell_torch": lambda r: bp.prepare(q, k, v, layout, anchor, 64, 64, False, (*r, S)),
                 }
                 for name, run in paths.items():
                     res[f"{kind}-{name}-{d}-{layout}-{anchor}"] = dict(recorded(run), **want)
@@ -89,13 +88,13 @@ for kind, dims, anchors in (("wide", (64, 128), (0, 32)), ("harmless", (64,), (0
             want = expected(q, k, v, None, anchor, fp8=True)
             perm32 = hp.cached_anchor_permutation(45, anchor, q.device, torch.int32) if anchor else None
             res[f"{kind}-hopper_fp8_fused-{d}-{anchor}"] = dict(
-                recorded(lambda r: htp.fp8_prepass(q, k, v, perm32, record=r, score_scale=S)), **want)
+                recorded(lambda r: htp.fp8_prepass(q, k, v, perm32, record=(*r, S))), **want)
             res[f"{kind}-hopper_fp8_torch-{d}-{anchor}"] = dict(
-                recorded(lambda r: hpt.kernel_operands(q, k, v, "fp8_e4m3", anchor, record=r, score_scale=S)), **want)
+                recorded(lambda r: hpt.kernel_operands(q, k, v, "fp8_e4m3", anchor, record=(*r, S))), **want)
 # no record, or call 0: nothing written
 q, k, v = inputs(64, "wide")
 fields = torch.zeros(NUM_FIELDS, dtype=torch.int32)
-htp.prepass(q, k, v, "folded64_mse", record=(fields, fields, 0))
+htp.prepass(q, k, v, "folded64_mse", record=(fields, fields, 0, S))
 hpt.kernel_operands(q, k, v, "block16", 0, record=None)
 res["untouched"] = fields.tolist()
 print("RESULT" + json.dumps(res))
