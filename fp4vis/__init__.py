@@ -30,7 +30,7 @@ from fp4vis.patching import (
                              unpatch,
 )
 from fp4vis.policy import POLICIES, Policy, get_policy, guard_policy, guard_policy_for_heads
-from fp4vis.reference import RangeReport
+from fp4vis.range_report import RangeReport
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,8 @@ from fp4vis.backends.registry import select_backend
 from fp4vis.call import AttentionCall
 from fp4vis.policy import Policy, get_policy
 from fp4vis.qk_transform import QKTransform
-from fp4vis.reference import RangeExceededError, check_key_mask_keeps_keys, enforce_range
+from fp4vis.range_report import RangeExceededError, enforce_range
+from fp4vis.reference import check_key_mask_keeps_keys
 from fp4vis.tracing import warn_once
 
 Layout = Literal["bhsd", "bshd"]

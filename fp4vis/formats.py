@@ -212,19 +212,40 @@ def e8m0_nearest_pow2(amax: torch.Tensor) -> torch.Tensor:
 class ScaleRange:
     """Blocks of one quantized operand whose scale left its format's range (docs/numerics.md section 1,
     "Scale range"): ``underflow``, blocks holding a nonzero value that their scale cannot represent (all
-    their values flush to zero); ``overflow``, blocks whose scale saturated (their values clip)."""
+    their values flush to zero); ``overflow``, blocks whose scale saturated (their values clip). What the
+    underflows can change: ``flushed``, for q and k the largest over rows (tokens) of the row's flushed values
+    times their largest magnitude (a bound on the row's lost L1 norm), for v the largest flushed block's amax;
+    ``amax``, the operand's largest magnitude. Added, the counts add and the magnitudes take their maximum."""
 
     underflow: int = 0
     overflow: int = 0
+    flushed: float = 0.0
+    amax: float = 0.0
 
     def __add__(self, other: ScaleRange) -> ScaleRange:
-        return ScaleRange(self.underflow + other.underflow, self.overflow + other.overflow)
+        return ScaleRange(self.underflow + other.underflow, self.overflow + other.overflow,
+                          max(self.flushed, other.flushed), max(self.amax, other.amax))
 
     @classmethod
     def of(cls, counts: torch.Tensor) -> ScaleRange:
-        """From the (underflow, overflow) tensor of a ``*_scale_counts`` function (a host synchronisation)."""
-        under, over = counts.tolist()
-        return cls(under, over)
+        """From the int32 words of a ``*_scale_counts`` function (a host synchronisation)."""
+        under, over, flushed, amax = counts.tolist()
+        return cls(under, over, _float_of_bits(flushed), _float_of_bits(amax))
+
+
+def _float_of_bits(bits: int) -> float:
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).item()
+
+
+def _scale_words(under: torch.Tensor, over: torch.Tensor, flushed: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The int32 words (underflow, overflow, flushed, amax) of a ``*_scale_counts`` function: the counts of the
+    boolean tensors ``under`` and ``over``, and the largest of the non-negative float32 ``flushed`` and ``amax`` as
+    their bit patterns (non-negative floats order as their bits do: the range record takes their maxima with
+    integer atomics)."""
+    def top(x):
+        return x.float().amax().view(torch.int32) if x.numel() else torch.zeros((), dtype=torch.int32,
+                                                                                 device=x.device)
+    return torch.stack((under.sum(dtype=torch.int32), over.sum(dtype=torch.int32), top(flushed), top(amax)))
 
 
 @dataclass(frozen=True)
@@ -320,18 +341,22 @@ def _nvfp4_decoded(vals: torch.Tensor, scales: torch.Tensor, layout: str) -> tor
 
 
 def nvfp4_scale_counts(xf: torch.Tensor, scales: torch.Tensor, layout: str) -> torch.Tensor:
-    """The blocks of NVFP4 storage whose scale leaves E4M3's range, as an int32 tensor (underflow, overflow),
-    without a host synchronisation: ``xf`` the BF16-valued float32 values that were quantized (times the
-    per-tensor scale, if any), ``scales`` their float32 scales (..., D/16 or D/32). Underflow: a scale group
-    (16 values, or the 32 of a folded pair) with a nonzero value and a zero scale. Overflow: a group whose
-    amax/6 exceeds ``E4M3_SATURATION`` (infinite values are non-finite inputs, not counted)."""
+    """The blocks of NVFP4 storage whose scale leaves E4M3's range, as the int32 words (underflow, overflow,
+    flushed, amax) of a ``ScaleRange``, without a host synchronisation: ``xf`` the BF16-valued float32 values that
+    were quantized (times the per-tensor scale, if any), ``scales`` their float32 scales (..., D/16 or D/32).
+    Underflow: a scale group (16 values, or the 32 of a folded pair) with a nonzero value and a zero scale;
+    ``flushed``, the largest over rows of (the row's values in such groups) x (their largest magnitude), exact in
+    float32. Overflow: a group whose amax/6 exceeds ``E4M3_SATURATION`` (infinite values are non-finite inputs, not
+    counted)."""
     blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK))
     if layout == "folded64_mse":
         half = blocks.shape[-2] // 2
         blocks = torch.cat((blocks[..., :half, :], blocks[..., half:, :]), dim=-1)
     amax = blocks.abs().amax(-1)
+    under = (scales == 0) & (amax > 0)
     over = (_over_six(amax) > E4M3_SATURATION) & (amax < math.inf)
-    return torch.stack(((scales == 0) & (amax > 0), over)).flatten(1).sum(1, dtype=torch.int32)
+    flushed_values = under.sum(-1, dtype=torch.int32).float() * blocks.shape[-1]
+    return _scale_words(under, over, flushed_values * torch.where(under, amax, 0.0).amax(-1), amax)
 
 
 def _nvfp4_chunked(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -523,25 +548,29 @@ def _padded_groups(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def mxfp4_scale_counts(v: torch.Tensor) -> torch.Tensor:
-    """The blocks of ``mxfp4_quantize(v)`` whose scale leaves E8M0's range, as an int32 tensor (underflow,
-    overflow), without a host synchronisation: underflow, a 32-token block of a column with a nonzero value
-    and amax <= ``MXFP4_ZERO_AMAX`` (u = 0: its codes are 0, or clip where amax is near 1e-38); overflow, a
-    finite block whose nearest power of two is above 2**127 (u clamps at 254: its values clip)."""
+    """The blocks of ``mxfp4_quantize(v)`` whose scale leaves E8M0's range, as the int32 words (underflow,
+    overflow, flushed, amax) of a ``ScaleRange``, without a host synchronisation: underflow, a 32-token block of a
+    column with a nonzero value and amax <= ``MXFP4_ZERO_AMAX`` (u = 0: its codes are 0, or clip where amax is near
+    1e-38; ``flushed``, the largest such amax); overflow, a finite block whose nearest power of two is above 2**127
+    (u clamps at 254: its values clip)."""
     amax = _padded_groups(v, MXFP4_BLOCK).abs().amax(-2)
+    under = (amax > 0) & (amax <= MXFP4_ZERO_AMAX)
     # u = e + 1 + 127 = 255 before the clamp (the tie too: e = 127 is odd)
     over = (amax >= 1.5 * 2.0**127) & (amax < math.inf)
-    return torch.stack(((amax > 0) & (amax <= MXFP4_ZERO_AMAX), over)).flatten(1).sum(1, dtype=torch.int32)
+    return _scale_words(under, over, torch.where(under, amax, 0.0), amax)
 
 
 def fp8_pow2_scale_counts(x: torch.Tensor, group_rows: int) -> torch.Tensor:
-    """The groups of ``fp8_pow2_quantize(x, group_rows)`` whose scale leaves its range, as an int32 tensor
-    (underflow, overflow), without a host synchronisation: underflow, a group with a nonzero maximum below
-    2**-119, whose exponent E is floored at -126 (its values lose bits, the smallest flush); no overflow is
-    counted (a value that decodes to Inf gives a non-finite output, which is reported as such)."""
+    """The groups of ``fp8_pow2_quantize(x, group_rows)`` whose scale leaves its range, as the int32 words
+    (underflow, overflow, flushed, amax) of a ``ScaleRange``, without a host synchronisation: underflow, a group
+    with a nonzero maximum below 2**-119, whose exponent E is floored at -126 (its values lose bits, the smallest
+    flush; ``flushed``, the largest D x such a maximum: each row of the group loses at most that much of its L1
+    norm); no overflow is counted (a value that decodes to Inf gives a non-finite output, which is reported as
+    such)."""
     amax = _padded_groups(x, group_rows).abs().amax(dim=(-2, -1))
     field = (amax.view(torch.int32) >> 23) & 0xFF
-    under = ((amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)).sum(dtype=torch.int32)
-    return torch.stack((under, torch.zeros_like(under)))
+    under = (amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)
+    return _scale_words(under, torch.zeros_like(under), torch.where(under, amax * x.shape[-1], 0.0), amax)
 
 
 def _mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,15 +1,28 @@
 """The pre-passes' side of the range record (``fp4vis.backends.range_record``; docs/numerics.md section 8),
 shared by both kernel backends: each program of a pre-pass counts the blocks of its operand whose scale
 leaves the format's range (docs/numerics.md section 1, "Scale range", the conditions of
-``fp4vis.formats.*_scale_counts``) and, where the call is recorded (CALL > 0) and a count is not zero,
-adds them to the record's words and raises its flag, as the attention kernels do with their own counts.
-``add_counts`` does the same from the host for a pre-pass written in PyTorch: one small launch, no host
-synchronisation.
+``fp4vis.formats.*_scale_counts``). Where the call is recorded (CALL > 0):
 
-A record is passed as ``(fields, flag, call)``: the device's int32 fields, the pinned host flag (which
-the GPU writes directly) and the call's number; ``None`` records nothing. The launches take it as
-``words``: the fields, the flag's address (an int64: a pinned host tensor as a pointer argument would
-cost every launch a driver query of its address) and the number."""
+* saturated scales (overflow) are added to the record's words at once, with the flag raised, as the attention
+  kernels do with their own counts;
+* underflows count only where they can change the result (``fp4vis.scale_range.significant_underflow``), which needs
+  the whole call's maxima: each program adds its underflows and the maxima of its ``ScaleRange.flushed`` and
+  ``.amax`` to the call's words (``CALL_UNDERFLOW`` ...; the float maxima as int32 bits: non-negative floats order
+  as their bits do), then counts itself done (``scale_range_done``, acq_rel); the program that finishes last,
+  which sees every other program's words, decides, adds the underflows that count to the record, raises the flag
+  where it does and clears the call's words. One launch or several in stream order (``programs``: their total),
+  no host synchronisation: CUDA-graph replays and torch.compile keep it.
+
+``add_counts`` does the same from the host for a pre-pass written in PyTorch: one small launch per operand, no
+host synchronisation. The words of the call in flight are one set per device: calls recorded on two streams of
+one device at once would mix them (fp4vis records a device's calls on one stream at a time).
+
+A record is passed as ``(fields, flag, call, score_scale)``: the device's int32 fields, the pinned host flag
+(which the GPU writes directly), the call's number and its score scale (the softmax scale times log2(e): scores
+``raw * score_scale`` in log2 units; ``recorded``); ``None`` records nothing. The launches take it as ``words``:
+the fields, the flag's address (an int64: a pinned host tensor as a pointer argument would cost every launch a
+driver query of its address), the number and the q/k flush limit of the score scale
+(``fp4vis.scale_range.qk_flush_limit``)."""
 
 from __future__ import annotations
 
@@ -17,29 +30,89 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4vis.backends.range_record import FIRST_CALL, NUM_FIELDS, SCALE_OVERFLOW, SCALE_UNDERFLOW
+from fp4vis.backends.range_record import (
+    CALL_AMAX,
+    CALL_FLUSHED,
+    CALL_UNDERFLOW,
+    FIRST_CALL,
+    NUM_FIELDS,
+    PROGRAMS_DONE,
+    SCALE_OVERFLOW,
+    SCALE_UNDERFLOW,
+)
 from fp4vis.formats import E4M3_SATURATION, FP8_GROUP_TOP_EXP, FP8_MIN_GROUP_EXP, MXFP4_ZERO_AMAX
+from fp4vis.policy import LOG2E
+from fp4vis.scale_range import V_FLUSH_FRACTION, qk_flush_limit
 
 # literals in the counts below (Triton's interpreter mishandles module constexprs in tensor arithmetic)
-assert E4M3_SATURATION == 464.0 and MXFP4_ZERO_AMAX == 1e-38
+assert E4M3_SATURATION == 464.0 and MXFP4_ZERO_AMAX == 1e-38 and V_FLUSH_FRACTION == 2.0**-24
 assert 127 + FP8_GROUP_TOP_EXP + FP8_MIN_GROUP_EXP == 8     # the smallest exponent field whose E is not floored
 
 Q_OPERAND, K_OPERAND, V_OPERAND = 0, 1, 2   # a count's offset from SCALE_UNDERFLOW / SCALE_OVERFLOW
 _FIRST = tl.constexpr(FIRST_CALL)
 _UNDER = tl.constexpr(SCALE_UNDERFLOW)
 _OVER = tl.constexpr(SCALE_OVERFLOW)
+_CALL_UNDER = tl.constexpr(CALL_UNDERFLOW)
+_CALL_FLUSHED = tl.constexpr(CALL_FLUSHED)
+_CALL_AMAX = tl.constexpr(CALL_AMAX)
+_DONE = tl.constexpr(PROGRAMS_DONE)
 
 
 @triton.jit
-def record_scale_range(REC, FLAG, CALL, operand, under, over):
-    """Add one program's counts of ``operand`` (0 q, 1 k, 2 v) to the record REC (int32 words) and store
-    CALL into the int32 at address FLAG, where CALL > 0 and a count is not zero."""
+def _report(REC, FLAG, CALL, field, count):
+    """Add ``count`` to the record's word ``field``, lower its first call to CALL and store CALL at FLAG."""
+    tl.atomic_add(REC + field, count)
+    tl.atomic_min(REC + _FIRST, CALL)
+    tl.store(FLAG.to(tl.pointer_type(tl.int32), bitcast=True), CALL)
+
+
+@triton.jit
+def record_scale_range(REC, FLAG, CALL, operand, under, over, flushed, amax):
+    """Add one program's ``*_scale_counts`` of ``operand`` (0 q, 1 k, 2 v) to the record REC (int32 words) where
+    CALL > 0: ``over`` to the record (storing CALL into the int32 at address FLAG), ``under`` and the float32
+    maxima ``flushed`` and ``amax`` to the call's words, which ``scale_range_done`` decides on."""
     if CALL > 0:
-        if under + over > 0:
-            tl.atomic_add(REC + _UNDER + operand, under)
-            tl.atomic_add(REC + _OVER + operand, over)
-            tl.atomic_min(REC + _FIRST, CALL)
-            tl.store(FLAG.to(tl.pointer_type(tl.int32), bitcast=True), CALL)
+        if over > 0:
+            _report(REC, FLAG, CALL, _OVER + operand, over)
+        if under > 0:
+            tl.atomic_add(REC + _CALL_UNDER + operand, under, sem="relaxed")
+            tl.atomic_max(REC + _CALL_FLUSHED + operand, flushed.to(tl.int32, bitcast=True), sem="relaxed")
+        tl.atomic_max(REC + _CALL_AMAX + operand, amax.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _take_float(ptr):
+    """The float32 whose bits the word at ptr holds, as float64; the word cleared."""
+    return tl.atomic_xchg(ptr, 0).to(tl.float32, bitcast=True).to(tl.float64)
+
+
+@triton.jit
+def scale_range_done(REC, FLAG, CALL, LIMIT, programs):
+    """A program of the call's pre-pass is done (after its ``record_scale_range``), where CALL > 0; the last of
+    ``programs`` decides on the call's underflows (``fp4vis.scale_range.significant_underflow``, the same exact
+    arithmetic: float32 maxima multiplied in float64 against the float32 LIMIT, ``qk_flush_limit``), adds those that
+    count to the record and clears the call's words."""
+    if CALL > 0:
+        done = tl.atomic_add(REC + _DONE, 1, sem="acq_rel")
+        if done == programs - 1:
+            q_flushed = _take_float(REC + _CALL_FLUSHED)
+            k_flushed = _take_float(REC + _CALL_FLUSHED + 1)
+            v_flushed = _take_float(REC + _CALL_FLUSHED + 2)
+            q_amax = _take_float(REC + _CALL_AMAX)
+            k_amax = _take_float(REC + _CALL_AMAX + 1)
+            v_amax = _take_float(REC + _CALL_AMAX + 2)
+            limit = tl.cast(LIMIT, tl.float64)
+            for operand in tl.static_range(3):
+                under = tl.atomic_xchg(REC + _CALL_UNDER + operand, 0)
+                if operand == 0:
+                    counts = q_flushed * k_amax > limit
+                elif operand == 1:
+                    counts = k_flushed * q_amax > limit
+                else:
+                    counts = v_flushed > v_amax * 5.9604644775390625e-08   # V_FLUSH_FRACTION
+                if counts & (under > 0):
+                    _report(REC, FLAG, CALL, _UNDER + operand, under)
+            tl.atomic_xchg(REC + _DONE, 0)
 
 
 @triton.jit
@@ -49,42 +122,64 @@ def _total(flags):
 
 
 @triton.jit
-def nvfp4_scale_counts(sc, amax, base):
-    """(underflow, overflow) of a tile of NVFP4 scale groups (``fp4vis.formats.nvfp4_scale_counts``): the
-    chosen scales ``sc``, the group maxima ``amax`` and ``base = amax / 6`` (correctly rounded)."""
-    return _total((sc == 0.0) & (amax > 0.0)), _total((base > 464.0) & (amax < float("inf")))
+def _top(x):
+    """The largest element of a tile of non-negative float32."""
+    return tl.max(tl.ravel(x, can_reorder=True), axis=0)
+
+
+@triton.jit
+def nvfp4_scale_counts(sc, amax, base, GROUP: tl.constexpr):
+    """(underflow, overflow, flushed, amax) of a (rows, groups) tile of NVFP4 scale groups of GROUP values
+    (``fp4vis.formats.nvfp4_scale_counts``): the chosen scales ``sc``, the group maxima ``amax`` and
+    ``base = amax / 6`` (correctly rounded)."""
+    under = (sc == 0.0) & (amax > 0.0)
+    flushed_values = tl.sum(under.to(tl.int32), axis=1).to(tl.float32) * GROUP
+    flushed = flushed_values * tl.max(tl.where(under, amax, 0.0), axis=1)
+    return _total(under), _total((base > 464.0) & (amax < float("inf"))), _top(flushed), _top(amax)
 
 
 @triton.jit
 def mxfp4_scale_counts(amax):
-    """(underflow, overflow) of MXFP4 block maxima (``fp4vis.formats.mxfp4_scale_counts``)."""
-    return (_total((amax > 0.0) & (amax <= 1e-38)),
-            _total((amax >= 2.5521177519070385e38) & (amax < float("inf"))))   # 1.5 * 2^127
+    """(underflow, overflow, flushed, amax) of MXFP4 block maxima (``fp4vis.formats.mxfp4_scale_counts``)."""
+    under = (amax > 0.0) & (amax <= 1e-38)
+    return (_total(under), _total((amax >= 2.5521177519070385e38) & (amax < float("inf"))),   # 1.5 * 2^127
+            _top(tl.where(under, amax, 0.0)), _top(amax))
 
 
 @triton.jit
-def fp8_scale_underflow(amax):
-    """Underflow of FP8 pow2 group maxima (``fp4vis.formats.fp8_pow2_scale_counts``): E floored at -126."""
-    return _total((amax > 0.0) & (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) < 8))
+def fp8_scale_counts(amax, D: tl.constexpr):
+    """(underflow, overflow = 0, flushed, amax) of FP8 pow2 group maxima of rows of D values
+    (``fp4vis.formats.fp8_pow2_scale_counts``): E floored at -126."""
+    under = (amax > 0.0) & (((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) < 8)
+    return _total(under), 0, _top(tl.where(under, amax * D, 0.0)), _top(amax)
 
 
-@triton.jit(do_not_specialize=["FLAG", "CALL", "operand"])
-def _add_counts(COUNTS, REC, FLAG, CALL, operand):
-    record_scale_range(REC, FLAG, CALL, operand, tl.load(COUNTS), tl.load(COUNTS + 1))
+@triton.jit(do_not_specialize=["FLAG", "CALL", "LIMIT", "operand", "programs"])
+def _add_counts(COUNTS, REC, FLAG, CALL, LIMIT, operand, programs):
+    flushed = tl.load(COUNTS + 2).to(tl.float32, bitcast=True)
+    amax = tl.load(COUNTS + 3).to(tl.float32, bitcast=True)
+    record_scale_range(REC, FLAG, CALL, operand, tl.load(COUNTS), tl.load(COUNTS + 1), flushed, amax)
+    scale_range_done(REC, FLAG, CALL, LIMIT, programs)
 
 
 _NO_RECORD: dict[torch.device, torch.Tensor] = {}
 
 
+def recorded(slot: tuple | None, softmax_scale: float) -> tuple | None:
+    """The pre-passes' record of a call: its range record's slot (``fp4vis.call.RecordSlot``: fields, flag, number;
+    None: nothing recorded) with the call's score scale."""
+    return None if slot is None else (*slot, softmax_scale * LOG2E)
+
+
 def words(record: tuple | None, device: torch.device) -> tuple:
-    """(fields, flag address, call) launch arguments of ``record``; where nothing is recorded (None, or call
-    0), int32 words of the device stand in for both (the kernels then write nothing), so that a launch with
-    and one without a record share one compiled kernel."""
+    """(fields, flag address, call, q/k flush limit) launch arguments of ``record``; where nothing is recorded
+    (None, or call 0), int32 words of the device stand in for both (the kernels then write nothing), so that a
+    launch with and one without a record share one compiled kernel."""
     if record is not None and record[2]:
-        fields, flag, call = record
-        return fields, flag.data_ptr(), call
+        fields, flag, call, score_scale = record
+        return fields, flag.data_ptr(), call, qk_flush_limit(score_scale)
     t = placeholder(device)
-    return t, t.data_ptr(), 0
+    return t, t.data_ptr(), 0, 0.0
 
 
 def placeholder(device: torch.device) -> torch.Tensor:
@@ -95,9 +190,11 @@ def placeholder(device: torch.device) -> torch.Tensor:
     return t
 
 
-def add_counts(counts: torch.Tensor, record: tuple | None, operand: int) -> None:
-    """Add the int32 (underflow, overflow) ``counts`` of a ``fp4vis.formats`` ``*_scale_counts`` function to
-    ``record`` under ``operand`` (``Q_OPERAND``, ``K_OPERAND`` or ``V_OPERAND``); nothing where ``record`` is None
-    or its call 0."""
+def add_counts(counts: torch.Tensor, record: tuple | None, operand: int, programs: int) -> None:
+    """Add the int32 words of a ``fp4vis.formats`` ``*_scale_counts`` function to ``record`` under ``operand``
+    (``Q_OPERAND``, ``K_OPERAND`` or ``V_OPERAND``), as one of the ``programs`` launches of the call's pre-pass
+    (one per operand counted: the last decides, ``scale_range_done``); nothing where ``record`` is None or its
+    call 0."""
     if record is not None and record[2]:
-        _add_counts[(1,)](counts, *words(record, counts.device), operand)
+        fields, flag, call, limit = words(record, counts.device)
+        _add_counts[(1,)](counts, fields, flag, call, limit, operand, programs)

@@ -8,7 +8,7 @@ import torch
 
 from fp4vis.call import AttentionCall
 from fp4vis.policy import Policy
-from fp4vis.reference import RangeReport
+from fp4vis.range_report import RangeReport
 from fp4vis.tracing import constant_at_trace_time
 
 # the names every registry has: "auto" picks a backend per call, "reference" is the exact emulation; kernel

@@ -22,6 +22,7 @@ from fp4vis.call import AttentionCall
 from fp4vis.tracing import warn_once
 
 from ..kept_keys import kept_keys
+from ..scale_record import recorded
 from . import cubin as cubin_mod
 from . import selfcheck
 from .config import WARP_SPECIALIZED_ARCHS, WS_STAGES, WS_WARPS, KernelConfig
@@ -129,7 +130,8 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
         k, v, key_lengths = kept_keys(k, v, call.key_mask, params.anchor)
         perm_anchor = 0
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    ops = prepare(q, k, v, params.qk_layout, perm_anchor, cfg.block_m, cfg.block_n, record=call.record)
+    ops = prepare(q, k, v, params.qk_layout, perm_anchor, cfg.block_m, cfg.block_n,
+                  record=recorded(call.record, call.scale))
     b, h = q.shape[:2]
     out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
     if launcher is None:

@@ -67,19 +67,22 @@ def _pack_last(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
+_OPERANDS = 3   # the operands counted per call, one add_counts launch each: q, k, v
+
+
 def _count(counts: torch.Tensor, record: tuple | None, operand: int) -> None:
     """Add a ``*_scale_counts`` tensor to the range record (``kernels/scale_record.py``; Triton, imported only
-    where a call records)."""
+    where a call records), as one of the call's three launches (the last decides on its underflows)."""
     if record is not None and record[2]:
         from ..scale_record import add_counts
-        add_counts(counts, record, operand)
+        add_counts(counts, record, operand, _OPERANDS)
 
 
 def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, record: tuple | None = None,
                   operand: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes (G, rows, D/2) u8, scales (G, rows, D/16) float8_e4m3fn) of x (G, S, D), rows >= S
     (zero rows below). One E4M3 scale per 16 along D: a folded-K64 scale is written for both of
-    its blocks. The scale range is counted into ``record`` as ``operand`` (0 q, 1 k)."""
+    its blocks. The scale range is counted into ``record`` as ``operand`` (0 q, 1 k) (``prepare``)."""
     xf = x.to(torch.bfloat16).float()
     vals, scales = _nvfp4_chunked(xf, layout)
     if record is not None:
@@ -98,7 +101,7 @@ def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, record: tuple | None 
 def mxfp4_v_operand(v: torch.Tensor, keys: int, record: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes (G, D, keys/2) u8 packed along tokens, scales (G, D, keys/32) E8M0 u8) of V
     (G, S, D), keys a multiple of 32 >= S (zero tokens below: u = 0, code 0); its scale range counted
-    into ``record``."""
+    into ``record`` as ``nvfp4_operand``'s."""
     if record is not None:
         _count(mxfp4_scale_counts(v), record, 2)
     vf = v.float()
@@ -145,8 +148,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, a
     """Operands of (B, H, S, D) q, k, v for a policy with Q/K layout ``qk_layout`` ("block16" or
     "folded64_mse") and ``anchor`` samples (0: none), tiles of block_m rows and block_n keys.
     ``fused``: the Triton pre-pass (default on CUDA tensors), else the PyTorch statement. ``record``: the
-    range record's (fields, flag, call) that the blocks whose scale leaves its format are counted into
-    (docs/numerics.md section 1, "Scale range"; ``kernels/scale_record.py``), on either path."""
+    range record's (fields, flag, call, score scale) that the blocks whose scale leaves its format are counted into
+    (docs/numerics.md section 1, "Scale range"; ``kernels/scale_record.py``: ``recorded``), on either path."""
     q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
     sq, skv = q.shape[-2], k.shape[-2]
     rows_q = -(-sq // block_m) * block_m
@@ -154,9 +157,10 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, a
     perm = cached_anchor_permutation(skv, anchor, k.device) if anchor > 0 else None
     tp = _fused_module(q, fused)
     if tp is not None:
-        vc, vs = tp.mxfp4_v_operand(v, keys, perm, record)
-        qc, qs = tp.nvfp4_operand(q, qk_layout, rows_q, None, record, 0)
-        kc, ks = tp.nvfp4_operand(k, qk_layout, keys, perm, record, 1)
+        counted = tp.RecordedLaunches(record, tp.programs(q.shape, rows_q, keys))
+        vc, vs = tp.mxfp4_v_operand(v, keys, perm, counted)
+        qc, qs = tp.nvfp4_operand(q, qk_layout, rows_q, None, counted, 0)
+        kc, ks = tp.nvfp4_operand(k, qk_layout, keys, perm, counted, 1)
     else:
         kp, vp = (k.index_select(-2, perm), v.index_select(-2, perm)) if perm is not None else (k, v)
         qc, qs = nvfp4_operand(q, qk_layout, rows_q, record, 0)

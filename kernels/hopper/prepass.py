@@ -29,6 +29,7 @@ from fp4vis.layout import anchor_permutation
 from fp4vis.policy import QK_FP8
 
 from ..kept_keys import kept_keys
+from ..scale_record import recorded
 from .prepass_triton import DEFAULT_LAUNCH, PrepassLaunch, fp8_prepass, fp8_values, fusable_transform, prepass
 
 NO_DIRECT_LAUNCH = PrepassLaunch(direct=False)   # FP4VIS_PREPASS_DIRECT_LAUNCH=0
@@ -84,18 +85,19 @@ def kernel_operands(call, params, settings) -> KernelOperands:
         perm = cached_anchor_permutation(k.shape[-2], params.anchor, k.device, torch.int32) if params.anchor else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     launch = DEFAULT_LAUNCH if settings.prepass_direct_launch else NO_DIRECT_LAUNCH
+    record = recorded(call.record, call.scale)
     if params.pv_fp8:
         # V^T in E4M3 by its own pass; the Q/K pass then reads and writes no V (a zero-key stand-in)
         vt, v_scale = fp8_values(v)
         v_none = v[..., :0, :]
         if params.qk_layout == QK_FP8:
-            ops = fp8_prepass(q, k, v_none, perm, qk, call.record, launch)
+            ops = fp8_prepass(q, k, v_none, perm, qk, record, launch)
         else:
             ops = prepass(q, k, v_none, params.qk_layout, perm, settings.prepass_f16_codes and q.is_cuda, qk,
-                          settings.prepass_full_search, call.record, launch)
+                          settings.prepass_full_search, record, launch)
         return KernelOperands(ops[0], ops[1], vt, *ops[3:], key_lengths=key_lengths, v_scale=v_scale)
     if params.qk_layout == QK_FP8:
-        return KernelOperands(*fp8_prepass(q, k, v, perm, qk, call.record, launch), key_lengths=key_lengths)
+        return KernelOperands(*fp8_prepass(q, k, v, perm, qk, record, launch), key_lengths=key_lengths)
     # E2M1 codes on FP16 pairs are PTX: Triton's interpreter (the CPU tests) takes the float32 form
     return KernelOperands(*prepass(q, k, v, params.qk_layout, perm, settings.prepass_f16_codes and q.is_cuda,
-                                   qk, settings.prepass_full_search, call.record, launch), key_lengths=key_lengths)
+                                   qk, settings.prepass_full_search, record, launch), key_lengths=key_lengths)

@@ -32,9 +32,10 @@ from ..scale_record import (
     K_OPERAND,
     Q_OPERAND,
     V_OPERAND,
-    fp8_scale_underflow,
+    fp8_scale_counts,
     mxfp4_scale_counts,
     record_scale_range,
+    scale_range_done,
 )
 from ..triton_formats import (
     bf16_exact,
@@ -118,7 +119,7 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN,
     """BLOCK_R rows of one NVFP4 operand: rows (g, s) of the (B, H, S, D) view X (strides sb, sh,
     ss, 1; N = B*H*S rows) -> decoded BF16 rows g * S + s in Y; rows gathered by PERM where HAS_PERM
     and the runtime flag use_perm (the K part) are set; values as ``_qk_values``. Returns the rows'
-    scale-range counts (underflow, overflow)."""
+    scale-range counts (``scale_record.nvfp4_scale_counts``)."""
     rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)          # global row = g * S + s (physical)
     rmask = rows < N
     rows = tl.where(rmask, rows, 0)
@@ -138,16 +139,16 @@ def _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN,
         col = tl.arange(0, NB2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]   # (1, NB2, 16)
         lo = _qk_values(X, src, col, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
         hi = _qk_values(X, src, col + D // 2, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
-        out_lo, out_hi, under, over = nvfp4_folded(lo, hi, CODES_F16, FULL_SEARCH)
+        out_lo, out_hi, counts = nvfp4_folded(lo, hi, CODES_F16, FULL_SEARCH)
         tl.store(Y + dst + col, out_lo.to(tl.bfloat16), mask=m3)
         tl.store(Y + dst + col + D // 2, out_hi.to(tl.bfloat16), mask=m3)
     else:
         NB: tl.constexpr = D // 16
         col = tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
         x = _qk_values(X, src, col, m3, R, tok, W, woff, COS, SIN, foff, NORM, ROPE, True)
-        y, under, over = nvfp4_block16(x, CODES_F16)
+        y, counts = nvfp4_block16(x, CODES_F16)
         tl.store(Y + dst + col, y.to(tl.bfloat16), mask=m3)
-    return under, over
+    return counts
 
 
 @triton.jit
@@ -168,25 +169,29 @@ def _key_block_rows(PERM, blk, g, S, HAS_PERM: tl.constexpr):
 def _mxfp4_block(V, Y, PERM, blk, g, S, H, sb, sh, ss, D: tl.constexpr, HAS_PERM: tl.constexpr,
                  BLOCK_D: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """One 32-token block of V (head group g; a (B, H, S, D) view with strides sb, sh, ss, 1) ->
-    alpha * c in BF16; returns the block's scale-range counts (underflow, overflow)."""
+    alpha * c in BF16; returns the block's scale-range counts (``scale_record.mxfp4_scale_counts``)."""
     valid, s, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
     src, _b, _h = _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN)
     dst = dst * D
     under = 0
     over = 0
+    flushed = 0.0
+    top = 0.0
     for d0 in tl.static_range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
         v = exact_f32(tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0))
         amax = tl.max(tl.abs(v), axis=0)                                  # (BLOCK_D,)
-        n_under, n_over = mxfp4_scale_counts(amax)
+        n_under, n_over, n_flushed, n_top = mxfp4_scale_counts(amax)
         under += n_under
         over += n_over
+        flushed = tl.maximum(flushed, n_flushed)
+        top = tl.maximum(top, n_top)
         u = mxfp4_scale_exponent(amax)
         # 6 v is exact in float32 for BF16/FP16 v; scaling by a power of two is exact
         codes = e2m1_round((6.0 * v) * pow2(127 - u)[None, :])
         out = nan_if_not_finite(codes * pow2(u - 127)[None, :], tl.abs(v))
         tl.store(Y + dst[:, None] + dcol[None, :], bf16_exact(out), mask=valid[:, None])
-    return under, over
+    return under, over, flushed, top
 
 
 @triton.jit
@@ -226,9 +231,9 @@ _RUNTIME_INTS = ["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB", "NKB", "H", "QSB", "
                  "VSB", "VSH", "VSS"]
 
 
-@triton.jit(do_not_specialize=["REC", "FLAG", "CALL"] + [n for n in _RUNTIME_INTS if n != "NKB"])
-def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, NQ, SQ, NK, SK, TQ, TK, NVB,
-                    H, QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
+@triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "LIMIT"] + [n for n in _RUNTIME_INTS if n != "NKB"])
+def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, LIMIT, NQ, SQ, NK, SK, TQ, TK,
+                    NVB, H, QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
                     FULL_SEARCH: tl.constexpr, ROW_ALIGN: tl.constexpr):
@@ -236,7 +241,8 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FL
     the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM). Q, K, V: (B, H, S, D)
     views with the given strides; with NORM/ROPE, Q and K are the raw projections and ``_qk_values``
     normalises (rstd RQ/RK, weights WQ/WK) and rotates (COS, SIN) them on the way in. Each program adds
-    its scale-range counts to the range record (REC, FLAG) where CALL > 0 (``kernels/scale_record.py``)."""
+    its scale-range counts to the range record (REC, FLAG) where CALL > 0, the last program deciding on the
+    underflows against the q/k flush limit LIMIT (``kernels/scale_record.py``)."""
     pid = tl.program_id(0)
     if pid < TQ + TK:
         # Q and K share one copy of the (large) quantizer code: pick the part's pointers and sizes
@@ -244,22 +250,25 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FL
             X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = Q, YQ, pid, NQ, SQ, False, RQ, WQ, QSB, QSH, QSS
         else:
             X, Y, tile, N, S, use_perm, R, W, sb, sh, ss = K, YK, pid - TQ, NK, SK, True, RK, WK, KSB, KSH, KSS
-        under, over = _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D, FOLDED,
-                                  HAS_PERM, BLOCK_R, CODES_F16, NORM, ROPE, FULL_SEARCH, ROW_ALIGN)
-        record_scale_range(REC, FLAG, CALL, tl.where(pid < TQ, Q_PART, K_PART), under, over)
+        under, over, flushed, amax = _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D,
+                                                 FOLDED, HAS_PERM, BLOCK_R, CODES_F16, NORM, ROPE, FULL_SEARCH,
+                                                 ROW_ALIGN)
+        record_scale_range(REC, FLAG, CALL, tl.where(pid < TQ, Q_PART, K_PART), under, over, flushed, amax)
     else:
         vid = pid - TQ - TK
         g = vid // NVB
-        under, over = _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D,
-                                   ROW_ALIGN)
-        record_scale_range(REC, FLAG, CALL, V_PART, under, over)
+        under, over, flushed, amax = _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, H, VSB, VSH, VSS, D, HAS_PERM,
+                                                  BLOCK_D, ROW_ALIGN)
+        record_scale_range(REC, FLAG, CALL, V_PART, under, over, flushed, amax)
+    scale_range_done(REC, FLAG, CALL, LIMIT, tl.num_programs(0))
 
 
 @triton.jit
 def _fp8_query_rows(Q, Q8, QS, tile, NQ, S, H, sb, sh, ss, R, W, COS, SIN, D: tl.constexpr,
                     BLOCK_Q: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """BLOCK_Q rows of Q (NQ rows (g, s) of a (B, H, S, D) view in all), one scale per row: E4M3 in
-    Q8, 2^E in QS; values as ``_qk_values``. Returns the rows' scale underflows."""
+    Q8, 2^E in QS; values as ``_qk_values``. Returns the rows' scale-range counts
+    (``scale_record.fp8_scale_counts``)."""
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     rmask = rows < NQ
     rows = tl.where(rmask, rows, 0)
@@ -273,7 +282,7 @@ def _fp8_query_rows(Q, Q8, QS, tile, NQ, S, H, sb, sh, ss, R, W, COS, SIN, D: tl
     e = fp8_group_exponent(amax)
     tl.store(Q8 + rows.to(tl.int64)[:, None] * D + col, fp8_e4m3(x, e[:, None]), mask=rmask[:, None])
     tl.store(QS + rows, pow2(e), mask=rmask)
-    return fp8_scale_underflow(amax)
+    return fp8_scale_counts(amax, D)
 
 
 @triton.jit
@@ -281,7 +290,8 @@ def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, H, sb, sh, ss, R, W, COS, SI
                    HAS_PERM: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Physical 32-key block blk of head group g, one scale for the block (its valid keys only):
     E4M3 in K8, 2^E in KS (NKB entries per head group; blocks past the sequence, which pad the
-    scales to whole kernel tiles, get 1.0); values as ``_qk_values``. Returns its scale underflow (0 or 1)."""
+    scales to whole kernel tiles, get 1.0); values as ``_qk_values``. Returns its scale-range counts
+    (``scale_record.fp8_scale_counts``)."""
     valid, s, dst = _key_block_rows(PERM, blk, g, S, HAS_PERM)
     src, b, h = _src_offsets(g, s, H, sb, sh, ss, ROW_ALIGN)
     col = tl.arange(0, D)[None, :]
@@ -291,34 +301,36 @@ def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, H, sb, sh, ss, R, W, COS, SI
     e = fp8_group_exponent(amax)
     tl.store(K8 + dst[:, None] * D + col, fp8_e4m3(x, e), mask=valid[:, None])
     tl.store(KS + g * NKB + blk, tl.where(blk * 32 < S, pow2(e), 1.0))
-    return fp8_scale_underflow(tl.zeros((1,), tl.float32) + amax)
+    return fp8_scale_counts(tl.zeros((1,), tl.float32) + amax, D)
 
 
-@triton.jit(do_not_specialize=["REC", "FLAG", "CALL"] + [n for n in _RUNTIME_INTS if n not in ("NK", "TK")])
-def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, NQ, SQ, TQ, SK,
-                        NKB, NVB, H,
+@triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "LIMIT"] + [n for n in _RUNTIME_INTS if n not in ("NK", "TK")])
+def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, LIMIT, NQ, SQ, TQ,
+                        SK, NKB, NVB, H,
                         QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                         D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                         NORM: tl.constexpr, ROPE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): Q row tiles; the rest one (head group, 32-key block) each, NKB blocks per
     group (scales padded to whole kernel tiles): the K block and, for the NVB blocks that hold keys,
     the V block at the same physical keys (both gathered by PERM). Views, NORM/ROPE and the range
-    record (REC, FLAG, CALL) as ``_prepass_kernel``."""
+    record (REC, FLAG, CALL, LIMIT) as ``_prepass_kernel``."""
     pid = tl.program_id(0)
     if pid < TQ:
-        under = _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D, BLOCK_Q, NORM, ROPE,
-                                ROW_ALIGN)
-        record_scale_range(REC, FLAG, CALL, Q_PART, under, 0)
+        under, over, flushed, amax = _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D,
+                                                     BLOCK_Q, NORM, ROPE, ROW_ALIGN)
+        record_scale_range(REC, FLAG, CALL, Q_PART, under, over, flushed, amax)
     else:
         kid = pid - TQ
         g = kid // NKB
         blk = kid - g * NKB
-        under = _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, H, KSB, KSH, KSS, RK, WK, COS, SIN, D, HAS_PERM, NORM,
-                               ROPE, ROW_ALIGN)
-        record_scale_range(REC, FLAG, CALL, K_PART, under, 0)
+        under, over, flushed, amax = _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, H, KSB, KSH, KSS, RK, WK, COS,
+                                                    SIN, D, HAS_PERM, NORM, ROPE, ROW_ALIGN)
+        record_scale_range(REC, FLAG, CALL, K_PART, under, over, flushed, amax)
         if blk < NVB:
-            under, over = _mxfp4_block(V, V6, PERM, blk, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D, ROW_ALIGN)
-            record_scale_range(REC, FLAG, CALL, V_PART, under, over)
+            under, over, flushed, amax = _mxfp4_block(V, V6, PERM, blk, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D,
+                                                      ROW_ALIGN)
+            record_scale_range(REC, FLAG, CALL, V_PART, under, over, flushed, amax)
+    scale_range_done(REC, FLAG, CALL, LIMIT, tl.num_programs(0))
 
 
 @triton.jit
@@ -382,6 +394,7 @@ def compile_signature(fp8: bool, dtype: str = "bf16", rope_dtype: str = "fp32") 
     sig = dict.fromkeys(("Q", "K", "V"), f"*{dtype}") | dict(outs) | {"PERM": "*i32", "RQ": "*fp32", "RK": "*fp32",
                                                                        "WQ": f"*{dtype}", "WK": f"*{dtype}",
                                                                        "COS": f"*{rope_dtype}", "SIN": f"*{rope_dtype}",
-                                                                       "REC": "*i32", "FLAG": "i64", "CALL": "i32"}
+                                                                       "REC": "*i32", "FLAG": "i64", "CALL": "i32",
+                                                                       "LIMIT": "fp32"}
     ints = ("NQ", "SQ", "TQ", "SK", "NKB", "NVB") if fp8 else ("NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB")
     return sig | dict.fromkeys(ints + tuple(n for n in _RUNTIME_INTS if n.startswith(("H", "QS", "KS", "VS"))), "i32")

@@ -175,7 +175,7 @@ def nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, FULL_SEARCH: tl.constexpr):
     64-value group per j), the scale of each group chosen by the exact MSE search: among the
     contenders (``_contender_scale``), or every candidate where FULL_SEARCH (the same choice; for
     measurement) or where a candidate saturates E4M3 somewhere in the tile; and the tile's scale-range
-    counts (underflow, overflow)."""
+    counts (``scale_record.nvfp4_scale_counts``)."""
     alo = tl.abs(lo)
     ahi = tl.abs(hi)
     amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))   # (R, NB2)
@@ -199,19 +199,18 @@ def nvfp4_folded(lo, hi, CODES_F16: tl.constexpr, FULL_SEARCH: tl.constexpr):
     r3 = scale_reciprocal(best_sc, CODES_F16)[:, :, None]
     out_lo = nan_if_not_finite(with_scale_sign(e2m1_quotient(alo, r3, CODES_F16) * sc3, lo, sc3), alo)
     out_hi = nan_if_not_finite(with_scale_sign(e2m1_quotient(ahi, r3, CODES_F16) * sc3, hi, sc3), ahi)
-    under, over = nvfp4_scale_counts(best_sc, amax, base)
-    return out_lo, out_hi, under, over
+    return out_lo, out_hi, nvfp4_scale_counts(best_sc, amax, base, 32)
 
 
 @triton.jit
 def nvfp4_block16(x, CODES_F16: tl.constexpr):
     """Decoded block16 NVFP4 of (R, D/16, 16) x (one group per middle index) and the tile's scale-range
-    counts (underflow, overflow)."""
+    counts (``scale_record.nvfp4_scale_counts``)."""
     ax = tl.abs(x)
     amax = tl.max(ax, axis=2)
     base = tl.math.div_rn(amax, 6.0)
     sc = e4m3_round(base)
     sc3 = sc[:, :, None]
-    under, over = nvfp4_scale_counts(sc, amax, base)
     r3 = scale_reciprocal(sc, CODES_F16)[:, :, None]
-    return nan_if_not_finite(with_scale_sign(e2m1_quotient(ax, r3, CODES_F16) * sc3, x, sc3), ax), under, over
+    return (nan_if_not_finite(with_scale_sign(e2m1_quotient(ax, r3, CODES_F16) * sc3, x, sc3), ax),
+            nvfp4_scale_counts(sc, amax, base, 16))

@@ -4,7 +4,8 @@ the Triton one; this module is not on it.
 
 It computes exactly ``fp4vis.reference.quantize_operands``' operands in the kernel's form, written without host
 synchronisation (no NaN checks, no boolean indexing): non-finite inputs become NaN operands, never a finite code;
-``record`` (a ``fp4vis.call.RecordSlot``) gets the blocks whose scale leaves its format."""
+``record`` (a ``fp4vis.call.RecordSlot``) gets the blocks whose scale leaves its format: one small launch per
+operand (``scale_record.add_counts``), the third deciding on the call's underflows."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from ..scale_record import add_counts
 from .layout import FP8_KEY_GROUP, fp8_key_scale_blocks
 from .prepass import KernelOperands, cached_anchor_permutation
 
+_OPERANDS = 3   # the launches of add_counts per call: q, k, v
+
 
 def _nan_where_not_finite(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x_hat, NaN where x is NaN or Inf (the quantizers saturate Inf to a finite code)."""
@@ -35,7 +38,7 @@ def _qk_hat(x: torch.Tensor, layout: str, record, operand: int) -> torch.Tensor:
         x_hat = nvfp4_qdq(x, layout)
     else:
         x_hat, counts = nvfp4_qdq_counted(x, layout)
-        add_counts(counts, record, operand)
+        add_counts(counts, record, operand, _OPERANDS)
     return _nan_where_not_finite(x_hat.to(torch.bfloat16), x)
 
 
@@ -44,14 +47,14 @@ def _fp8_values(x: torch.Tensor, group_rows: int, record, operand: int) -> tuple
     are E4M3 already: the cast is exact); its scale range counted as in ``_qk_hat``."""
     vals, scales = fp8_pow2_quantize(x, group_rows)
     if record is not None:
-        add_counts(fp8_pow2_scale_counts(x, group_rows), record, operand)
+        add_counts(fp8_pow2_scale_counts(x, group_rows), record, operand, _OPERANDS)
     return _nan_where_not_finite(vals, x).to(torch.float8_e4m3fn), scales.squeeze(-1).contiguous()
 
 
 def _v6(v: torch.Tensor, record) -> torch.Tensor:
     """MXFP4 ``alpha * c`` of V in BF16 (exact), NaN where v is not finite; its scale range counted."""
     if record is not None:
-        add_counts(mxfp4_scale_counts(v), record, 2)
+        add_counts(mxfp4_scale_counts(v), record, 2, _OPERANDS)
     return _nan_where_not_finite(mxfp4_qdq(v, times_six=True).to(torch.bfloat16), v)
 
 
@@ -68,7 +71,8 @@ def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout
     """``prepass.kernel_operands``' result, computed in PyTorch: for NVFP4 Q/K (``qk_layout`` "block16" or
     "folded64_mse") q_hat, k_hat, v6 in BF16 and no scales; for ``"fp8_e4m3"`` float8_e4m3fn q8, k8 with their
     power-of-two scales (per query row; per 32 physical keys, padded with 1.0 to whole 128-key kernel tiles).
-    ``qk``: a ``fp4vis.qk_transform.QKTransform`` of raw projections q, k, applied first."""
+    ``qk``: a ``fp4vis.qk_transform.QKTransform`` of raw projections q, k, applied first. ``record``: as
+    ``prepass_triton.prepass``'s."""
     if qk is not None:
         q, k = qk.apply(q, k, "bhsd")
     k, v = _physical_keys(k, v, anchor)

@@ -250,10 +250,10 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     ``fp4vis.qk_transform.QKTransform`` that ``fusable_transform`` accepts; q and k are then the raw projections,
     normed and rotated on the way in (one more, small launch for the rstd). ``full_search``: the folded-K64 scale
     search over every candidate, not only the contenders (the same bits: for measurement). ``record``: the range
-    record's (fields, flag, call) that the blocks whose scale leaves its format are counted into
-    (``kernels/scale_record.py``; None: not counted). ``launch``: ``PrepassLaunch`` (rows, warps and register cap
-    for measurement: None the tuned ones, whose cap applies also where rows or warps are given; the direct
-    launch)."""
+    record's (fields, flag, call, score scale) that the blocks whose scale leaves its format are counted into
+    (``kernels/scale_record.py``: ``recorded``; None: not counted). ``launch``: ``PrepassLaunch`` (rows, warps and
+    register cap for measurement: None the tuned ones, whose cap applies also where rows or warps are given; the
+    direct launch)."""
     _check_views(q, k, v)
     f16 = q.is_cuda if f16_codes is None else f16_codes
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, layout,

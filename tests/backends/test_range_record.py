@@ -20,7 +20,7 @@ from fp4vis.backends.base import Backend
 from fp4vis.backends.reference import ReferenceBackend
 from fp4vis.backends.registry import _REGISTRY, register_backend
 from fp4vis.call import AttentionCall
-from fp4vis.reference import RangeReport
+from fp4vis.range_report import RangeReport
 
 NAME = "recording_reference"
 

@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # source folder -> package it installs as (pyproject.toml's package-dir)
 SOURCES = {"fp4vis": "fp4vis", "kernels": "fp4vis.kernels", "pipelines": "fp4vis.pipelines", "evals": "fp4vis.evals"}
 LAYERS = {  # module prefix -> layer (lower imports nothing higher)
-    "fp4vis.config": 0, "fp4vis.formats": 0, "fp4vis.policy": 0, "fp4vis.layout": 0, "fp4vis.reference": 0,
-    "fp4vis.metrics": 0, "fp4vis.attention": 0, "fp4vis.files": 0, "fp4vis.qk_transform": 0, "fp4vis.tracing": 0,
-    "fp4vis.call": 0,
+    "fp4vis.config": 0, "fp4vis.formats": 0, "fp4vis.scale_range": 0, "fp4vis.policy": 0, "fp4vis.layout": 0,
+    "fp4vis.reference": 0, "fp4vis.range_report": 0, "fp4vis.metrics": 0, "fp4vis.attention": 0, "fp4vis.files": 0,
+    "fp4vis.qk_transform": 0,
+    "fp4vis.tracing": 0, "fp4vis.call": 0,
     "fp4vis.toplevel": 0,
     "fp4vis.backends": 1, "fp4vis.kernels": 1,
     "fp4vis.patching": 2,

@@ -173,13 +173,14 @@ def test_auto_never_picks_verification_route_on_sm90():
 def test_range_record_counts_what_the_reference_reports(policy):
     """The kernel's range record on this GPU (docs/numerics.md section 8): saturating logits (q and k
     scaled up), rows that underflow (anchored policies at a large scale), block scales out of their format
-    (q rows 1e-4, k rows 3e3, a V block of subnormals: counted by the pre-pass) and inputs in range; the
+    (q rows 1e-4, k rows 3e3: counted by the pre-pass; a V of subnormals: counted; class-token-like rows and a V
+    block of subnormals among unit values, which cannot change the result: not counted) and inputs in range; the
     counts are the reference's, reported by fp4vis.check_range."""
     from fp4vis.backends import range_record
     from fp4vis.backends.reference import ReferenceBackend
     pol = fp4vis.get_policy(policy)
     fp4vis.check_range()
-    for kind in ("saturated", "underflow", "scale_range", "in_range"):
+    for kind in ("saturated", "underflow", "scale_range", "tiny_v", "harmless_flush", "in_range"):
         if kind == "underflow" and pol.anchor == 0:
             continue
         q, k, v = make_inputs((1, 2, 150, 300, 128), torch.bfloat16, "gauss", policy, seed=5, device="cuda")
@@ -192,7 +193,14 @@ def test_range_record_counts_what_the_reference_reports(policy):
             q[:, :, ::3] *= 1e-4
             k[:, :, 5:40] *= 3e3
             v[:, :, 64:96] *= 1e-40
+        if kind == "tiny_v":
+            v = v * 1e-40
+        if kind == "harmless_flush":
+            q[:, :, :2] *= 3e-6
+            k[:, :, :2] *= 3e-6
+            v[:, :, 64:96] *= 1e-40
         expected = ReferenceBackend().run(AttentionCall(q, k, v, pol, scale))[1]
+        assert (kind != "harmless_flush" or expected.ok) and (kind != "tiny_v" or expected.scale_underflow[2] > 0)
         out = fp4vis.attention(q, k, v, policy=policy, scale=scale, backend="blackwell")
         if expected.ok:
             assert kind != "saturated" or policy not in ("fast", "wan_fast"), expected

@@ -3,7 +3,9 @@
 For every policy the kernel runs, on inputs that stay in range and on inputs that leave it (Student-t(3)
 q and k, twice scaled, whose logits reach |z| of a few hundred: saturated P blocks; with a huge V also non-finite
 outputs; anchored policies at a large softmax scale: rows whose probabilities all underflow; operands whose
-block scales leave their format: some q rows 1e-4, some k rows 3e3, a V block of subnormals), the
+block scales leave their format: some q rows 1e-4, some k rows 3e3, a V block of subnormals among unit values,
+which cannot move an output; a V of subnormals, which counts; class-token-like q and k rows of 3e-6, which flush
+without moving a score: no count), the
 record's counts are the reference's: the same saturated blocks and empty rows (bit-exact policies;
 for the FP8 Q/K policy, whose scores differ slightly, the same verdict), the same blocks whose scale
 leaves its format (counted by the pre-pass, every policy), and as many non-finite outputs as the
@@ -23,14 +25,14 @@ import fp4vis
 from fp4vis.backends import range_record
 from fp4vis.backends.reference import ReferenceBackend
 from fp4vis.call import AttentionCall
-from fp4vis.reference import RangeReport
+from fp4vis.range_report import RangeReport
 
 pytestmark = pytest.mark.gpu(capability=(9, 0))
 
 POLICIES = ["fast", "wan_fast", "accurate", "guard", "fast_bf16round", "fast_fp8qk"]
 # (B, H, Sq, Skv, D): the short-sequence variant (both <= 768), the default kernel, D = 64
 SHAPES = [(1, 2, 300, 520, 128), (1, 2, 1000, 1100, 128), (2, 1, 77, 900, 64)]
-KINDS = ["gauss", "student", "student_big_v", "underflow", "scale_range"]
+KINDS = ["gauss", "student", "student_big_v", "underflow", "scale_range", "tiny_v", "harmless_flush"]
 
 
 def inputs(shape, kind, dtype=torch.bfloat16, seed=0):
@@ -50,6 +52,12 @@ def inputs(shape, kind, dtype=torch.bfloat16, seed=0):
         if kind == "scale_range":   # docs/numerics.md section 1, "Scale range"
             q[:, :, ::3] *= 1e-4
             k[:, :, 5:40] *= 3e3
+            v[:, :, 64:96] *= 1e-40
+        if kind == "tiny_v":
+            v *= 1e-40
+        if kind == "harmless_flush":   # docs/numerics.md section 1: flushed, counted only where they matter
+            q[:, :, :2] *= 3e-6
+            k[:, :, :2] *= 3e-6
             v[:, :, 64:96] *= 1e-40
     return *(x.to(dtype).cuda() for x in (q, k, v)), scale
 
@@ -103,8 +111,10 @@ def test_record_counts_what_the_reference_reports(policy, shape, kind):
         pytest.skip("rows underflow only below an anchored row reference")
     q, k, v, scale = inputs(shape, kind)
     expected = reference_report(q, k, v, policy, scale)
-    if kind == "gauss":
+    if kind in ("gauss", "harmless_flush"):
         assert expected.ok
+    elif kind == "tiny_v":
+        assert expected.scale_underflow[2] > 0
     elif kind == "scale_range":   # FP8 group exponents hold these q and k (v's block counts, unpermuted)
         assert not expected.ok
         assert fp4vis.get_policy(policy).qk_fp8 or (expected.scale_underflow[0] > 0 and expected.scale_overflow[1] > 0)
