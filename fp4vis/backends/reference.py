@@ -10,13 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fp4vis.reference import (
-    RangeExceededError,
-    check_key_mask_keeps_keys,
-    enforce_range,
-    masked_reference_attention,
-    reference_attention,
-)
+from fp4vis.range_report import RangeExceededError, enforce_range
+from fp4vis.reference import check_key_mask_keeps_keys, masked_reference_attention, reference_attention
 
 from . import range_record
 from .base import REFERENCE, Backend
