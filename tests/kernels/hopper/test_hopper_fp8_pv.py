@@ -40,9 +40,7 @@ SHAPES = [
 def make_inputs(shape, dtype, kind, seed=0):
     b, h, sq, skv, d = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, h, sq, d, device="cuda", generator=g)
-    k = torch.randn(b, h, skv, d, device="cuda", generator=g)
-    v = torch.randn(b, h, skv, d, device="cuda", generator=g)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g) for s in (sq, skv, skv))
     if kind == "wide":
         k[..., 1] *= 20.0                      # an outlier channel in K
         v[..., 2] *= 3000.0                    # beyond E4M3's 448: V's channel scale must take it
