@@ -106,7 +106,8 @@ def attention(
     Args:
         q: (B, H, Sq, D) for ``layout="bhsd"`` (SDPA's), (B, Sq, H, D) for ``"bshd"``.
         k, v: (B, H, Skv, D) / (B, Skv, H, Dv) likewise; Skv may differ from Sq.
-        policy: "fast", "wan_fast", "accurate", "guard", "nv_fp8", "bf16" or a ``Policy``.
+        policy: "fast", "wan_fast", "accurate", "guard", the Hopper policies "fp8", "fp8pv", "fast_fp8qk",
+            "fast_bf16round", the controls "nv_fp8", "bf16", or a ``Policy``.
         scale: softmax scale; default ``1/sqrt(D)``.
         layout: "bhsd" or "bshd"; the output has the same layout.
         backend: "auto" (the GPU kernel when it supports the call, else the reference, with one

@@ -500,10 +500,13 @@ FP8_MIN_GROUP_EXP = -126  # 2**-E must be a normal float32 too
 
 def fp8_group_exponent(amax: torch.Tensor) -> torch.Tensor:
     """int32 E = max(floor(log2 amax) - 7, -126) of float32 group maxima, read off the exponent field
-    (zero and subnormal maxima count as 2**-127, infinities and NaN as 2**128: their groups become NaN
-    in the kernel's pre-pass anyway)."""
+    (subnormal maxima count as 2**-127, infinities and NaN as 2**128: their groups become NaN in the kernel's
+    pre-pass anyway); E = 0 for an all-zero group, whose values decode to 0 under any scale: the Hopper kernel
+    multiplies scores by its scales, and 2**-126 for a zero key block (the padding of a key-masked call) times a
+    tiny query row's scale would round to 0 and turn the block's masked -inf scores into NaN."""
     field = (amax.float().view(torch.int32) >> 23) & 0xFF
-    return (field - 127 - FP8_GROUP_TOP_EXP).clamp(min=FP8_MIN_GROUP_EXP)
+    e = (field - 127 - FP8_GROUP_TOP_EXP).clamp(min=FP8_MIN_GROUP_EXP)
+    return torch.where(amax == 0, torch.zeros_like(e), e)
 
 
 def fp8_pow2_quantize(x: torch.Tensor, group_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

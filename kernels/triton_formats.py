@@ -294,9 +294,9 @@ def mxfp4_scale_exponent(amax):
 @triton.jit
 def fp8_group_exponent(amax):
     """fp4vis.formats.fp8_group_exponent: E = max(floor(log2 amax) - 7, -126) off the float32
-    exponent field (amax >= 0), so that the group maximum scales into [2^7, 2^8)."""
+    exponent field (amax >= 0), so that the group maximum scales into [2^7, 2^8); 0 for an all-zero group."""
     field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return tl.maximum(field - 127 - _FP8_TOP_EXP, _FP8_MIN_EXP)
+    return tl.where(amax == 0.0, 0, tl.maximum(field - 127 - _FP8_TOP_EXP, _FP8_MIN_EXP))
 
 
 @triton.jit

@@ -83,14 +83,14 @@ def first_reason(*reasons: str | None) -> str | None:
 
 def need_direct_p(policy: Policy) -> str | None:
     if policy.is_fp8_pv:
-        return (f"policy {policy.name!r} is the FP8 P/V softmax, which this backend does not compute (the Hopper "
-                "kernel does: its FP8 tensor cores are the point of it)")
+        return f"policy {policy.name!r} is the FP8 P/V softmax (method 'fp8_pv'), which this backend does not compute"
     return None if policy.is_direct_p else f"policy {policy.name!r} is not a Direct-P policy"
 
 
 def need_kernel_method(policy: Policy) -> str | None:
     """Direct-P or the FP8 P/V softmax: the two methods the Hopper kernel computes."""
-    return None if policy.is_direct_p or policy.is_fp8_pv else f"policy {policy.name!r} is not a Direct-P policy"
+    return None if policy.is_direct_p or policy.is_fp8_pv else (
+        f"policy {policy.name!r} (method {policy.method!r}) is neither Direct-P nor the FP8 P/V softmax")
 
 
 def need_cuda_capability(q: torch.Tensor, capabilities: tuple[tuple[int, int], ...], what: str) -> str | None:

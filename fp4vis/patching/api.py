@@ -36,7 +36,8 @@ Per-layer policy resolution (first to last, later steps win):
    :class:`~fp4vis.policy.Policy`, or ``None`` / ``"exact"`` / ``"bf16"`` for the model's own
    exact attention;
 3. the guard plan: each guarded layer whose policy is a Direct-P policy gets the plan's guard policy
-   (exact and ``nv_fp8`` layers stay as they are).
+   (exact, ``nv_fp8`` and FP8 P/V (``fp8``, ``fp8pv``) layers stay as they are: softmax policies have no range
+   to guard).
 
 A layer whose resolved policy is exact is not touched at all. At call time a patched layer keeps
 the model's exact attention, with one :class:`FallbackWarning` naming the layer and the reason,

@@ -25,7 +25,8 @@ and rank r holds sequence shard r):
     of 32 keys: Wan 480x832x81 gives 32760 tokens), so the result is bit-identical to one GPU.
   - gathered keys, for everything else: anchored policies (``accurate``, ``guard``: the anchors
     sample the whole key sequence and are moved to the front of the physical key order, so no key
-    shard has one GPU's blocks), ``nv_fp8`` (its softmax subtracts the row maximum over all keys),
+    shard has one GPU's blocks), ``nv_fp8`` (its softmax subtracts the row maximum over all keys), ``fp8`` and
+    ``fp8pv`` (their online maximum and V's per-channel scale span all keys),
     and the GPU kernels (they return normalised outputs, not partial sums). The ring group
     all-gathers K and V and each rank attends its queries to the whole sequence: one GPU's
     numerics, at the memory of diffusers' own ring attention, which all-gathers too

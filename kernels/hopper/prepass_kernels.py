@@ -205,13 +205,13 @@ def pv_key_order(k):
 @triton.jit(do_not_specialize=["S", "SP", "H", "sb", "sh", "ss"])
 def _fp8_values_kernel(V, VT, AMAX, VS, S, SP, H, sb, sh, ss, D: tl.constexpr, BLOCK_D: tl.constexpr,
                        ROW_ALIGN: tl.constexpr):
-    """One 32-key block of V (head group g = program 1; a (B, H, S, D) view with strides sb, sh, ss, 1) as E4M3
-    of v / 2^E into V^T (G, D, SP) bytes with the block's keys in ``pv_key_order``, E per channel from its
-    maximum magnitude over the keys (AMAX, (G, D), v's dtype; ``fp8_group_exponent``), and 2^E into VS (float32
-    (G, D), written by block 0); keys >= S are written as 0 (SP = S rounded up to 32: the kernel's TMA reads whole
-    blocks)."""
-    blk = tl.program_id(0)
-    g = tl.program_id(1)
+    """One 32-key block of V (head group g = program 0, the block program 1: B * H is unbounded, S / 32 below
+    65536; a (B, H, S, D) view with strides sb, sh, ss, 1) as E4M3 of v / 2^E into V^T (G, D, SP) bytes with the
+    block's keys in ``pv_key_order``, E per channel from its maximum magnitude over the keys (AMAX, (G, D), v's
+    dtype; ``fp8_group_exponent``), and 2^E into VS (float32 (G, D), written by block 0); keys >= S are written as
+    0 (SP = S rounded up to 32: the kernel's TMA reads whole blocks)."""
+    g = tl.program_id(0)
+    blk = tl.program_id(1)
     k = tl.arange(0, 32)
     s = blk * 32 + pv_key_order(k)
     valid = s < S

@@ -367,7 +367,7 @@ def fp8_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     vt = torch.empty((b, h, d, sp), dtype=torch.float8_e4m3fn, device=v.device)
     scales = torch.empty((b, h, d), dtype=torch.float32, device=v.device)
     if sp and b * h:
-        _fp8_values_kernel[(sp // 32, b * h)](v, vt, amax, scales, s, sp, h, v.stride(0), v.stride(1), v.stride(2),
+        _fp8_values_kernel[(b * h, sp // 32)](v, vt, amax, scales, s, sp, h, v.stride(0), v.stride(1), v.stride(2),
                                               d, min(d, 64), row_align(v), num_warps=4, enable_fp_fusion=False)
     return vt, scales
 

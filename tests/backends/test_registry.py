@@ -79,7 +79,9 @@ def test_backend_registers_and_explains_cpu():
     assert isinstance(backend, hopper_backend.HopperBackend)
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     assert backend.supports(AttentionCall(q, q, q, POLICIES["fast"], 0.125)) == "tensors are not on a CUDA device"
-    assert backend.supports(AttentionCall(q, q, q, POLICIES["bf16"], 0.125)) == "policy 'bf16' is not a Direct-P policy"
+    assert backend.supports(AttentionCall(q, q, q, POLICIES["bf16"], 0.125)) == (
+        "policy 'bf16' (method 'exact') is neither Direct-P nor the FP8 P/V softmax")
+    assert backend.supports(AttentionCall(q, q, q, POLICIES["fp8"], 0.125)) == "tensors are not on a CUDA device"
     if not torch.cuda.is_available():
         assert fp4vis.available_backends()["hopper"] is not None
         with pytest.raises(RuntimeError):

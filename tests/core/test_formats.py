@@ -739,8 +739,8 @@ def test_nvfp4_property_error_bound(rows, mag, layout):
 # ------------------------------------------------------------------------------ FP8 with power-of-two group scales
 
 def _fp8_groups_brute(x: torch.Tensor, g: int):
-    """Independent statement: per group of g rows, E = floor(log2 amax) - 7 (>= -126) from math.frexp,
-    values = torch's own float8_e4m3fn cast of x * 2^-E (RNE; nothing here reaches 448)."""
+    """Independent statement: per group of g rows, E = floor(log2 amax) - 7 (>= -126) from math.frexp, 0 for an
+    all-zero group, values = torch's own float8_e4m3fn cast of x * 2^-E (RNE; nothing here reaches 448)."""
     s = x.shape[-2]
     vals = torch.empty_like(x, dtype=torch.float32)
     scales = []
@@ -748,7 +748,7 @@ def _fp8_groups_brute(x: torch.Tensor, g: int):
         grp = x[..., i:i + g, :].float()
         amax = float(grp.abs().max())
         e = math.frexp(amax)[1] - 1 - 7 if amax >= 2.0 ** -126 else -126 - 7
-        e = max(e, -126)
+        e = max(e, -126) if amax > 0 else 0
         vals[..., i:i + g, :] = (grp * 2.0 ** -e).to(torch.float8_e4m3fn).float()
         scales.append(2.0 ** e)
     return vals, scales

@@ -9,7 +9,7 @@ import torch
 
 import fp4vis
 from fp4vis import reference
-from fp4vis.formats import E4M3_MAX, e4m3_round, fp8_channel_quantize
+from fp4vis.formats import E4M3_MAX, e4m3_round, fp8_channel_quantize, fp8_group_exponent
 from fp4vis.layout import P_E4M3_LOG2, SOFTMAX_TILE
 from fp4vis.metrics import rel_l2
 from fp4vis.policy import LOG2E, POLICIES, Policy
@@ -29,6 +29,14 @@ def test_fp8_pv_policies_and_rules():
         Policy("x", method="fp8_pv", code_rounding="bf16")
     with pytest.raises(ValueError, match="method"):
         Policy("x", method="fp4_pv")
+
+
+def test_an_all_zero_group_scales_by_one():
+    """An all-zero FP8 group (a zero V channel, the zero key blocks after a key-masked call's kept keys, a zero query
+    row) gets E = 0 on every path, not the -126 floor: its values are 0 under any scale, and a scale of 2^-126
+    multiplied into the Hopper kernel's scores could round a masked -inf to NaN."""
+    amax = torch.tensor([0.0, 1e-45, 1.0, 300.0])
+    assert fp8_group_exponent(amax).tolist() == [0, -126, -7, 1]
 
 
 def test_v_channel_scale_is_a_power_of_two_and_never_saturates():

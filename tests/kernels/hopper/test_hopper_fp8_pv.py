@@ -130,3 +130,16 @@ def test_fp8_pv_scale_is_exact_power_of_two_per_channel():
     assert torch.allclose(out[..., 0].float(), torch.full_like(out[..., 0].float(), 1.5 * 2.0 ** 15), rtol=2 ** -6)
     assert rel_l2(out, tensor_core_reference(q, k, v, "fp8")) <= TOL
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.parametrize("policy", ["fp8", "fast_fp8qk"])
+def test_fp8_qk_zero_query_row_with_key_mask_stays_finite(policy):
+    """A query row of zeros in a key-masked call: the zero key blocks after the kept keys scale by 1
+    (``fp8_group_exponent`` of an all-zero group), so the masked scores stay -inf instead of -inf x 0 = NaN."""
+    q, k, v = make_inputs((2, 2, 130, 300, 128), torch.bfloat16, "gauss", seed=6)
+    q[:, :, 5] = 0.0
+    mask = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+    mask[0, 100:] = False
+    out = run(q, k, v, policy, "hopper", key_mask=mask)
+    assert bool(torch.isfinite(out).all())
+    assert rel_l2(out, run(q, k, v, policy, "reference", key_mask=mask)) <= tol(policy) * (1 if policy == "fp8" else 20)
