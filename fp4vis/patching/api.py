@@ -196,6 +196,12 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
     if plan is not None:
         plan.check_model(specs, model_id(model_or_pipeline))
     policies = resolve_layer_policies(specs, policy, layers, plan)
+    if guard is not None and not any(p is not None and p.is_direct_p for p in policies.values()):
+        names = sorted({p.name for p in policies.values() if p is not None})
+        what = repr(guard) if isinstance(guard, str) else "a guard plan"
+        warnings.warn(f"fp4vis.patch: guard={what} guards Direct-P layers and none is patched with one (policies: "
+                      f"{', '.join(names) or 'none'}); it changes nothing (softmax policies such as fp8 have no "
+                      "representable range to guard)", RuntimeWarning, stacklevel=2)
     if specs and layers is None and resolve_policy(policy) is not None and not any(s.default for s in specs):
         groups = sorted({s.group for s in specs})
         warnings.warn(f"fp4vis.patch: none of the {len(specs)} attention layers of {type(model_or_pipeline).__name__} "

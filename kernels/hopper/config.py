@@ -109,6 +109,9 @@ class DirectPConfig:
         output accumulator), and 64-key tiles hold at most 64 anchors, so the 128-anchor guard falls back to the
         default schedule. ``ctas_per_sm=2`` (short sequences) fills in its schedule ("serial") and num_wg (1)
         where they are not given, and refuses others. None: the default of each field."""
+        if params.pv_fp8:   # Direct-P's fields mean nothing to the softmax: one compiled kernel for every such policy
+            params = params._replace(affine_a=Policy.affine_a, affine_b=Policy.affine_b, shift=Policy.shift,
+                                     code_rounding="exact")
         anchor, qk_fp8 = int(params.anchor), params.qk_layout == QK_FP8
         ctas_per_sm = ctas_per_sm or 1
         if ctas_per_sm not in (1, 2):

@@ -86,18 +86,14 @@ def kernel_operands(call, params, settings) -> KernelOperands:
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     launch = DEFAULT_LAUNCH if settings.prepass_direct_launch else NO_DIRECT_LAUNCH
     record = recorded(call.record, call.scale)
-    if params.pv_fp8:
-        # V^T in E4M3 by its own pass; the Q/K pass then reads and writes no V (a zero-key stand-in)
-        vt, v_scale = fp8_values(v)
-        v_none = v[..., :0, :]
-        if params.qk_layout == QK_FP8:
-            ops = fp8_prepass(q, k, v_none, perm, qk, record, launch)
-        else:
-            ops = prepass(q, k, v_none, params.qk_layout, perm, settings.prepass_f16_codes and q.is_cuda, qk,
-                          settings.prepass_full_search, record, launch)
-        return KernelOperands(ops[0], ops[1], vt, *ops[3:], key_lengths=key_lengths, v_scale=v_scale)
+    v_in = v[..., :0, :] if params.pv_fp8 else v   # FP8 P/V: V takes its own pass (fp8_values), the Q/K pass none
     if params.qk_layout == QK_FP8:
-        return KernelOperands(*fp8_prepass(q, k, v, perm, qk, record, launch), key_lengths=key_lengths)
-    # E2M1 codes on FP16 pairs are PTX: Triton's interpreter (the CPU tests) takes the float32 form
-    return KernelOperands(*prepass(q, k, v, params.qk_layout, perm, settings.prepass_f16_codes and q.is_cuda,
-                                   qk, settings.prepass_full_search, record, launch), key_lengths=key_lengths)
+        ops = KernelOperands(*fp8_prepass(q, k, v_in, perm, qk, record, launch), key_lengths=key_lengths)
+    else:
+        # E2M1 codes on FP16 pairs are PTX: Triton's interpreter (the CPU tests) takes the float32 form
+        ops = KernelOperands(*prepass(q, k, v_in, params.qk_layout, perm, settings.prepass_f16_codes and q.is_cuda,
+                                      qk, settings.prepass_full_search, record, launch), key_lengths=key_lengths)
+    if params.pv_fp8:
+        vt, v_scale = fp8_values(v)
+        ops = ops._replace(v6=vt, v_scale=v_scale)
+    return ops

@@ -441,3 +441,14 @@ def test_fp8_pv_policies_patch_compute_and_restore(policy, x):
     assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99
     h.remove()
     assert torch.equal(model.forward_features(x), ref)
+
+
+@torch.no_grad()
+def test_guard_on_a_model_without_direct_p_layers_says_it_changes_nothing(x):
+    """guard="auto" (or a plan) with the FP8 P/V softmax: one warning that the guard changes nothing, no error."""
+    arch, extra = FAMILIES["vit"]
+    model = timm.create_model(arch, pretrained=False, **TINY, **extra).eval()
+    with pytest.warns(RuntimeWarning, match="guards Direct-P layers"):
+        h = fp4vis.patch(model, "fp8", guard="auto")
+    model.forward_features(x)
+    h.remove()

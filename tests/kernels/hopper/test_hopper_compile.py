@@ -332,3 +332,14 @@ def test_e2m1_grid_rounding_constant_forms_agree():
         for fma_constant in (True, False):
             got = torch.clamp(_grid_round(y, fma_constant), max=0.75)   # the kernel saturates on pairs
             assert torch.equal(got, want), f"fma_constant={fma_constant}: {(got != want).sum()} mismatches"
+
+
+def test_fp8_pv_config_ignores_direct_p_fields():
+    """The FP8 P/V softmax reads none of Direct-P's fields: policies that differ only there share one compiled
+    kernel (``DirectPConfig.key()``), and the named ``fp8`` keeps the product's."""
+    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.policy import Policy
+    named = DirectPConfig.from_policy(POLICIES["fp8"], 128, "bf16")
+    custom = Policy("mine", method="fp8_pv", qk_format="fp8_e4m3", affine_a=1.7, affine_b=0.9, shift=9)
+    assert DirectPConfig.from_policy(custom, 128, "bf16").key() == named.key()
+    assert named.pv_fp8 and named.qk_fp8 and not DirectPConfig.from_policy(POLICIES["fp8pv"], 128, "bf16").qk_fp8

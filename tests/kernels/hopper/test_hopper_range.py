@@ -29,7 +29,7 @@ from fp4vis.range_report import RangeReport
 
 pytestmark = pytest.mark.gpu(capability=(9, 0))
 
-POLICIES = ["fast", "wan_fast", "accurate", "guard", "fast_bf16round", "fast_fp8qk"]
+POLICIES = ["fast", "wan_fast", "accurate", "guard", "fast_bf16round", "fast_fp8qk", "fp8", "fp8pv"]
 # (B, H, Sq, Skv, D): the short-sequence variant (both <= 768), the default kernel, D = 64
 SHAPES = [(1, 2, 300, 520, 128), (1, 2, 1000, 1100, 128), (2, 1, 77, 900, 64)]
 KINDS = ["gauss", "student", "student_big_v", "underflow", "scale_range", "tiny_v", "harmless_flush"]
@@ -109,12 +109,16 @@ def assert_counts(out, report, expected, policy):
 def test_record_counts_what_the_reference_reports(policy, shape, kind):
     if kind == "underflow" and fp4vis.get_policy(policy).anchor == 0:
         pytest.skip("rows underflow only below an anchored row reference")
+    if kind == "tiny_v" and fp4vis.get_policy(policy).is_fp8_pv:
+        pytest.skip("V's per-channel FP8 scale: channels below 2^-119 are not counted yet (docs/numerics.md section 7)")
     q, k, v, scale = inputs(shape, kind)
     expected = reference_report(q, k, v, policy, scale)
     if kind in ("gauss", "harmless_flush"):
         assert expected.ok
     elif kind == "tiny_v":
         assert expected.scale_underflow[2] > 0
+    elif kind == "scale_range" and policy == "fp8":   # FP8 groups hold q and k, V's channel scale the tiny block
+        assert expected.ok
     elif kind == "scale_range":   # FP8 group exponents hold these q and k (v's block counts, unpermuted)
         assert not expected.ok
         assert fp4vis.get_policy(policy).qk_fp8 or (expected.scale_underflow[0] > 0 and expected.scale_overflow[1] > 0)
