@@ -3,7 +3,7 @@
 Layers, imports running one way (docs/design.md):
 
 * core: ``attention`` (validation, layout, range check), ``policy``, ``formats``, ``layout`` (key
-  blocks, anchors, operand layouts), ``reference`` (the exact emulation of docs/numerics.md),
+  blocks, anchors, operand layouts), ``reference`` (the exact emulation of docs/numerics.md), ``range_report``,
   ``metrics``, ``config`` (the ``FP4VIS_*`` settings);
 * backends: ``fp4vis.backends`` (the registry, the reference backend) and the kernels in
   ``fp4vis.kernels.<name>``;
@@ -11,8 +11,8 @@ Layers, imports running one way (docs/design.md):
 * apps: ``fp4vis.cli``, ``fp4vis.pipelines``, ``fp4vis.evals`` on ``fp4vis.services``.
 
 Follow a call: ``fp4vis.attention`` builds the typed call (``fp4vis.call.AttentionCall``) ->
-``fp4vis.backends.registry.select_backend`` -> a backend's ``run`` (``fp4vis.backends.reference`` or
-``fp4vis.kernels.hopper.backend``) -> its kernel.
+``fp4vis.backends.registry.select_backend`` -> a backend's ``run`` (``fp4vis.backends.reference``,
+``fp4vis.kernels.hopper.backend`` or ``fp4vis.kernels.blackwell.backend``) -> its kernel.
 """
 
 from fp4vis.attention import RangeExceededError, attention, check_range

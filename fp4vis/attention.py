@@ -101,7 +101,7 @@ def attention(
     qk_transform: QKTransform | None = None,
     key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """FP4 attention (non-causal, no mask), SDPA-compatible.
+    """FP4 attention (non-causal; a key-padding mask as ``key_mask``), SDPA-compatible.
 
     Args:
         q: (B, H, Sq, D) for ``layout="bhsd"`` (SDPA's), (B, Sq, H, D) for ``"bshd"``.
@@ -111,7 +111,7 @@ def attention(
         scale: softmax scale; default ``1/sqrt(D)``.
         layout: "bhsd" or "bshd"; the output has the same layout.
         backend: "auto" (the GPU kernel when it supports the call, else the reference, with one
-            warning), "reference" or "hopper" (these raise when they cannot run).
+            warning), "reference", "hopper" or "blackwell" (these raise when they cannot run).
         range_check: when a Direct-P policy is driven past its range (saturated P blocks, rows
             that underflow, non-finite output): "raise" RangeExceededError, "warn", or "off".
             The reference reports it from this call. The GPU kernels record it on the device and

@@ -154,7 +154,7 @@ def patch(model_or_pipeline: Any, policy: Any = "fast", *, layers: Mapping | Non
             else is a TypeError), or ``"auto"`` (each layer
             calibrates on its first call with ``guard_rule`` and switches to the guard policy when
             the rule says so; ``handle.guard_plan`` collects the result).
-        backend: ``"auto"`` | ``"reference"`` | ``"hopper"`` (passed to
+        backend: ``"auto"`` | ``"reference"`` | ``"hopper"`` | ``"blackwell"`` (passed to
             ``fp4vis.attention``).
         strict: raise :class:`FallbackError` where a layer would fall back to exact attention,
             and on unsupported attention modules next to supported ones.
