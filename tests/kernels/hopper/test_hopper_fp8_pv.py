@@ -142,4 +142,5 @@ def test_fp8_qk_zero_query_row_with_key_mask_stays_finite(policy):
     mask[0, 100:] = False
     out = run(q, k, v, policy, "hopper", key_mask=mask)
     assert bool(torch.isfinite(out).all())
-    assert rel_l2(out, run(q, k, v, policy, "reference", key_mask=mask)) <= tol(policy) * (1 if policy == "fp8" else 20)
+    # fast_fp8qk: Direct-P turns FP8 accumulation noise into code flips, < 0.1 from its float32 reference (section 7)
+    assert rel_l2(out, run(q, k, v, policy, "reference", key_mask=mask)) <= (tol(policy) if policy == "fp8" else 0.1)

@@ -1,0 +1,88 @@
+"""What the FP8 P/V policy ``fp8`` costs in accuracy, and why (docs/numerics.md section 7). The reference on the CPU,
+against exact attention.
+
+    python benchmarks/fp8_error.py      # prints two tables, writes benchmarks/results/<date>d_cpu_fp8-error.json
+
+1. The floor each format sets: iid Gaussian q, k, v (B4 S1024 D128, float64), softmax attention with one operand
+   rounded as the policy rounds it (E4M3 P scaled by 2^8, V in E4M3 with its per-channel scale, FP8 Q/K with their
+   per-row and per-32-key scales), then all three.
+2. The mean key: K gets ``bias`` added to 8 channels and 2 channels scaled by 1 + bias (B1 H4 S1024 D128, BF16);
+   ``fp8`` with and without the mean key subtracted (in float32, rounded to BF16 again, as a pre-pass would read
+   it). Softmax is unchanged by the subtraction."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import platform
+import sys
+
+import torch
+
+import fp4vis
+from fp4vis.formats import e4m3_round, fp8_channel_quantize, fp8_pow2_qdq
+from fp4vis.layout import P_E4M3_LOG2
+
+
+def format_floor() -> dict:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 1024, 128, generator=g, dtype=torch.float64) for _ in range(3))
+    p_scale = 2.0 ** P_E4M3_LOG2
+
+    def softmax_attention(q, k, v, p_round=False):
+        t = (q @ k.mT) / math.sqrt(q.shape[-1])
+        p = torch.exp(t - t.amax(-1, keepdim=True))
+        num = (e4m3_round((p * p_scale).float()).double() / p_scale) if p_round else p
+        return num @ v / p.sum(-1, keepdim=True)
+
+    def v8(v):
+        vals, scales = fp8_channel_quantize(v)
+        return (vals * scales).double()
+
+    def qk8(x, rows):
+        return fp8_pow2_qdq(x, rows).double()
+
+    exact = softmax_attention(q, k, v)
+    runs = {"P in E4M3": softmax_attention(q, k, v, p_round=True), "V in E4M3": softmax_attention(q, k, v8(v)),
+            "Q/K in FP8": softmax_attention(qk8(q, 1), qk8(k, 32), v),
+            "all three": softmax_attention(qk8(q, 1), qk8(k, 32), v8(v), p_round=True)}
+    return {name: round(float((out - exact).norm() / exact.norm()), 5) for name, out in runs.items()}
+
+
+def mean_key() -> list[dict]:
+    rows = []
+    for bias in (0.0, 3.0, 10.0, 30.0):
+        g = torch.Generator().manual_seed(int(bias))
+        q, k, v = (torch.randn(1, 4, 1024, 128, generator=g) for _ in range(3))
+        k[..., :8] += bias
+        k[..., 8:10] *= 1 + bias
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+        exact = fp4vis.attention(q, k, v, policy="bf16")
+        centred = (k.float() - k.float().mean(-2, keepdim=True)).bfloat16()
+        plain = fp4vis.rel_l2(fp4vis.attention(q, k, v, policy="fp8", backend="reference"), exact)
+        mean_sub = fp4vis.rel_l2(fp4vis.attention(q, centred, v, policy="fp8", backend="reference"), exact)
+        rows.append({"bias": bias, "rel_l2": round(plain, 5), "rel_l2_mean_key_subtracted": round(mean_sub, 5)})
+    return rows
+
+
+def main() -> int:
+    floor = format_floor()
+    for name, err in floor.items():
+        print(f"{name:12s} relL2 {err:.4f}")
+    rows = mean_key()
+    for r in rows:
+        print(f"bias {r['bias']:5.1f}  fp8 {r['rel_l2']:.4f}  "
+              f"mean key subtracted {r['rel_l2_mean_key_subtracted']:.4f}")
+    out = f"benchmarks/results/{dt.datetime.now(dt.UTC):%Y%m%d}d_cpu_fp8-error.json"
+    meta = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
+            "torch": torch.__version__, "fp4vis": fp4vis.__version__,
+            "command": "python benchmarks/fp8_error.py"}
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "format_floor": floor, "mean_key": rows}, f, indent=1)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
