@@ -16,8 +16,8 @@ Per shape (B, S, H, D; self-attention, BF16, layout bhsd) and policy (``fast``, 
   (1.0: free; each round's figures in ``*_runs``).
 
 ``--tiny-tokens N``: the first N tokens of q and k scaled by 3e-6 (a class token as timm initialises it): their
-blocks flush every call without moving a score, so the pre-pass's underflow words and the last program's decision
-run on every call, and no error is raised (docs/numerics.md section 1, "Scale range").
+blocks flush every call without moving a score, so the pre-pass's underflow words and the attention kernel's
+decision on them run on every call, and no error is raised (docs/numerics.md section 1, "Scale range").
 
 Also the same with the synchronising check this record replaced, for reference
 (``sync_check_events_ms``: ``torch.isfinite(out).all()`` read on the host after every call). Raw JSON

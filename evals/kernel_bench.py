@@ -10,7 +10,7 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
   ``hopper_plain`` / ``hopper_overlap``  the whole call with the serial or the overlapped schedule
-  ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES/CTAS_PER_SM``, ``hopper_kernel@...``  a kernel variant (a part
+  ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES/CTAS_PER_SM/TILE_N``, ``hopper_kernel@...``  a kernel variant (a part
                     may be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
                     ``hopper@pingpong/packed/3`` or ``hopper_kernel@///lane``; see
                     ``fp4vis.kernels.hopper.config.DirectPConfig``
@@ -107,7 +107,7 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales", "ctas_per_sm")
+VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales", "ctas_per_sm", "tile_n")
 
 
 def split_variant(backend: str) -> tuple[str, dict]:
@@ -120,7 +120,7 @@ def split_variant(backend: str) -> tuple[str, dict]:
     base, _, variant = backend.partition("@")
     parts = variant.split("/") if variant else []
     kw = {f: v for f, v in zip(VARIANT_FIELDS, parts) if v}
-    for f in ("num_wg", "ctas_per_sm"):
+    for f in ("num_wg", "ctas_per_sm", "tile_n"):
         if f in kw:
             kw[f] = int(kw[f])
     return base, kw

@@ -1,10 +1,12 @@
 """What an underflowing block scale can change (docs/numerics.md section 1, "Scale range"): the criterion that
 decides whether the blocks of q, k or v that ``fp4vis.formats``' ``*_scale_counts`` found flushed count in the
-range report, the same on every backend (the reference: ``fp4vis.range_report.RangeReport``; the kernels' pre-passes:
-``kernels/scale_record.py``, which evaluates it on the device with the same exact arithmetic)."""
+range report, the same on every backend (the reference: ``fp4vis.range_report.RangeReport``; the kernels:
+``kernels/scale_record.py``, whose attention kernels evaluate it on the device, after the pre-pass, with the same exact
+arithmetic)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,8 +30,8 @@ def significant_underflow(ranges: tuple[ScaleRange, ScaleRange, ScaleRange], s: 
     flushed values change a score ``raw * s`` (log2 units) by at most ``s * q.flushed * k.amax`` (the row's lost L1
     norm times k's largest value), k's by ``s * k.flushed * q.amax``: they count where that exceeds
     ``SCORE_CHANGE_LIMIT``; v's count where ``v.flushed > V_FLUSH_FRACTION * v.amax``. Evaluated exactly, as every
-    kernel's pre-pass evaluates it (``kernels/scale_record.py``): the float32 limit ``qk_flush_limit(s)`` against
-    the product of two float32 values, exact in float64."""
+    kernel evaluates it (``kernels/scale_record.py``): the float32 limit ``qk_flush_limit(s)`` against the product
+    of two float32 values, exact in float64."""
     q, k, v = ranges
     limit = qk_flush_limit(s)
     return (q.underflow if q.flushed * k.amax > limit else 0,
@@ -37,6 +39,7 @@ def significant_underflow(ranges: tuple[ScaleRange, ScaleRange, ScaleRange], s: 
             v.underflow if v.flushed > v.amax * V_FLUSH_FRACTION else 0)
 
 
+@functools.lru_cache(maxsize=64)   # asked on every recorded call: a model has a few score scales
 def qk_flush_limit(s: float) -> float:
     """``SCORE_CHANGE_LIMIT / s`` rounded to float32 (inf where s is 0): what a q or k row's flushed L1 bound times
     the other operand's largest value may reach before its flushed blocks count (``significant_underflow``)."""

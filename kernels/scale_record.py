@@ -1,21 +1,25 @@
-"""The pre-passes' side of the range record (``fp4vis.backends.range_record``; docs/numerics.md section 8),
-shared by both kernel backends: each program of a pre-pass counts the blocks of its operand whose scale
-leaves the format's range (docs/numerics.md section 1, "Scale range", the conditions of
-``fp4vis.formats.*_scale_counts``). Where the call is recorded (CALL > 0):
+"""The range record's scale-range words (``fp4vis.backends.range_record``; docs/numerics.md section 8), shared by
+both kernel backends: each program of a pre-pass counts the blocks of its operand whose scale leaves the format's
+range (docs/numerics.md section 1, "Scale range", the conditions of ``fp4vis.formats.*_scale_counts``). Where the
+call is recorded (CALL > 0):
 
 * saturated scales (overflow) are added to the record's words at once, with the flag raised, as the attention
-  kernels do with their own counts;
+  kernels do with their own counts (``record_scale_range``);
 * underflows count only where they can change the result (``fp4vis.scale_range.significant_underflow``), which needs
-  the whole call's maxima: each program adds its underflows and the maxima of its ``ScaleRange.flushed`` and
-  ``.amax`` to the call's words (``CALL_UNDERFLOW`` ...; the float maxima as int32 bits: non-negative floats order
-  as their bits do), then counts itself done (``scale_range_done``, acq_rel); the program that finishes last,
-  which sees every other program's words, decides, adds the underflows that count to the record, raises the flag
-  where it does and clears the call's words. One launch or several in stream order (``programs``: their total),
-  no host synchronisation: CUDA-graph replays and torch.compile keep it.
+  the whole call's maxima: a program with underflows adds them, the maximum of its ``ScaleRange.flushed`` and the
+  call's q/k flush limit to the call's words (``CALL_UNDERFLOW`` ...; floats as int32 bits: non-negative floats
+  order as their bits do), and every program raises the call's ``.amax`` word where its own is larger (a plain read
+  first: an atomic only where it grows, so the programs do not queue on a few addresses);
+* the call's attention kernel, which runs after all of its pre-pass launches in stream order, decides once
+  (``decide_scale_range``: one thread or program of it; ``kernels/hopper/ptx.py`` has the Hopper kernel's PTX
+  twin), adds the underflows that count to the record, raises the flag where they do and clears the call's words.
+  No fence, no counter, no host synchronisation: CUDA-graph replays and torch.compile keep it. Where no attention
+  kernel follows a recorded pre-pass (the tests' statements, a launch that raised, a kernel variant that records
+  nothing), ``decide`` launches the same decision alone.
 
-``add_counts`` does the same from the host for a pre-pass written in PyTorch: one small launch per operand, no
-host synchronisation. The words of the call in flight are one set per device: calls recorded on two streams of
-one device at once would mix them (fp4vis records a device's calls on one stream at a time).
+``add_counts`` adds the counts of a pre-pass written in PyTorch: one small launch per operand, no host
+synchronisation. The words of the call in flight are one set per device: calls recorded on two streams of one
+device at once would mix them (fp4vis records a device's calls on one stream at a time).
 
 A record is passed as ``(fields, flag, call, score_scale)``: the device's int32 fields, the pinned host flag
 (which the GPU writes directly), the call's number and its score scale (the softmax scale times log2(e): scores
@@ -33,10 +37,10 @@ import triton.language as tl
 from fp4vis.backends.range_record import (
     CALL_AMAX,
     CALL_FLUSHED,
+    CALL_LIMIT,
     CALL_UNDERFLOW,
     FIRST_CALL,
     NUM_FIELDS,
-    PROGRAMS_DONE,
     SCALE_OVERFLOW,
     SCALE_UNDERFLOW,
 )
@@ -55,64 +59,81 @@ _OVER = tl.constexpr(SCALE_OVERFLOW)
 _CALL_UNDER = tl.constexpr(CALL_UNDERFLOW)
 _CALL_FLUSHED = tl.constexpr(CALL_FLUSHED)
 _CALL_AMAX = tl.constexpr(CALL_AMAX)
-_DONE = tl.constexpr(PROGRAMS_DONE)
+_CALL_LIMIT = tl.constexpr(CALL_LIMIT)
 
 
 @triton.jit
-def _report(REC, FLAG, CALL, field, count):
-    """Add ``count`` to the record's word ``field``, lower its first call to CALL and store CALL at FLAG."""
-    tl.atomic_add(REC + field, count)
-    tl.atomic_min(REC + _FIRST, CALL)
-    tl.store(FLAG.to(tl.pointer_type(tl.int32), bitcast=True), CALL)
+def _report(REC, FLAG, CALL, field, count, zero, where):
+    """Add ``count`` to the record's word ``field``, lower its first call to CALL and store CALL at FLAG (the flag's
+    int32, as a pointer or an address): scalars (``zero`` 0, ``where`` None), or elementwise on ``zero``, an int32
+    zero tensor, where ``where``."""
+    tl.atomic_add(REC + field + zero, count, mask=where)
+    tl.atomic_min(REC + _FIRST + zero, zero + CALL, mask=where)
+    tl.store(FLAG.to(tl.pointer_type(tl.int32), bitcast=True) + zero, zero + CALL, mask=where)
 
 
 @triton.jit
-def record_scale_range(REC, FLAG, CALL, operand, under, over, flushed, amax):
+def record_scale_range(REC, FLAG, CALL, LIMIT, operand, under, over, flushed, amax):
     """Add one program's ``*_scale_counts`` of ``operand`` (0 q, 1 k, 2 v) to the record REC (int32 words) where
-    CALL > 0: ``over`` to the record (storing CALL into the int32 at address FLAG), ``under`` and the float32
-    maxima ``flushed`` and ``amax`` to the call's words, which ``scale_range_done`` decides on."""
+    CALL > 0: ``over`` to the record (storing CALL into the int32 at address FLAG); where ``under`` > 0, ``under``,
+    the float32 maximum ``flushed`` and the q/k flush limit LIMIT (the same for every program of the call) to the
+    call's words; ``amax`` to the call's maximum, with an atomic only where it is larger than the word read.
+    The call's attention kernel decides on them (``decide_scale_range``)."""
     if CALL > 0:
         if over > 0:
-            _report(REC, FLAG, CALL, _OVER + operand, over)
+            _report(REC, FLAG, CALL, _OVER + operand, over, 0, None)
         if under > 0:
             tl.atomic_add(REC + _CALL_UNDER + operand, under, sem="relaxed")
-            tl.atomic_max(REC + _CALL_FLUSHED + operand, flushed.to(tl.int32, bitcast=True), sem="relaxed")
-        tl.atomic_max(REC + _CALL_AMAX + operand, amax.to(tl.int32, bitcast=True), sem="relaxed")
+            _raise_to(REC + _CALL_FLUSHED + operand, flushed.to(tl.int32, bitcast=True))
+            limit = tl.cast(tl.cast(LIMIT, tl.float32), tl.int32, bitcast=True)
+            if tl.load(REC + _CALL_LIMIT, volatile=True) != limit:   # stored once per call, not by every program
+                tl.store(REC + _CALL_LIMIT, limit)
+        _raise_to(REC + _CALL_AMAX + operand, amax.to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _take_float(ptr):
-    """The float32 whose bits the word at ptr holds, as float64; the word cleared."""
-    return tl.atomic_xchg(ptr, 0).to(tl.float32, bitcast=True).to(tl.float64)
+def _raise_to(word, bits):
+    """The call's maximum at ``word`` raised to ``bits`` (non-negative float32 bits), with an atomic only where it is
+    larger than the word read: the word only grows during a call, so a stale read costs at most one more atomic, and
+    the programs of a call do not queue on one address."""
+    if bits > tl.load(word, volatile=True):
+        tl.atomic_max(word, bits, sem="relaxed")
 
 
 @triton.jit
-def scale_range_done(REC, FLAG, CALL, LIMIT, programs):
-    """A program of the call's pre-pass is done (after its ``record_scale_range``), where CALL > 0; the last of
-    ``programs`` decides on the call's underflows (``fp4vis.scale_range.significant_underflow``, the same exact
-    arithmetic: float32 maxima multiplied in float64 against the float32 LIMIT, ``qk_flush_limit``), adds those that
-    count to the record and clears the call's words."""
+def _take_float(ptr, zero, first):
+    """The float32 whose bits the word at ptr holds, as float64; the word cleared (elementwise on ``zero`` where
+    ``first``, as ``decide_scale_range``)."""
+    return tl.atomic_xchg(ptr + zero, zero, mask=first).to(tl.float32, bitcast=True).to(tl.float64)
+
+
+@triton.jit
+def decide_scale_range(REC, FLAG, CALL, zero, first):
+    """The call's decision on its underflows, where CALL > 0, run once after all of its pre-pass programs (in stream
+    order): ``fp4vis.scale_range.significant_underflow``'s exact arithmetic (the float32 maxima multiplied in float64
+    against the float32 q/k flush limit the pre-pass left in the call's words; v: flushed > amax * 2^-24); the
+    underflows that count go to the record (FLAG: the flag's int32, as a pointer or an address) and every call word
+    is cleared. Elementwise on ``zero``, an int32 zero tensor, where ``first``, which holds one element: a Triton
+    program passes a tensor of one element, a warp-specialised Gluon kernel one per thread with thread 0's set (a
+    scalar atomic's thread predicate would be computed at the kernel's entry and kept live across its partitions).
+    ``kernels/hopper/ptx.py``'s ``decide_scale_range`` is its PTX twin."""
     if CALL > 0:
-        done = tl.atomic_add(REC + _DONE, 1, sem="acq_rel")
-        if done == programs - 1:
-            q_flushed = _take_float(REC + _CALL_FLUSHED)
-            k_flushed = _take_float(REC + _CALL_FLUSHED + 1)
-            v_flushed = _take_float(REC + _CALL_FLUSHED + 2)
-            q_amax = _take_float(REC + _CALL_AMAX)
-            k_amax = _take_float(REC + _CALL_AMAX + 1)
-            v_amax = _take_float(REC + _CALL_AMAX + 2)
-            limit = tl.cast(LIMIT, tl.float64)
-            for operand in tl.static_range(3):
-                under = tl.atomic_xchg(REC + _CALL_UNDER + operand, 0)
-                if operand == 0:
-                    counts = q_flushed * k_amax > limit
-                elif operand == 1:
-                    counts = k_flushed * q_amax > limit
-                else:
-                    counts = v_flushed > v_amax * 5.9604644775390625e-08   # V_FLUSH_FRACTION
-                if counts & (under > 0):
-                    _report(REC, FLAG, CALL, _UNDER + operand, under)
-            tl.atomic_xchg(REC + _DONE, 0)
+        q_flushed = _take_float(REC + _CALL_FLUSHED, zero, first)
+        k_flushed = _take_float(REC + _CALL_FLUSHED + 1, zero, first)
+        v_flushed = _take_float(REC + _CALL_FLUSHED + 2, zero, first)
+        q_amax = _take_float(REC + _CALL_AMAX, zero, first)
+        k_amax = _take_float(REC + _CALL_AMAX + 1, zero, first)
+        v_amax = _take_float(REC + _CALL_AMAX + 2, zero, first)
+        limit = _take_float(REC + _CALL_LIMIT, zero, first)
+        for operand in tl.static_range(3):
+            under = tl.atomic_xchg(REC + _CALL_UNDER + operand + zero, zero, mask=first)
+            if operand == 0:
+                counts = q_flushed * k_amax > limit
+            elif operand == 1:
+                counts = k_flushed * q_amax > limit
+            else:
+                counts = v_flushed > v_amax * 5.9604644775390625e-08   # V_FLUSH_FRACTION
+            _report(REC, FLAG, CALL, _UNDER + operand, under, zero, first & counts & (under > 0))
 
 
 @triton.jit
@@ -154,12 +175,17 @@ def fp8_scale_counts(amax, D: tl.constexpr):
     return _total(under), 0, _top(tl.where(under, amax * D, 0.0)), _top(amax)
 
 
-@triton.jit(do_not_specialize=["FLAG", "CALL", "LIMIT", "operand", "programs"])
-def _add_counts(COUNTS, REC, FLAG, CALL, LIMIT, operand, programs):
+@triton.jit(do_not_specialize=["FLAG", "CALL", "LIMIT", "operand"])
+def _add_counts(COUNTS, REC, FLAG, CALL, LIMIT, operand):
     flushed = tl.load(COUNTS + 2).to(tl.float32, bitcast=True)
     amax = tl.load(COUNTS + 3).to(tl.float32, bitcast=True)
-    record_scale_range(REC, FLAG, CALL, operand, tl.load(COUNTS), tl.load(COUNTS + 1), flushed, amax)
-    scale_range_done(REC, FLAG, CALL, LIMIT, programs)
+    record_scale_range(REC, FLAG, CALL, LIMIT, operand, tl.load(COUNTS), tl.load(COUNTS + 1), flushed, amax)
+
+
+@triton.jit(do_not_specialize=["FLAG", "CALL"])
+def _decide(REC, FLAG, CALL):
+    zero = tl.zeros((1,), tl.int32)
+    decide_scale_range(REC, FLAG, CALL, zero, zero == 0)
 
 
 _NO_RECORD: dict[torch.device, torch.Tensor] = {}
@@ -190,11 +216,17 @@ def placeholder(device: torch.device) -> torch.Tensor:
     return t
 
 
-def add_counts(counts: torch.Tensor, record: tuple | None, operand: int, programs: int) -> None:
+def add_counts(counts: torch.Tensor, record: tuple | None, operand: int) -> None:
     """Add the int32 words of a ``fp4vis.formats`` ``*_scale_counts`` function to ``record`` under ``operand``
-    (``Q_OPERAND``, ``K_OPERAND`` or ``V_OPERAND``), as one of the ``programs`` launches of the call's pre-pass
-    (one per operand counted: the last decides, ``scale_range_done``); nothing where ``record`` is None or its
-    call 0."""
+    (``Q_OPERAND``, ``K_OPERAND`` or ``V_OPERAND``), one launch; nothing where ``record`` is None or its call 0."""
     if record is not None and record[2]:
         fields, flag, call, limit = words(record, counts.device)
-        _add_counts[(1,)](counts, fields, flag, call, limit, operand, programs)
+        _add_counts[(1,)](counts, fields, flag, call, limit, operand)
+
+
+def decide(record: tuple | None) -> None:
+    """``decide_scale_range`` in a launch of its own, for a recorded pre-pass that no attention kernel follows:
+    ``record`` a ``fp4vis.call.RecordSlot`` (fields, flag, number) or the pre-passes' tuple (``recorded``); nothing
+    where it is None or its call 0."""
+    if record is not None and record[2]:
+        _decide[(1,)](record[0], record[1].data_ptr(), record[2])

@@ -60,13 +60,13 @@ from fp4vis.tracing import constant_at_trace_time
 
 # fields of the device record (int32, byte offsets 0, 4, 8, 12: the attention kernels' contract); then the
 # blocks of q, k, v whose scale underflows (SCALE_UNDERFLOW + 0, 1, 2) or saturates (SCALE_OVERFLOW + 0, 1, 2)
-# its format (the pre-passes' contract); then the pre-passes' words of the call in flight, which the program that
-# finishes last moves into SCALE_UNDERFLOW where they can change the result, and clears (kernels/scale_record.py):
+# its format (the pre-passes' contract); then the pre-passes' words of the call in flight, which the call's
+# attention kernel moves into SCALE_UNDERFLOW where they can change the result, and clears (kernels/scale_record.py):
 # its underflows (CALL_UNDERFLOW + 0, 1, 2), its ScaleRange.flushed and .amax as float32 bits (CALL_FLUSHED,
-# CALL_AMAX + 0, 1, 2) and its programs done (PROGRAMS_DONE)
+# CALL_AMAX + 0, 1, 2) and its q/k flush limit as float32 bits (CALL_LIMIT)
 SATURATED, EMPTY_ROWS, NONFINITE, FIRST_CALL = range(4)
 SCALE_UNDERFLOW, SCALE_OVERFLOW = 4, 7
-CALL_UNDERFLOW, CALL_FLUSHED, CALL_AMAX, PROGRAMS_DONE = 10, 13, 16, 19
+CALL_UNDERFLOW, CALL_FLUSHED, CALL_AMAX, CALL_LIMIT = 10, 13, 16, 19
 NUM_FIELDS = 20
 NO_CALL = 2**31 - 1          # FIRST_CALL before any call reported (the kernels take a minimum)
 KEPT_CALLS = 4096            # CallInfo kept for error messages (the most recent calls)

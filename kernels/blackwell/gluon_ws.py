@@ -41,7 +41,8 @@ where CALL > 0 each Direct-P warpgroup leaves its counts per row in shared memor
 sums them over the rows of SQ with its empty rows (den = 0) and its outputs that are NaN or round to Inf in
 OUT's dtype, and where any count is not zero thread 0 adds them to REC, lowers REC[3] to CALL and stores CALL
 into FLAG. CALL = 0 records nothing (REC, FLAG may be any int32 memory); the steady loop's cost is the count
-(four compares and two packed adds per tile and thread).
+(four compares and two packed adds per tile and thread). CTA (0, 0)'s epilogue also decides on the underflows the
+call's pre-pass left in the record (``kernels/scale_record.py``: ``decide_scale_range``, the serial kernel's).
 No anchors or native positions in this build.
 """
 
@@ -63,6 +64,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 
 from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 
+from ..scale_record import decide_scale_range
 from .config import E8M0_BIAS, LOG2_1P5, LOG2_6, MAX_EXP_BYTE, WS_STAGES, WS_WARPS
 from .ptx import E2M1X2, FMA_F32X2
 
@@ -128,13 +130,20 @@ def _direct_p_fast(raw, s_log2, affine_a, affine_b, shift, BLOCK_M: gl.constexpr
 # ---------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _add_to_record(REC, FLAG, CALL, n_sat, n_empty, n_nonfinite, like):
-    """kernel.py's atomics of the record, by thread 0 of the CTA: REC[0..2] += the counts, REC[3] = min(REC[3],
-    CALL), FLAG = CALL. ``like``: an int32 tensor of one element per thread. Thread 0 is found by reading %tid.x
-    here (inline asm, not hoisted): a scalar atomic's own one-thread predicate reuses the lane and warp ids
-    computed at the kernel's entry, which then stay live across every partition and spill at D = 128."""
+def _first_thread(like):
+    """Which element of ``like`` (an int32 tensor of one element per thread) thread 0 of the CTA holds. Thread 0 is
+    found by reading %tid.x here (inline asm, not hoisted): a scalar atomic's own one-thread predicate reuses the
+    lane and warp ids computed at the kernel's entry, which then stay live across every partition and spill at
+    D = 128."""
     tid = gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
-    first = tid == 0
+    return tid == 0
+
+
+@gluon.jit
+def _add_to_record(REC, FLAG, CALL, n_sat, n_empty, n_nonfinite, like):
+    """kernel.py's atomics of the record, by thread 0 of the CTA (``_first_thread``): REC[0..2] += the counts,
+    REC[3] = min(REC[3], CALL), FLAG = CALL. ``like``: an int32 tensor of one element per thread."""
+    first = _first_thread(like)
     zero = gl.zeros_like(like)
     gl.atomic_add(REC + zero, zero + n_sat, mask=first)
     gl.atomic_add(REC + 1 + zero, zero + n_empty, mask=first)
@@ -439,6 +448,8 @@ def direct_p_ws_fwd(q_desc, qs_desc, k_desc, ks_desc, v_desc, vs_desc, OUT, REC,
         n_sat = gl.sum(gl.where(rows, sat_smem.index(0).load(sat_reg) + sat_smem.index(1).load(sat_reg), 0), axis=0)
         if n_sat + n_empty + n_nonfinite > 0:
             _add_to_record(REC, FLAG, CALL, n_sat, n_empty, n_nonfinite, om)
+        if (pid_m == 0) & (pid_g == 0):   # the pre-pass's scale range, once per call (module docstring)
+            decide_scale_range(REC, FLAG, CALL, gl.zeros_like(om), _first_thread(om))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ keeps it: each program counts its saturated (row, block) pairs (e + 127 > 254), 
 and its outputs of rows of SQ that are NaN or Inf in the output dtype; where CALL > 0 and a count is
 not zero it adds them to REC (int32: saturated, empty, non-finite, first call as a minimum) and stores
 CALL into FLAG (pinned host memory). CALL = 0 records nothing (REC and FLAG may be any int32 memory).
+Program (0, 0) also decides on the underflows the call's pre-pass left in the record, which it finished before
+this launch in stream order (``kernels/scale_record.py``: ``decide_scale_range``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import triton.language as tl
 
 from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 
+from ..scale_record import decide_scale_range
 from ..triton_formats import e2m1_index, e2m1_value
 from .config import E8M0_BIAS, KEY_BLOCK, LOG2_1P5, LOG2_6, MAX_EXP_BYTE, NVFP4_BLOCK
 from .ptx import E2M1X2, FMA_F32X2
@@ -309,6 +312,9 @@ def direct_p_fwd(QC, QS, KC, KS, VC, VS, OUT, REC, FLAG, KEY_LENS,
             tl.atomic_add(REC + 2, n_nonfinite)
             tl.atomic_min(REC + 3, CALL)
             tl.store(FLAG, CALL)
+        if (pid_m == 0) & (pid_g == 0):   # the pre-pass's scale range, once per call (module docstring)
+            zero_word = tl.zeros((1,), tl.int32)   # (``zero`` is the kernel's float runtime zero)
+            decide_scale_range(REC, FLAG, CALL, zero_word, zero_word == 0)
 
 
 # the kernel's runtime argument list, in order (the cubin launcher builds its ABI from it)

@@ -22,7 +22,7 @@ from fp4vis.call import AttentionCall
 from fp4vis.tracing import warn_once
 
 from ..kept_keys import kept_keys
-from ..scale_record import recorded
+from ..scale_record import decide, recorded
 from . import cubin as cubin_mod
 from . import selfcheck
 from .config import WARP_SPECIALIZED_ARCHS, WS_STAGES, WS_WARPS, KernelConfig
@@ -118,7 +118,8 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
     """The eager launcher: ``call`` (validated (B, H, S, D) CUDA views) through the pre-pass and the kernel,
     without the self-check's gate (the self-check runs this). ``launcher(cfg, grid, args)``: another launch of the
     serial kernel (the tests inject Triton's interpreter). The call's ``record``: the kernel adds its range counts
-    there."""
+    there and decides on the scale range the pre-pass recorded (``kernels/scale_record.py``; ``decide`` where the
+    launch raised)."""
     from .kernel import grid, runtime_args
     q, k, v = call.q, call.k, call.v
     index = _index(q.device)
@@ -130,14 +131,18 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
         k, v, key_lengths = kept_keys(k, v, call.key_mask, params.anchor)
         perm_anchor = 0
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    ops = prepare(q, k, v, params.qk_layout, perm_anchor, cfg.block_m, cfg.block_n,
-                  record=recorded(call.record, call.scale))
     b, h = q.shape[:2]
-    out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
-    if launcher is None:
-        get_kernel(index, cfg)(cfg, ops, out, params, call.record, key_lengths, h)
-    else:
-        launcher(cfg, grid(cfg, ops), runtime_args(ops, out, params, call.record, key_lengths, h))
+    try:
+        ops = prepare(q, k, v, params.qk_layout, perm_anchor, cfg.block_m, cfg.block_n,
+                      record=recorded(call.record, call.scale))
+        out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
+        if launcher is None:
+            get_kernel(index, cfg)(cfg, ops, out, params, call.record, key_lengths, h)
+        else:
+            launcher(cfg, grid(cfg, ops), runtime_args(ops, out, params, call.record, key_lengths, h))
+    except BaseException:
+        decide(call.record)   # no kernel decided on the pre-pass's scale range: its words must not reach the next call
+        raise
     return out.unflatten(0, (b, h))
 
 

@@ -67,15 +67,12 @@ def _pack_last(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-_OPERANDS = 3   # the operands counted per call, one add_counts launch each: q, k, v
-
-
 def _count(counts: torch.Tensor, record: tuple | None, operand: int) -> None:
     """Add a ``*_scale_counts`` tensor to the range record (``kernels/scale_record.py``; Triton, imported only
-    where a call records), as one of the call's three launches (the last decides on its underflows)."""
+    where a call records); the call's attention kernel decides on its underflows."""
     if record is not None and record[2]:
         from ..scale_record import add_counts
-        add_counts(counts, record, operand, _OPERANDS)
+        add_counts(counts, record, operand)
 
 
 def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, record: tuple | None = None,
@@ -149,7 +146,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, a
     "folded64_mse") and ``anchor`` samples (0: none), tiles of block_m rows and block_n keys.
     ``fused``: the Triton pre-pass (default on CUDA tensors), else the PyTorch statement. ``record``: the
     range record's (fields, flag, call, score scale) that the blocks whose scale leaves its format are counted into
-    (docs/numerics.md section 1, "Scale range"; ``kernels/scale_record.py``: ``recorded``), on either path."""
+    (docs/numerics.md section 1, "Scale range"; ``kernels/scale_record.py``: ``recorded``), on either path; the
+    call's attention kernel decides on the underflows (``scale_record.decide`` where none follows)."""
     q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
     sq, skv = q.shape[-2], k.shape[-2]
     rows_q = -(-sq // block_m) * block_m
@@ -157,10 +155,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, a
     perm = cached_anchor_permutation(skv, anchor, k.device) if anchor > 0 else None
     tp = _fused_module(q, fused)
     if tp is not None:
-        counted = tp.RecordedLaunches(record, tp.programs(q.shape, rows_q, keys))
-        vc, vs = tp.mxfp4_v_operand(v, keys, perm, counted)
-        qc, qs = tp.nvfp4_operand(q, qk_layout, rows_q, None, counted, 0)
-        kc, ks = tp.nvfp4_operand(k, qk_layout, keys, perm, counted, 1)
+        vc, vs = tp.mxfp4_v_operand(v, keys, perm, record)
+        qc, qs = tp.nvfp4_operand(q, qk_layout, rows_q, None, record, 0)
+        kc, ks = tp.nvfp4_operand(k, qk_layout, keys, perm, record, 1)
     else:
         kp, vp = (k.index_select(-2, perm), v.index_select(-2, perm)) if perm is not None else (k, v)
         qc, qs = nvfp4_operand(q, qk_layout, rows_q, record, 0)

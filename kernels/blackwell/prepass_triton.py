@@ -19,13 +19,11 @@ into the E4M3 rounding's addition would round once instead of twice).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from ..scale_record import mxfp4_scale_counts, nvfp4_scale_counts, record_scale_range, scale_range_done
+from ..scale_record import mxfp4_scale_counts, nvfp4_scale_counts, record_scale_range
 from ..scale_record import words as record_words
 from ..triton_formats import (
     bf16_round,
@@ -44,25 +42,6 @@ from ..triton_formats import (
 BLOCK_R = 32   # Q/K rows per program
 
 
-class RecordedLaunches(NamedTuple):
-    """The range record of a call's three launches (``kernels/scale_record.py``): the record's (fields, flag, call,
-    score scale) or None, and the launches' ``programs`` in all (the last of them decides on the call's
-    underflows)."""
-
-    record: tuple | None
-    programs: int
-
-    def words(self, device: torch.device) -> tuple:
-        """The launches' REC, FLAG, CALL, LIMIT, PROGRAMS arguments."""
-        return (*record_words(self.record, device), self.programs)
-
-
-def programs(q_shape: tuple, rows_q: int, keys: int) -> int:
-    """The programs of ``prepass.prepare``'s three launches for (G, S, D) q: V's (one per 32 keys), Q's and K's
-    (one per BLOCK_R rows), per head."""
-    return q_shape[0] * (keys // 32 + triton.cdiv(rows_q, BLOCK_R) + triton.cdiv(keys, BLOCK_R))
-
-
 @triton.jit
 def _decoded64(a, safe, sc):
     """P = |E2M1(a / sc)| * sc in float64 (exact: at most 6 significant bits); 0 where sc = 0."""
@@ -70,13 +49,13 @@ def _decoded64(a, safe, sc):
     return tl.where(sc == 0.0, 0.0, p)
 
 
-@triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "LIMIT", "PROGRAMS", "OPERAND"])
-def _nvfp4_rows(X, PERM, C, S, REC, FLAG, CALL, LIMIT, PROGRAMS, OPERAND, ROWS_IN, ROWS_OUT, D: tl.constexpr,
+@triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "LIMIT", "OPERAND"])
+def _nvfp4_rows(X, PERM, C, S, REC, FLAG, CALL, LIMIT, OPERAND, ROWS_IN, ROWS_OUT, D: tl.constexpr,
                 FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rows [r0, r0 + BLOCK_R) of head g: C (G, ROWS_OUT, D/2) packed codes, S (G, ROWS_OUT, D/16)
     E4M3 bytes; rows >= ROWS_IN are zero. The scale range is counted into the range record (REC, FLAG)
-    as OPERAND (0 q, 1 k) where CALL > 0, as one of the call's PROGRAMS pre-pass programs, the last deciding on the
-    underflows against LIMIT (``kernels/scale_record.py``)."""
+    as OPERAND (0 q, 1 k) where CALL > 0, underflows with the q/k flush limit LIMIT into the call's words, on which
+    the call's attention kernel decides (``kernels/scale_record.py``)."""
     g = tl.program_id(1).to(tl.int64)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < ROWS_IN
@@ -124,7 +103,7 @@ def _nvfp4_rows(X, PERM, C, S, REC, FLAG, CALL, LIMIT, PROGRAMS, OPERAND, ROWS_I
         # with the largest scale; only its value matters
         best_sc = tl.where(amax >= 48.0 * top_sc, top_sc, best_sc)
         under, over, flushed, top = nvfp4_scale_counts(best_sc, amax, base, 32)
-        record_scale_range(REC, FLAG, CALL, OPERAND, under, over, flushed, top)
+        record_scale_range(REC, FLAG, CALL, LIMIT, OPERAND, under, over, flushed, top)
         bsc3 = tl.broadcast_to(best_sc[:, :, None], aa.shape)
         ca = tl.reshape(e2m1_codes(a3, bsc3), (BLOCK_R, D // 2))
         cb = tl.reshape(e2m1_codes(b3, bsc3), (BLOCK_R, D // 2))
@@ -146,7 +125,7 @@ def _nvfp4_rows(X, PERM, C, S, REC, FLAG, CALL, LIMIT, PROGRAMS, OPERAND, ROWS_I
         base = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
         sc = e4m3_round(base)
         under, over, flushed, top = nvfp4_scale_counts(sc, amax, base, 16)
-        record_scale_range(REC, FLAG, CALL, OPERAND, under, over, flushed, top)
+        record_scale_range(REC, FLAG, CALL, LIMIT, OPERAND, under, over, flushed, top)
         codes = tl.reshape(e2m1_codes(xb, tl.broadcast_to(sc[:, :, None], xb.shape)), (BLOCK_R, D))
         packed = tl.where(live2, packed_e2m1_pairs(codes), 0).to(tl.uint8)
         sbytes = tl.where(live2, e4m3_byte(sc), 0).to(tl.uint8)
@@ -154,11 +133,10 @@ def _nvfp4_rows(X, PERM, C, S, REC, FLAG, CALL, LIMIT, PROGRAMS, OPERAND, ROWS_I
         ods = tl.arange(0, NB)
         tl.store(C + g * ROWS_OUT * (D // 2) + r[:, None] * (D // 2) + odp[None, :], packed, mask=rows_ok[:, None])
         tl.store(S + g * ROWS_OUT * NB + r[:, None] * NB + ods[None, :], sbytes, mask=rows_ok[:, None])
-    scale_range_done(REC, FLAG, CALL, LIMIT, PROGRAMS)
 
 
-@triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "LIMIT", "PROGRAMS"])
-def _mxfp4_v(V, PERM, VC, VS, REC, FLAG, CALL, LIMIT, PROGRAMS, ROWS_IN, KEYS, D: tl.constexpr,
+@triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "LIMIT"])
+def _mxfp4_v(V, PERM, VC, VS, REC, FLAG, CALL, LIMIT, ROWS_IN, KEYS, D: tl.constexpr,
              HAS_PERM: tl.constexpr):
     """One 32-token block of head g: VC (G, D, KEYS/2) codes packed along tokens, VS (G, D, KEYS/32)
     E8M0 bytes; tokens >= ROWS_IN are zero. The scale range is counted as ``_nvfp4_rows`` does (operand 2)."""
@@ -174,7 +152,7 @@ def _mxfp4_v(V, PERM, VC, VS, REC, FLAG, CALL, LIMIT, PROGRAMS, ROWS_IN, KEYS, D
                           other=0.0))
     amax = tl.max(tl.abs(v), axis=0)                                  # (D,)
     under, over, flushed, top = mxfp4_scale_counts(amax)
-    record_scale_range(REC, FLAG, CALL, 2, under, over, flushed, top)
+    record_scale_range(REC, FLAG, CALL, LIMIT, 2, under, over, flushed, top)
     u = mxfp4_scale_exponent(amax)
     y = v * pow2(127 - u)[None, :] * 6.0                              # exact for BF16/FP16 v
     idx = e2m1_index(tl.abs(y))
@@ -185,38 +163,34 @@ def _mxfp4_v(V, PERM, VC, VS, REC, FLAG, CALL, LIMIT, PROGRAMS, ROWS_IN, KEYS, D
     tp = tl.arange(0, 16)
     tl.store(VC + g * D * (KEYS // 2) + od[:, None] * (KEYS // 2) + blk * 16 + tp[None, :], packed)
     tl.store(VS + g * D * (KEYS // 32) + od * (KEYS // 32) + blk, u.to(tl.uint8))
-    scale_range_done(REC, FLAG, CALL, LIMIT, PROGRAMS)
 
 
-def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, perm: torch.Tensor | None,
-                  counted: RecordedLaunches | None = None, operand: int = 0):
+def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, perm: torch.Tensor | None, record: tuple | None = None,
+                  operand: int = 0):
     """Fused form of ``prepass.nvfp4_operand`` (after an optional row gather ``perm``) for
     (G, S, D) x: (codes (G, rows, D/2) u8, scales (G, rows, D/16) float8_e4m3fn); counted as ``operand`` into
-    ``counted`` (None: not counted)."""
+    ``record`` (``kernels/scale_record.py``: ``recorded``; None: not counted)."""
     g, s, d = x.shape
     x = x.contiguous()
     codes = torch.empty(g, rows, d // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(g, rows, d // 16, dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(rows, BLOCK_R), g)
-    _nvfp4_rows[grid](x, perm if perm is not None else codes, codes, scales, *_words(counted, x.device), operand,
+    _nvfp4_rows[grid](x, perm if perm is not None else codes, codes, scales, *record_words(record, x.device), operand,
                       s, rows, D=d,
                       FOLDED=layout == "folded64_mse", HAS_PERM=perm is not None, BLOCK_R=BLOCK_R, num_warps=4,
                       enable_fp_fusion=False)
     return codes, scales.view(torch.float8_e4m3fn)
 
 
-def mxfp4_v_operand(v: torch.Tensor, keys: int, perm: torch.Tensor | None, counted: RecordedLaunches | None = None):
-    """Fused form of ``prepass.mxfp4_v_operand`` (after an optional row gather ``perm``), counted into ``counted``
+def mxfp4_v_operand(v: torch.Tensor, keys: int, perm: torch.Tensor | None, record: tuple | None = None):
+    """Fused form of ``prepass.mxfp4_v_operand`` (after an optional row gather ``perm``), counted into ``record``
     as ``nvfp4_operand``."""
     g, s, d = v.shape
     v = v.contiguous()
     codes = torch.empty(g, d, keys // 2, dtype=torch.uint8, device=v.device)
     scales = torch.empty(g, d, keys // 32, dtype=torch.uint8, device=v.device)
-    _mxfp4_v[(keys // 32, g)](v, perm if perm is not None else codes, codes, scales, *_words(counted, v.device),
+    _mxfp4_v[(keys // 32, g)](v, perm if perm is not None else codes, codes, scales, *record_words(record, v.device),
                               s, keys, D=d,
                               HAS_PERM=perm is not None, num_warps=4, enable_fp_fusion=False)
     return codes, scales
 
-
-def _words(counted: RecordedLaunches | None, device: torch.device) -> tuple:
-    return (counted or RecordedLaunches(None, 0)).words(device)

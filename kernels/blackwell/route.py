@@ -56,7 +56,8 @@ def driver_version() -> int:
 def _source_hash() -> str:
     here = os.path.dirname(__file__)
     h = hashlib.sha256()
-    for name in ("kernel.py", "gluon_ws.py", "ptx.py", "prepass.py", "config.py"):
+    # the kernels' sources, with the range record's decision they share with the pre-passes
+    for name in ("kernel.py", "gluon_ws.py", "ptx.py", "prepass.py", "config.py", "../scale_record.py"):
         with open(os.path.join(here, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

@@ -20,6 +20,10 @@ from fp4vis.policy import QK_FP8, KernelParams, Policy
 # ------------------------------------------------------------------------------------------------
 TILE_M_PER_WG = 64      # query rows per consumer warpgroup (one WGMMA M)
 NUM_MMA_WG = 2          # default consumer warpgroups per CTA (DirectPConfig.num_wg: 2, 3 with 64-key tiles, 1 serial)
+# the FP8 P/V softmax at D = 64: three consumer warpgroups of 128-key tiles (its registers fit 160 per thread), a
+# third softmax beside the matrix products: against two on the H100, 1-3 % less kernel time for `fp8`, 9-14 % for
+# `fp8pv` (benchmarks/results/20261206e_h100_kernel.json, hopper_kernel against hopper_kernel@//2)
+PV_FP8_D64_WG = 3
 TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 64 also supported
 KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
@@ -79,7 +83,7 @@ class DirectPConfig:
     schedule: str = "pingpong"       # see SCHEDULES
     tile_n: int = TILE_N             # keys per tile: 128, or 64 (what the overlapped schedule fits)
     p_path: str = "packed"           # see P_PATHS
-    num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3 needs 64-key tiles
+    num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3: 64-key tiles, or pv_fp8 at D = 64
     code_rounding: str = "exact"     # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
     qk_fp8: bool = False             # Policy.qk_format "fp8_e4m3": FP8 Q/K with power-of-two row/block scales
     block_scales: str = "quad"       # see BLOCK_SCALES_MODES ("quad" needs 128-key tiles)
@@ -137,6 +141,8 @@ class DirectPConfig:
         if qk_fp8 and anchor > 0:
             raise ValueError("qk_fp8 with anchors is not implemented: the anchor maximum would have to "
                              "be taken over rescaled scores")
+        if params.pv_fp8 and num_wg is None and head_dim == 64:
+            num_wg = PV_FP8_D64_WG
         num_wg = num_wg or NUM_MMA_WG
         if num_wg not in REGS_CONSUMER:
             raise ValueError(f"num_wg: one of {tuple(REGS_CONSUMER)}, got {num_wg!r}")
@@ -146,8 +152,10 @@ class DirectPConfig:
         if num_wg == 3 and anchor > 64:
             num_wg = 2     # three warpgroups need 64-key tiles, which hold at most 64 anchors
         if tile_n is None:
-            tile_n = 64 if schedule == "overlap" or num_wg == 3 else 128
-        if num_wg == 3 and (tile_n != 64 or schedule == "overlap"):
+            tile_n = 64 if schedule == "overlap" or (num_wg == 3 and not params.pv_fp8) else 128
+        if num_wg == 3 and params.pv_fp8 and head_dim != 64:
+            raise ValueError("num_wg = 3 with pv_fp8 needs head_dim 64 (registers: 160 per consumer thread)")
+        if num_wg == 3 and not params.pv_fp8 and (tile_n != 64 or schedule == "overlap"):
             raise ValueError("num_wg = 3 needs tile_n = 64 and the pingpong or serial schedule "
                              "(registers: 160 per consumer thread)")
         if schedule == "overlap" and tile_n != 64:

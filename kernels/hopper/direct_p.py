@@ -147,6 +147,10 @@ class DirectP:
             a = cute.arch.fmax(a, cute.arch.shuffle_sync_bfly(a, offset=2))
             self.row_m[r] = a + m_offset
 
+    def before_pv(self):
+        """What runs right before the kernel issues a P V product: nothing for Direct-P (a fixed row reference, no
+        output to rescale; ``softmax_fp8.SoftmaxFP8`` rescales its output there)."""
+
     @cute.jit
     def tile_masked_if_last(self, acc_s, r_p, tile_scales, seqlen_k, j, n_tiles, partial_last):
         """``tile`` of key tile j (serial and overlapped schedules): the masked variant (keys >= Skv) only

@@ -60,6 +60,7 @@ from .layout import FP8_KEY_TILE
 from .ptx import (
     abs_max_nan,
     count_zero_row,
+    decide_scale_range,
     not_below,
     record_range,
 )
@@ -254,6 +255,9 @@ class DirectPAttentionSm90:
             if warp_idx == 0:
                 self.producer(tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
                               m_blk, h_idx, b_idx, n_tiles)
+            if const_expr(self.cfg.range_record):   # the pre-pass's scale range (it ran before), once per call:
+                if tidx == 32 and m_blk == 0 and h_idx == 0 and b_idx == 0:   # an idle thread (warp 1) of CTA 0
+                    decide_scale_range(range_record, range_flag, call_number)
         else:
             cute.arch.warpgroup_reg_alloc(self.regs_consumer)
             self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, mVs, s_log2, m_offset,
@@ -383,6 +387,7 @@ class DirectPAttentionSm90:
 
                 # O += P V
                 kv_pipe.consumer_wait(kv_state)
+                dp.before_pv()
                 cute.nvgpu.warpgroup.fence()
                 cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, kv_state.index * self.v_slot_factor], acc_o)
                 cute.nvgpu.warpgroup.commit_group()
@@ -438,6 +443,7 @@ class DirectPAttentionSm90:
         # the last tensor phase: O += P_{n-1} V_{n-1}
         kv_pipe.consumer_wait(v_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
+        dp.before_pv()
         cute.nvgpu.warpgroup.fence()
         cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
         cute.nvgpu.warpgroup.commit_group()
@@ -468,6 +474,9 @@ class DirectPAttentionSm90:
         cute.nvgpu.warpgroup.fence()
         self.qk_gemm(qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_state.index, acc_s)
         cute.nvgpu.warpgroup.commit_group()
+        if const_expr(self.cfg.pv_fp8):   # the output rescaled while S_j computes (no P V product in flight)
+            dp.before_pv()
+            cute.nvgpu.warpgroup.fence()
         cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
         cute.nvgpu.warpgroup.commit_group()
         cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
@@ -501,6 +510,7 @@ class DirectPAttentionSm90:
             cute.nvgpu.warpgroup.commit_group()
         dp.tile_masked_if_last(acc_cur, r_p, tile_scales, seqlen_k, j, n_tiles, partial_last)
         kv_pipe.consumer_wait(v_state)
+        dp.before_pv()
         cute.nvgpu.warpgroup.fence()
         cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
         cute.nvgpu.warpgroup.commit_group()

@@ -23,6 +23,7 @@ from fp4vis.call import AttentionCall, RecordSlot
 from fp4vis.config import KernelSettings, kernel_settings
 from fp4vis.policy import KernelParams
 
+from ..scale_record import decide
 from .config import DirectPConfig, product_config
 from .prepass import KernelOperands, kernel_operands
 
@@ -156,14 +157,22 @@ def launch(cfg: DirectPConfig, ops: KernelOperands, out: torch.Tensor, params: K
 
 def attention(call: AttentionCall, config: DirectPConfig | None = None) -> torch.Tensor:
     """The eager launcher: ``call`` (validated, (B, H, S, D) CUDA views) through the pre-pass and the kernel.
-    ``config``: a kernel variant (the tests', the benchmarks'); None: ``product_config`` for the call."""
+    ``config``: a kernel variant (the tests', the benchmarks'); None: ``product_config`` for the call. The kernel
+    decides on the scale range its pre-pass recorded (``kernels/scale_record.py``); where it does not run or records
+    nothing, ``scale_record.decide`` does."""
     q, k = call.q, call.k
     params = call.policy.kernel_params(q.shape[-1], call.scale)
     settings = kernel_settings()
     cfg = config or product_config(params, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16",
                                    short_sequences(q.shape[-2], k.shape[-2], settings), call.record is not None,
                                    call.key_mask is not None)
-    ops = kernel_operands(call, params, settings)
-    out = torch.empty(q.shape[:-1] + (call.v.shape[-1],), dtype=q.dtype, device=q.device)
-    launch(cfg, ops, out, params, call.record, settings.hopper_tvm_ffi)
+    try:
+        ops = kernel_operands(call, params, settings)
+        out = torch.empty(q.shape[:-1] + (call.v.shape[-1],), dtype=q.dtype, device=q.device)
+        launch(cfg, ops, out, params, call.record, settings.hopper_tvm_ffi)
+    except BaseException:
+        decide(call.record)   # no kernel decided on the pre-pass's scale range: its words must not reach the next call
+        raise
+    if call.record is not None and not cfg.range_record:
+        decide(call.record)   # a variant that records nothing (a timing P path) leaves the decision to its own launch
     return out

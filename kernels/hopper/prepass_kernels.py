@@ -35,7 +35,6 @@ from ..scale_record import (
     fp8_scale_counts,
     mxfp4_scale_counts,
     record_scale_range,
-    scale_range_done,
 )
 from ..triton_formats import (
     bf16_exact,
@@ -202,26 +201,44 @@ def pv_key_order(k):
     return 16 * (k // 16) + 8 * ((k % 4) // 2) + 2 * ((k % 16) // 4) + (k % 2)
 
 
-@triton.jit(do_not_specialize=["S", "SP", "H", "sb", "sh", "ss"])
-def _fp8_values_kernel(V, VT, AMAX, VS, S, SP, H, sb, sh, ss, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       ROW_ALIGN: tl.constexpr):
-    """One 32-key block of V (head group g = program 0, the block program 1: B * H is unbounded, S / 32 below
-    65536; a (B, H, S, D) view with strides sb, sh, ss, 1) as E4M3 of v / 2^E into V^T (G, D, SP) bytes with the
-    block's keys in ``pv_key_order``, E per channel from its maximum magnitude over the keys (AMAX, (G, D), v's
-    dtype; ``fp8_group_exponent``), and 2^E into VS (float32 (G, D), written by block 0); keys >= S are written as
-    0 (SP = S rounded up to 32: the kernel's TMA reads whole blocks)."""
+@triton.jit(do_not_specialize=["S", "H", "sb", "sh", "ss"])
+def _channel_amax_kernel(V, AMAX, S, H, sb, sh, ss, D: tl.constexpr, KEYS: tl.constexpr, ROW_ALIGN: tl.constexpr):
+    """The channel maxima of V's magnitudes over the keys (head group g = program 0, KEYS keys from program 1 on; a
+    (B, H, S, D) view with strides sb, sh, ss, 1) into AMAX (G, D) int32, zeroed first: the float32 bits of |v|,
+    which order as the values do (NaN above Inf: a NaN channel's maximum is NaN, as a float maximum gives it)."""
     g = tl.program_id(0)
-    blk = tl.program_id(1)
-    k = tl.arange(0, 32)
-    s = blk * 32 + pv_key_order(k)
+    s = tl.program_id(1) * KEYS + tl.arange(0, KEYS)
     valid = s < S
     src, _b, _h = _src_offsets(g, tl.where(valid, s, 0), H, sb, sh, ss, ROW_ALIGN)
-    dst = g.to(tl.int64) * D * SP + blk * 32 + k
+    dcol = tl.arange(0, D)
+    v = exact_f32(tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0))
+    top = tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=0)
+    tl.atomic_max(AMAX + g * D + dcol, top, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["S", "SP", "H", "sb", "sh", "ss"])
+def _fp8_values_kernel(V, VT, AMAX, VS, S, SP, H, sb, sh, ss, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       KEYS: tl.constexpr, ROW_ALIGN: tl.constexpr):
+    """KEYS keys of V (whole 32-key blocks; head group g = program 0, the keys program 1: B * H is unbounded,
+    S / KEYS below 65536; a (B, H, S, D) view with strides sb, sh, ss, 1) as E4M3 of v / 2^E into V^T (G, D, SP)
+    bytes with each 32-key block's keys in ``pv_key_order`` (KEYS bytes in a row per channel), E per channel from
+    its maximum magnitude over the keys (AMAX, (G, D), float32 bits: ``_channel_amax_kernel``;
+    ``fp8_group_exponent``), and 2^E into VS (float32 (G, D), written by program 0); keys >= S are written as 0 up to
+    SP = S rounded up to 32 (the kernel's TMA reads whole blocks)."""
+    g = tl.program_id(0)
+    blk = tl.program_id(1)
+    k = tl.arange(0, KEYS)
+    pos = blk * KEYS + k
+    s = blk * KEYS + 32 * (k // 32) + pv_key_order(k % 32)
+    valid = s < S
+    src, _b, _h = _src_offsets(g, tl.where(valid, s, 0), H, sb, sh, ss, ROW_ALIGN)
+    dst = g.to(tl.int64) * D * SP + pos
     for d0 in tl.static_range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
         v = exact_f32(tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0))
-        e = fp8_group_exponent(exact_f32(tl.load(AMAX + g * D + dcol)))
-        tl.store(VT + dst[:, None] + dcol[None, :].to(tl.int64) * SP, fp8_e4m3(v, e[None, :]))
+        e = fp8_group_exponent(tl.load(AMAX + g * D + dcol).to(tl.float32, bitcast=True))
+        tl.store(VT + dst[:, None] + dcol[None, :].to(tl.int64) * SP, fp8_e4m3(v, e[None, :]),
+                 mask=(pos < SP)[:, None])
         if blk == 0:
             tl.store(VS + g * D + dcol, pow2(e))
 
@@ -241,8 +258,8 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FL
     the rest: V blocks (NVB 32-token blocks per head group, gathered by PERM). Q, K, V: (B, H, S, D)
     views with the given strides; with NORM/ROPE, Q and K are the raw projections and ``_qk_values``
     normalises (rstd RQ/RK, weights WQ/WK) and rotates (COS, SIN) them on the way in. Each program adds
-    its scale-range counts to the range record (REC, FLAG) where CALL > 0, the last program deciding on the
-    underflows against the q/k flush limit LIMIT (``kernels/scale_record.py``)."""
+    its scale-range counts to the range record (REC, FLAG) where CALL > 0, its underflows with the q/k flush
+    limit LIMIT to the call's words, on which the call's attention kernel decides (``kernels/scale_record.py``)."""
     pid = tl.program_id(0)
     if pid < TQ + TK:
         # Q and K share one copy of the (large) quantizer code: pick the part's pointers and sizes
@@ -253,14 +270,13 @@ def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FL
         under, over, flushed, amax = _nvfp4_rows(X, Y, PERM, use_perm, tile, N, S, H, sb, sh, ss, R, W, COS, SIN, D,
                                                  FOLDED, HAS_PERM, BLOCK_R, CODES_F16, NORM, ROPE, FULL_SEARCH,
                                                  ROW_ALIGN)
-        record_scale_range(REC, FLAG, CALL, tl.where(pid < TQ, Q_PART, K_PART), under, over, flushed, amax)
+        record_scale_range(REC, FLAG, CALL, LIMIT, tl.where(pid < TQ, Q_PART, K_PART), under, over, flushed, amax)
     else:
         vid = pid - TQ - TK
         g = vid // NVB
         under, over, flushed, amax = _mxfp4_block(V, YV, PERM, vid - g * NVB, g, SK, H, VSB, VSH, VSS, D, HAS_PERM,
                                                   BLOCK_D, ROW_ALIGN)
-        record_scale_range(REC, FLAG, CALL, V_PART, under, over, flushed, amax)
-    scale_range_done(REC, FLAG, CALL, LIMIT, tl.num_programs(0))
+        record_scale_range(REC, FLAG, CALL, LIMIT, V_PART, under, over, flushed, amax)
 
 
 @triton.jit
@@ -318,19 +334,18 @@ def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, 
     if pid < TQ:
         under, over, flushed, amax = _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D,
                                                      BLOCK_Q, NORM, ROPE, ROW_ALIGN)
-        record_scale_range(REC, FLAG, CALL, Q_PART, under, over, flushed, amax)
+        record_scale_range(REC, FLAG, CALL, LIMIT, Q_PART, under, over, flushed, amax)
     else:
         kid = pid - TQ
         g = kid // NKB
         blk = kid - g * NKB
         under, over, flushed, amax = _fp8_key_block(K, K8, KS, PERM, blk, g, SK, NKB, H, KSB, KSH, KSS, RK, WK, COS,
                                                     SIN, D, HAS_PERM, NORM, ROPE, ROW_ALIGN)
-        record_scale_range(REC, FLAG, CALL, K_PART, under, over, flushed, amax)
+        record_scale_range(REC, FLAG, CALL, LIMIT, K_PART, under, over, flushed, amax)
         if blk < NVB:
             under, over, flushed, amax = _mxfp4_block(V, V6, PERM, blk, g, SK, H, VSB, VSH, VSS, D, HAS_PERM, BLOCK_D,
                                                       ROW_ALIGN)
-            record_scale_range(REC, FLAG, CALL, V_PART, under, over, flushed, amax)
-    scale_range_done(REC, FLAG, CALL, LIMIT, tl.num_programs(0))
+            record_scale_range(REC, FLAG, CALL, LIMIT, V_PART, under, over, flushed, amax)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ the Triton one; this module is not on it.
 It computes exactly ``fp4vis.reference.quantize_operands``' operands in the kernel's form, written without host
 synchronisation (no NaN checks, no boolean indexing): non-finite inputs become NaN operands, never a finite code;
 ``record`` (a ``fp4vis.call.RecordSlot``) gets the blocks whose scale leaves its format: one small launch per
-operand (``scale_record.add_counts``), the third deciding on the call's underflows."""
+operand (``scale_record.add_counts``); the decision on the call's underflows is left to what follows, as the fused
+pre-pass leaves it to the attention kernel (the tests: ``scale_record.decide``)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ from ..scale_record import add_counts
 from .layout import FP8_KEY_GROUP, fp8_key_scale_blocks
 from .prepass import KernelOperands, cached_anchor_permutation
 
-_OPERANDS = 3   # the launches of add_counts per call: q, k, v
-
 
 def _nan_where_not_finite(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x_hat, NaN where x is NaN or Inf (the quantizers saturate Inf to a finite code)."""
@@ -38,7 +37,7 @@ def _qk_hat(x: torch.Tensor, layout: str, record, operand: int) -> torch.Tensor:
         x_hat = nvfp4_qdq(x, layout)
     else:
         x_hat, counts = nvfp4_qdq_counted(x, layout)
-        add_counts(counts, record, operand, _OPERANDS)
+        add_counts(counts, record, operand)
     return _nan_where_not_finite(x_hat.to(torch.bfloat16), x)
 
 
@@ -47,14 +46,14 @@ def _fp8_values(x: torch.Tensor, group_rows: int, record, operand: int) -> tuple
     are E4M3 already: the cast is exact); its scale range counted as in ``_qk_hat``."""
     vals, scales = fp8_pow2_quantize(x, group_rows)
     if record is not None:
-        add_counts(fp8_pow2_scale_counts(x, group_rows), record, operand, _OPERANDS)
+        add_counts(fp8_pow2_scale_counts(x, group_rows), record, operand)
     return _nan_where_not_finite(vals, x).to(torch.float8_e4m3fn), scales.squeeze(-1).contiguous()
 
 
 def _v6(v: torch.Tensor, record) -> torch.Tensor:
     """MXFP4 ``alpha * c`` of V in BF16 (exact), NaN where v is not finite; its scale range counted."""
     if record is not None:
-        add_counts(mxfp4_scale_counts(v), record, 2, _OPERANDS)
+        add_counts(mxfp4_scale_counts(v), record, 2)
     return _nan_where_not_finite(mxfp4_qdq(v, times_six=True).to(torch.bfloat16), v)
 
 

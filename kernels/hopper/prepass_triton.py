@@ -24,6 +24,7 @@ import triton
 from ..scale_record import words as record_words
 from .layout import fp8_key_scale_blocks
 from .prepass_kernels import (
+    _channel_amax_kernel,
     _fp8_prepass_kernel,
     _fp8_values_kernel,
     _prepass_kernel,
@@ -39,6 +40,8 @@ from .prepass_tuning import (
     NVFP4_LAUNCH,
     RMS_BLOCK_T,
     RMS_THREADS,
+    V_AMAX_KEYS,
+    V_VALUE_KEYS,
     PrepassLaunch,
     default_warps,
     nvfp4_launch,
@@ -359,16 +362,19 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
 def fp8_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The V operand of the FP8 P/V kernel from a (B, H, S, D) view v (unit stride along D; D 64 or 128):
     (V^T E4M3 bytes (B, H, D, SP) with SP = S rounded up to 32, each 32-key block in ``pv_key_order``, zeros past
-    S; its float32 scales 2^E (B, H, D), one per channel: ``fp4vis.formats.fp8_channel_quantize``). Two launches,
-    no host synchronisation: the channel maxima (one reduction over S in PyTorch), then the bytes and scales."""
+    S; its float32 scales 2^E (B, H, D), one per channel: ``fp4vis.formats.fp8_channel_quantize``). No host
+    synchronisation: the channel maxima (zeroed words, ``_channel_amax_kernel``), then the bytes and scales."""
     b, h, s, d = v.shape
-    amax = torch.linalg.vector_norm(v, float("inf"), dim=-2)          # (B, H, D), exact in v's dtype
     sp = -(-s // 32) * 32
     vt = torch.empty((b, h, d, sp), dtype=torch.float8_e4m3fn, device=v.device)
     scales = torch.empty((b, h, d), dtype=torch.float32, device=v.device)
     if sp and b * h:
-        _fp8_values_kernel[(b * h, sp // 32)](v, vt, amax, scales, s, sp, h, v.stride(0), v.stride(1), v.stride(2),
-                                              d, min(d, 64), row_align(v), num_warps=4, enable_fp_fusion=False)
+        amax = torch.zeros((b, h, d), dtype=torch.int32, device=v.device)
+        args = (h, v.stride(0), v.stride(1), v.stride(2), d)
+        _channel_amax_kernel[(b * h, -(-s // V_AMAX_KEYS))](v, amax, s, *args, V_AMAX_KEYS, row_align(v),
+                                                           num_warps=4)
+        _fp8_values_kernel[(b * h, -(-sp // V_VALUE_KEYS))](v, vt, amax, scales, s, sp, *args, min(d, 64), V_VALUE_KEYS,
+                                                           row_align(v), num_warps=4, enable_fp_fusion=False)
     return vt, scales
 
 

@@ -28,6 +28,10 @@ FP8_MAX_REGISTERS = {128: 72, 64: None}
 # 20261129f_h200_prepass_d64-tune.json; 8 rows: 15-19 % slower, 20261203g and h).
 NVFP4_LAUNCH = {128: (8, 2, 80), 64: (16, 2, None)}
 FP8_BLOCK_Q = 32     # query rows per program of the FP8 pre-pass (as many values as a 32-key block)
+# keys per program of the FP8 P/V policies' V pass: the channel maxima (64 keys x D values on 4 warps), then the
+# E4M3 bytes (128 keys: each channel's row of V^T written as 128 consecutive bytes)
+V_AMAX_KEYS = 64
+V_VALUE_KEYS = 128
 RMS_THREADS = 128     # threads of torch's vectorized CUDA rms_norm block (32 x 4 warps): its sum order
 RMS_BLOCK_T = 8       # tokens per program of the rstd launch
 

@@ -12,6 +12,16 @@ from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4vis.backends.range_record import (
+    CALL_AMAX,
+    CALL_FLUSHED,
+    CALL_LIMIT,
+    CALL_UNDERFLOW,
+    FIRST_CALL,
+    SCALE_UNDERFLOW,
+)
+from fp4vis.scale_range import V_FLUSH_FRACTION
+
 from .config import EIGHTHS_LOG2
 
 LOG2_6 = math.log2(6.0)
@@ -204,6 +214,45 @@ def record_range(record: Int64, flag: Int64, call: Int32, saturated: Int32, empt
             "@p st.volatile.global.s32 [$1], $2; }")
     args = [Int64(record), Int64(flag), Int32(call), Int32(saturated), Int32(empty), Int32(nonfinite)]
     llvm.inline_asm(None, [a.ir_value(loc=loc, ip=ip) for a in args], body, "l,l,r,r,r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _f64_hex(x: float) -> str:
+    return f"0d{struct.unpack('<Q', struct.pack('<d', x))[0]:016X}"
+
+
+def _decision_ptx() -> str:
+    """PTX of ``decide_scale_range`` ($0 the record's address, $1 the flag's, $2 the call): the call words read and
+    cleared (``atom.exch``), then per operand the criterion and, where it holds, the record's atomics."""
+    def at(field: int) -> str:
+        return f"[$0+{4 * field}]"
+    take = [f"@live atom.global.exch.b32 {reg}, {at(field + i)}, 0;"
+            for field, regs in ((CALL_UNDERFLOW, "n"), (CALL_FLUSHED, "f"), (CALL_AMAX, "a"))
+            for i, reg in enumerate(r + str(j) for r in regs for j in range(3))]
+    take.append(f"@live atom.global.exch.b32 lim, {at(CALL_LIMIT)}, 0;")
+    body = ["{ .reg .pred live, p, c; .reg .s32 n0, n1, n2; .reg .f32 f0, f1, f2, a0, a1, a2, lim;",
+            ".reg .f64 x, y, l;", "setp.gt.s32 live, $2, 0;", *take, "cvt.f64.f32 l, lim;"]
+    for op, (flushed, amax) in enumerate((("f0", "a1"), ("f1", "a0"), ("f2", "a2"))):
+        body += [f"cvt.f64.f32 x, {flushed};", f"cvt.f64.f32 y, {amax};"]
+        if op < 2:    # q: q_flushed * k_amax > limit; k: k_flushed * q_amax > limit
+            body += ["mul.rn.f64 x, x, y;", "setp.gt.f64 p, x, l;"]
+        else:         # v: v_flushed > v_amax * V_FLUSH_FRACTION
+            body += [f"mul.rn.f64 y, y, {_f64_hex(V_FLUSH_FRACTION)};", "setp.gt.f64 p, x, y;"]
+        body += [f"setp.gt.s32 c, n{op}, 0;", "and.pred p, p, c;", "and.pred p, p, live;",
+                 f"@p red.global.add.s32 {at(SCALE_UNDERFLOW + op)}, n{op};",
+                 f"@p red.global.min.s32 {at(FIRST_CALL)}, $2;", "@p st.volatile.global.s32 [$1], $2;"]
+    return "\n".join(body) + " }"
+
+
+@dsl_user_op
+def decide_scale_range(record: Int64, flag: Int64, call: Int32, *, loc=None, ip=None) -> None:
+    """The PTX twin of ``kernels/scale_record.py``'s ``decide_scale_range``, for one thread of the call's attention
+    kernel, which runs after the call's pre-pass in stream order: where ``call`` > 0, the pre-pass's underflows that
+    can change the result (the same exact arithmetic: float32 maxima multiplied in float64 against the float32 q/k
+    flush limit; v against its amax * 2^-24) added to the record with the call's number, the number stored into the
+    flag, and every call word cleared; nothing where ``call`` is 0."""
+    args = [Int64(record), Int64(flag), Int32(call)]
+    llvm.inline_asm(None, [a.ir_value(loc=loc, ip=ip) for a in args], _decision_ptx(), "l,l,r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 

@@ -8,8 +8,8 @@ maximum m_j = max(m_{j-1}, that), P = 2^(t - m_j + 8) on the exponential unit (o
 score), the unrounded P summed into the row's denominator, and P rounded to E4M3 (``cvt.rn.satfinite.e4m3x2``:
 P <= 256, never saturated) straight into the A fragment of the P V WGMMA: slot k of a 32-key block is the
 accumulator column ``config.PV_FP8_KEY_ORDER[k]`` of the same thread, and V^T holds its keys in that order, so
-no value moves between registers or threads. The output accumulator and the denominator are multiplied by
-2^(m_{j-1} - m_j) once the P V product in flight (which reads the previous P and writes the accumulator) is done.
+no value moves between registers or threads. The denominator is multiplied by 2^(m_{j-1} - m_j) at once, the output
+accumulator just before the kernel issues the tile's P V product (``before_pv``), when no product writes it.
 A row whose tiles are all masked keeps m = -inf and gets l = 0 (its output 0, counted as an empty row).
 """
 
@@ -30,9 +30,11 @@ def softmax_fp8_for(cfg, s_log2: Float32, lane_q: Int32, acc_o: cute.Tensor) -> 
     """The softmax object of a ``pv_fp8`` kernel variant, its row state made in registers (m = -inf, l = 0)."""
     row_m = cute.make_rmem_tensor((2,), Float32)      # the running row maximum of t (log2 units)
     row_l = cute.make_rmem_tensor((2,), Float32)      # sum of 2^8 P relative to row_m, this thread's part
+    row_corr = cute.make_rmem_tensor((2,), Float32)   # 2^(m_{j-1} - m_j) of the last tile, for ``before_pv``
     row_m.fill(-Float32.inf)
     row_l.fill(0.0)
-    return SoftmaxFP8(cfg, s_log2, lane_q, row_m, row_l, None, None, acc_o)
+    row_corr.fill(1.0)
+    return SoftmaxFP8(cfg, s_log2, lane_q, row_m, row_l, None, None, acc_o, row_corr)
 
 
 @dataclass
@@ -41,8 +43,9 @@ class SoftmaxFP8(DirectP):
     rescales when the row maximum moves."""
 
     acc_o: cute.Tensor | None = None
+    row_corr: cute.Tensor | None = None
 
-    RUNTIME_FIELDS = DirectP.RUNTIME_FIELDS + ("acc_o",)
+    RUNTIME_FIELDS = DirectP.RUNTIME_FIELDS + ("acc_o", "row_corr")
     DENOMINATOR_SCALE = 1.0   # O = acc / l (Direct-P's 1/6 factors are its own)
 
     def tile(self, acc_s, r_p, tile_scales, kv_limit, tile_idx, masked: bool, wait_pv: bool = False):
@@ -89,9 +92,15 @@ class SoftmaxFP8(DirectP):
         r_p4 = cute.recast_tensor(r_p, Int32)
         for w, word in words.items():
             r_p4[w] = defined_here(word) if wait_pv else word
-        # every tile, unconditionally: a warp-uniform branch that skips it where no row's maximum moved measured
-        # 2-11 % slower on the H100 (benchmarks/results/20261206b_h100_kernel_grid.json)
-        for i in range(cute.size(self.acc_o)):
-            self.acc_o[i] = self.acc_o[i] * corr[(i // 2) % 2]
         for r in range(2):
             self.row_l[r] = self.row_l[r] * corr[r] + l_acc[r]
+            self.row_corr[r] = corr[r]
+
+    def before_pv(self):
+        """The output accumulator times the last tile's 2^(m_{j-1} - m_j), right before the P V product of that
+        tile is issued (no product in flight reads or writes it then; in the ping-pong schedule while the tensor
+        cores compute the next scores). Every tile, unconditionally: a warp-uniform branch that skips it where no
+        row's maximum moved measured 2-11 % slower on the H100
+        (benchmarks/results/20261206b_h100_kernel_rescale-branch.json)."""
+        for i in range(cute.size(self.acc_o)):
+            self.acc_o[i] = self.acc_o[i] * self.row_corr[(i // 2) % 2]

@@ -1,13 +1,15 @@
 """The pre-passes of both kernel backends count the blocks whose scale leaves its format into the range
 record (``kernels/scale_record.py``; docs/numerics.md section 1, "Scale range"), as ``fp4vis.formats`` counts them
-and with the reference's criterion for underflows (``fp4vis.scale_range.significant_underflow``, decided by the last
-program of the call): run on the CPU through Triton's interpreter (the fused Triton pre-passes) and in PyTorch (the
-pre-passes' PyTorch statements), every path, both layouts, with and without the anchor permutation, on inputs whose
-blocks flush and saturate (``wide``), whose flushed blocks cannot move the result (``harmless``: tiny q rows
-against unit k, a tiny V block among unit ones) and whose V flushes everywhere (``tiny_v``). Each adds its counts
-under the call's number and raises the flag, and leaves the call's own words cleared; without a record it writes
-nothing. The GPU builds are checked on the H200 (tests/kernels/hopper/test_hopper_range.py,
-tests/kernels/blackwell/test_blackwell_gpu.py)."""
+and with the reference's criterion for underflows (``fp4vis.scale_range.significant_underflow``, decided after the
+pre-pass by the call's attention kernel, here by ``scale_record.decide`` standing in for it): run on the CPU through
+Triton's interpreter (the fused Triton pre-passes) and in PyTorch (the pre-passes' PyTorch statements), every path,
+both layouts, with and without the anchor permutation, on inputs whose blocks flush and saturate (``wide``), whose
+flushed blocks cannot move the result (``harmless``: tiny q rows against unit k, a tiny V block among unit ones) and
+whose V flushes everywhere (``tiny_v``). After the pre-pass alone the underflow decision is pending (the call's
+words hold the formats' underflows, maxima and the q/k flush limit; only overflows are in the record); the decision
+adds the counts under the call's number, raises the flag and clears the call's words, and a second one changes
+nothing; without a record nothing is written. The GPU builds are checked on the H200
+(tests/kernels/hopper/test_hopper_range.py, tests/kernels/blackwell/test_blackwell_gpu.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import fp4vis.formats as fm
 import fp4vis.scale_range as sr
 from fp4vis.backends.range_record import CALL_UNDERFLOW, FIRST_CALL, NUM_FIELDS, SCALE_OVERFLOW, SCALE_UNDERFLOW
+from fp4vis.kernels import scale_record
 from fp4vis.kernels.hopper import prepass as hp
 from fp4vis.kernels.hopper import prepass_torch as hpt
 from fp4vis.kernels.hopper import prepass_triton as htp
@@ -46,6 +49,9 @@ def inputs(d, kind, sq=19, sk=45):
     v[0, 0, :7] = 0.0
     return q, k, v
 
+def bits(x):
+    return torch.tensor(x, dtype=torch.float32).view(torch.int32).item()
+
 def expected(q, k, v, layout, anchor, fp8=False):
     if anchor:
         perm = anchor_permutation(k.shape[-2], anchor)
@@ -55,18 +61,27 @@ def expected(q, k, v, layout, anchor, fp8=False):
     else:
         ranges = [fm.nvfp4_quantize(x, layout).scale_range for x in (q, k)]
     ranges.append(fm.ScaleRange.of(fm.mxfp4_scale_counts(v)))
+    limit = bits(sr.qk_flush_limit(S)) if any(r.underflow for r in ranges) else 0
     return dict(want=list(sr.significant_underflow(ranges, S)) + [r.overflow for r in ranges],
-                flushed=[r.underflow for r in ranges])
+                flushed=[r.underflow for r in ranges],
+                pending=[r.underflow for r in ranges] + [bits(r.flushed) for r in ranges]
+                        + [bits(r.amax) for r in ranges] + [limit])
 
-def recorded(run):
+def recorded(run):   # the record after the pre-pass alone, then after the decision (twice)
     fields = torch.zeros(NUM_FIELDS, dtype=torch.int32)
     fields[FIRST_CALL] = 2**31 - 1
     flag = torch.zeros(1, dtype=torch.int32)
     run((fields, flag, 7))
+    before = fields.tolist()
+    scale_record.decide((fields, flag, 7))
     words = fields.tolist()
+    scale_record.decide((fields, flag, 7))
     assert words[:3] == [0, 0, 0]
     return dict(counts=words[SCALE_UNDERFLOW:SCALE_UNDERFLOW + 3] + words[SCALE_OVERFLOW:SCALE_OVERFLOW + 3],
-                first=words[FIRST_CALL], flag=int(flag[0]), call_words=words[CALL_UNDERFLOW:])
+                first=words[FIRST_CALL], flag=int(flag[0]), call_words=words[CALL_UNDERFLOW:],
+                pending_under=before[SCALE_UNDERFLOW:SCALE_UNDERFLOW + 3],
+                pending_over=before[SCALE_OVERFLOW:SCALE_OVERFLOW + 3], pending_words=before[CALL_UNDERFLOW:],
+                second_decision_changed=fields.tolist() != words)
 
 res = {}
 for kind, dims, anchors in (("wide", (64, 128), (0, 32)), ("harmless", (64,), (0,)), ("tiny_v", (64,), (0,))):
@@ -96,6 +111,8 @@ q, k, v = inputs(64, "wide")
 fields = torch.zeros(NUM_FIELDS, dtype=torch.int32)
 htp.prepass(q, k, v, "folded64_mse", record=(fields, fields, 0, S))
 hpt.kernel_operands(q, k, v, "block16", 0, record=None)
+scale_record.decide((fields, fields, 0, S))
+scale_record.decide(None)
 res["untouched"] = fields.tolist()
 print("RESULT" + json.dumps(res))
 """
@@ -141,9 +158,23 @@ def test_a_count_raises_the_flag_under_the_calls_number(interpreted):
             if f != ((7, 7) if any(interpreted[k]["want"]) else (2**31 - 1, 0))} == {}
 
 
-def test_the_calls_own_words_are_cleared(interpreted):
-    """The last program of every path decided and cleared the call's words (underflows, maxima, programs done)."""
+def test_the_decision_is_pending_after_the_pre_pass(interpreted):
+    """A pre-pass alone adds its overflows to the record and leaves the underflows to the call's attention kernel:
+    the record's underflow words untouched, the call's words holding the formats' underflow counts, flushed bounds
+    and maxima (float32 bits) and, where any block flushed, the call's q/k flush limit."""
+    cases = _cases(interpreted)
+    assert {k: v["pending_under"] for k, v in cases.items() if v["pending_under"] != [0, 0, 0]} == {}
+    assert {k: (v["pending_over"], v["want"][3:]) for k, v in cases.items() if v["pending_over"] != v["want"][3:]} == {}
+    assert {k: (v["pending_words"], v["pending"]) for k, v in cases.items() if v["pending_words"] != v["pending"]} == {}
+    flushing = [v for v in cases.values() if any(v["flushed"])]
+    assert len(flushing) > len(cases) // 2 and all(v["pending_words"][-1] != 0 for v in flushing)
+
+
+def test_the_decision_clears_the_calls_words(interpreted):
+    """``decide`` (the attention kernel's decision, launched alone) clears every call word of every path; a second
+    decision finds nothing and changes nothing."""
     assert {k: v["call_words"] for k, v in _cases(interpreted).items() if any(v["call_words"])} == {}
+    assert [k for k, v in _cases(interpreted).items() if v["second_decision_changed"]] == []
 
 
 def test_nothing_is_written_without_a_record(interpreted):

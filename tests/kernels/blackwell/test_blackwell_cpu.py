@@ -575,6 +575,31 @@ def test_launch_sends_a_warp_specialized_config_to_the_gluon_kernel(monkeypatch)
     assert seen[1] == ("serial", (128, "ops"), ("ops", "out", "params", "record", "lens", 3))
 
 
+def test_launch_decides_where_the_kernel_does_not_run(monkeypatch):
+    """The kernel decides on the scale range the call's pre-pass recorded (kernels/scale_record.py); where its
+    launch raises after the pre-pass, the launcher runs the decision itself (no call's words reach the next call);
+    a launch that ran leaves it to the kernel. The pre-pass and the decision are replaced."""
+    from fp4vis.call import RecordSlot
+    from fp4vis.kernels.blackwell import launch
+
+    decided = []
+    monkeypatch.setattr(launch, "route", lambda index: ("jit", 90))
+    monkeypatch.setattr(launch, "prepare", lambda *a, **kw: prepass.Operands(*[None] * 6, 8, 128, 128, 8))
+    monkeypatch.setattr(launch, "decide", decided.append)
+    monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.runtime_args", lambda *a: a)
+    monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.grid", lambda cfg, ops: (1, 1))
+
+    def failing(cfg, grid, args):
+        raise RuntimeError("launch failed")
+    q = torch.randn(1, 1, 8, 64)
+    slot = RecordSlot(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 5)
+    launch.attention(AttentionCall(q, q, q, POLICIES["fast"], 0.125, record=slot), launcher=lambda *a: None)
+    assert decided == []
+    with pytest.raises(RuntimeError, match="launch failed"):
+        launch.attention(AttentionCall(q, q, q, POLICIES["fast"], 0.125, record=slot), launcher=failing)
+    assert decided == [slot]
+
+
 def test_selfcheck_says_a_hanging_kernel_hangs():
     """A check case whose kernel never finishes on the GPU raises SelfCheckError after the timeout, naming the case,
     instead of waiting for ever; one that finishes returns."""

@@ -262,9 +262,11 @@ def _reachable(blocks, succ, known):
 
 @pytest.mark.parametrize("build", [(128, "bf16", False), (64, "fp16", True)], ids=_build_id)
 def test_record_atomics_guarded_by_call_and_thread_0(build):
-    """The range record's writes are kernel.py's (three adds, a min of CALL, CALL stored into FLAG), issued by
-    thread 0 only, outside every loop, and unreachable where CALL = 0 (the predicates that test CALL fixed, every
-    other branch free), reachable where CALL > 0; the non-finite test uses the output dtype's overflow limit."""
+    """The range record's writes are kernel.py's (three adds, a min of CALL, CALL stored into FLAG) and the
+    pre-pass's scale-range decision (``kernels/scale_record.py``: the call's ten words taken, then per operand an
+    add, a min of CALL and the flag), issued by thread 0 only, outside every loop, and unreachable where CALL = 0
+    (the predicates that test CALL fixed, every other branch free), reachable where CALL > 0; the non-finite test
+    uses the output dtype's overflow limit."""
     from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
     d, dt, kl = build
     ptx = _compiled(*build).asm["ptx"]
@@ -272,11 +274,14 @@ def test_record_atomics_guarded_by_call_and_thread_0(build):
     adds = re.findall(r"@(%p\d+) atom\.global\.gpu\.acq_rel\.add\.u32", ptx)
     mins = re.findall(rf"@(%p\d+) atom\.global\.gpu\.acq_rel\.min\.s32 %r\d+, \[ %rd\d+ \+ 0 \], {call};", ptx)
     flag = re.findall(rf"@(%p\d+) st\.global\.b32 \[ %rd\d+ \+ 0 \], \{{ {call} \}};", ptx)
-    assert len(adds) == 3 and len(mins) == 1 and len(flag) == 1
-    assert len(re.findall(r"\batom\.|\bred\.", ptx)) == 4
-    (pred,) = set(adds + mins + flag)
-    tid = re.search(rf"setp\.eq\.[bs]32\s+{pred}, (%r\d+), 0;", ptx)
-    assert tid and re.search(rf"mov\.u32 {tid.group(1)}, %tid\.x;", ptx)
+    taken = re.findall(r"@(%p\d+) atom\.global\.gpu\.acq_rel\.exch\.b32", ptx)
+    assert len(adds) == 3 + 3 and len(mins) == 1 + 3 and len(flag) == 1 + 3 and len(taken) == 10
+    assert len(re.findall(r"\batom\.|\bred\.", ptx)) == 4 + 16
+    (record,) = {*adds[:3], mins[0], flag[0]}   # kernel.py's writes: one predicate
+    assert adds[3:] == mins[1:] == flag[1:]     # the decision's report: one predicate per operand
+    for pred in {record, *taken}:
+        tid = re.search(rf"setp\.eq\.[bs]32\s+{pred}, (%r\d+), 0;", ptx)
+        assert tid and re.search(rf"mov\.u32 {tid.group(1)}, %tid\.x;", ptx)
     # the predicates on CALL, as CALL = 0 and CALL = 1 fix them
     blocks, succ = _blocks(ptx)
     where = {name for name, lines in blocks.items() if any("atom.global" in x for x in lines)}

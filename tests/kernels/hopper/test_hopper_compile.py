@@ -230,6 +230,39 @@ def test_short_variant_dispatch(monkeypatch, fp4vis_settings):
     assert ctas(40) == 1
 
 
+def test_launcher_decides_where_no_kernel_does(monkeypatch):
+    """The kernel decides on the scale range its pre-pass recorded (kernels/scale_record.py); where it does not
+    (a variant that records nothing, a launch or pre-pass that raises) the launcher runs the decision itself, so that
+    no call's words reach the next call; a recording kernel that ran leaves it to the kernel. No GPU: the pre-pass,
+    the launch and the decision are replaced."""
+    from fp4vis.call import AttentionCall, RecordSlot
+    from fp4vis.kernels.hopper import launch as hb
+    from fp4vis.kernels.hopper.config import DirectPConfig
+    decided, fail = [], []
+    monkeypatch.setattr(hb, "kernel_operands", lambda call, params, settings: None)
+    monkeypatch.setattr(hb, "decide", decided.append)
+
+    def launch(cfg, *a):
+        if fail:
+            raise RuntimeError("launch failed")
+    monkeypatch.setattr(hb, "launch", launch)
+    pol = POLICIES["fast"]
+    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+    slot = RecordSlot(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 5)
+    recording = DirectPConfig.from_policy(pol, 64, "bf16", range_record=True)
+    timing = DirectPConfig.from_policy(pol, 64, "bf16", p_path="timing_codes", range_record=True)
+    assert recording.range_record and not timing.range_record
+    hb.attention(AttentionCall(q, q, q, pol, 0.125, record=slot), recording)
+    hb.attention(AttentionCall(q, q, q, pol, 0.125), timing)
+    assert decided == []
+    hb.attention(AttentionCall(q, q, q, pol, 0.125, record=slot), timing)
+    assert decided == [slot]
+    fail.append(True)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        hb.attention(AttentionCall(q, q, q, pol, 0.125, record=slot), recording)
+    assert decided == [slot, slot]
+
+
 _TRITON_CHECK = r"""
 import torch
 from fp4vis.formats import nvfp4_qdq

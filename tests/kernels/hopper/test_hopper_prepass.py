@@ -699,7 +699,7 @@ from fp4vis.kernels.hopper.prepass_triton import fp8_values
 
 bad = []
 for seed, (s, d, dtype) in enumerate([(70, 64, torch.bfloat16), (64, 128, torch.float16), (33, 64, torch.bfloat16),
-                                      (5, 64, torch.float16)]):
+                                      (5, 64, torch.float16), (300, 128, torch.bfloat16)]):
     g = torch.Generator().manual_seed(seed)
     v = (torch.randn(2, 3, s, d, generator=g) * torch.logspace(-3, 2, d)).to(dtype)
     v[0, 0, :, 3] = 0
@@ -721,5 +721,6 @@ print("OK" if not bad else f"FAIL {bad}")
 def test_fp8_values_is_the_channel_quantization_in_key_order_interpreted():
     """The FP8 P/V policies' V pass (``prepass_triton.fp8_values``): V^T bytes equal ``fp4vis.formats``'
     ``fp8_channel_quantize`` of V, each 32-key block stored in ``PV_FP8_KEY_ORDER`` (the order the kernel's A
-    fragment holds P in), keys past S zero, and the scales equal; strided views, BF16 and FP16."""
+    fragment holds P in), keys past S zero, and the scales equal; strided views, BF16 and FP16, one program and
+    several along the keys."""
     _run_interpreted(_CHECK_FP8_VALUES)
