@@ -2,6 +2,7 @@
 against exact attention.
 
     python benchmarks/fp8_error.py      # prints two tables, writes benchmarks/results/<date>d_cpu_fp8-error.json
+    python benchmarks/fp8_error.py --out /tmp/fp8-error.json   # the same, written elsewhere
 
 1. The floor each format sets: iid Gaussian q, k, v (B4 S1024 D128, float64), softmax attention with one operand
    rounded as the policy rounds it (E4M3 P scaled by 2^8, V in E4M3 with its per-channel scale, FP8 Q/K with their
@@ -12,6 +13,7 @@ against exact attention.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import math
@@ -66,7 +68,12 @@ def mean_key() -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None,
+                    help="the JSON to write (default: benchmarks/results/<UTC date>d_cpu_fp8-error.json)")
+    a = ap.parse_args(argv)
     floor = format_floor()
     for name, err in floor.items():
         print(f"{name:12s} relL2 {err:.4f}")
@@ -74,10 +81,10 @@ def main() -> int:
     for r in rows:
         print(f"bias {r['bias']:5.1f}  fp8 {r['rel_l2']:.4f}  "
               f"mean key subtracted {r['rel_l2_mean_key_subtracted']:.4f}")
-    out = f"benchmarks/results/{dt.datetime.now(dt.UTC):%Y%m%d}d_cpu_fp8-error.json"
+    out = a.out or f"benchmarks/results/{dt.datetime.now(dt.UTC):%Y%m%d}d_cpu_fp8-error.json"
     meta = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
             "torch": torch.__version__, "fp4vis": fp4vis.__version__,
-            "command": "python benchmarks/fp8_error.py"}
+            "command": "python benchmarks/fp8_error.py" + (f" --out {a.out}" if a.out else "")}
     with open(out, "w") as f:
         json.dump({"meta": meta, "format_floor": floor, "mean_key": rows}, f, indent=1)
     print(f"wrote {out}", file=sys.stderr)

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="1,4096,24,128", help="B,S,H,D")
     ap.add_argument("--calls", type=int, default=3)
     a = ap.parse_args(argv)
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     b, s, h, d = (int(x) for x in a.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, generator=g, device="cuda").bfloat16() for _ in range(3))

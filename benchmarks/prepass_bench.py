@@ -5,12 +5,12 @@
 Sections (each one a key of the JSON, written after every section; ``--skip`` leaves any out; the bit checks,
 1 and 2, are ``prepass_bench_bits.py``):
 
-1. ``bits``: bit identity on CUDA tensors: ``prepass_triton.prepass`` (the one-launch NVFP4
+1. ``bits``: bit identity on CUDA tensors: ``prepass_launch.prepass`` (the one-launch NVFP4
    pre-pass, through its cached direct launcher) against ``fp4vis.formats`` (``nvfp4_qdq`` /
    ``mxfp4_qdq``), counting differing BF16 bit patterns: Gaussian, tie-heavy (small integers times
    powers of two) and wide-range inputs (E4M3-saturating groups too), BF16 and FP16, D = 64 and
    128, both layouts, with and without the anchor permutation, partial 32-token V blocks.
-2. ``fp8bits``: the same for the fused FP8 pre-pass (``prepass_triton.fp8_prepass``, policy
+2. ``fp8bits``: the same for the fused FP8 pre-pass (``prepass_launch.fp8_prepass``, policy
    ``fast_fp8qk``): against the PyTorch statement (``prepass_torch.kernel_operands(..., "fp8_e4m3", ...)``) and
    against ``fp4vis.formats.fp8_pow2_quantize`` (+ ``mxfp4_qdq`` for V), counting differing values of
    each of (q8, k8, v6, q_scale, k_scale): E4M3 as uint8 bit patterns, V as BF16 bits, scales as
@@ -301,7 +301,8 @@ def _parse_skip(text: str, ap) -> set:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--old", default=None, help="path of an earlier kernels/hopper/prepass_triton.py")
+    ap.add_argument("--old", default=None,
+                    help="path of an earlier version of kernels/hopper/prepass_launch.py")
     ap.add_argument("--skip", default="", help=SKIP_HELP)
     a = ap.parse_args()
     skip = _parse_skip(a.skip, ap)
@@ -312,11 +313,11 @@ def main():
         lines.append(msg)
 
 
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     tp.FAST_LAUNCH = True   # check the direct launcher too (bit checks: second call; host timings)
     old = None
     if a.old:
-        spec = importlib.util.spec_from_file_location("old_prepass_triton", a.old)
+        spec = importlib.util.spec_from_file_location("old_prepass_launch", a.old)
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
     meta = dict(environment(), defaults=dict(nvfp4_launch=getattr(tp, "NVFP4_LAUNCH", None), num_warps=tp.NUM_WARPS,

@@ -13,7 +13,7 @@ from fp4vis.policy import QK_FP8
 
 
 def backend_switches() -> dict:
-    """``prepass_triton.prepass``'s ``f16_codes`` and ``full_search`` as the backend passes them
+    """``prepass_launch.prepass``'s ``f16_codes`` and ``full_search`` as the backend passes them
     (FP4VIS_PREPASS_F16_CODES, FP4VIS_PREPASS_FULL_SEARCH: ``fp4vis.config.kernel_settings``)."""
     settings = kernel_settings()
     return dict(f16_codes=settings.prepass_f16_codes, full_search=settings.prepass_full_search)
@@ -33,7 +33,7 @@ def _mk(kind, shape, g, dtype, dev):
 
 def bit_check(tp, log) -> dict:
     from fp4vis.formats import mxfp4_qdq, nvfp4_qdq
-    from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
+    from fp4vis.kernels.launch_shared import cached_anchor_permutation
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     cases, total_diff, total_vals = [], 0, 0
@@ -227,7 +227,7 @@ def fp8_bit_check(tp, log, dev: str = "cuda", configs: list | None = None) -> di
     (``prepass_torch.kernel_operands``) and against fp4vis.formats, per operand (q8, k8, v6, q_scale, k_scale)
     the number of differing values."""
     from fp4vis.kernels.hopper import prepass_torch
-    from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
+    from fp4vis.kernels.launch_shared import cached_anchor_permutation
     g = torch.Generator(device=dev).manual_seed(1)
     res = dict(operands=list(FP8_OPERANDS), fast_launch_at_start=tp.FAST_LAUNCH,
                launch_state_at_start=tp.LAUNCH_STATE)
@@ -280,7 +280,7 @@ def _fp8_nonfinite(tp, dev: str) -> dict:
     """NaN/Inf in q, k, v: both calls of the fused FP8 pre-pass give NaN exactly where the (physical)
     input is not finite, and rows / key blocks without a non-finite value equal fp4vis.formats
     (tests/kernels/hopper/test_hopper_prepass.py statement, on the GPU's conversions)."""
-    from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
+    from fp4vis.kernels.launch_shared import cached_anchor_permutation
     g = torch.Generator(device=dev).manual_seed(2)
     b, h, sq, sk, d = 1, 2, 21, 77, 128
     out, bad = [], 0
@@ -309,3 +309,11 @@ def _fp8_nonfinite(tp, dev: str) -> dict:
                 out.append(dict(dtype=str(dtype), anchor=anchor, call=call + 1, path=path,
                                 nan_mismatch_q8_k8_v6=nan, finite_groups_differing_q8_qscale_k8_kscale=finite))
     return dict(bad=bad, cases=out)
+
+
+if __name__ == "__main__":   # a module of prepass_bench.py, not run alone: --help says so
+    import argparse
+    argparse.ArgumentParser(description=__doc__ + "\n\nRun them through prepass_bench.py (python3 "
+                            "benchmarks/prepass_bench.py --out OUT.json --skip ...).",
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    raise SystemExit("prepass_bench_bits.py is a module of prepass_bench.py: run that script")

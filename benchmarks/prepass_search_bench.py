@@ -6,7 +6,7 @@ Sections (each a key of the JSON, written after every section; a failing section
 and the others still run; the table of the last lines is printed from the JSON):
 
 1. ``bits``: on CUDA tensors, held-out seeds (1000 + i), counting differing bit patterns: the NVFP4
-   pre-pass (``prepass_triton.prepass``, ``folded64_mse``) with the contender search (the default) against
+   pre-pass (``prepass_launch.prepass``, ``folded64_mse``) with the contender search (the default) against
    ``fp4vis.formats`` (``nvfp4_qdq`` for Q and K, ``mxfp4_qdq`` for V) and against the same launch with
    the full search (``full_search=True``: every candidate); Gaussian rows over 2^-8..2^8, tiny rows
    (E4M3-subnormal scales: the m = 0.625 contender) and small integers times powers of two (exact ties),
@@ -89,7 +89,7 @@ def _raw(b: int, s: int, h: int, d: int, g: torch.Generator, kind: str = "gauss"
 
 def bits() -> dict:
     from fp4vis import formats as fm
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     cases, total = [], {"nvfp4_vs_formats": 0, "nvfp4_vs_full_search": 0, "fp8_vs_formats": 0, "values": 0}
     for name in BIT_SHAPES:
         b, s, h, d = SHAPES[name]
@@ -149,7 +149,7 @@ def prepass_times() -> list:
 
 
 def _prepass_row(name: str, b: int, s: int, h: int, d: int) -> dict:
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     g = torch.Generator(device="cuda").manual_seed(7)
     n = b * s * h * d
     copies = input_copies(3 * 2 * n)
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                         "command": shlex.join([sys.executable] + sys.argv), "env": environment()},
                        (("bits", bits), ("prepass", prepass_times), ("calls", call_times)), a.out, skip)
     try:
-        from fp4vis.kernels.hopper import prepass_triton as tp
+        from fp4vis.kernels.hopper import prepass_launch as tp
         res["launch_state"] = tp.LAUNCH_STATE
         write_json(a.out, res)
     except Exception:

@@ -55,7 +55,7 @@ def _differing(a, b) -> int:
 
 
 def _shape_row(name: str, b: int, s: int, h: int, d: int) -> dict:
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     n = b * s * h * d
     copies = max(4, input_copies(3 * 2 * n))
     sets = _inputs(b, s, h, d, copies)

@@ -73,10 +73,10 @@ def _summary(table: list, wall_s: float, profiled_wall_s: float) -> dict:
 
 def _runs(model: str, compiled: bool, which: tuple[str, ...]) -> dict:
     from fp4vis.evals.wan_fidelity import baseline_attention
+    from fp4vis.pipelines.compile import compile_transformers
     from fp4vis.pipelines.wan_video import (
         GenerationConfig,
         build_random_wan_pipeline,
-        compile_transformers,
         generate,
         initial_latents,
         random_prompt_embeds,

@@ -7,7 +7,7 @@
 Sections (each a key of the JSON, written after every section):
 
 1. ``checks``: on CUDA tensors, bit for bit, counting differing values:
-   * ``rstd``: ``prepass_triton.rms_rstd`` against the rstd torch's own CUDA rms_norm returns
+   * ``rstd``: ``prepass_launch.rms_rstd`` against the rstd torch's own CUDA rms_norm returns
      (``aten._fused_rms_norm``), per Wan width (H*D = 1536, 5120), for ``RMS_THREADS`` 128 and 256 (the
      sum order of torch's block; the module's constant is the one that must match);
    * ``operands``: the fused pre-pass from the raw projections (NVFP4 ``folded64_mse`` and
@@ -66,8 +66,8 @@ def _ndiff(a, b) -> int:
 
 
 def checks(layer: bool = True) -> dict:
-    from fp4vis.kernels.hopper import prepass_triton as tp
-    from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
+    from fp4vis.kernels.hopper import prepass_launch as tp
+    from fp4vis.kernels.launch_shared import cached_anchor_permutation
     from fp4vis.qk_transform import QKTransform, apply_rotary_emb
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -208,7 +208,7 @@ def prepass_times() -> list:
 
 
 def _prepass_row(h: int, d: int, s: int, weights, g) -> dict:
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     from fp4vis.qk_transform import QKTransform
     n, dev = h * d, "cuda"
     norms = tuple(torch.nn.RMSNorm(n, eps=1e-6).to(dev, torch.bfloat16).requires_grad_(False) for _ in range(2))
@@ -236,10 +236,9 @@ def _views(projections, h: int) -> tuple:
 
 
 def _prepass_policy(policy: str, raw: list, h: int, norms, rope, tr, copies: int) -> dict:
-    from fp4vis.attention import default_scale
-    from fp4vis.call import AttentionCall
+    from fp4vis.call import AttentionCall, default_scale
     from fp4vis.config import kernel_settings
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     from fp4vis.kernels.hopper.prepass import kernel_operands
     from fp4vis.policy import get_policy
     from fp4vis.qk_transform import apply_rotary_emb
@@ -295,8 +294,7 @@ def _call_row(h: int, d: int, s: int, weights, g) -> dict:
 
 def _call_policy(policy: str, raw: list, tr, copies: int) -> dict:
     import fp4vis
-    from fp4vis.attention import default_scale
-    from fp4vis.call import AttentionCall
+    from fp4vis.call import AttentionCall, default_scale
     from fp4vis.config import kernel_settings
     from fp4vis.kernels.hopper import launch as hb
     from fp4vis.kernels.hopper.config import product_config

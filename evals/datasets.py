@@ -7,7 +7,7 @@
 
 ``open_images`` gives a dataset of (image, label) (label -1 where unlabeled) with ``classes`` and
 ``names`` (the files, or ``test_batch[i]``); ``sample`` draws a seeded subset, as the method's
-protocols do (``fp4vis.evals.protocols``).
+protocols do (``fp4vis.evals.paper_protocols``).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from fp4vis.evals.demo_defaults import DEFAULT_CLIPS
 from fp4vis.evals.plots import frame_strip
 from fp4vis.evals.report import fmt, markdown_table, mean_ci95, wilson_ci95, write_report
 from fp4vis.evals.wan_fidelity import OperatorError
+from fp4vis.pipelines.media_files import mp4_unavailable, save_mp4
 from fp4vis.pipelines.wan_sizes import tokens_per_frame_sequence
 from fp4vis.pipelines.wan_video import (
     GenerationConfig,
@@ -50,8 +51,6 @@ from fp4vis.pipelines.wan_video import (
     generate,
     initial_latents,
     load_wan_pipeline,
-    mp4_unavailable,
-    save_mp4,
 )
 from fp4vis.services.policies import resolve_policies
 from fp4vis.services.sources import display_source

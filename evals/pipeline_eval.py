@@ -60,8 +60,8 @@ from fp4vis.evals.timed_runs import (
     speedups_markdown,
 )
 from fp4vis.patching.attention_function import AppliedFunction, attention_function_applied
+from fp4vis.pipelines.compile import compile_transformers
 from fp4vis.pipelines.wan_sizes import check_cpu_size
-from fp4vis.pipelines.wan_video import compile_transformers
 from fp4vis.services.environment import environment
 from fp4vis.services.guard_plans import guard_plan_summary, load_guard_plan, plan_for
 from fp4vis.services.policies import attention_label, backend_in_use, check_backend, policy_applied, resolve_policies
@@ -89,7 +89,7 @@ class PipelineEvalConfig:
     size (None: the pipeline's default, or the
     architecture's published one; ``frames`` None for an image model), ``steps``, ``guidance_scale`` (None:
     the pipeline's default); ``decode`` None: yes with a model (never in speed-only mode); ``compile``:
-    "regional" or "full" (``fp4vis.pipelines.wan_video.compile_transformers``), in each run's warm-up;
+    "regional" or "full" (``fp4vis.pipelines.compile.compile_transformers``), in each run's warm-up;
     ``out_dir``: where ``name``.json / .md go (``name`` None: pipeline_fidelity, or pipeline_speed)."""
 
     model: str | None = None

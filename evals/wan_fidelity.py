@@ -47,18 +47,17 @@ from fp4vis.evals.timed_runs import (
     speedups_markdown,
 )
 from fp4vis.patching.attention_function import attention_function_applied
+from fp4vis.pipelines.compile import compile_transformers
+from fp4vis.pipelines.media_files import mp4_unavailable, save_mp4
 from fp4vis.pipelines.wan_sizes import WAN_TRANSFORMER_CONFIGS, check_cpu_size, tokens_per_frame_sequence, wan_tokens
 from fp4vis.pipelines.wan_video import (
     GenerationConfig,
     build_random_wan_pipeline,
-    compile_transformers,
     encode_prompt,
     generate,
     initial_latents,
     load_wan_pipeline,
-    mp4_unavailable,
     random_prompt_embeds,
-    save_mp4,
 )
 from fp4vis.services.environment import environment
 from fp4vis.services.guard_plans import guard_plan_summary, load_guard_plan, plan_for

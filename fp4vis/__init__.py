@@ -10,9 +10,10 @@ Layers, imports running one way (docs/design.md):
 * patching: ``fp4vis.patching`` (``patch``, guard plans, one module per model library);
 * apps: ``fp4vis.cli``, ``fp4vis.pipelines``, ``fp4vis.evals`` on ``fp4vis.services``.
 
-Follow a call: ``fp4vis.attention`` builds the typed call (``fp4vis.call.AttentionCall``) ->
-``fp4vis.backends.registry.select_backend`` -> a backend's ``run`` (``fp4vis.backends.reference``,
-``fp4vis.kernels.hopper.backend`` or ``fp4vis.kernels.blackwell.backend``) -> its kernel.
+Follow a call: ``fp4vis.attention`` builds the typed call (``fp4vis.call.validated_call`` ->
+``AttentionCall``) -> ``fp4vis.backends.registry.select_backend`` -> ``fp4vis.attention.run_call`` -> a backend's
+``run`` (``fp4vis.backends.reference``, ``fp4vis.kernels.hopper.backend`` or ``fp4vis.kernels.blackwell.backend``)
+-> its kernel; a patched layer builds the same call once and enters at ``run_call``.
 """
 
 from fp4vis.attention import RangeExceededError, attention, check_range

@@ -1,29 +1,27 @@
-"""``fp4vis.attention``: the public entry point. It validates, normalises the layout, picks a
-backend (``fp4vis.backends.registry``) and enforces the range check; the numerics live in the backends."""
+"""``fp4vis.attention``: the public entry point. It validates its arguments into one ``AttentionCall``
+(``fp4vis.call.validated_call``), picks a backend (``fp4vis.backends.registry``) and runs the call there
+(``run_call``: the q/k transform, the range record or check), which a patched layer enters too after its own
+checks; the numerics live in the backends."""
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Literal
 
 import torch
 
 from fp4vis.backends import range_record
-from fp4vis.backends.registry import select_backend
-from fp4vis.call import AttentionCall
-from fp4vis.policy import Policy, get_policy
+from fp4vis.backends.registry import Backend, select_backend
+from fp4vis.call import AttentionCall, Layout, default_scale, validated_call
+from fp4vis.policy import Policy
 from fp4vis.qk_transform import QKTransform
 from fp4vis.range_report import RangeExceededError, enforce_range
-from fp4vis.reference import check_key_mask_keeps_keys
 from fp4vis.tracing import warn_once
 
-Layout = Literal["bhsd", "bshd"]
 RangeCheck = Literal["raise", "warn", "off"]
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-__all__ = ["RangeExceededError", "attention", "check_range"]
+# default_scale and validated_call: fp4vis.call's, named here too as the entry point's own
+__all__ = ["RangeExceededError", "attention", "check_range", "default_scale", "run_call", "validated_call"]
 
 
 def check_range() -> None:
@@ -56,36 +54,6 @@ def _warn_straight_through(policy: Policy) -> None:
     warn_once(("straight-through", policy.name),
               f"fp4vis.attention: policy {policy.name!r} has no gradient of its own; the output is FP4 "
               "attention and its gradient is exact attention's (straight-through)")
-
-
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.is_meta:
-            raise ValueError(f"{name}: is a meta tensor (no data); attention needs real tensors")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use bfloat16, float16 or float32")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D tensor in layout {layout!r}, got shape {tuple(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
-    seq_dim, head_dim = (2, 1) if layout == "bhsd" else (1, 2)
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if not (q.shape[head_dim] == k.shape[head_dim] == v.shape[head_dim]):
-        raise ValueError(f"head counts differ: q {q.shape[head_dim]}, k {k.shape[head_dim]}, "
-                         f"v {v.shape[head_dim]} (grouped-query attention is not supported: repeat k and v)")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
-    if k.shape[seq_dim] != v.shape[seq_dim]:
-        raise ValueError(f"k and v sequence lengths differ: {k.shape[seq_dim]} vs {v.shape[seq_dim]}")
-    if k.shape[seq_dim] == 0:
-        raise ValueError("k: has no keys (sequence length 0)")
-    if q.shape[-1] == 0 or v.shape[-1] == 0:
-        raise ValueError("q/v: head dim is 0")
 
 
 def attention(
@@ -154,86 +122,72 @@ def attention(
     """
     if not torch.compiler.is_compiling():   # compiled calls poll in their backend's op (range_record)
         range_record.poll()
-    pol = get_policy(policy)
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout: must be 'bhsd' or 'bshd', got {layout!r}")
     if range_check not in ("raise", "warn", "off"):
         raise ValueError(f"range_check: must be 'raise', 'warn' or 'off', got {range_check!r}")
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a name, got {type(backend).__name__}")
-    _validate(q, k, v, layout)
-    if scale is None:
-        scale = default_scale(q.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: must be a finite positive number, got {scale!r}")
-    if qk_transform is not None and not isinstance(qk_transform, QKTransform):
-        raise TypeError(f"qk_transform: expected a QKTransform, got {type(qk_transform).__name__}")
-    if key_mask is not None:
-        key_mask = _key_mask(key_mask, q, k, layout)
+    call = validated_call(q, k, v, policy, scale=scale, layout=layout, qk_transform=qk_transform, key_mask=key_mask)
+    pol = call.policy
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if qk_transform is not None and (pol.method == "exact" or grad):
-        q, k = qk_transform.apply(q, k, layout)
-        qk_transform = None
-    given = (q, k, v)
-    if layout == "bshd":
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if q.numel() == 0:  # no batch, heads or queries: nothing to attend (as SDPA)
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        return out.transpose(1, 2) if layout == "bshd" else out
+    if call.qk_transform is not None and (pol.method == "exact" or grad):
+        call = _transform_applied(call)
+    if call.q.numel() == 0:
+        return _no_queries_output(call, layout)
     grad_inputs = None
     if pol.method != "exact" and grad:
         _warn_straight_through(pol)
-        grad_inputs, (q, k, v) = (q, k, v), (q.detach(), k.detach(), v.detach())
-    call = AttentionCall(q, k, v, pol, float(scale), qk_transform, key_mask)
-    chosen = select_backend(backend, call)
-    if qk_transform is not None and not chosen.fuses_qk_transform:
-        q_applied, k_applied = qk_transform.apply(q, k, "bhsd")
-        call = call._replace(q=q_applied, k=k_applied, qk_transform=None)
+        grad_inputs = (call.q, call.k, call.v)
+        call = call._replace(q=call.q.detach(), k=call.k.detach(), v=call.v.detach())
+    out = run_call(call, select_backend(backend, call), range_check=range_check, layout=layout, given=(q, k, v),
+                   stacklevel=3)
+    if grad_inputs is not None:
+        mask = None if call.key_mask is None else call.key_mask[:, None, None, :]
+        exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, attn_mask=mask, scale=call.scale)
+        gradient = exact - exact.detach()
+        out = out + (gradient.transpose(1, 2) if layout == "bshd" else gradient)
+    return out
+
+
+def run_call(call: AttentionCall, backend: Backend, *, range_check: RangeCheck, layout: Layout,
+             given: tuple[torch.Tensor, torch.Tensor, torch.Tensor], stacklevel: int = 2) -> torch.Tensor:
+    """A validated call (``validated_call``) on the backend chosen for it, the output in ``layout``: the q/k
+    transform applied first where the backend does not fuse it, the range recorded or checked (``range_check``).
+    ``fp4vis.attention`` enters the backend here after its own checks, a patched layer after its
+    (``LayerState.attention``): each call is checked and its backend asked once. ``given``: q, k, v as the caller
+    holds them (a later range error names them while they live); ``stacklevel``: a range warning's, as
+    ``warnings.warn`` counts it from the caller."""
+    if call.q.numel() == 0:
+        return _no_queries_output(call, layout)
+    if call.qk_transform is not None and not backend.fuses_qk_transform:
+        call = _transform_applied(call)
+    pol = call.policy
     checked = range_check != "off"
     if torch.compiler.is_compiling():
         # every backend's op reports the call's range itself, at run time (range_record: call sites)
-        call = call._replace(record_site=range_record.call_site(chosen.name, pol, range_check, layout))
+        call = call._replace(record_site=range_record.call_site(backend.name, pol, range_check, layout))
         checked = False
-    elif chosen.records_range and checked:
+    elif backend.records_range and checked:
         # the record works in CUDA-graph capture too: a replay reports as the captured call
         # the layer the call belongs to (a patched layer's ``range_record.layer_scope``) is named in its errors
-        call = call._replace(record=range_record.record_for(q.device).start_call(
-            chosen.name, pol, range_check, layout, given, range_record.current_layer()))
+        call = call._replace(record=range_record.record_for(call.q.device).start_call(
+            backend.name, pol, range_check, layout, given, range_record.current_layer()))
         checked = False   # reported by the record
     else:
         checked = checked and not range_record.capturing()
-    out, report = chosen.run(call)
-    if grad_inputs is not None:
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        exact = torch.nn.functional.scaled_dot_product_attention(*grad_inputs, attn_mask=mask, scale=float(scale))
-        out = out + (exact - exact.detach())
+    out, report = backend.run(call)
     if report is None and checked:
-        _check_kernel_output(out, call.q, call.k, call.v, chosen.name)
-    enforce_range(report, pol, range_check, stacklevel=2)
+        _check_kernel_output(out, call.q, call.k, call.v, backend.name)
+    enforce_range(report, pol, range_check, stacklevel=stacklevel)
     return out.transpose(1, 2) if layout == "bshd" else out
 
 
-def _key_mask(mask, q: torch.Tensor, k: torch.Tensor, layout: str) -> torch.Tensor:
-    """The key mask as a bool (B, Skv) tensor, checked (docs/numerics.md section 6, "Key masks")."""
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"key_mask: expected a bool tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"key_mask: dtype {mask.dtype}; only a bool key-padding mask is supported (True: attend), "
-                        "not an additive or float mask")
-    if mask.device != q.device:
-        raise ValueError(f"key_mask: on {mask.device}, but q is on {q.device}")
-    b, skv = q.shape[0], k.shape[2 if layout == "bhsd" else 1]
-    if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
-        mask = mask[:, 0, 0]
-    if tuple(mask.shape) != (b, skv):
-        raise ValueError(f"key_mask: expected shape (B, Skv) = ({b}, {skv}) or ({b}, 1, 1, {skv}), got "
-                         f"{tuple(mask.shape)} (only key-padding masks: one per batch element and key)")
-    if not (torch.compiler.is_compiling() or range_record.capturing()):   # (the docstring of ``attention``)
-        check_key_mask_keeps_keys(mask)
-    return mask
+def _transform_applied(call: AttentionCall) -> AttentionCall:
+    """The call with its q/k transform applied (q and k the attention's)."""
+    q, k = call.qk_transform.apply(call.q, call.k, "bhsd")
+    return call._replace(q=q, k=k, qk_transform=None)
 
 
-def default_scale(head_dim: int) -> float:
-    """The softmax scale ``attention`` takes when none is given, ``1/sqrt(D)``. One expression for every
-    caller that must give the same bits (``D ** -0.5`` differs in the last bit for some D, e.g. 128)."""
-    return 1.0 / math.sqrt(head_dim)
+def _no_queries_output(call: AttentionCall, layout: str) -> torch.Tensor:
+    """No batch, heads or queries: nothing to attend (as SDPA)."""
+    out = call.q.new_empty(*call.q.shape[:-1], call.v.shape[-1])
+    return out.transpose(1, 2) if layout == "bshd" else out

@@ -131,7 +131,8 @@ def e2m1_round(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
     return out if relu else torch.copysign(out, x)
 
 
-_E2M1_INDEX_OF_TWICE_MAG = torch.tensor([0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7], dtype=torch.uint8)
+# the E2M1 code (0-7, sign apart) of each magnitude m, indexed by 2 m (0, 0.5, ..., 6 -> 0 .. 12); -1: off the grid
+E2M1_INDEX_OF_TWICE_MAG = torch.tensor([0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7], dtype=torch.uint8)
 
 
 def e2m1_encode(x: torch.Tensor, relu: bool = False, name: str = "x") -> torch.Tensor:
@@ -139,7 +140,7 @@ def e2m1_encode(x: torch.Tensor, relu: bool = False, name: str = "x") -> torch.T
     The sign bit follows the input's sign (so -0.1 encodes as -0, code 0x8)."""
     check_no_nan(x, name)
     r = e2m1_round(x.float(), relu=relu)
-    index = _E2M1_INDEX_OF_TWICE_MAG.to(x.device)[(r.abs() * 2).to(torch.long)]
+    index = E2M1_INDEX_OF_TWICE_MAG.to(x.device)[(r.abs() * 2).to(torch.long)]
     sign = torch.signbit(r).to(torch.uint8) << 3
     return index | sign
 
@@ -313,7 +314,7 @@ def nvfp4_quantize(x: torch.Tensor, layout: str = "block16", global_scale: bool 
     if global_scale:
         g = nvfp4_global_encode_scale(xf)
         xf, tensor_scale = xf * g, 1.0 / g
-    vals, scales = _nvfp4_chunked(xf, layout)
+    vals, scales = nvfp4_chunked(xf, layout)
     codes = pack_fp4(e2m1_encode(vals, name=name))
     return NVFP4Tensor(codes, e4m3_encode(scales), layout, tensor_scale,
                        ScaleRange.of(nvfp4_scale_counts(xf, scales, layout)))
@@ -323,13 +324,13 @@ def nvfp4_qdq(x: torch.Tensor, layout: str = "block16") -> torch.Tensor:
     """NVFP4 quantize-dequantize: float32 ``c * sc`` of ``nvfp4_quantize(x, layout)`` without the
     storage round trip, the checks or a host synchronisation (what a kernel's pre-pass computes).
     The caller guarantees finite input and a valid last dim."""
-    return _nvfp4_decoded(*_nvfp4_chunked(x.to(torch.bfloat16).float(), layout), layout)
+    return _nvfp4_decoded(*nvfp4_chunked(x.to(torch.bfloat16).float(), layout), layout)
 
 
 def nvfp4_qdq_counted(x: torch.Tensor, layout: str = "block16") -> tuple[torch.Tensor, torch.Tensor]:
     """``nvfp4_qdq`` and the ``nvfp4_scale_counts`` of its scales, without a host synchronisation."""
     xf = x.to(torch.bfloat16).float()
-    vals, scales = _nvfp4_chunked(xf, layout)
+    vals, scales = nvfp4_chunked(xf, layout)
     return _nvfp4_decoded(vals, scales, layout), nvfp4_scale_counts(xf, scales, layout)
 
 
@@ -359,7 +360,7 @@ def nvfp4_scale_counts(xf: torch.Tensor, scales: torch.Tensor, layout: str) -> t
     return _scale_words(under, over, flushed_values * torch.where(under, amax, 0.0).amax(-1), amax)
 
 
-def _nvfp4_chunked(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_chunked(xf: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """E2M1 values (..., D) and float32 scales (..., D/16 or D/32) of BF16-valued float32 ``xf``,
     in chunks of rows (bounds the memory of the MSE search)."""
     lead, d = xf.shape[:-1], xf.shape[-1]
@@ -475,7 +476,7 @@ def mxfp4_quantize(v: torch.Tensor, name: str = "v") -> MXFP4Tensor:
     s, d = v.shape[-2], v.shape[-1]
     if d % 2:
         raise ValueError(f"{name}: last dim must be even for packed MXFP4, got {d}")
-    vals, u = _mxfp4_blocks(v)
+    vals, u = mxfp4_blocks(v)
     codes = e2m1_encode(vals, name=name).flatten(-3, -2)[..., :s, :]
     return MXFP4Tensor(pack_fp4(codes), u, s, ScaleRange.of(mxfp4_scale_counts(v)))
 
@@ -483,7 +484,7 @@ def mxfp4_quantize(v: torch.Tensor, name: str = "v") -> MXFP4Tensor:
 def mxfp4_qdq(v: torch.Tensor, *, times_six: bool = False) -> torch.Tensor:
     """MXFP4 quantize-dequantize of ``v`` (..., S, D): float32 ``alpha * c / 6`` (``alpha * c`` with
     ``times_six``, exact in BF16), without storage, checks or host synchronisation."""
-    vals, u = _mxfp4_blocks(v)
+    vals, u = mxfp4_blocks(v)
     prod = (vals * pow2(u.to(torch.int32) - 127).unsqueeze(-2)).flatten(-3, -2)[..., : v.shape[-2], :]
     return prod if times_six else (prod.double() / E2M1_MAX).float()
 
@@ -576,7 +577,7 @@ def fp8_pow2_scale_counts(x: torch.Tensor, group_rows: int) -> torch.Tensor:
     return _scale_words(under, torch.zeros_like(under), torch.where(under, amax * x.shape[-1], 0.0), amax)
 
 
-def _mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E2M1 values (..., nblk, 32, D) of ``6 v / alpha`` and the E8M0 bytes u (..., nblk, D)."""
     blocks = _padded_groups(v, MXFP4_BLOCK)  # (..., nblk, 32, D)
     u = e8m0_nearest_pow2(blocks.abs().amax(-2))  # (..., nblk, D)

@@ -1,7 +1,7 @@
 """``fp4vis generate`` and ``fp4vis calibrate pipeline`` for any diffusers text-to-image or text-to-video pipeline;
 Wan2.1's own (``WAN_PIPELINES``) are served by ``fp4vis.pipelines.wan_generate``, with their sizes and defaults.
 
-``run_pipeline_generate(GenerateConfig(model, prompt, ...))`` loads the pipeline class that the model's
+``run_pipeline_generate(GenerateOptions(model, prompt, ...))`` loads the pipeline class that the model's
 ``model_index.json`` names (``DiffusionPipeline.from_pretrained``), calls it as a user does, with the prompt, a
 CPU generator seeded with ``seed`` and only the settings given (the others are the pipeline's own call defaults),
 under the policy (``policy_applied``), and writes a PNG (an image pipeline) or an MP4 (a video pipeline: its call
@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fp4vis.files import atomic_path
-from fp4vis.pipelines.wan_sizes import check_steps, model_index, resolve_model
-from fp4vis.pipelines.wan_video import chained_callbacks, check_prompt, compile_transformers, save_mp4
-from fp4vis.policy import get_policy
+from fp4vis.pipelines.compile import compile_transformers
+from fp4vis.pipelines.denoising_steps import chained_callbacks, check_steps
+from fp4vis.pipelines.media_files import save_mp4, save_png
+from fp4vis.pipelines.model_files import check_prompt, model_index, resolve_model
+from fp4vis.policy import Policy, get_policy
 from fp4vis.services.environment import environment
 from fp4vis.services.guard_plans import check_plan_policy, guard_plan_summary, load_guard_plan
 from fp4vis.services.outputs import check_output_file, write_json
@@ -39,7 +40,7 @@ from fp4vis.services.usage import UsageError
 
 # the pipelines fp4vis.pipelines.wan_generate serves (Wan2.1's sizes, defaults, image-to-video, --cp)
 WAN_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
-# a GenerateConfig's settings that a pipeline call takes: field -> (the call's parameter, the CLI's option)
+# a GenerateOptions's settings that a pipeline call takes: field -> (the call's parameter, the CLI's option)
 SETTINGS = {"height": ("height", "--height"), "width": ("width", "--width"), "frames": ("num_frames", "--frames"),
             "steps": ("num_inference_steps", "--steps"), "guidance_scale": ("guidance_scale", "--guidance"),
             "negative_prompt": ("negative_prompt", "--negative-prompt")}
@@ -73,9 +74,10 @@ def pipeline_class_name(model: str, index: Mapping[str, Any] | None = None) -> s
     return name
 
 
-def is_wan(model: str) -> bool:
-    """Whether ``fp4vis.pipelines.wan_generate`` serves ``model`` (its pipeline is one of ``WAN_PIPELINES``)."""
-    return pipeline_class_name(model) in WAN_PIPELINES
+def is_wan(model: str, index: Mapping[str, Any] | None = None) -> bool:
+    """Whether ``fp4vis.pipelines.wan_generate`` serves ``model`` (its pipeline is one of ``WAN_PIPELINES``);
+    ``index``: its ``pipeline_index``, where already read."""
+    return pipeline_class_name(model, index) in WAN_PIPELINES
 
 
 @dataclass(frozen=True)
@@ -236,35 +238,28 @@ def _raised_in(exc: BaseException, function: str) -> bool:
     return False
 
 
-def save_png(image: np.ndarray, path: str | os.PathLike) -> Path:
-    """An (H, W, 3) image in [0, 1] written as a PNG, atomically."""
-    from PIL import Image
-
-    u8 = (np.clip(np.asarray(image, dtype=np.float32), 0, 1) * 255).round().astype(np.uint8)
-    with atomic_path(path) as tmp:
-        Image.fromarray(u8).save(tmp, format="PNG")
-    return Path(path)
-
-
-def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = None,
+                          index: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``fp4vis generate`` on a pipeline other than Wan's: ``config`` is a
-    ``fp4vis.pipelines.wan_generate.GenerateConfig`` whose settings left None are the pipeline's own call
+    ``fp4vis.pipelines.wan_generate.GenerateOptions`` whose settings left None are the pipeline's own call
     defaults, and whose ``output`` None is ``image.png`` or ``video.mp4``; its Wan-only fields (``image``,
-    ``cp``) are refused. Everything is checked before the weights load; ``say`` is told what runs once they
-    have. Returns {"output", "kind", "sidecar", "timings"}."""
+    ``cp``) are refused; ``index``: the model's ``pipeline_index`` where the caller has read it. Everything is
+    resolved and checked once, before the weights load; ``say`` is told what runs once they have. Returns
+    {"output", "kind", "sidecar", "timings"}."""
     c = config
+    index = pipeline_index(c.model) if index is None else index
+    class_name = pipeline_class_name(c.model, index)
     for value, option, what in ((c.image, "--image", "image-to-video conditioning"),
                                 (c.cp, "--cp", "context parallelism")):
         if value is not None:
             raise UsageError(f"{option}: {what} is for Wan2.1 pipelines ({', '.join(WAN_PIPELINES)}); "
-                             f"{c.model!r} is a {pipeline_class_name(c.model)}")
-    index = pipeline_index(c.model)
-    call = PipelineCall.of(pipeline_class_name(c.model, index), c.model)
+                             f"{c.model!r} is a {class_name}")
+    call = PipelineCall.of(class_name, c.model)
     settings = call.arguments(height=c.height, width=c.width, frames=c.frames, steps=c.steps,
                               guidance_scale=c.guidance_scale, negative_prompt=c.negative_prompt)
     if c.fps is not None and call.kind == "image":
         raise UsageError(f"--fps: {call.class_name} is an image pipeline (no video to time)")
-    get_policy(c.policy)   # an unknown name raises the standard message
+    policy = get_policy(c.policy)   # the one resolution of the name (unknown: the standard message)
     check_prompt(c.model, c.prompt, force=c.force)
     steps = settings.get("num_inference_steps", call.default("num_inference_steps"))
     check_steps(c.exact_steps, steps, "--exact-steps")
@@ -278,7 +273,7 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
     if c.compile is not None and not any((index.get(n) or [None])[0] for n in ("transformer", "transformer_2")):
         raise UsageError(f"--compile: {call.class_name} has no transformer to compile")
     plan = load_guard_plan(c.guard_plan)
-    check_plan_policy(plan, c.policy)
+    check_plan_policy(plan, policy)
     output = check_output(c.output if c.output is not None else default_output(call), call)
     rate = call.default("frame_rate")
     fps = c.fps or (rate if isinstance(rate, int) and rate > 0 else DEFAULT_FPS)
@@ -286,14 +281,14 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
         pipe = load_pipeline(c.model, device=dev, dtype=c.dtype)
     if c.compile is not None:
         compile_transformers(pipe, c.compile)
-    label = attention_label(c.policy, c.backend, dev, plan)
+    label = attention_label(policy, c.backend, dev, plan)
     if say is not None:
         exact = f", exact attention in steps {', '.join(map(str, c.exact_steps))}" if c.exact_steps else ""
         say(f"generate: {c.model} ({call.class_name}), \"{c.prompt}\", {describe(settings)}, seed "
             f"{c.seed}; attention: {label}{exact}"
             f"{f'; transformer compiled ({c.compile}, fullgraph) in the first step' if c.compile else ''} -> {output}")
-    warn_reference_fallback(c.backend, dev, c.policy, "fp4vis generate")   # after the line saying what runs
-    pictures, timings = _generate(pipe, call, c, settings, plan, steps, label)
+    warn_reference_fallback(c.backend, dev, policy, "fp4vis generate")   # after the line saying what runs
+    pictures, timings = _generate(pipe, call, c, settings, (policy, plan), steps, label)
     if call.kind == "video":
         out = save_mp4(pictures, output, fps=fps, progress=c.progress)
     else:
@@ -305,7 +300,7 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
         "width": int(pictures.shape[2]), "steps": steps,
         "guidance_scale": settings.get("guidance_scale", call.default("guidance_scale")),
         "fps": fps if call.kind == "video" else None, "call_arguments": settings,
-        "policy": get_policy(c.policy).name, "backend": c.backend,
+        "policy": policy.name, "backend": c.backend,
         "dtype": str(resolve_dtype(c.dtype)).replace("torch.", ""), "guard_plan": c.guard_plan,
         "guard_plan_content": guard_plan_summary(plan), "exact_steps": list(c.exact_steps) if c.exact_steps else None,
         "compile": c.compile, "timings": {"load_s": tload.seconds, **timings}, call.kind: str(out),
@@ -315,17 +310,18 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
     return {"output": out, "kind": call.kind, "sidecar": side, "timings": sidecar["timings"]}
 
 
-def _generate(pipe, call: PipelineCall, c: Any, settings: dict[str, Any], plan: Any, steps: int,
+def _generate(pipe, call: PipelineCall, c: Any, settings: dict[str, Any], attention: tuple[Policy, Any], steps: int,
               label: str) -> tuple[np.ndarray, dict[str, float | None]]:
-    """One call of ``pipe`` under ``c``'s policy: its pictures, (N, H, W, 3) in [0, 1] (a video's frames, or
-    the image), and its stages' times (``StageClock``). A ValueError of the pipeline's own input checks
-    (``check_inputs``) is the user's: a UsageError."""
+    """One call of ``pipe`` under ``attention`` (the resolved policy and guard plan): its pictures, (N, H, W, 3)
+    in [0, 1] (a video's frames, or the image), and its stages' times (``StageClock``). A ValueError of the
+    pipeline's own input checks (``check_inputs``) is the user's: a UsageError."""
     dev = pipe._execution_device
     clock = StageClock(pipe, torch.device(dev))
     kw: dict[str, Any] = dict(prompt=c.prompt, generator=torch.Generator().manual_seed(c.seed), output_type="np",
                               **settings)
     pipe.set_progress_bar_config(disable=not c.progress, desc=f"denoise ({label})")
-    with policy_applied(pipe, c.policy, guard=plan, backend=c.backend) as handle:
+    policy, plan = attention
+    with policy_applied(pipe, policy, guard=plan, backend=c.backend) as handle:
         callbacks: list[Any] = []
         if c.exact_steps and handle is not None:
             from fp4vis.patching.wan import exact_steps

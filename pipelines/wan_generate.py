@@ -1,5 +1,7 @@
-"""``fp4vis generate``: ``run_generate(GenerateConfig(model, prompt, ...))`` loads a Wan pipeline, generates
-(``fp4vis.pipelines.wan_video.generate``) and writes the MP4 (imageio-ffmpeg) and a JSON sidecar (model, prompt,
+"""``fp4vis generate`` on a Wan pipeline: ``run_generate(GenerateOptions(model, prompt, ...))`` resolves the
+options once (``GenerateRun``: the policy, the guard plan, the model's defaults and model_index.json; the step
+indices, the backend and the sizes checked), loads a Wan pipeline, generates (``fp4vis.pipelines.wan_video.
+generate_checked``, which trusts the run) and writes the MP4 (imageio-ffmpeg) and a JSON sidecar (model, prompt,
 seed, frames, steps, policy, guard plan, timings, versions, GPU); with ``cp="ulysses=2"`` (or ``ring``, or both)
 under torchrun it spreads each transformer pass over the ranks (``fp4vis.pipelines.context_parallel``) and rank 0
 writes. On the CPU, sizes made for a GPU are warned about first (``warn_if_impractical_on_cpu``).
@@ -8,31 +10,20 @@ writes. On the CPU, sizes made for a GPU are warned about first (``warn_if_impra
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fp4vis.pipelines.wan_sizes import (
-    CPU_PRACTICAL_TOKENS,
-    check_steps,
-    model_index,
-    resolve_model,
-    tokens_per_frame_sequence,
-    wan_geometry,
-)
-from fp4vis.pipelines.wan_video import (
-    GenerationConfig,
-    check_prompt,
-    compile_transformers,
-    generate,
-    generation_defaults,
-    load_wan_pipeline,
-    save_mp4,
-)
-from fp4vis.policy import get_policy
+from fp4vis.pipelines.compile import compile_transformers
+from fp4vis.pipelines.denoising_steps import check_steps
+from fp4vis.pipelines.media_files import save_mp4
+from fp4vis.pipelines.model_files import check_prompt, model_index, resolve_model
+from fp4vis.pipelines.wan_sizes import CPU_PRACTICAL_TOKENS, tokens_per_frame_sequence, wan_geometry
+from fp4vis.pipelines.wan_video import GenerationConfig, generate_checked, generation_defaults, load_wan_pipeline
+from fp4vis.policy import Policy, get_policy
 from fp4vis.services.environment import environment
 from fp4vis.services.guard_plans import check_plan_policy, guard_plan_summary, load_guard_plan
 from fp4vis.services.outputs import check_output_file, write_json
@@ -42,21 +33,21 @@ from fp4vis.services.sources import check_model_source
 from fp4vis.services.timing import Timer
 from fp4vis.services.usage import UsageError
 
-GENERATE_POLICIES = ("fast", "accurate", "wan_fast", "bf16", "guard", "nv_fp8")
-
-# the settings a model's training record gives (``generation_defaults``) where a GenerateConfig leaves them None
+# the settings a model's training record gives (``generation_defaults``) where a GenerateOptions leaves them None
 MODEL_DEFAULTS = ("height", "width", "frames", "steps", "guidance_scale", "fps")
 
 
 @dataclass(frozen=True)
-class GenerateConfig:
-    """What ``fp4vis generate`` makes (``run_generate``; the CLI builds it from its options). ``height``,
+class GenerateOptions:
+    """What ``fp4vis generate`` is asked to make, as given (``run_generate``; the CLI builds it from its
+    options; ``fp4vis.pipelines.diffusers_generate.run_pipeline_generate`` takes it too). ``height``,
     ``width``, ``frames``, ``steps``, ``guidance_scale`` and ``fps`` left None come from
     ``generation_defaults(model)``; ``image`` (image-to-video) and ``guard_plan`` are paths; ``force``: a
     prompt the model does not know generates, with a warning (``check_prompt``); ``compile``: a mode of
     ``compile_transformers`` (the first step then includes the compilation); ``cp`` (``"ulysses=2"``,
     ``"ring=2"``, ``"ulysses=2,ring=2"`` or a ``ContextParallel``): context parallelism over the processes of
-    a torchrun launch (``fp4vis.pipelines.context_parallel``)."""
+    a torchrun launch (``fp4vis.pipelines.context_parallel``). Not to be confused with
+    ``fp4vis.pipelines.wan_video.GenerationConfig``, the settings of one ``generate`` call on a loaded pipeline."""
 
     model: str
     prompt: str
@@ -82,10 +73,24 @@ class GenerateConfig:
     compile: str | None = None
 
 
-def run_generate(config: GenerateConfig, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class GenerateRun:
+    """A ``GenerateOptions`` resolved once by ``run_generate``, which the layers below trust: ``options`` with
+    the model's defaults filled in (and ``cp`` a ``ContextParallel`` or None), the ``Policy``, the loaded guard
+    ``plan`` (None without one), and a local model's ``model_index.json`` (``index``; None for a Hub id)."""
+
+    options: GenerateOptions
+    policy: Policy
+    plan: Any
+    index: Mapping[str, Any] | None
+
+
+def run_generate(config: GenerateOptions, *, say: Callable[[str], Any] | None = None,
+                 index: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``fp4vis generate``: load, generate, write the MP4 and its JSON sidecar (same name, .json) of ``config``
-    (``GenerateConfig``); ``say`` is told what runs once the model is loaded (the CLI's header; rank 0 alone
-    under ``cp``). A prompt the model does not know is refused (``check_prompt``; ``force``: a warning), and
+    (``GenerateOptions``); ``say`` is told what runs once the model is loaded (the CLI's header; rank 0 alone
+    under ``cp``); ``index``: the model's model_index.json where the caller has read it (the CLI, to pick the
+    pipeline). A prompt the model does not know is refused (``check_prompt``; ``force``: a warning), and
     so, before loading, are step indices that do not exist and sizes or frames the model's VAE and
     transformer cannot take (``check_steps``, ``wan_geometry``: errors name the options).
 
@@ -93,34 +98,37 @@ def run_generate(config: GenerateConfig, *, say: Callable[[str], Any] | None = N
     given = {k: getattr(config, k) for k in MODEL_DEFAULTS}
     gen = {**generation_defaults(config.model), **{k: v for k, v in given.items() if v is not None}}
     config = replace(config, **{k: gen[k] for k in MODEL_DEFAULTS})
-    if config.policy not in GENERATE_POLICIES:
-        get_policy(config.policy)  # raises the standard message for unknown names
+    policy = get_policy(config.policy)   # the one resolution of the name: the layers below take the Policy
     check_prompt(config.model, config.prompt, force=config.force)
     check_steps(config.exact_steps, config.steps, "--exact-steps")
+    if config.compile is not None and config.compile not in COMPILE_MODES:
+        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {config.compile!r}")
+    plan = load_guard_plan(config.guard_plan)
+    check_plan_policy(plan, policy, "guard_plan")
+    if config.image is not None and not Path(config.image).is_file():
+        raise UsageError(f"image: file {config.image!r} does not exist")
+    src, is_local = check_model_source(resolve_model(config.model))
+    if is_local and index is None:
+        index = model_index(src)
+    run = GenerateRun(config, policy, plan, index if is_local else None)
     if config.cp is None:
-        return _run_generate(config, resolve_device(config.device), say=say)
+        return _run_generate(run, resolve_device(config.device), say=say)
     from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
 
     cp = config.cp if isinstance(config.cp, ContextParallel) else parse_cp(config.cp)
     with distributed(cp, config.device) as session:
-        return _run_generate(replace(config, cp=cp, progress=config.progress and session.is_main), session.device,
-                             main=session.is_main, say=say if session.is_main else None)
+        run = replace(run, options=replace(config, cp=cp, progress=config.progress and session.is_main))
+        return _run_generate(run, session.device, main=session.is_main, say=say if session.is_main else None)
 
 
-def _run_generate(config: GenerateConfig, dev: torch.device, *, main: bool = True,
+def _run_generate(run: GenerateRun, dev: torch.device, *, main: bool = True,
                   say: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """``run_generate`` on this process's device ``dev`` once the model's defaults are in ``config`` (and
-    ``config.cp`` is a ``ContextParallel`` or None); ``main``: the process that decodes and writes."""
-    c = config
+    """``run_generate`` of the resolved ``run`` on this process's device ``dev``; ``main``: the process that
+    decodes and writes."""
+    c, policy, plan = run.options, run.policy, run.plan
     check_backend(c.backend, dev)
-    if c.compile is not None and c.compile not in COMPILE_MODES:
-        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {c.compile!r}")
-    plan = load_guard_plan(c.guard_plan)
-    check_plan_policy(plan, c.policy, "guard_plan")
     pil = None
     if c.image is not None:
-        if not Path(c.image).is_file():
-            raise UsageError(f"image: file {c.image!r} does not exist")
         from PIL import Image
 
         pil = Image.open(c.image).convert("RGB")
@@ -130,28 +138,28 @@ def _run_generate(config: GenerateConfig, dev: torch.device, *, main: bool = Tru
         from fp4vis.pipelines.context_parallel import agree, check_exact_under_ring
 
         output = agree(lambda: check_output_file(c.output, "output"))
-        exact = ("--policy bf16" if get_policy(c.policy).method == "exact"
-                 else "--exact-steps" if c.exact_steps else None)
+        exact = ("--policy bf16" if policy.method == "exact" else "--exact-steps" if c.exact_steps else None)
         check_exact_under_ring(c.cp, dev, resolve_dtype(c.dtype), exact)
     # the size against the model's configs, before its weights load
-    wan_geometry(c.model).check(height=c.height, width=c.width, frames=c.frames, model=c.model, prefix="--")
-    src, is_local = check_model_source(resolve_model(c.model))
-    if pil is not None and is_local and "ImageToVideo" not in str(model_index(src).get("_class_name", "")):
-        raise UsageError(f"image: {c.model!r} is a text-to-video model ({model_index(src).get('_class_name')}); "
+    wan_geometry(c.model, run.index).check(height=c.height, width=c.width, frames=c.frames, model=c.model, prefix="--")
+    pipeline_class = str((run.index or {}).get("_class_name", ""))
+    if pil is not None and run.index is not None and "ImageToVideo" not in pipeline_class:
+        raise UsageError(f"image: {c.model!r} is a text-to-video model ({pipeline_class}); "
                          "drop --image, or give an image-to-video checkpoint")
     with Timer() as tload:
-        pipe = load_wan_pipeline(c.model, device=dev, dtype=c.dtype, i2v=True if pil is not None else None)
+        pipe = load_wan_pipeline(c.model, device=dev, dtype=c.dtype, i2v=True if pil is not None else None,
+                                 index=run.index)
     if pil is None and type(pipe).__name__ == "WanImageToVideoPipeline":
         raise UsageError(f"{c.model!r} is an image-to-video model: pass --image")
     if say is not None:
         exact = f", exact attention in steps {', '.join(map(str, c.exact_steps))}" if c.exact_steps else ""
         say(f"generate: {c.model}, \"{c.prompt}\"{' from ' + str(c.image) if c.image else ''}, {c.width}x{c.height}, "
             f"{c.frames} frames, {c.steps} steps, guidance {c.guidance_scale}, seed {c.seed}; attention: "
-            f"{attention_label(c.policy, c.backend, dev, plan)}{exact}"
+            f"{attention_label(policy, c.backend, dev, plan)}{exact}"
             f"{f'; transformer compiled ({c.compile}, fullgraph) in the first step' if c.compile else ''} -> {output}")
-    warn_reference_fallback(c.backend, dev, c.policy, "fp4vis generate")   # after the line saying what runs
+    warn_reference_fallback(c.backend, dev, policy, "fp4vis generate")   # after the line saying what runs
     if dev.type == "cpu":
-        warn_if_impractical_on_cpu(pipe, c.policy, height=c.height, width=c.width, frames=c.frames, steps=c.steps,
+        warn_if_impractical_on_cpu(pipe, policy, height=c.height, width=c.width, frames=c.frames, steps=c.steps,
                                    guidance_scale=c.guidance_scale)
     if c.cp is not None:
         from fp4vis.pipelines.context_parallel import check_tokens, enable_context_parallel
@@ -160,9 +168,9 @@ def _run_generate(config: GenerateConfig, dev: torch.device, *, main: bool = Tru
         enable_context_parallel(pipe.transformer, c.cp)
     if c.compile is not None:
         compile_transformers(pipe, c.compile)
-    res = generate(pipe, GenerationConfig(
+    res = generate_checked(pipe, GenerationConfig(
         prompt=c.prompt, negative_prompt=c.negative_prompt, image=pil, height=c.height, width=c.width,
-        frames=c.frames, steps=c.steps, guidance_scale=c.guidance_scale, seed=c.seed, policy=c.policy, guard=plan,
+        frames=c.frames, steps=c.steps, guidance_scale=c.guidance_scale, seed=c.seed, policy=policy, guard=plan,
         backend=c.backend, progress=c.progress, exact_steps=c.exact_steps, decode=main))
     timings = {"load_s": tload.seconds, **res.timings}
     if not main:
@@ -171,7 +179,7 @@ def _run_generate(config: GenerateConfig, dev: torch.device, *, main: bool = Tru
     sidecar = {
         "model": c.model, "pipeline": type(pipe).__name__, "prompt": c.prompt, "negative_prompt": c.negative_prompt,
         "image": c.image, "seed": c.seed, "frames": c.frames, "height": c.height, "width": c.width, "steps": c.steps,
-        "guidance_scale": c.guidance_scale, "fps": c.fps, "policy": get_policy(c.policy).name, "backend": c.backend,
+        "guidance_scale": c.guidance_scale, "fps": c.fps, "policy": policy.name, "backend": c.backend,
         "dtype": str(resolve_dtype(c.dtype)).replace("torch.", ""), "guard_plan": c.guard_plan,
         "guard_plan_content": guard_plan_summary(plan), "exact_steps": res.info["exact_steps"],
         "tokens": res.info["tokens"], "context_parallel": c.cp.to_dict() if c.cp is not None else None,
@@ -185,7 +193,7 @@ def _run_generate(config: GenerateConfig, dev: torch.device, *, main: bool = Tru
 _CPU_PROBE_TOKENS = 1024
 
 
-def warn_if_impractical_on_cpu(pipe, policy: str, *, height: int, width: int, frames: int, steps: int,
+def warn_if_impractical_on_cpu(pipe, policy: str | Policy, *, height: int, width: int, frames: int, steps: int,
                                guidance_scale: float) -> float | None:
     """Sizes made for a GPU (81 frames at 480x832: 32760 tokens) take hours or days on a CPU: warn, with
     an estimate measured here and the options that make a CPU run practical. The estimate is attention
@@ -203,6 +211,7 @@ def warn_if_impractical_on_cpu(pipe, policy: str, *, height: int, width: int, fr
     cfg = pipe.transformer.config
     heads, head_dim = int(cfg.num_attention_heads), int(cfg.attention_head_dim)
     q = torch.randn(1, heads, _CPU_PROBE_TOKENS, head_dim)
+    name = getattr(policy, "name", policy)   # a Policy (run_generate's) or its name
     t0 = time.perf_counter()
     attention(q, q, q, policy=policy, backend="reference", range_check="off")
     probe = time.perf_counter() - t0
@@ -210,7 +219,7 @@ def warn_if_impractical_on_cpu(pipe, policy: str, *, height: int, width: int, fr
     estimate = probe * (tokens / _CPU_PROBE_TOKENS) ** 2 * passes
     warnings.warn(f"generate on the CPU: {frames} frames at {height}x{width} are {tokens} tokens per sequence; "
                   f"{steps} steps would take at least {estimate / 3600:.1f} h of attention alone here (one "
-                  f"{_CPU_PROBE_TOKENS}-token call of {policy!r} took {probe:.2f} s). Sizes made for a GPU: use "
+                  f"{_CPU_PROBE_TOKENS}-token call of {name!r} took {probe:.2f} s). Sizes made for a GPU: use "
                   "--device cuda, or e.g. --frames 9 --height 128 --width 128 --steps 8 on the CPU",
                   UserWarning, stacklevel=3)
     return estimate

@@ -1,19 +1,19 @@
 """What a Wan pipeline takes, read from its configs before its weights load: ``WanGeometry`` (the VAE's scale
 factors, the transformer's patch and rotary positions) and its size checks, ``wan_geometry(model)`` from a model
-source's configs alone, ``check_steps`` (denoising step indices), the latent shape and tokens per sequence of a
-video size, and the CPU's size limit (``check_cpu_size``). ``WAN_TRANSFORMER_CONFIGS``: the published Wan2.1
-architectures (``fp4vis.pipelines.wan_video.build_random_wan_pipeline`` builds them); ``resolve_model`` and
-``model_index``: where a model source's folder is and what its ``model_index.json`` says.
+source's configs alone, the latent shape and tokens per sequence of a video size, and the CPU's size limit
+(``check_cpu_size``). ``WAN_TRANSFORMER_CONFIGS``: the published Wan2.1 architectures
+(``fp4vis.pipelines.wan_video.build_random_wan_pipeline`` builds them). Where a model source's folder is and what
+its ``model_index.json`` says: ``fp4vis.pipelines.model_files``.
 """
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from fp4vis.pipelines.model_files import model_index, resolve_model
 from fp4vis.services.sources import check_model_source, hub_error, is_network_error
 from fp4vis.services.usage import UsageError
 
@@ -28,22 +28,6 @@ WAN_TRANSFORMER_CONFIGS: dict[str, dict[str, Any]] = {
                 qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
                 rope_max_seq_len=1024),
 }
-
-
-def resolve_model(model: str) -> str:
-    """The source ``from_pretrained`` reads: a model fp4vis ships (``fp4vis:...``) is its folder, any other as given."""
-    from fp4vis import zoo
-
-    return zoo.resolve_source(model, "model") if zoo.is_zoo_source(model) else model
-
-
-def model_index(path: str) -> dict[str, Any]:
-    """A local diffusers folder's ``model_index.json`` (a UsageError when it has none)."""
-    f = Path(path) / "model_index.json"
-    if not f.is_file():
-        raise UsageError(f"model: {path!r} is not a diffusers pipeline folder (no model_index.json); save one "
-                         "with pipe.save_pretrained(dir) or pass a Hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
-    return json.loads(f.read_text())
 
 
 # diffusers' Wan pipelines refuse a height or width that is not a multiple of 16 (check_inputs), whatever the
@@ -128,15 +112,15 @@ def _config(cls, src: str, subfolder: str) -> dict[str, Any]:
     return {**defaults, **cls.load_config(src, subfolder=subfolder)}
 
 
-def wan_geometry(model: str) -> WanGeometry:
+def wan_geometry(model: str, index: Mapping[str, Any] | None = None) -> WanGeometry:
     """A Wan pipeline's ``WanGeometry`` from its VAE's and transformer's configs alone (``load_config``:
-    no weights), before it is loaded."""
+    no weights), before it is loaded; ``index``: a local model's ``model_index.json`` already read."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
     src, is_local = check_model_source(resolve_model(model))
     transformer = "transformer"
     if is_local:
-        index = model_index(src)
+        index = model_index(src) if index is None else index
         if index.get("transformer", [None])[0] is None and index.get("transformer_2", [None])[0] is not None:
             transformer = "transformer_2"   # a Wan2.2 pipeline of its low-noise expert alone
     try:
@@ -150,15 +134,6 @@ def wan_geometry(model: str) -> WanGeometry:
         raise
     return WanGeometry(int(vae["scale_factor_temporal"]), int(vae["scale_factor_spatial"]),
                        tuple(int(x) for x in cfg["patch_size"]), int(cfg["rope_max_seq_len"]))
-
-
-def check_steps(indices: tuple[int, ...] | None, steps: int, option: str = "exact_steps") -> None:
-    """Denoising step indices exist: ``0 .. steps - 1``, or ``-steps .. -1`` counted from the end (-1: the
-    last). A UsageError naming ``option`` otherwise (the step callback would skip it without a word)."""
-    bad = [i for i in indices or () if not -steps <= i < steps]
-    if bad:
-        raise UsageError(f"{option}: step {bad[0]} does not exist in {steps} denoising step"
-                         f"{'s' if steps > 1 else ''} (indices 0..{steps - 1}, or -{steps}..-1 from the end)")
 
 
 def latent_shape(pipe, *, height: int, width: int, frames: int, batch: int = 1) -> tuple[int, ...]:

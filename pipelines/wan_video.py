@@ -1,6 +1,7 @@
 """Wan2.1 video generation with FP4 attention (diffusers ``WanPipeline`` / ``WanImageToVideoPipeline``).
 
-    from fp4vis.pipelines.wan_video import load_wan_pipeline, generate, save_mp4
+    from fp4vis.pipelines.media_files import save_mp4
+    from fp4vis.pipelines.wan_video import load_wan_pipeline, generate
     pipe = load_wan_pipeline("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", device="cuda")
     res = generate(pipe, prompt="a red fox in the snow", policy="fast", seed=0, steps=50)
     save_mp4(res.frames, "fox.mp4")
@@ -10,8 +11,10 @@ initial latents from a CPU generator seeded with ``seed`` (identical on every de
 policy), and applies the policy with ``fp4vis.patch`` only for the duration of the call. ``bf16``
 is the pipeline's own attention. Its settings are one ``GenerationConfig``, given as keywords (as above)
 or built once and varied per call (``generate(pipe, base, policy="accurate")``).
-``fp4vis generate`` is ``fp4vis.pipelines.wan_generate.run_generate``; the sizes, frames and steps a model takes
-are checked by ``fp4vis.pipelines.wan_sizes``.
+``generate`` checks its config (policy, step indices, backend) and runs ``generate_checked``, which trusts it:
+``fp4vis generate`` (``fp4vis.pipelines.wan_generate.run_generate``) resolves once and calls that directly. The
+sizes and frames a model takes are checked by ``fp4vis.pipelines.wan_sizes``, step indices by
+``fp4vis.pipelines.denoising_steps``.
 
 ``build_random_wan_pipeline("1.3B" | "14B")`` builds the real Wan2.1 architectures with seeded random
 weights and no text encoder, for speed measurements on machines without the checkpoints.
@@ -23,27 +26,19 @@ steps and guidance a shipped model was trained for, and Wan2.1's otherwise.
 
 from __future__ import annotations
 
-import json
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fp4vis.files import atomic_path
-from fp4vis.pipelines.wan_sizes import (
-    WAN_TRANSFORMER_CONFIGS,
-    check_steps,
-    latent_shape,
-    model_index,
-    resolve_model,
-    tokens_per_frame_sequence,
-)
-from fp4vis.policy import get_policy
+from fp4vis.pipelines.denoising_steps import LatentsAfterSteps, chained_callbacks, check_steps
+from fp4vis.pipelines.model_files import model_index, resolve_model, training_record
+from fp4vis.pipelines.wan_sizes import WAN_TRANSFORMER_CONFIGS, latent_shape, tokens_per_frame_sequence
+from fp4vis.policy import Policy, get_policy
 from fp4vis.services.policies import attention_label, check_backend, policy_applied
-from fp4vis.services.runtime import COMPILE_MODES, derived_seed, resolve_device, resolve_dtype
+from fp4vis.services.runtime import derived_seed, resolve_device, resolve_dtype
 from fp4vis.services.sources import check_model_source, hub_error, is_network_error
 from fp4vis.services.timing import Timer
 from fp4vis.services.usage import UsageError
@@ -55,25 +50,6 @@ WAN_TEXT_LEN, WAN_TEXT_DIM = 512, 4096
 WAN_GENERATION = dict(height=480, width=832, frames=81, steps=50, guidance_scale=5.0, fps=16)
 
 
-def compile_transformers(pipe, mode: str, backend: str = "inductor") -> None:
-    """torch.compile the pipeline's transformers in place with ``fullgraph=True``, as diffusers documents:
-    ``"regional"``, ``ModelMixin.compile_repeated_blocks`` (the Wan blocks share one graph, compiled once:
-    diffusers' advice for diffusion transformers, a fraction of the compile time), or ``"full"``,
-    ``ModelMixin.compile`` (the whole transformer, one graph). Each compiles at its first call; patched and
-    unpatched layers alike (docs/patching.md, "torch.compile"). ``backend``: torch.compile's (the tests'
-    "aot_eager" traces the same graphs without generating code)."""
-    if mode not in COMPILE_MODES:
-        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-    for name in ("transformer", "transformer_2"):
-        transformer = getattr(pipe, name, None)
-        if transformer is None:
-            continue
-        if mode == "regional":
-            transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
-        else:
-            transformer.compile(fullgraph=True, backend=backend)
-
-
 @dataclass
 class GenerationResult:
     latents: torch.Tensor                      # final latents (float32, CPU), before VAE decode
@@ -83,13 +59,6 @@ class GenerationResult:
     step_latents: dict[int, torch.Tensor] = field(default_factory=dict)   # after k steps (``latents_after``)
 
 
-def training_record(model: str) -> dict[str, Any]:
-    """The training record (``training.json``) of a model folder: the shipped ``fp4vis:digits-wan`` and any
-    run of scripts/train_digits_video.py; {} for any other model (a Hub id, a folder without one)."""
-    record = Path(os.path.expanduser(resolve_model(model))) / "training.json"
-    return json.loads(record.read_text()) if record.is_file() else {}
-
-
 def generation_defaults(model: str) -> dict[str, Any]:
     """Height, width, frames, steps, guidance scale and fps for ``model``: those of its training record
     (``generation``), Wan2.1's 480p settings for any other model."""
@@ -97,72 +66,29 @@ def generation_defaults(model: str) -> dict[str, Any]:
     return {**WAN_GENERATION, **{k: v for k, v in gen.items() if k in WAN_GENERATION}}
 
 
-def known_prompts(model: str) -> tuple[tuple[str, ...], str] | None:
-    """(the prompts, their grammar) of a model trained on a closed set of prompts: a training record whose
-    clips state their prompt grammar (scripts/train_digits_video.py: ``digit <0-9> moving
-    <left|right|up|down>``, the 40 of ``fp4vis.zoo.moving_digits.PROMPTS``); None for a model that takes any
-    text."""
-    grammar = (training_record(model).get("clips") or {}).get("prompt")
-    if not grammar:
-        return None
-    from fp4vis.zoo import moving_digits as md
-
-    return md.PROMPTS, grammar
-
-
-def check_prompt(model: str, prompt: str, *, force: bool = False, option: str = "--prompt") -> None:
-    """A model that knows a closed set of prompts (``known_prompts``) refuses any other (its text encoder
-    has no word for it, and the clip would show some digit anyway): a UsageError giving the grammar, or
-    with ``force`` a warning."""
-    known = known_prompts(model)
-    if known is None or " ".join(str(prompt).split()) in known[0]:
-        return
-    prompts, grammar = known
-    message = (f"{option}: {model} was trained on {len(prompts)} prompts, \"{grammar}\" (e.g. \"{prompts[13]}\"), "
-               f"and knows no other; got {prompt!r}")
-    if not force:
-        raise UsageError(message + " (--force generates anyway)")
-    import warnings
-
-    warnings.warn(message + "; generating anyway (--force)", UserWarning, stacklevel=2)
-
-
-class LatentsAfterSteps:
-    """A ``callback_on_step_end`` keeping a copy of the latents after ``steps`` denoising steps (1 = after
-    the first step), float32 on the CPU."""
-
-    def __init__(self, steps: tuple[int, ...]):
-        self.steps, self.latents = set(int(s) for s in steps), {}
-
-    @property
-    def tensor_inputs(self) -> list[str]:
-        return ["latents"]
-
-    def __call__(self, pipeline, step_index: int, timestep, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-        if step_index + 1 in self.steps:
-            self.latents[step_index + 1] = callback_kwargs["latents"].detach().float().cpu()
-        return callback_kwargs
-
-
 def load_wan_pipeline(model: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "bfloat16",
-                      i2v: bool | None = None, text_encoder: bool = True, vae_dtype: str | torch.dtype = "float32"):
+                      i2v: bool | None = None, text_encoder: bool = True, vae_dtype: str | torch.dtype = "float32",
+                      index: Mapping[str, Any] | None = None):
     """A Wan2.1 pipeline from a Hub id or a local diffusers folder. ``i2v=None`` picks the class
     from model_index.json (local) or the id ("I2V" in the name); ``text_encoder=False`` skips the
-    text encoder and tokenizer (then pass ``prompt_embeds``)."""
+    text encoder and tokenizer (then pass ``prompt_embeds``); ``index``: a local model's model_index.json
+    already read (read here otherwise, once)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     src, is_local = check_model_source(resolve_model(model))
     dev = resolve_device(device)
     dt, vdt = resolve_dtype(dtype), resolve_dtype(vae_dtype)
+    if is_local and index is None:
+        index = model_index(src)
     if i2v is None:
         if is_local:
-            i2v = "ImageToVideo" in str(model_index(src).get("_class_name", ""))
+            i2v = "ImageToVideo" in str(index.get("_class_name", ""))
         else:
             i2v = "i2v" in src.lower()
     cls = WanImageToVideoPipeline if i2v else WanPipeline
     kwargs: dict[str, Any] = {"dtype": dt}
     if is_local:  # components saved as null (e.g. a pipeline saved without its text encoder)
-        for key, val in model_index(src).items():
+        for key, val in index.items():
             if not key.startswith("_") and (val is None or (isinstance(val, list) and val[0] is None)):
                 kwargs[key] = None
     if not text_encoder:
@@ -324,7 +250,7 @@ class GenerationConfig:
     steps: int = 50
     guidance_scale: float = 5.0
     seed: int = 0
-    policy: str = "fast"
+    policy: str | Policy = "fast"
     guard: Any = None
     backend: str = "auto"
     decode: bool = True
@@ -341,12 +267,20 @@ class GenerationConfig:
 def generate(pipe, config: GenerationConfig | None = None, /, **settings: Any) -> GenerationResult:
     """One generation of ``config`` (``GenerationConfig``; see the module docstring). ``settings``, fields of
     the config by name, replace its values (``generate(pipe, base, policy="accurate")``) or, without a config,
-    the defaults (``generate(pipe, prompt="a red fox", steps=50)``)."""
+    the defaults (``generate(pipe, prompt="a red fox", steps=50)``). Checks the policy, the step indices and
+    the backend, then runs ``generate_checked``."""
     cfg = GenerationConfig(**settings) if config is None else replace(config, **settings)
-    pol = get_policy(cfg.policy)
     check_steps(cfg.exact_steps, cfg.steps, "exact_steps")
+    check_backend(cfg.backend, torch.device(pipe._execution_device))
+    return generate_checked(pipe, replace(cfg, policy=get_policy(cfg.policy)))
+
+
+def generate_checked(pipe, cfg: GenerationConfig) -> GenerationResult:
+    """``generate`` of a config its caller has checked (``fp4vis generate``'s ``run_generate`` resolves and
+    checks once, before the weights load): ``cfg.policy`` a ``Policy``, the step indices and the backend
+    valid on the pipeline's device. Nothing is resolved or checked again here."""
+    pol = cfg.policy
     dev = pipe._execution_device
-    check_backend(cfg.backend, torch.device(dev))
     timings = {"text_encode_s": 0.0}
     prompt_embeds, negative_prompt_embeds = cfg.prompt_embeds, cfg.negative_prompt_embeds
     if prompt_embeds is None:
@@ -398,54 +332,3 @@ def generate(pipe, config: GenerationConfig | None = None, /, **settings: Any) -
             "exact_steps": list(cfg.exact_steps) if cfg.exact_steps else None,
             "tokens": tokens_per_frame_sequence(pipe, height=cfg.height, width=cfg.width, frames=cfg.frames)}
     return GenerationResult(latents=final, frames=video, timings=timings, info=info, step_latents=keep.latents)
-
-
-def chained_callbacks(callbacks: list[Any]):
-    """One ``callback_on_step_end`` for several (diffusers' MultiPipelineCallbacks takes PipelineCallback
-    objects only); each gets the callback_kwargs the one before returned."""
-    if len(callbacks) == 1:
-        return callbacks[0]
-
-    def call(pipeline, step_index, timestep, callback_kwargs):
-        for cb in callbacks:
-            callback_kwargs = cb(pipeline, step_index, timestep, callback_kwargs)
-        return callback_kwargs
-
-    return call
-
-
-def mp4_unavailable() -> str | None:
-    """Why ``save_mp4`` cannot write here (imageio-ffmpeg finds no ffmpeg), or None when it can."""
-    try:
-        import imageio_ffmpeg
-
-        imageio_ffmpeg.get_ffmpeg_exe()
-    except Exception as e:   # ImportError, or RuntimeError: no bundled or system ffmpeg
-        return f"no ffmpeg for imageio-ffmpeg ({type(e).__name__}: {e}); pip install imageio-ffmpeg"
-    return None
-
-
-def save_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 16, progress: bool = False) -> Path:
-    """Write (F, H, W, 3) frames in [0, 1] (or diffusers' batched (1, F, H, W, 3)) as an H.264 MP4 through
-    imageio-ffmpeg, atomically: a failed write leaves no partial file under ``path``. ``progress``: a bar
-    over the frames written."""
-    import imageio.v2 as imageio
-    from tqdm.auto import tqdm
-
-    frames = np.asarray(frames)
-    if frames.ndim == 5 and frames.shape[0] == 1:   # diffusers' batched output (1, F, H, W, 3)
-        frames = frames[0]
-    if frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"frames: expected (F, H, W, 3) or (1, F, H, W, 3), got shape {frames.shape}")
-    u8 = (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
-    h, w = u8.shape[1:3]
-    # macro_block_size=1 keeps odd-sized test videos as they are (H.264 wants even sizes: pad by one)
-    if h % 2 or w % 2:
-        u8 = np.pad(u8, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-    path = Path(path)
-    with atomic_path(path) as tmp, imageio.get_writer(str(tmp), format="FFMPEG", mode="I", fps=fps,
-                                                      codec="libx264", macro_block_size=1, quality=8,
-                                                      pixelformat="yuv420p") as writer:
-        for f in tqdm(u8, desc=f"write {path.name}", unit="frame", disable=not progress):
-            writer.append_data(f)
-    return path

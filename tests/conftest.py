@@ -2,7 +2,7 @@
 
 * ``@pytest.mark.gpu`` marks a test that needs a CUDA GPU; ``@pytest.mark.gpu(capability=(9, 0))`` one
   that needs that compute capability. Such tests are skipped, with the reason, where the GPU is absent.
-* Tiny models and data, built once per session through the real saving code (``fp4vis.evals.tiny``):
+* Tiny models and data, built once per session through the real saving code (``tests/apps/tiny_models.py``):
   ``tiny_wan``, ``tiny_mae``, ``image_folder``; ``digits_wan_smoke``: a Wan pipeline of moving digits
   trained for a few steps by ``scripts/train_digits_video.py --smoke`` (about 20 s on a CPU).
 * Hypothesis examples are derandomised in CI so that a run is reproducible.
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_wan(tmp_path_factory):
     """A tiny Wan2.1 T2V checkpoint folder (diffusers layout, random weights, a tiny text encoder)."""
-    from fp4vis.evals.tiny import make_tiny_wan
+    from apps.tiny_models import make_tiny_wan
 
     return make_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan")
 
@@ -56,7 +56,7 @@ def tiny_wan(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_mae(tmp_path_factory):
     """A tiny ViTMAE checkpoint folder (transformers layout, random weights)."""
-    from fp4vis.evals.tiny import make_tiny_mae
+    from apps.tiny_models import make_tiny_mae
 
     return make_tiny_mae(tmp_path_factory.mktemp("tiny") / "mae")
 
@@ -64,7 +64,7 @@ def tiny_mae(tmp_path_factory):
 @pytest.fixture(scope="session")
 def image_folder(tmp_path_factory):
     """An ImageFolder with two classes ("a", "b") of two 36 px images each."""
-    from fp4vis.evals.tiny import make_image_folder
+    from apps.tiny_models import make_image_folder
 
     return make_image_folder(tmp_path_factory.mktemp("tiny") / "images", classes=("a", "b"), per_class=2, size=36)
 

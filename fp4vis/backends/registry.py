@@ -100,19 +100,47 @@ def kernel_backend_name(device: torch.device) -> str | None:
 
 
 def select_backend(name: str, call: AttentionCall) -> Backend:
-    """The backend that runs this call. An explicit name raises when it cannot; ``auto`` takes the
-    kernel for this GPU when it supports the call and otherwise falls back to the reference with
+    """The backend that runs this call (``fp4vis.attention``). An explicit name raises when it cannot; ``auto``
+    takes the kernel for this GPU when it supports the call and otherwise falls back to the reference with
     one warning per reason."""
-    q = call.q
+    asked, reason = ask_backend(name, call)
+    return backend_to_run(name, asked, reason)
+
+
+def ask_backend(name: str, call: AttentionCall) -> tuple[Backend | None, str | None]:
+    """The backend ``name`` asks to run this call, and its answer (``supports``: asked here, once per call).
+    ``(backend, None)``: it runs the call; ``(backend, reason)``: it cannot; ``(None, why)``: the explicit name's
+    backend cannot load here. ``auto`` asks the kernel for the call's GPU, or, without one that loads there, the
+    reference (with one warning on a GPU). A patched layer keeps exact attention where the answer is no
+    (``fp4vis.patching.layer.LayerState.select``); ``fp4vis.attention`` goes on as ``backend_to_run`` says."""
     _load_kernel_backends()
-    if name != AUTO:
+    if name == AUTO:
+        backend = _auto_backend(call.q)
+    else:
         backend = get_backend(name)
         if backend is None:
-            raise RuntimeError(f"backend={name!r} is not available here: {load_error(name)}")
-        reason = backend.supports(call)
-        if reason is not None:
-            raise RuntimeError(f"backend={name!r} cannot run this call: {reason}")
-        return backend
+            return None, f"backend={name!r} is not available here: {load_error(name)}"
+    return backend, backend.supports(call)
+
+
+def backend_to_run(name: str, asked: Backend | None, reason: str | None) -> Backend:
+    """What ``fp4vis.attention`` runs after ``ask_backend(name, call)`` answered ``(asked, reason)``: the asked
+    backend where it runs the call; for ``auto``, else the reference (one warning per reason); an explicit name
+    that cannot raises."""
+    if reason is None:
+        return asked
+    if asked is None:
+        raise RuntimeError(reason)
+    if name != AUTO:
+        raise RuntimeError(f"backend={name!r} cannot run this call: {reason}")
+    warn_once(("unsupported", asked.name, reason), f"fp4vis: {asked.name} backend does not support this call "
+               f"({reason}); using the reference emulation (slow)")
+    return _REGISTRY[REFERENCE]
+
+
+def _auto_backend(q: torch.Tensor) -> Backend:
+    """The backend ``auto`` asks first for tensors on q's device: the kernel for this GPU where one loads, else the
+    reference (on a GPU with one warning)."""
     reference = _REGISTRY[REFERENCE]
     if not q.is_cuda:
         return reference
@@ -125,10 +153,5 @@ def select_backend(name: str, call: AttentionCall) -> Backend:
     if backend is None:
         warn_once(("import", kernel), f"fp4vis: the {kernel} backend cannot load "
                    f"({load_error(kernel)}); using the reference emulation (slow)")
-        return reference
-    reason = backend.supports(call)
-    if reason is not None:
-        warn_once(("unsupported", kernel, reason), f"fp4vis: {kernel} backend does not support this call "
-                   f"({reason}); using the reference emulation (slow)")
         return reference
     return backend

@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--{option}: {reason}") from None
     out = check_output_file(args.out, "--out")
     if args.calib_kind == "wan":
+        from fp4vis.pipelines.model_files import check_prompt
         from fp4vis.pipelines.wan_sizes import wan_geometry
-        from fp4vis.pipelines.wan_video import check_prompt
 
         for prompt in args.prompt:
             check_prompt(args.model, prompt, force=args.force)
@@ -160,7 +160,7 @@ def _pipeline_settings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """``calibrate pipeline``'s checks before the model loads: its pipeline's call (``PipelineCall``) and the
     keyword arguments of the settings given (a UsageError naming an option its call does not take)."""
     from fp4vis.pipelines.diffusers_generate import PipelineCall, pipeline_class_name
-    from fp4vis.pipelines.wan_video import check_prompt
+    from fp4vis.pipelines.model_files import check_prompt
 
     call = PipelineCall.of(pipeline_class_name(args.model), args.model)
     settings = call.arguments(height=args.height, width=args.width, frames=args.frames, steps=args.steps,

@@ -8,7 +8,18 @@ from typing import Any
 
 from fp4vis.services.runtime import COMPILE_MODES
 
-from .options import POLICY_HELP, Formatter, add_runtime, announcer, guidance, int_list, policy, positive_int, seed
+from .options import (
+    POLICY_HELP,
+    Formatter,
+    add_prompt,
+    add_runtime,
+    announcer,
+    guidance,
+    int_list,
+    policy,
+    positive_int,
+    seed,
+)
 
 DEFAULT = " (default: the model's; see above)"
 WAN_ONLY = " (Wan2.1 pipelines only)"
@@ -29,12 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "pipeline's own call defaults (fps: its frame_rate, else 16).")
     p.add_argument("--model", required=True, help="Hub id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers), local "
                                                   "diffusers folder, or fp4vis:digits-wan (shipped)")
-    p.add_argument("--prompt", required=True, help="what to show; a model trained on a closed set of prompts "
-                                                   "(fp4vis:digits-wan: \"digit <0-9> moving <left|right|up|down>\") "
-                                                   "refuses any other")
-    p.add_argument("--force", action="store_true", help="generate from a prompt the model does not know (a warning "
-                                                        "instead of the error)")
-    p.add_argument("--negative-prompt", default=None)
+    add_prompt(p, required=True, help="what to show; a model trained on a closed set of prompts (fp4vis:digits-wan: "
+                                      "\"digit <0-9> moving <left|right|up|down>\") refuses any other",
+               force_help="generate from a prompt the model does not know (a warning instead of the error)")
     p.add_argument("--image", default=None, help="conditioning image for image-to-video (I2V) models" + WAN_ONLY)
     p.add_argument("--policy", type=policy, default="fast", help=f"one of {POLICY_HELP}")
     p.add_argument("--seed", type=seed, default=0, help="seed of the initial noise, -2**63 .. 2**64 - 1")
@@ -66,12 +74,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fp4vis.pipelines.diffusers_generate import is_wan, run_pipeline_generate
+    from fp4vis.pipelines.diffusers_generate import is_wan, pipeline_index, run_pipeline_generate
     from fp4vis.pipelines.wan_generate import run_generate
     from fp4vis.services.outputs import check_output_file
 
-    if not is_wan(args.model):   # any other diffusers pipeline; its own checks refuse the Wan-only options
-        out = run_pipeline_generate(_config(args, cp=args.cp), say=announcer(args))
+    index = pipeline_index(args.model)   # read once here: it picks the pipeline, and the run takes it
+    if not is_wan(args.model, index):   # any other diffusers pipeline; its own checks refuse the Wan-only options
+        out = run_pipeline_generate(_options(args, cp=args.cp), say=announcer(args), index=index)
         t = out["timings"]
         stages = ", ".join(f"{name} {t[key]:.2f} s" for name, key in (
             ("load", "load_s"), ("text", "text_encode_s"), ("denoise", "denoise_s"), ("decode", "decode_s"))
@@ -87,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         args.output = check_output_file(args.output, "--output")
 
-    out = run_generate(_config(args, cp=cp), say=announcer(args))
+    out = run_generate(_options(args, cp=cp), say=announcer(args), index=index)
     if out["video"] is None:  # a rank other than 0 of a --cp run: rank 0 reports
         return 0
     t = out["timings"]
@@ -97,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace, *, cp: Any):
-    """The ``GenerateConfig`` of the options (``cp``: as the run takes it)."""
-    from fp4vis.pipelines.wan_generate import GenerateConfig
+def _options(args: argparse.Namespace, *, cp: Any):
+    """The ``GenerateOptions`` of the command line (``cp``: as the run takes it)."""
+    from fp4vis.pipelines.wan_generate import GenerateOptions
 
-    return GenerateConfig(
+    return GenerateOptions(
         model=args.model, prompt=args.prompt, output=args.output, negative_prompt=args.negative_prompt,
         image=args.image, policy=args.policy, guard_plan=args.guard_plan, seed=args.seed, height=args.height,
         width=args.width, frames=args.frames, steps=args.steps, guidance_scale=args.guidance, fps=args.fps,

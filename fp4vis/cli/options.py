@@ -164,3 +164,25 @@ def add_runtime(p: argparse.ArgumentParser, *, default_dtype: str = "bfloat16") 
                         "reference emulation (hopper needs an sm_90 GPU)")
     g.add_argument("--guard-plan", metavar="JSON", help="guard plan written by `fp4vis calibrate`")
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def add_prompt(p: argparse.ArgumentParser, *, required: bool, help: str, force_help: str | None = None) -> None:
+    """``--prompt``, ``--force`` (where the command refuses a prompt a model does not know: ``force_help``) and
+    ``--negative-prompt``: what ``generate`` and the diffusion evals take alike."""
+    p.add_argument("--prompt", required=required, default=None, help=help)
+    if force_help is not None:
+        p.add_argument("--force", action="store_true", help=force_help)
+    p.add_argument("--negative-prompt", default=None)
+
+
+def add_denoising_runs(p: argparse.ArgumentParser, *, decode_help: str, no_decode_help: str,
+                       compile_help: str) -> None:
+    """How the diffusion evals run each schedule: ``--decode``/``--no-decode`` (None where neither is given: the
+    eval's default), ``--no-warmup``, ``--compile [regional|full]``."""
+    from fp4vis.services.runtime import COMPILE_MODES
+
+    dec = p.add_mutually_exclusive_group()
+    dec.add_argument("--decode", dest="decode", action="store_true", default=None, help=decode_help)
+    dec.add_argument("--no-decode", dest="decode", action="store_false", help=no_decode_help)
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed 1-step warm-up before each run")
+    p.add_argument("--compile", nargs="?", const="regional", default=None, choices=COMPILE_MODES, help=compile_help)

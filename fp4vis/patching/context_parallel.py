@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fp4vis.attention import default_scale, enforce_range
+from fp4vis.attention import enforce_range
 from fp4vis.backends import REFERENCE, registry
-from fp4vis.call import AttentionCall
+from fp4vis.call import AttentionCall, default_scale
 from fp4vis.policy import Policy
 from fp4vis.reference import DirectPAccumulator, key_stream_reason
 
@@ -127,7 +127,7 @@ def attention(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if groups.ring_degree > 1:
         out = _ring(state, q, k, v, policy, groups)
     else:
-        out = state.attention(q, k, v, policy, layout="bshd")
+        out = state.attention_of(q, k, v, policy, layout="bshd")
     if groups.ulysses_degree > 1:
         out = _heads_from_ranks(out, groups)
     return out
@@ -183,7 +183,7 @@ def _ring(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         _warn_once(f"fp4vis: ring attention gathers each layer's keys and values on every rank where {reason} "
                    "(the one-GPU result, at the memory of diffusers' own ring attention)")
         k_all, v_all = _gather_keys(k, v, groups)
-        return state.attention(q, k_all, v_all, policy, layout="bshd")
+        return state.attention_of(q, k_all, v_all, policy, layout="bshd")
     b, _, h, d = q.shape
     with state.fp4_call():
         acc = DirectPAccumulator(q.transpose(1, 2).flatten(0, 1), policy, default_scale(d),

@@ -17,12 +17,13 @@ a mask form fp4vis does not take, a head dim or dtype the backend lacks. Everyth
 (projections, q/k norms, rotary embeddings, the output projection) is diffusers' own code, bit for bit.
 
 Masks: a bool mask with one value per batch element and key, broadcast over heads and queries (Qwen-Image's and
-HunyuanVideo's text padding, (B, 1, 1, S)) becomes ``key_mask``; ``layer.broadcast_key_mask`` reads shapes and
-strides only, so compiled and eager calls decide alike. HunyuanVideo 1.5's processor builds its joint padding mask
-as ``valid_q & valid_k`` (B, 1, S, S): for it (``PAIRWISE_MASK_PROCESSORS``) the diagonal is the key mask and the
-rows of padded queries are zero, as SDPA returns them. Additive masks (LTX's, PixArt's and Sana's -10000 text
-bias, cross-attention only), per-query masks (HunyuanVideo's token refiner, SkyReels-V2's diffusion-forcing causal
-mask) keep exact attention naming the form. Mochi attends each batch element over its valid tokens without a mask.
+HunyuanVideo's text padding, (B, 1, 1, S)) becomes ``key_mask``; ``fp4vis.call.broadcast_key_mask`` reads
+shapes and strides only, so compiled and eager calls decide alike. HunyuanVideo 1.5's processor builds its joint
+padding mask as ``valid_q & valid_k`` (B, 1, S, S): for it (``PAIRWISE_MASK_PROCESSORS``) the diagonal is the key
+mask and the rows of padded queries are zero, as SDPA returns them. Additive masks (LTX's, PixArt's and Sana's
+-10000 text bias, cross-attention only), per-query masks (HunyuanVideo's token refiner, SkyReels-V2's
+diffusion-forcing causal mask) keep exact attention naming the form. Mochi attends each batch element over its valid
+tokens without a mask.
 
 Attention backends: the layers whose processor dispatches to a backend that ends in SDPA (``SDPA_BACKENDS``:
 ``native``, the default, and ``_native_flash`` / ``_native_efficient`` / ``_native_math``) run FP4; any other
@@ -72,7 +73,9 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from diffusers.models.attention_processor import Attention, MochiAttention
 from torch.overrides import TorchFunctionMode
 
-from .layer import LayerSpec, LayerState, block_position, broadcast_key_mask
+from fp4vis.call import broadcast_key_mask
+
+from .layer import LayerSpec, LayerState, block_position
 
 __all__ = ["FP4AttnProcessor", "FunctionAttnProcessor", "PAIRWISE_MASK_PROCESSORS", "SDPA_BACKENDS",
            "attention_route", "find_layers", "function_call_reason", "install", "install_function",
@@ -383,11 +386,11 @@ class _SDPARouter(_SDPAMode):
             else:
                 key_mask, reason = broadcast_key_mask(mask, q, k)
         st = self.state
-        pol = st.select(q, k, v, layout="bhsd", scale=call["scale"], dropout_p=call["dropout_p"],
-                        is_causal=call["is_causal"], extra_reason=reason, key_mask=key_mask)
-        if pol is None:
+        layer_call = st.select(q, k, v, layout="bhsd", scale=call["scale"], dropout_p=call["dropout_p"],
+                               is_causal=call["is_causal"], extra_reason=reason, key_mask=key_mask)
+        if layer_call is None:
             return func(*args, **kwargs)
-        out = st.attention(q, k, v, pol, layout="bhsd", scale=call["scale"], key_mask=key_mask)
+        out = st.attention(layer_call)
         if query_rows is not None:   # a query that attends to no key: SDPA's zero row
             out = out.masked_fill(~query_rows[:, None, :, None], 0)
         return out

@@ -1,30 +1,35 @@
 """One patched attention layer: what a patcher reaches (``LayerSpec``), what the layer consults on
-every call (``LayerState``), and the rules for when it keeps the model's exact attention
-(``fallback_reason``: one ``FallbackWarning`` per layer and reason, ``FallbackError`` with
-``strict=True``). The patchers (``fp4vis.patching.patchers``) build on this module.
+every call (``LayerState``), and the rules for when it keeps the model's exact attention (``call_reason``,
+then the backend's answer: one ``FallbackWarning`` per layer and reason, ``FallbackError`` with ``strict=True``). The
+patchers (``fp4vis.patching.patchers``) build on this module.
+
+One FP4 call of a layer is checked once: ``LayerState.select`` builds its ``AttentionCall``
+(``fp4vis.call.validated_call``, the checks of ``fp4vis.attention``) and asks the layer's backend once
+whether it runs it; ``LayerState.attention`` runs that call through ``fp4vis.attention.run_call``, the entry
+``fp4vis.attention`` itself runs its calls through.
 
 Masks: ``fp4vis.attention`` takes one form, the key-padding mask (``key_mask``: bool (B, Skv), True for the keys
-each batch element attends to). ``broadcast_key_mask`` recognises it in SDPA's mask argument from the mask's shape
-and strides alone (one bool per batch element and key, broadcast over heads and queries), so that the decision
-needs no host synchronisation and traces under torch.compile; any other form comes back as the reason the layer
-keeps exact attention. A patcher hands the key mask it passes to ``LayerState.select`` (the backend check sees
-it: a kernel without masks keeps the layer exact) and to ``LayerState.attention``; a mask a patcher cannot hand
-over goes to ``select(mask=...)``, which always keeps exact attention."""
+each batch element attends to); ``fp4vis.call.broadcast_key_mask`` translates SDPA's mask argument into it
+(``fp4vis.patching.masks``: the forms known only by their values). A patcher hands the key mask to
+``LayerState.select`` (the backend check sees it: a kernel without masks keeps the layer exact), and the reason
+a mask it cannot hand over keeps exact attention as ``extra_reason``."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from fp4vis.attention import RangeExceededError, run_call
 from fp4vis.backends import range_record, registry
-from fp4vis.call import AttentionCall
+from fp4vis.backends.base import Backend
+from fp4vis.call import AttentionCall, validated_call
 from fp4vis.policy import Policy, get_policy
+from fp4vis.qk_transform import QKTransform
 from fp4vis.tracing import warn_once
 
 #: policy values that mean "keep the model's own exact attention"
@@ -81,9 +86,29 @@ def resolve_policy(value: Any) -> Policy | None:
 UNSET = object()  # "no override" (None already means exact attention)
 
 
+class LayerCall(NamedTuple):
+    """One FP4 call of a patched layer as ``LayerState.select`` decided it: the validated ``call`` (SDPA's
+    layout), the ``backend`` that runs it (asked once), the ``layout`` the layer hands and takes back, and q, k, v
+    as the layer holds them (``given``: a later range error names them while they live)."""
+
+    call: AttentionCall
+    backend: Backend
+    layout: str
+    given: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @property
+    def policy(self) -> Policy:
+        return self.call.policy
+
+
 class LayerState:
     """What a patched layer consults on every call. Patchers call :meth:`select` with the layer's
-    q, k, v and then either :meth:`attention` (a Policy came back) or their exact path (None)."""
+    q, k, v and then either :meth:`attention` (a ``LayerCall`` came back) or their exact path (None).
+
+    Which backend: an explicit one must support the call. With ``"auto"`` the question goes to the kernel that
+    ``fp4vis.backends.registry`` picks for this GPU: when that kernel lacks the call (a head dim, a dtype), the
+    layer keeps exact attention rather than dropping to the slow reference emulation. Without a kernel for the
+    device (CPU, other GPUs) auto means the reference, which runs anything (``registry.ask_backend``)."""
 
     def __init__(self, spec: LayerSpec, policy: Policy | None, *, backend: str, range_check: str,
                  strict: bool, handle: Any):
@@ -112,12 +137,13 @@ class LayerState:
         return self.active_policy() is not None or self.recorder is not None or self.auto is not None
 
     def select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bhsd",
-               scale: float | None = None, mask: Any = None, dropout_p: float = 0.0,
-               is_causal: bool = False, extra_reason: str | None = None,
-               key_mask: torch.Tensor | None = None) -> Policy | None:
-        """Record calibration statistics, then return the policy for this call or None (exact). ``key_mask``: the
-        bool (B, Skv) key-padding mask the patcher will hand to :meth:`attention`; ``mask``: one it cannot hand
-        over (the call keeps exact attention)."""
+               scale: float | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+               extra_reason: str | None = None, key_mask: torch.Tensor | None = None,
+               qk_transform: QKTransform | None = None) -> LayerCall | None:
+        """Record calibration statistics, then return this call for :meth:`attention` or None (exact attention,
+        with the layer's fallback for a reason). ``key_mask``: the bool (B, Skv) key-padding mask of the call;
+        ``qk_transform``: q and k are raw projections (``fp4vis.attention``'s arguments); ``extra_reason``: why
+        the patcher keeps this call exact (a mask it cannot hand over)."""
         if self.recorder is not None:
             self.recorder(self, q, k, scale, layout)
         if self.auto is not None:
@@ -125,13 +151,17 @@ class LayerState:
         pol = self.active_policy()
         if pol is None:
             return None
-        reason = extra_reason or call_reason(q, k, v, layout=layout, mask=mask, dropout_p=dropout_p,
-                                             is_causal=is_causal) or kernel_reason(
-            q, k, v, pol, layout=layout, scale=scale, backend=self.backend, key_mask=key_mask)
+        reason = extra_reason or call_reason(q, k, v, layout=layout, dropout_p=dropout_p, is_causal=is_causal)
+        if reason is None:
+            call = self._validated(q, k, v, pol, layout, scale, qk_transform, key_mask)
+            try:   # the one question to the backend; "auto" asks the kernel for this GPU (class docstring)
+                backend, reason = registry.ask_backend(self.backend, call)
+            except Exception as exc:  # noqa: BLE001 - a backend that cannot answer keeps the layer exact
+                reason = f"backend {self.backend!r} cannot check these inputs ({exc})"
         if reason is not None:
             self.fallback(reason)
             return None
-        return pol
+        return LayerCall(call, backend, layout, (q, k, v))
 
     def fallback(self, reason: str) -> None:
         msg = f"fp4vis: layer {self.name!r} keeps exact attention: {reason}"
@@ -145,36 +175,62 @@ class LayerState:
             self.warned.add(reason)
             warnings.warn(msg, FallbackWarning, stacklevel=3)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *,
-                  layout: str = "bhsd", scale: float | None = None, qk_transform: Any = None,
-                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``fp4vis.attention`` with the layer's backend and range check, labelled with the layer's name;
-        ``qk_transform``: q and k are raw projections, ``key_mask``: a bool (B, Skv) key-padding mask
-        (``fp4vis.attention``'s arguments).
+    def attention(self, layer_call: LayerCall) -> torch.Tensor:
+        """The FP4 output of a call that :meth:`select` returned, in its layout: ``fp4vis.attention.run_call`` with
+        the layer's range check, labelled with the layer's name.
 
         Under torch.compile the call is neither counted nor labelled: the graph would hold the count and
         the name as constants, so every layer would need a graph of its own, where diffusers' regional
         compilation (``compile_repeated_blocks``) shares one among the blocks. Its errors come from the
         backend's op at run time and name the call, not the layer (docs/patching.md)."""
-        from fp4vis.attention import attention as fp4_attention
-        call = functools.partial(fp4_attention, q, k, v, policy=policy, scale=scale, layout=layout,
-                                 backend=self.backend, range_check=self.range_check, qk_transform=qk_transform,
-                                 key_mask=key_mask)
         if torch.compiler.is_compiling():
-            return call()
+            return self._run(layer_call)
         with self.fp4_call():
-            return call()
+            range_record.poll()   # an earlier call's deferred range error, as fp4vis.attention reports it
+            return self._run(layer_call)
+
+    def attention_of(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *,
+                     layout: str) -> torch.Tensor:
+        """The FP4 output of q, k, v that no :meth:`select` saw (context parallelism: the heads or keys of other
+        ranks): checked and its backend picked as ``fp4vis.attention`` does (an explicit backend that cannot run
+        it raises), then run as :meth:`attention`."""
+        call = self._validated(q, k, v, policy, layout, None, None, None)
+        if torch.compiler.is_compiling():
+            backend = registry.select_backend(self.backend, call)
+        else:
+            with self.labelled_errors():
+                backend = registry.select_backend(self.backend, call)
+        return self.attention(LayerCall(call, backend, layout, (q, k, v)))
+
+    def _validated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, layout: str,
+                   scale: float | None, qk_transform: QKTransform | None,
+                   key_mask: torch.Tensor | None) -> AttentionCall:
+        """``fp4vis.call.validated_call``, its errors labelled with the layer's name (eager calls)."""
+        if torch.compiler.is_compiling():
+            return validated_call(q, k, v, policy, scale=scale, layout=layout, qk_transform=qk_transform,
+                                  key_mask=key_mask)
+        with self.labelled_errors():
+            return validated_call(q, k, v, policy, scale=scale, layout=layout, qk_transform=qk_transform,
+                                  key_mask=key_mask)
+
+    def _run(self, layer_call: LayerCall) -> torch.Tensor:
+        return run_call(layer_call.call, layer_call.backend, range_check=self.range_check, layout=layer_call.layout,
+                        given=layer_call.given)
 
     @contextlib.contextmanager
     def fp4_call(self) -> Iterator[None]:
-        """One eager FP4 call of this layer (counted); errors raised in it (range, bad input) start with the
-        layer's name: a model has dozens. An earlier call's deferred range error passes unchanged: its
-        message names that call's layer. ``attention`` and the context-parallel paths run inside it."""
-        from fp4vis.attention import RangeExceededError
+        """One eager FP4 call of this layer (counted), in the layer's ``range_record.layer_scope`` and
+        ``labelled_errors``. ``attention`` and the context-parallel paths run inside it."""
         self.calls += 1
+        with self.labelled_errors(), range_record.layer_scope(self.name):   # the record names the layer too
+            yield
+
+    @contextlib.contextmanager
+    def labelled_errors(self) -> Iterator[None]:
+        """Errors raised in it (range, bad input) start with the layer's name: a model has dozens. An earlier
+        call's deferred range error passes unchanged: its message names that call's layer."""
         try:
-            with range_record.layer_scope(self.name):   # the record names this layer in the call's errors
-                yield
+            yield
         except (range_record.DeferredRangeError, range_record.DeferredInputError):
             raise
         except (RangeExceededError, ValueError, RuntimeError) as exc:
@@ -197,50 +253,9 @@ def _to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if layout == "bhsd" else t.transpose(1, 2)
 
 
-def _shape_text(t: torch.Tensor) -> str:
-    return "x".join(str(n) for n in t.shape)
-
-
-def broadcast_key_mask(mask: Any, q: torch.Tensor, k: torch.Tensor, layout: str = "bhsd"
-                       ) -> tuple[torch.Tensor | None, str | None]:
-    """``(key_mask, None)`` for an SDPA-form attention mask of ``q`` and ``k`` that is one bool per batch
-    element and key, broadcast over heads and queries (those dims of size 1, or of stride 0: an expanded view),
-    with ``key_mask`` its bool (B, Skv) view; ``(None, reason)`` naming the form of any other mask (an additive
-    bias, a per-head or per-query mask). Reads dtype, shape and strides only: no host synchronisation, and the
-    same answer eager and under torch.compile."""
-    if not isinstance(mask, torch.Tensor):
-        return None, f"an attention mask of type {type(mask).__name__}"
-    qb, kb = _to_bhsd(q, layout), _to_bhsd(k, layout)
-    b, h, sq, skv = qb.shape[0], qb.shape[1], qb.shape[2], kb.shape[2]
-    shape = _shape_text(mask)
-    if mask.dtype != torch.bool:
-        form = ("an additive attention mask (a float bias on the logits)" if mask.is_floating_point()
-                else f"an attention mask of dtype {mask.dtype}")
-        return None, f"{form} of shape {shape} (fp4vis.attention takes bool key-padding masks)"
-    if mask.dim() > 4 or any(n not in (1, full) for n, full in zip(mask.shape[::-1], (skv, sq, h, b))):
-        return None, f"an attention mask of shape {shape} for {b}x{h}x{sq}x{skv} attention"
-    m4 = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    varies = [what for dim, what in ((1, "head"), (2, "query")) if m4.shape[dim] > 1 and m4.stride(dim) != 0]
-    if varies:
-        return None, (f"an attention mask that varies per {' and per '.join(varies)}, of shape {shape} "
-                      "(fp4vis.attention takes key-padding masks: one value per batch element and key)")
-    return m4[:, 0, 0, :].expand(b, skv), None
-
-
-def fallback_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *, layout: str,
-                    scale: float | None, mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
-                    backend: str = "auto") -> str | None:
-    """Why fp4vis cannot compute this call (None when it can): ``call_reason``, then ``kernel_reason``.
-    ``mask``: a mask the patcher cannot hand to ``fp4vis.attention``."""
-    return call_reason(q, k, v, layout=layout, mask=mask, dropout_p=dropout_p, is_causal=is_causal) or \
-        kernel_reason(q, k, v, policy, layout=layout, scale=scale, backend=backend)
-
-
-def call_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str, mask: Any = None,
-                dropout_p: float = 0.0, is_causal: bool = False) -> str | None:
+def call_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str, dropout_p: float = 0.0,
+                is_causal: bool = False) -> str | None:
     """Why no fp4vis policy computes this call, whatever the backend (None when one can)."""
-    if mask is not None:
-        return "attention mask given (this layer's patcher hands fp4vis.attention no mask)"
     if is_causal:
         return "causal attention (fp4vis.attention is non-causal)"
     if dropout_p and dropout_p > 0:
@@ -256,40 +271,3 @@ def call_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
     if any(t.dtype not in (torch.float16, torch.bfloat16, torch.float32) or t.dtype != q.dtype for t in (q, k, v)):
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (fp4vis takes one of float16, bfloat16, float32)"
     return None
-
-
-def kernel_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *, layout: str,
-                  scale: float | None, backend: str = "auto", key_mask: torch.Tensor | None = None) -> str | None:
-    """Why the layer's backend cannot run ``policy`` on this call (``backend_reason``; only the kernels' policies
-    are asked), ``key_mask`` included: the bool (B, Skv) key-padding mask the patcher will hand over."""
-    if policy.method != "exact":
-        qb, kb, vb = (_to_bhsd(t, layout) for t in (q, k, v))
-        return backend_reason(qb, kb, vb, policy, scale, backend, key_mask)
-    return None
-
-
-def backend_reason(q, k, v, policy, scale, backend: str, key_mask: torch.Tensor | None = None) -> str | None:
-    """Ask the backend registry whether the backend can run these bhsd tensors.
-
-    An explicit backend must support the call. With ``"auto"`` the question goes to the kernel that
-    ``fp4vis.backends.registry`` would pick for this GPU: when that kernel lacks the call (a head dim, a
-    dtype), the layer keeps exact attention rather than dropping to the slow reference emulation.
-    Without a kernel for the device (CPU, other GPUs) auto means the reference, which runs anything.
-    """
-    if backend == "auto":
-        name = registry.kernel_backend_name(q.device)
-        if name is None or registry.get_backend(name) is None:
-            return None  # the dispatcher uses the reference and says so
-    else:
-        name = backend
-    try:
-        be = registry.get_backend(name)
-    except Exception as exc:  # noqa: BLE001 - report any lookup problem as the reason
-        return f"backend {name!r} unavailable ({exc})"
-    if be is None:
-        return f"backend {name!r} unavailable"
-    try:
-        return be.supports(AttentionCall(q, k, v, policy, scale if scale is not None else q.shape[-1] ** -0.5,
-                                         key_mask=key_mask))
-    except Exception as exc:  # noqa: BLE001
-        return f"backend {name!r} cannot check these inputs ({exc})"

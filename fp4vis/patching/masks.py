@@ -8,11 +8,12 @@ other mask (a causal or per-query mask, a per-head one, an additive bias such as
 mask that removes every key of a batch element) comes back as the reason the layer keeps exact attention.
 
 A bool mask broadcast over heads and queries (sizes 1 or stride 0) is one by its shape alone
-(``layer.broadcast_key_mask``: no host synchronisation, the same under torch.compile). transformers hands its
-masks materialised instead, (B, 1, Sq, Skv), bool (sdpa) or 0 / -inf-like floats (eager): those are told apart
-by their values, one host synchronisation that the layers of one forward share (they are handed the same mask
-tensor; under torch.inference_mode, whose tensors have no version counter to show an in-place change, one per
-layer). Under torch.compile the values are not known while tracing, so such a mask keeps exact attention."""
+(``fp4vis.call.broadcast_key_mask``, the one translation into the key mask: no host synchronisation, the same
+under torch.compile). transformers hands its masks materialised instead, (B, 1, Sq, Skv), bool (sdpa) or 0 /
+-inf-like floats (eager): those are told apart by their values, one host synchronisation that the layers of one
+forward share (they are handed the same mask tensor; under torch.inference_mode, whose tensors have no version
+counter to show an in-place change, one per layer). Under torch.compile the values are not known while tracing, so
+such a mask keeps exact attention."""
 
 from __future__ import annotations
 
@@ -20,16 +21,12 @@ import weakref
 
 import torch
 
-from .layer import broadcast_key_mask
+from fp4vis.call import broadcast_key_mask, sdpa_mask_shape_reason, shape_text
 
 __all__ = ["key_padding_mask"]
 
 # the last mask classified by its values: (weak reference to it, its version, the shapes asked for, the answer)
 _LAST: list = [None, -1, None, None]
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "x".join(str(n) for n in t.shape)
 
 
 def key_padding_mask(mask, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
@@ -42,15 +39,16 @@ def key_padding_mask(mask, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tens
         return key_mask, None
     if not isinstance(mask, torch.Tensor):
         return None, structural_reason
-    b, h, sq, skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    if mask.dim() > 4 or any(n not in (1, full) for n, full in zip(mask.shape[::-1], (skv, sq, h, b))):
-        return None, f"an attention mask of shape {_shape(mask)} for {b}x{h}x{sq}x{skv} attention"
+    shape_reason = sdpa_mask_shape_reason(mask, q, k)
+    if shape_reason is not None:
+        return None, shape_reason
+    b, skv = q.shape[0], k.shape[2]
     if mask.dtype != torch.bool and not mask.is_floating_point():
         return None, f"an attention mask of dtype {mask.dtype} (SDPA takes bool or float masks)"
     m4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     if m4.shape[1] > 1 and m4.stride(1) != 0:
         kind = "a per-head attention bias" if mask.is_floating_point() else "a per-head attention mask"
-        return None, f"{kind} of shape {_shape(mask)} (such as a relative position bias; fp4vis.attention takes " \
+        return None, f"{kind} of shape {shape_text(mask)} (such as a relative position bias; fp4vis.attention takes " \
                      "key-padding masks only)"
     if torch.compiler.is_compiling():
         return None, f"{structural_reason}; under torch.compile a mask's values cannot show it is a key-padding mask"
@@ -77,10 +75,10 @@ def _classify(m4: torch.Tensor, b: int, skv: int) -> tuple[torch.Tensor | None, 
     values_ok, same_rows, removes_none, keeps_some = torch.stack(
         [values_ok, same_rows, key_mask.all(), kept.all()]).tolist()   # one synchronisation
     if not values_ok:
-        return None, (f"an additive attention bias of shape {_shape(m4)} (values other than 0 and -inf, such as a "
+        return None, (f"an additive attention bias of shape {shape_text(m4)} (values other than 0 and -inf, such as a "
                       "position bias; fp4vis.attention takes key-padding masks only)")
     if not same_rows:
-        return None, (f"an attention mask of shape {_shape(m4)} that differs between queries or heads (causal or "
+        return None, (f"an attention mask of shape {shape_text(m4)} that differs between queries or heads (causal or "
                       "per-query; fp4vis.attention takes key-padding masks only)")
     if not keeps_some:
         first = int((~kept).nonzero()[0, 0])

@@ -128,11 +128,11 @@ def _fp4(m: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor | None, attn_ma
         return None
     q, k, v = _KINDS[type(m)].qkv(m, x, rope)
     key_mask, reason = key_padding_mask(attn_mask, q, k)
-    pol = st.select(q, k, v, layout="bhsd", scale=m.scale, dropout_p=m.attn_drop.p if m.training else 0.0,
-                    is_causal=is_causal, extra_reason=reason, key_mask=key_mask)
-    if pol is None:
+    layer_call = st.select(q, k, v, layout="bhsd", scale=m.scale, dropout_p=m.attn_drop.p if m.training else 0.0,
+                           is_causal=is_causal, extra_reason=reason, key_mask=key_mask)
+    if layer_call is None:
         return None
-    return _output(m, x, st.attention(q, k, v, pol, layout="bhsd", scale=m.scale, key_mask=key_mask))
+    return _output(m, x, st.attention(layer_call))
 
 
 def _forward(self: Attention, x: torch.Tensor, attn_mask: torch.Tensor | None = None,

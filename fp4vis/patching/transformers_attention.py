@@ -166,11 +166,10 @@ def _make_function(base: str):
         st: LayerState | None = getattr(module, STATE_ATTR, None)
         if st is not None and st.needs_qkv():
             key_mask, causal, reason = _call_form(base, module, query, key, value, attention_mask, kwargs)
-            pol = st.select(query, key, value, layout="bhsd", scale=scaling, dropout_p=dropout, is_causal=causal,
-                            extra_reason=reason, key_mask=key_mask)
-            if pol is not None:
-                out = st.attention(query, key, value, pol, layout="bhsd", scale=scaling, key_mask=key_mask)
-                return out.transpose(1, 2).contiguous(), None
+            layer_call = st.select(query, key, value, layout="bhsd", scale=scaling, dropout_p=dropout,
+                                   is_causal=causal, extra_reason=reason, key_mask=key_mask)
+            if layer_call is not None:
+                return st.attention(layer_call).transpose(1, 2).contiguous(), None
         return _base_function(base, module)(module, query, key, value, attention_mask, scaling=scaling,
                                             dropout=dropout, **kwargs)
 

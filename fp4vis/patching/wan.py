@@ -235,15 +235,15 @@ class FP4WanAttnProcessor(WanProcessorBase):
         groups = context_parallel.groups_of(parallel_config)
         if groups is not None:  # before any work: every rank raises the same error
             context_parallel.check_layer(st, groups, query.shape[2])
-        pol = st.select(query, key, value, layout="bshd", scale=None)
-        if pol is None:
+        layer_call = st.select(query, key, value, layout="bshd", scale=None, qk_transform=transform)
+        if layer_call is None:
             if transform is not None:
                 query, key = transform.apply(query, key)
             return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          backend=self._attention_backend, parallel_config=parallel_config)
         if groups is not None:
-            return context_parallel.attention(st, query, key, value, pol, groups)
-        return st.attention(query, key, value, pol, layout="bshd", qk_transform=transform)
+            return context_parallel.attention(st, query, key, value, layer_call.policy, groups)
+        return st.attention(layer_call)
 
     def _attend_projections(self, attn, query, key, value, rotary_emb, parallel_config):
         """The raw projections and the norms/rotary as a QKTransform: the backend makes q and k (module

@@ -7,7 +7,7 @@ import torch
 
 from fp4vis.services.usage import UsageError
 
-# how the apps torch.compile a pipeline's transformers (fp4vis.pipelines.wan_video.compile_transformers):
+# how the apps torch.compile a pipeline's transformers (fp4vis.pipelines.compile.compile_transformers):
 # diffusers' regional compilation (compile_repeated_blocks) or the whole model (ModelMixin.compile)
 COMPILE_MODES = ("regional", "full")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,

@@ -11,7 +11,7 @@ block-scaled FP4 MMAs (sm_100a / sm_103a / sm_120a), self-checked on first use.
   it: the Hopper CuTe DSL backend is the sm_90 product path.
 * A call's way: ``BlackwellBackend.run(call)`` -> the self-check's gate (``launch.ensure_verified``: run once per
   device) -> ``launch.attention(call)``: the policy's ``KernelParams``, the route's ``KernelConfig``
-  (``route.py``), ``prepass.prepare``, the kernel's arguments and the launch. Under torch.compile, and where
+  (``route.py``), ``prepass.kernel_operands``, the kernel's arguments and the launch. Under torch.compile, and where
   autograd records, through ``torch.ops.fp4vis.blackwell_attention`` instead (``op.py``: the one place a call is
   flattened), one graph node. It launches on the current CUDA stream and allocates only its operands and output,
   so CUDA-graph capture and replay with new inputs work once the kernel is compiled and self-checked (make one
@@ -36,11 +36,12 @@ from fp4vis.backends.base import (
 )
 from fp4vis.policy import Policy
 
+from ..launch_shared import needs_custom_op
 from . import cubin as cubin_mod
 from . import first_use, launch, selfcheck
 from .config import CAPABILITIES, SUPPORTED_HEAD_DIMS, KernelConfig
 from .op import op_call
-from .route import _has_cubin, _index, route, triton_problem
+from .route import cubin_available, device_index, route, triton_problem
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -51,9 +52,6 @@ class BlackwellBackend(Backend):
     name = "blackwell"
     auto_capabilities = CAPABILITIES
     records_range = True
-
-    def __init__(self):
-        self.kernel_fn = None   # tests inject a (q, k, v, policy, scale) -> out to check the gate
 
     # --- availability
     def unavailable_reason(self) -> str | None:
@@ -73,7 +71,7 @@ class BlackwellBackend(Backend):
             None if q.is_cuda else "tensors are not on a CUDA device")
         if reason is not None:
             return reason
-        index = _index(q.device)
+        index = device_index(q.device)
         r = route(index)   # needs a CUDA device: the checks below come after it
         if isinstance(r, str):
             return r
@@ -82,24 +80,24 @@ class BlackwellBackend(Backend):
         if reason is not None:
             return reason
         if r[0] == "cubin":
-            cfg = launch.kernel_config(index, q.shape[-1], q.dtype, policy.native_exp2, policy.anchor > 0,
-                                       call.key_mask is not None)
-            if not _has_cubin(cfg.key()):
+            cfg = launch.product_config(index, q.shape[-1], q.dtype, policy.native_exp2, policy.anchor > 0,
+                                        call.key_mask is not None)
+            if not cubin_available(cfg.key()):
                 return f"no precompiled cubin {cfg.tag()} in {cubin_mod.cubin_dir()}"
         return None
 
     # --- self-check
     def verdict(self, device: torch.device, force: bool = False, shape=None) -> dict:
-        return launch.verdict(device, force, self.kernel_fn, shape)
+        return launch.verdict(device, force, shape)
 
     def ensure_verified(self, device: torch.device, shape=None) -> dict:
-        return launch.ensure_verified(device, self.kernel_fn, shape)
+        return launch.ensure_verified(device, shape)
 
     def status(self) -> dict:
         """For ``fp4vis info``: availability, routes, compiled configs, the verdicts (this process's and those cached
         for this machine's GPUs) and their first-use figures (``first_use.summary``)."""
         routes = {i: route(i) for i in range(torch.cuda.device_count())} if torch.cuda.is_available() else {}
-        verdicts = list(selfcheck._VERDICTS.values())
+        verdicts = selfcheck.process_verdicts()
         for i, r in routes.items():
             v = None if isinstance(r, str) else selfcheck.known_verdict(launch.identity(torch.device("cuda", i)))
             if v is not None and all(v is not w for w in verdicts):
@@ -107,7 +105,7 @@ class BlackwellBackend(Backend):
         return {"available": self.unavailable_reason() or "yes",
                 "triton": triton_problem() or "ok",
                 "routes": routes,
-                "compiled": sorted(KernelConfig(*key[0]).tag() for key in launch._KERNELS),
+                "compiled": sorted(KernelConfig(*key[0]).tag() for key in launch.KERNELS.keys()),
                 "selfcheck": {v["identity"].get("device", "?"): ("passed" if v["passed"] else "FAILED")
                               for v in verdicts},
                 "first_use_timing": {v["identity"].get("device", "?"): first_use.summary(v["timing"])
@@ -118,13 +116,7 @@ class BlackwellBackend(Backend):
         # the eager launcher behind the self-check's gate; the custom op under torch.compile and where autograd
         # records
         q, k, v = call.q, call.k, call.v
-        if self.kernel_fn is not None:  # a test's injected kernel goes through the same gate
-            if call.key_mask is not None:
-                raise ValueError("key_mask: the injected test kernel (kernel_fn) takes no key mask")
-            self.ensure_verified(q.device, first_use.call_shape(call))
-            return self.kernel_fn(q, k, v, call.policy, call.scale), None
-        if not (torch.compiler.is_compiling() or (
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        if not needs_custom_op(q, k, v):
             launch.ensure_verified(q.device, shape=first_use.call_shape(call))
             return launch.attention(call), None
         return op_call(call), None

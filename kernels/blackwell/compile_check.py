@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from .config import ARCHS, HW_CVT_ARCHS, KernelConfig
 
 ARCH_BY_NAME = {name: cap for cap, name in ARCHS.items()}
-_MMA_PTX = re.compile(r"(tcgen05\.mma[\w.:]*|mma\.sync\.aligned[\w.:]*|wgmma\.mma_async[\w.:]*)")
-_SASS_OP = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", re.M)
+MMA_PTX = re.compile(r"(tcgen05\.mma[\w.:]*|mma\.sync\.aligned[\w.:]*|wgmma\.mma_async[\w.:]*)")
+SASS_OP = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", re.M)
 
 
 @dataclass
@@ -149,8 +149,8 @@ def innermost_loops(sass: str) -> list[int]:
             for a, b in innermost_spans(sass)]
 
 
-def _op(line: str) -> str | None:
-    m = _SASS_OP.match(line)
+def sass_op(line: str) -> str | None:
+    m = SASS_OP.match(line)
     return m.group(1) if m else None
 
 
@@ -169,8 +169,8 @@ def steady_loop(sass: str) -> tuple[list[str], int]:
         m = re.search(r"@!?U?P\w+\s+BRA[^`]*`\((\.L_x_\d+)\)", lines[i])
         if m and i < labels.get(m.group(1), -1) <= b:
             skipped.update(range(i + 1, labels[m.group(1)]))
-    ops = [op for i in range(a, b + 1) if i not in skipped and (op := _op(lines[i]))]
-    return ops, sum(1 for i in skipped if _op(lines[i]))
+    ops = [op for i in range(a, b + 1) if i not in skipped and (op := sass_op(lines[i]))]
+    return ops, sum(1 for i in skipped if sass_op(lines[i]))
 
 
 def inspect(cfg: KernelConfig, keep_dir: str | None = None) -> Report:
@@ -185,7 +185,7 @@ def inspect(cfg: KernelConfig, keep_dir: str | None = None) -> Report:
         for ext, data in (("ptx", ptx), ("ttgir", ttgir)):
             with open(os.path.join(keep_dir, f"{cfg.tag()}.{ext}"), "w") as f:
                 f.write(data)
-    rep.mma_ptx = dict(Counter(_MMA_PTX.findall(ptx)))
+    rep.mma_ptx = dict(Counter(MMA_PTX.findall(ptx)))
     rep.e2m1_cvt = len(re.findall(r"cvt\.rn\.satfinite(?:\.relu)?\.e2m1x2\.f32", ptx))
     rep.fma_x2 = len(re.findall(r"fma\.rn\.f32x2", ptx))
     rep.ttgir_upcasts = len(re.findall(r"ttg\.fp4_to_fp|ttg\.upcast_mxfp|tt\.fp4_to_fp", ttgir))
@@ -194,7 +194,7 @@ def inspect(cfg: KernelConfig, keep_dir: str | None = None) -> Report:
     if keep_dir:
         with open(os.path.join(keep_dir, f"{cfg.tag()}.sass"), "w") as f:
             f.write(sass)
-    ops = _SASS_OP.findall(sass)
+    ops = SASS_OP.findall(sass)
     rep.sass_total = len(ops)
     counts = Counter(ops)
     rep.sass_mma = {op: n for op, n in counts.items() if "MMA" in op}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 # docs/numerics.md section 2 constants (the reference's names: fp4vis.reference.LOG2_6 / LOG2_1P5 / KEY_BLOCK)
 LOG2_6 = math.log2(6.0)
@@ -21,7 +22,8 @@ MAX_EXP_BYTE = 254
 E8M0_NAN = 0xFF       # a V scale of 0xFF marks a head with non-finite input (docs/numerics.md section 6)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
-OUT_DTYPES = ("bf16", "fp16")
+OutDtype = Literal["bf16", "fp16"]
+OUT_DTYPES: tuple[OutDtype, ...] = get_args(OutDtype)
 # Architectures the kernel is compiled for: (Triton capability, marketing name). 90 is the H200
 # verification build (dot_scaled lowers to an exact BF16 upcast + wgmma there).
 ARCHS = {100: "sm_100a", 103: "sm_103a", 120: "sm_120a", 90: "sm_90a"}
@@ -36,7 +38,8 @@ WARP_SPECIALIZED_ARCHS = (100, 103)
 # and Q·Kᵀ runs two tiles ahead of P·V, so with 4 stages a K tile's TMA starts about two tiles before its MMA
 WS_WARPS = 4
 WS_STAGES = 4
-SCHEDULES = ("serial", "warp_specialized")
+Schedule = Literal["serial", "warp_specialized"]
+SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 # the Triton release that lowers NVFP4 tl.dot_scaled everywhere we need it (docs/blackwell_kernel.md, "Pins")
 MIN_TRITON = (3, 8)
 # the Blackwell GPUs this kernel is built for (sm_100a, sm_103a, sm_120a): where "auto" picks it (its sm_90 build is
@@ -61,7 +64,7 @@ class KernelConfig:
     (``gluon_ws.py``: sm_100a/sm_103a, m = 0 without native positions; its tile shape and warps are its own)."""
 
     head_dim: int
-    out_dtype: str
+    out_dtype: OutDtype
     native: bool
     anchored: bool
     arch: int
@@ -70,7 +73,7 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 2
     key_lengths: bool = False
-    schedule: str = "serial"
+    schedule: Schedule = "serial"
 
     def __post_init__(self) -> None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:

@@ -517,7 +517,7 @@ def packed_block_scales(scales):
 
 
 def operands(ops) -> dict:
-    """The pre-pass ``Operands`` (prepass.py) as this kernel's tensors (name -> tensor, the descriptor bases):
+    """The pre-pass ``KernelOperands`` (prepass.py) as this kernel's tensors (name -> tensor, the descriptor bases):
     the codes as 2-D views, the scales re-ordered; D = 64 pads V's scale rows to 128 with 127 (2^0), the rows
     that scale the denominator's 1.0 codes and the zero codes after them."""
     import torch
@@ -540,7 +540,7 @@ def descriptors(ops) -> dict:
 
 def launch(ops, out, params, record=None, key_lengths=None, heads=1) -> None:
     """Run the kernel on torch's current stream (Gluon's JIT), with ``kernel.runtime_args``'s meaning: ``ops``
-    the ``prepass.Operands`` of ``prepare(q, k, v, params.qk_layout, 0, 128, 128, record=...)``, ``out``
+    the ``prepass.KernelOperands`` of ``kernel_operands(q, k, v, params.qk_layout, 0, 128, 128, record=...)``, ``out``
     (G, Sq, D) bf16/fp16, ``params`` a fast policy's ``KernelParams`` (no native positions, no anchors),
     ``record`` the call's ``fp4vis.call.RecordSlot`` (fields, flag, number) or None (record nothing), and a
     key-masked call's int32 (B,) ``key_lengths`` with its ``heads`` per batch element (None: every element has

@@ -57,7 +57,7 @@ def inspect_ws(head_dim: int, keep_dir: str | None = None, out_dtype: str = "bf1
     lines = sass.splitlines()
     parts = []
     for a, b in cc.innermost_spans(sass):
-        ops = [op for i in range(a, b + 1) if (op := cc._op(lines[i]))]
+        ops = [op for i in range(a, b + 1) if (op := cc.sass_op(lines[i]))]
         role = _role(ops)
         if role is None:
             continue
@@ -71,10 +71,10 @@ def inspect_ws(head_dim: int, keep_dir: str | None = None, out_dtype: str = "bf1
             local=sum(1 for op in ops if op.split(".")[0] in ("LDL", "STL")),
             mma_waits=sum(1 for op in ops if op.startswith("SYNCS.PHASECHK")),
             mma_commits=sum(1 for op in ops if op.startswith("UTCBAR"))))
-    all_ops = cc._SASS_OP.findall(sass)
+    all_ops = cc.SASS_OP.findall(sass)
     return dict(
         head_dim=head_dim, out_dtype=out_dtype, key_lengths=key_lengths, compile_s=time.perf_counter() - t0,
-        mma_ptx=dict(Counter(cc._MMA_PTX.findall(ptx))),
+        mma_ptx=dict(Counter(cc.MMA_PTX.findall(ptx))),
         mma_a_from_tmem=len(re.findall(r"tcgen05\.mma[\w.:]*kind::mxf4\.block_scale[\w.:]*\s+\[[^\]]+\],\s*\[", ptx)),
         e2m1_cvt=len(re.findall(r"cvt\.rn\.satfinite\.relu\.e2m1x2\.f32", ptx)),
         fma_x2=len(re.findall(r"fma\.rn\.f32x2", ptx)),

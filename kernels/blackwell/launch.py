@@ -1,20 +1,18 @@
 """The eager launcher of the Blackwell backend and its self-check gate. ``attention(call)``: the policy's kernel
 parameters, the route's ``KernelConfig`` (the serial Triton kernel, or the warp-specialised Gluon one where
-``FP4VIS_BLACKWELL_WARP_SPECIALIZED`` asks and the call can take it), the pre-pass (``prepass.prepare``), the
+``FP4VIS_BLACKWELL_WARP_SPECIALIZED`` asks and the call can take it), the pre-pass (``prepass.kernel_operands``), the
 kernel's arguments and the launch on the current CUDA stream. ``ensure_verified(device)``: the first call on a
 device runs the self-check (``selfcheck``) and a device whose verdict failed gets ``SelfCheckError``; later calls
 look the verdict up.
 
-Compiled kernels are cached per ``KernelConfig.key()`` and device; compile/load times are logged (logger
-``fp4vis.kernels.blackwell``) and kept in ``COMPILE_TIMES``.
+Compiled kernels are cached per ``KernelConfig.key()`` and device (``KERNELS``: ``kernels/launch_shared.py``);
+compile/load times are logged (logger ``fp4vis.kernels.blackwell``) and kept in ``COMPILE_TIMES``.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-import threading
-import time
 
 import torch
 
@@ -22,26 +20,28 @@ from fp4vis.call import AttentionCall
 from fp4vis.tracing import warn_once
 
 from ..kept_keys import kept_keys
+from ..launch_shared import CompiledKernels
 from ..scale_record import decide, recorded
 from . import cubin as cubin_mod
 from . import selfcheck
 from .config import WARP_SPECIALIZED_ARCHS, WS_STAGES, WS_WARPS, KernelConfig
-from .prepass import prepare
-from .route import _index, identity, route, warp_specialized_asked
+from .prepass import kernel_operands
+from .route import device_index, identity, route, warp_specialized_asked
 
 log = logging.getLogger("fp4vis.kernels.blackwell")
 
-_LOCK = threading.Lock()
-_KERNELS: dict[tuple, object] = {}
-COMPILE_TIMES: dict[tuple, float] = {}
+KERNELS: CompiledKernels = CompiledKernels(log)   # by (KernelConfig.key(), device index)
+COMPILE_TIMES = KERNELS.compile_times
 
 
-# set while the self-check runs a case (``_checked_attention``)
+# set while the self-check runs a case (``checked_attention``)
 _SELF_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("fp4vis_blackwell_self_check", default=False)
 
 
-def kernel_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, anchored: bool,
-                  key_lengths: bool = False) -> KernelConfig:
+def product_config(index: int, head_dim: int, dtype: torch.dtype, native: bool, anchored: bool,
+                   key_lengths: bool = False) -> KernelConfig:
+    """The variant the backend runs for a call on device ``index``: the route's arch, the serial kernel, or the
+    warp-specialised one where ``FP4VIS_BLACKWELL_WARP_SPECIALIZED`` asks and the call can take it."""
     r = route(index)
     if isinstance(r, str):
         raise RuntimeError(f"fp4vis blackwell: {r}")
@@ -89,29 +89,15 @@ def _launch_warp_specialized(cfg, ops, out, params, record, key_lengths, heads):
     gluon_ws.launch(ops, out, params, record, key_lengths, heads)
 
 
-def get_kernel(index: int, cfg: KernelConfig):
+def compiled_kernel(index: int, cfg: KernelConfig):
     """The launch ``fn(cfg, ops, out, params, record, key_lengths, heads)`` of ``cfg`` on device ``index``
-    (compiled / loaded once; the Gluon kernel compiles at its first launch)."""
-    key = (cfg.key(), index)
-    fn = _KERNELS.get(key)
-    if fn is not None:
-        return fn
-    with _LOCK:
-        fn = _KERNELS.get(key)
-        if fn is None:
-            t0 = time.perf_counter()
-            kind = route(index)[0]
-            if cfg.warp_specialized:
-                fn = _launch_warp_specialized
-            elif kind == "cubin":
-                fn = _launch_serial(cubin_mod.get(cfg))
-            else:
-                fn = _launch_serial(_jit_launcher(cfg))
-            COMPILE_TIMES[key] = time.perf_counter() - t0
-            # (the Gluon kernel compiles at its first launch, not here: its time is that launch's)
-            log.info("fp4vis blackwell: %s ready via %s in %.2f s", cfg.tag(), kind, COMPILE_TIMES[key])
-            _KERNELS[key] = fn
-    return fn
+    (compiled / loaded once; the Gluon kernel compiles at its first launch, not here: its time is that launch's)."""
+    def compile_kernel():
+        if cfg.warp_specialized:
+            return _launch_warp_specialized
+        return _launch_serial(cubin_mod.get(cfg) if route(index)[0] == "cubin" else _jit_launcher(cfg))
+    return KERNELS.get((cfg.key(), index), compile_kernel,
+                       lambda fn: f"fp4vis blackwell: {cfg.tag()} ready via {route(index)[0]}")
 
 
 def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
@@ -122,10 +108,10 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
     launch raised)."""
     from .kernel import grid, runtime_args
     q, k, v = call.q, call.k, call.v
-    index = _index(q.device)
+    index = device_index(q.device)
     params = call.policy.kernel_params(q.shape[-1], call.scale)
     masked = call.key_mask is not None
-    cfg = kernel_config(index, q.shape[-1], q.dtype, params.native_exp2, params.anchor > 0, masked)
+    cfg = product_config(index, q.shape[-1], q.dtype, params.native_exp2, params.anchor > 0, masked)
     key_lengths, perm_anchor = None, params.anchor
     if masked:   # kept keys first, already in the anchored order: the pre-pass permutes nothing
         k, v, key_lengths = kept_keys(k, v, call.key_mask, params.anchor)
@@ -133,11 +119,11 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, h = q.shape[:2]
     try:
-        ops = prepare(q, k, v, params.qk_layout, perm_anchor, cfg.block_m, cfg.block_n,
-                      record=recorded(call.record, call.scale))
+        ops = kernel_operands(q, k, v, params.qk_layout, perm_anchor, cfg.block_m, cfg.block_n,
+                              record=recorded(call.record, call.scale))
         out = torch.empty(b * h, q.shape[-2], v.shape[-1], dtype=q.dtype, device=q.device)
         if launcher is None:
-            get_kernel(index, cfg)(cfg, ops, out, params, call.record, key_lengths, h)
+            compiled_kernel(index, cfg)(cfg, ops, out, params, call.record, key_lengths, h)
         else:
             launcher(cfg, grid(cfg, ops), runtime_args(ops, out, params, call.record, key_lengths, h))
     except BaseException:
@@ -146,7 +132,7 @@ def attention(call: AttentionCall, launcher=None) -> torch.Tensor:
     return out.unflatten(0, (b, h))
 
 
-def _checked_attention(q, k, v, policy, scale, key_mask=None, record=None):
+def checked_attention(q, k, v, policy, scale, key_mask=None, record=None):
     """What the self-check runs: ``attention`` of plain tensors (its warp-specialised cases add a key mask or a
     record). Its cases of other policies say nothing about the user's calls: no fallback warning from them."""
     token = _SELF_CHECK.set(True)
@@ -156,25 +142,25 @@ def _checked_attention(q, k, v, policy, scale, key_mask=None, record=None):
         _SELF_CHECK.reset(token)
 
 
-def verdict(device: torch.device, force: bool = False, kernel_fn=None, shape=None, timer=None) -> dict:
-    """The self-check's verdict on ``device`` (run now where ``force`` or where none is kept); ``kernel_fn``: a
-    kernel to check in place of ``attention`` (the tests'). A passing verdict without first-use figures gets them
+def verdict(device: torch.device, force: bool = False, shape=None, timer=None) -> dict:
+    """The self-check's verdict on ``device`` (run now where ``force`` or where none is kept) on
+    ``checked_attention``. A passing verdict without first-use figures gets them
     (``first_use.measure``: ``shape``, the ``first_use.CallShape`` of the call that asked, and the Wan shape;
     ``timer``: the tests' fake in place of CUDA events)."""
     from . import first_use
 
-    fn, ident = kernel_fn or _checked_attention, identity(device)
+    fn, ident = checked_attention, identity(device)
     return selfcheck.verdict_for(ident, fn, device, force=force,
                                  measure=lambda: first_use.measure(device, ident, fn, shape, timer))
 
 
-def ensure_verified(device: torch.device, kernel_fn=None, shape=None, timer=None) -> dict:
+def ensure_verified(device: torch.device, shape=None, timer=None) -> dict:
     """``verdict``, raising ``SelfCheckError`` where it failed; where FP4 was measured slower than BF16 on this GPU,
     one warning per process and identity (``first_use.warn_if_slower``)."""
     from . import first_use
 
-    v = verdict(device, kernel_fn=kernel_fn, shape=shape, timer=timer)
+    v = verdict(device, shape=shape, timer=timer)
     if not v["passed"]:
-        selfcheck._raise_failed(v)
+        selfcheck.raise_failed(v)
     first_use.warn_if_slower(v)
     return v

@@ -2,8 +2,8 @@
 operands ``kernel.direct_p_fwd`` reads; layouts in its docstring).
 
 The numbers are fp4vis.formats' (the project's one statement of the quantizers, docs/numerics.md section 1):
-NVFP4 Q/K through ``formats._nvfp4_chunked`` (block16, or folded-K64 with its MSE scale choice),
-MXFP4 V through ``formats._mxfp4_blocks``; this module only re-lays their values and scales out:
+NVFP4 Q/K through ``formats.nvfp4_chunked`` (block16, or folded-K64 with its MSE scale choice),
+MXFP4 V through ``formats.mxfp4_blocks``; this module only re-lays their values and scales out:
 codes packed two per byte along the MMA's reduction dim (D for Q/K, tokens for V), the folded
 scale written twice (docs/numerics.md section 1: block i shares with i + nb/2, so the kernel sees one E4M3
 scale per 16), V transposed to (D, tokens). For anchored policies K and V are first permuted so the
@@ -26,27 +26,17 @@ import torch.nn.functional as F
 
 from fp4vis.config import kernel_settings
 from fp4vis.formats import (
-    _E2M1_INDEX_OF_TWICE_MAG,
-    _mxfp4_blocks,
-    _nvfp4_chunked,
+    E2M1_INDEX_OF_TWICE_MAG,
+    mxfp4_blocks,
     mxfp4_scale_counts,
+    nvfp4_chunked,
     nvfp4_scale_counts,
 )
-from fp4vis.layout import anchor_permutation
 
+from ..launch_shared import cached_anchor_permutation
 from .config import E8M0_NAN, KEY_BLOCK
 
-_PERM_CACHE: dict[tuple, torch.Tensor] = {}
 _CODE_TABLE: dict[torch.device, torch.Tensor] = {}
-
-
-def cached_anchor_permutation(seq_len: int, n: int, device: torch.device) -> torch.Tensor:
-    """``anchor_permutation(seq_len, n)``, computed on the CPU once and kept on ``device``."""
-    key = (seq_len, n, device)
-    perm = _PERM_CACHE.get(key)
-    if perm is None:
-        perm = _PERM_CACHE[key] = anchor_permutation(seq_len, n, device="cpu").to(device)
-    return perm
 
 
 def _codes_of_values(vals: torch.Tensor) -> torch.Tensor:
@@ -55,7 +45,7 @@ def _codes_of_values(vals: torch.Tensor) -> torch.Tensor:
     non-finite input, flagged separately) become 0."""
     table = _CODE_TABLE.get(vals.device)
     if table is None:
-        table = _CODE_TABLE[vals.device] = _E2M1_INDEX_OF_TWICE_MAG.to(vals.device)
+        table = _CODE_TABLE[vals.device] = E2M1_INDEX_OF_TWICE_MAG.to(vals.device)
     v = torch.where(torch.isfinite(vals), vals, torch.zeros_like(vals))
     index = table[(v.abs() * 2).to(torch.long)]
     return index | (torch.signbit(v).to(torch.uint8) << 3)
@@ -79,9 +69,9 @@ def nvfp4_operand(x: torch.Tensor, layout: str, rows: int, record: tuple | None 
                   operand: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes (G, rows, D/2) u8, scales (G, rows, D/16) float8_e4m3fn) of x (G, S, D), rows >= S
     (zero rows below). One E4M3 scale per 16 along D: a folded-K64 scale is written for both of
-    its blocks. The scale range is counted into ``record`` as ``operand`` (0 q, 1 k) (``prepare``)."""
+    its blocks. The scale range is counted into ``record`` as ``operand`` (0 q, 1 k) (``kernel_operands``)."""
     xf = x.to(torch.bfloat16).float()
-    vals, scales = _nvfp4_chunked(xf, layout)
+    vals, scales = nvfp4_chunked(xf, layout)
     if record is not None:
         _count(nvfp4_scale_counts(xf, scales, layout), record, operand)
     if layout == "folded64_mse":
@@ -104,13 +94,13 @@ def mxfp4_v_operand(v: torch.Tensor, keys: int, record: tuple | None = None) -> 
     vf = v.float()
     if keys > v.shape[-2]:
         vf = F.pad(vf, (0, 0, 0, keys - v.shape[-2]))
-    vals, u = _mxfp4_blocks(vf)                       # (G, nblk, 32, D), (G, nblk, D)
+    vals, u = mxfp4_blocks(vf)                       # (G, nblk, 32, D), (G, nblk, D)
     codes = _codes_of_values(vals).flatten(-3, -2).transpose(-1, -2)   # (G, D, keys)
     return _pack_last(codes).contiguous(), u.transpose(-1, -2).contiguous()
 
 
 @dataclass
-class Operands:
+class KernelOperands:
     """What ``kernel.direct_p_fwd`` reads (G = B*H heads), plus the sizes it needs."""
 
     qc: torch.Tensor
@@ -125,24 +115,25 @@ class Operands:
     num_keys: int
 
 
-# the fused Triton pre-pass (prepass_triton.py: the same bits) on CUDA tensors; 0 sends every call
+# the fused Triton pre-pass (prepass_kernels.py: the same bits) on CUDA tensors; 0 sends every call
 # through the PyTorch statement below
 
 
 def _fused_module(x: torch.Tensor, fused: bool | None):
-    """prepass_triton where the fused path runs: asked for (``fused``), or by default on CUDA tensors;
+    """prepass_kernels where the fused path runs: asked for (``fused``), or by default on CUDA tensors;
     CPU tensors only under Triton's interpreter (the CPU tests)."""
     if fused is False or (fused is None and not (kernel_settings().blackwell_prepass_fused and x.is_cuda)):
         return None
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("fused pre-pass: CUDA tensors (or TRITON_INTERPRET=1) needed")
-    from . import prepass_triton
-    return prepass_triton
+    from . import prepass_kernels
+    return prepass_kernels
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, anchor: int,
-            block_m: int, block_n: int, fused: bool | None = None, record: tuple | None = None) -> Operands:
-    """Operands of (B, H, S, D) q, k, v for a policy with Q/K layout ``qk_layout`` ("block16" or
+def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, anchor: int,
+                    block_m: int, block_n: int, fused: bool | None = None,
+                    record: tuple | None = None) -> KernelOperands:
+    """The operands of (B, H, S, D) q, k, v for a policy with Q/K layout ``qk_layout`` ("block16" or
     "folded64_mse") and ``anchor`` samples (0: none), tiles of block_m rows and block_n keys.
     ``fused``: the Triton pre-pass (default on CUDA tensors), else the PyTorch statement. ``record``: the
     range record's (fields, flag, call, score scale) that the blocks whose scale leaves its format are counted into
@@ -168,10 +159,10 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout: str, a
             & torch.isfinite(v).flatten(1).all(1))
     vs = torch.where(bad[:, None, None], torch.full_like(vs, E8M0_NAN), vs)
     assert keys % KEY_BLOCK == 0
-    return Operands(qc, qs, kc, ks, vc, vs, sq, rows_q, keys, skv)
+    return KernelOperands(qc, qs, kc, ks, vc, vs, sq, rows_q, keys, skv)
 
 
-def decode_operands(ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_operands(ops: KernelOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 decoded (Q̂ (G, rows_q, D), K̂ (G, keys, D), 6·V̂ = α·c (G, keys, D)) of the packed
     operands: what the kernel's two products consume (for the tests and the self-check)."""
     from fp4vis.formats import e2m1_decode, e4m3_decode, e8m0_decode, unpack_fp4

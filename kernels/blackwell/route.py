@@ -96,7 +96,7 @@ def warp_specialized_asked() -> bool:
 
 
 @constant_at_trace_time
-def _has_cubin(key: tuple) -> bool:
+def cubin_available(key: tuple) -> bool:
     """Whether the cubin of the ``KernelConfig`` with this ``key()`` is there (a key: Dynamo passes plain
     values to a function it runs while tracing)."""
     ok = _CUBINS.get(key)
@@ -120,7 +120,8 @@ def _compute_route(index: int) -> tuple[str, int] | str:
     return f"compute capability {cap[0]}.{cap[1]} has no Blackwell kernel build (10.0, 10.3, 12.0)"
 
 
-def _index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device where it names none; 0 off CUDA)."""
     if device.type != "cuda":
         return 0
     return device.index if device.index is not None else torch.cuda.current_device()
@@ -130,7 +131,7 @@ def identity(device: torch.device) -> dict:
     """What the self-check's verdict on ``device`` is keyed on: the GPU, its driver, fp4vis, the route and its
     compiler, the kernels' source and which kernel the fast-class policies take ("serial", or "warp_specialized"
     where ``FP4VIS_BLACKWELL_WARP_SPECIALIZED`` asks and the GPU has it)."""
-    index = _index(device)
+    index = device_index(device)
     r = route(index)
     kind = r if isinstance(r, str) else r[0]
     if kind == "jit":

@@ -225,7 +225,12 @@ _LOCK = threading.Lock()
 _VERDICTS: dict[str, dict] = {}   # identity key -> verdict, this process
 
 
-def _raise_failed(verdict: dict) -> None:
+def process_verdicts() -> list[dict]:
+    """The verdicts this process holds (checked or read from the disk cache)."""
+    return list(_VERDICTS.values())
+
+
+def raise_failed(verdict: dict) -> None:
     bad = [c for c in verdict["cases"] if not c["passed"]]
     first = bad[0] if bad else {"case": "?", "rel_l2": math.nan}
     raise SelfCheckError(
@@ -277,7 +282,7 @@ def check(identity: dict, kernel_fn, device) -> None:
     if v is None:
         v = verdict_for(identity, kernel_fn, device)
     if not v["passed"]:
-        _raise_failed(v)
+        raise_failed(v)
 
 
 def format_table(verdict: dict) -> str:

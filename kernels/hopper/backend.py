@@ -40,6 +40,7 @@ from fp4vis.backends.base import (
 from fp4vis.policy import Policy
 from fp4vis.tracing import constant_at_trace_time
 
+from ..launch_shared import needs_custom_op
 from .launch import attention
 from .op import op_call
 
@@ -94,9 +95,7 @@ class HopperBackend(Backend):
 
     def run(self, call):
         # the eager launcher; the custom op under torch.compile and where autograd records
-        q, k, v = call.q, call.k, call.v
-        if not (torch.compiler.is_compiling() or (
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        if not needs_custom_op(call.q, call.k, call.v):
             return attention(call), None
         return op_call(call), None
 

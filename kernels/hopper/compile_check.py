@@ -265,7 +265,7 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     permutation; the contenders' loop, or every candidate's with ``full_search``; not the saturating
     tiles' float64 one) in the sm_90 build for head dim ``d``."""
     from . import prepass_kernels as tk
-    from . import prepass_triton as tp
+    from . import prepass_launch as tp
     consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.nvfp4_launch(d)[0], BLOCK_D=min(d, 64),
                   CODES_F16=codes_f16, NORM=False, ROPE=False, FULL_SEARCH=full_search, ROW_ALIGN=8)
     asm = compile_triton_sm90(tk._prepass_kernel, tk.compile_signature(False), consts,
@@ -288,7 +288,7 @@ def prepass_search_per_value(d: int = 128, codes_f16: bool = True, num_warps: in
     candidate's evaluation is the same code outside the loop."""
     from fp4vis.formats import FOLDED_MSE_CONTENDERS, FOLDED_MSE_MULTIPLIERS
 
-    from . import prepass_triton as tp
+    from . import prepass_launch as tp
     warps = num_warps or tp.nvfp4_launch(d)[1]
     loop = prepass_candidate_loop(d, codes_f16, warps, full_search)
     n_cand = len(set(FOLDED_MSE_MULTIPLIERS)) if full_search else len(FOLDED_MSE_CONTENDERS) - 1

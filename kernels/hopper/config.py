@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
 from fp4vis.layout import KEY_BLOCK
 from fp4vis.policy import QK_FP8, KernelParams, Policy
@@ -42,7 +43,8 @@ DP_BLOCK = KEY_BLOCK    # Direct-P block: 32 consecutive keys (docs/numerics.md 
 #               the other one's matrix products run (FA3-style ping-pong; no extra registers);
 #   "serial":   S_j, Direct-P, PV_j in order per warpgroup; the two warpgroups interleave freely;
 #   "overlap":  64-key tiles, S_{j+1} issued before Direct-P of S_j (two score buffers).
-SCHEDULES = ("pingpong", "serial", "overlap")
+Schedule = Literal["pingpong", "serial", "overlap"]
+SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 DEFAULT_SCHEDULE = "pingpong"
 # P path: "packed" rounds in FP32, then saturates, scales by alpha' and sums the codes on BF16 pairs;
 # "packed_alu" the same with the rounding constant made on the integer ALU (the previous default);
@@ -50,18 +52,22 @@ DEFAULT_SCHEDULE = "pingpong"
 # Timing only (wrong results), to place time inside the kernel by leaving stages out (the device
 # notes' method where counters cannot): "none" P = 1, no Direct-P; "timing_scales" the block
 # scales (maxima, shuffles, exponents) but P = 1; "timing_codes" the codes with fixed block scales.
-P_PATHS = ("packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes")
+PPath = Literal["packed", "packed_alu", "scalar", "none", "timing_scales", "timing_codes"]
+P_PATHS: tuple[PPath, ...] = get_args(PPath)
 TIMING_P_PATHS = ("none", "timing_scales", "timing_codes")   # wrong results by design: nothing to record
 DEFAULT_P_PATH = "packed"
 # Block constants (DirectPConfig.block_scales): the four threads of a quad hold parts of the same
 # eight (row, 32-key block) pairs of a 128-key tile. "lane": each thread computes the exponent and
 # constants of all eight (the same values four times); "quad": thread q of the quad computes those of
 # block q (both rows) and shuffles them to the others (the same bits, fewer instructions per tile).
-BLOCK_SCALES_MODES = ("quad", "lane")
+BlockScales = Literal["quad", "lane"]
+BLOCK_SCALES_MODES: tuple[BlockScales, ...] = get_args(BlockScales)
 DEFAULT_BLOCK_SCALES = "quad"
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
 # DirectPConfig.eighths: the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS_LOG2 = 3
+OutDtype = Literal["bf16", "fp16"]
+CodeRounding = Literal["exact", "bf16"]   # Policy.code_rounding
 # pv_fp8: the FP8 WGMMA's A fragment holds, in slot k of each 32-key block, the accumulator's column
 # 16 (k // 16) + 8 ((k % 4) // 2) + 2 ((k % 16) // 4) + k % 2 of the same thread; V^T stores its keys in that order
 # (prepass_kernels.pv_key_order), so P goes from the scores to the A fragment by relabelling registers
@@ -74,19 +80,19 @@ class DirectPConfig:
     """Static (compile-time) configuration of one kernel variant."""
 
     head_dim: int = 128
-    out_dtype: str = "bf16"          # "bf16" | "fp16"
+    out_dtype: OutDtype = "bf16"
     affine_a: float = 1.5
     affine_b: float = 1.2
     shift: int = 16                  # L
     native_exp2: bool = False
     anchor: int = 0                  # 0: m_i = 0; else the first `anchor` keys are the anchors
-    schedule: str = "pingpong"       # see SCHEDULES
+    schedule: Schedule = "pingpong"  # see SCHEDULES
     tile_n: int = TILE_N             # keys per tile: 128, or 64 (what the overlapped schedule fits)
-    p_path: str = "packed"           # see P_PATHS
+    p_path: PPath = "packed"         # see P_PATHS
     num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3: 64-key tiles, or pv_fp8 at D = 64
-    code_rounding: str = "exact"     # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
+    code_rounding: CodeRounding = "exact"   # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
     qk_fp8: bool = False             # Policy.qk_format "fp8_e4m3": FP8 Q/K with power-of-two row/block scales
-    block_scales: str = "quad"       # see BLOCK_SCALES_MODES ("quad" needs 128-key tiles)
+    block_scales: BlockScales = "quad"   # see BLOCK_SCALES_MODES ("quad" needs 128-key tiles)
     ctas_per_sm: int = 1             # 2: the short-sequence variant (num_wg 1, serial; REGS_2CTA, SMEM_2CTA)
     eighths: bool = True             # affine codes as q/8 (EIGHTHS_LOG2; only where shift >= 3)
     range_record: bool = False       # count saturated blocks, empty rows, non-finite outputs (range_check)
@@ -98,15 +104,13 @@ class DirectPConfig:
         return self.schedule == "overlap"
 
     def key(self) -> tuple:
-        return (self.head_dim, self.out_dtype, self.affine_a, self.affine_b, self.shift,
-                self.native_exp2, self.anchor, self.schedule, self.tile_n, self.p_path, self.num_wg,
-                self.code_rounding, self.qk_fp8, self.block_scales, self.ctas_per_sm, self.eighths,
-                self.range_record, self.key_lengths, self.pv_fp8)
+        """The fields' values in order: every field is a compile-time choice, so one compiled kernel per key."""
+        return tuple(getattr(self, name) for name in self.__dataclass_fields__)
 
     @staticmethod
-    def make(params: KernelParams, head_dim: int, out_dtype: str, *, range_record: bool = False,
-             schedule: str | None = None, tile_n: int | None = None, p_path: str | None = None,
-             num_wg: int | None = None, block_scales: str | None = None,
+    def make(params: KernelParams, head_dim: int, out_dtype: OutDtype, *, range_record: bool = False,
+             schedule: Schedule | None = None, tile_n: int | None = None, p_path: PPath | None = None,
+             num_wg: int | None = None, block_scales: BlockScales | None = None,
              ctas_per_sm: int | None = None) -> DirectPConfig:
         """The variant for a policy's kernel parameters (``Policy.kernel_params``), with the tiles chosen for its
         schedule: the overlapped schedule needs 64-key tiles (two 64x128 score buffers do not fit beside the
@@ -178,13 +182,13 @@ class DirectPConfig:
                              pv_fp8=bool(params.pv_fp8))
 
     @staticmethod
-    def from_policy(policy: Policy, head_dim: int, out_dtype: str, **variant) -> DirectPConfig:
+    def from_policy(policy: Policy, head_dim: int, out_dtype: OutDtype, **variant) -> DirectPConfig:
         """``make`` for a policy (``variant``: ``make``'s keyword arguments)."""
         return DirectPConfig.make(policy.kernel_params(head_dim, 1.0), head_dim, out_dtype, **variant)
 
 
 @functools.lru_cache(maxsize=256)
-def product_config(params: KernelParams, head_dim: int, out_dtype: str, short: bool,
+def product_config(params: KernelParams, head_dim: int, out_dtype: OutDtype, short: bool,
                    range_record: bool, key_lengths: bool = False) -> DirectPConfig:
     """The variant the backend runs for a call (cached: it is asked on every call): the defaults, and the
     short-sequence variant (``ctas_per_sm = 2``) where ``short`` (``backend.short_sequences``); ``key_lengths``

@@ -3,18 +3,16 @@ the CuTe DSL kernel. ``attention(call, config)`` asks ``fp4vis.policy`` for the 
 ``config.product_config`` for the kernel variant (or takes the one a test or a benchmark hands it),
 ``prepass.kernel_operands`` for the operands, and ``launch``es the compiled kernel on the current CUDA stream.
 
-Compiled kernels are cached per configuration (``DirectPConfig.key()``); each compile is timed and logged (logger
-``fp4vis.kernels.hopper``) and kept in ``COMPILE_TIMES``. With TVM-FFI (``FP4VIS_HOPPER_TVM_FFI``, where
-apache-tvm-ffi imports) torch tensors go straight in and the stream is the caller's (a few microseconds per launch);
-otherwise through DLPack. At small S the call is host-bound (SDPA cuDNN takes ~18 us of host time per call), so
-every per-call step is cached.
+Compiled kernels are cached per configuration (``KERNELS``, by ``DirectPConfig.key()``:
+``kernels/launch_shared.py``); each compile is timed and logged (logger ``fp4vis.kernels.hopper``) and kept in
+``COMPILE_TIMES``. With TVM-FFI (``FP4VIS_HOPPER_TVM_FFI``, where apache-tvm-ffi imports) torch tensors go straight
+in and the stream is the caller's (a few microseconds per launch); otherwise through DLPack. At small S the call is
+host-bound (SDPA cuDNN takes ~18 us of host time per call), so every per-call step is cached.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import NamedTuple
 
 import torch
@@ -23,15 +21,15 @@ from fp4vis.call import AttentionCall, RecordSlot
 from fp4vis.config import KernelSettings, kernel_settings
 from fp4vis.policy import KernelParams
 
+from ..launch_shared import CompiledKernels
 from ..scale_record import decide
 from .config import DirectPConfig, product_config
 from .prepass import KernelOperands, kernel_operands
 
 log = logging.getLogger("fp4vis.kernels.hopper")
 
-_LOCK = threading.Lock()
-_KERNELS: dict[tuple, CompiledKernel] = {}   # by DirectPConfig.key()
-COMPILE_TIMES: dict[tuple, float] = {}
+KERNELS: CompiledKernels[CompiledKernel] = CompiledKernels(log)   # by DirectPConfig.key()
+COMPILE_TIMES = KERNELS.compile_times
 # Calls whose query and key sequences are both at most SHORT_SEQ run the short-sequence variant
 # (DirectPConfig.ctas_per_sm = 2: CTAs of 64 query rows, two per SM) where the call names no kernel
 # variant (``product_config``); FP4VIS_HOPPER_SHORT=0 turns that off. Measured on the H200,
@@ -116,20 +114,8 @@ def _compile(cfg: DirectPConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKerne
 
 def compiled_kernel(cfg: DirectPConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKernel:
     """The compiled kernel ``cfg`` (``_compile``; compiled on first use, then cached)."""
-    key = cfg.key()
-    run = _KERNELS.get(key)
-    if run is not None:
-        return run
-    with _LOCK:
-        run = _KERNELS.get(key)
-        if run is None:
-            t0 = time.perf_counter()
-            run = _compile(cfg, tensors, tvm_ffi)
-            dt = time.perf_counter() - t0
-            COMPILE_TIMES[key] = dt
-            log.info("fp4vis hopper: compiled %s in %.2f s (tvm-ffi: %s)", cfg, dt, run.tvm_ffi)
-            _KERNELS[key] = run
-    return run
+    return KERNELS.get(cfg.key(), lambda: _compile(cfg, tensors, tvm_ffi),
+                       lambda run: f"fp4vis hopper: compiled {cfg} (tvm-ffi: {run.tvm_ffi})")
 
 
 def launch(cfg: DirectPConfig, ops: KernelOperands, out: torch.Tensor, params: KernelParams,

@@ -1,5 +1,5 @@
 """GPU pre-pass of the Hopper kernel: BF16/FP16 q, k, v -> the operands the kernel reads (``KernelOperands``),
-in one fused Triton launch (``prepass_triton``: one read of each input, one write of each operand, the anchor
+in one fused Triton launch (``prepass_launch``: one read of each input, one write of each operand, the anchor
 permutation and a layer's q/k transform folded into the loads).
 
 * ``q``, ``k`` (NVFP4 Q/K): NVFP4-quantized and decoded Q and K (docs/numerics.md section 1: ``block16`` or
@@ -25,12 +25,12 @@ from typing import NamedTuple
 
 import torch
 
-from fp4vis.layout import anchor_permutation
 from fp4vis.policy import QK_FP8
 
 from ..kept_keys import kept_keys
+from ..launch_shared import cached_anchor_permutation
 from ..scale_record import recorded
-from .prepass_triton import DEFAULT_LAUNCH, PrepassLaunch, fp8_prepass, fp8_values, fusable_transform, prepass
+from .prepass_launch import DEFAULT_LAUNCH, PrepassLaunch, fp8_prepass, fp8_values, fusable_transform, prepass
 
 NO_DIRECT_LAUNCH = PrepassLaunch(direct=False)   # FP4VIS_PREPASS_DIRECT_LAUNCH=0
 
@@ -39,7 +39,7 @@ class KernelOperands(NamedTuple):
     """What the kernel reads, (B, H, S, D) contiguous: q and k (decoded NVFP4 in BF16, or float8_e4m3fn), v6, and
     for FP8 Q/K the float32 scales (None for NVFP4: the kernel reads decoded values); for a key-masked call the
     int32 (B,) count of each batch element's kept keys, which k and v6 hold first (``kept_keys``). FP8 P/V
-    policies: v6 is V^T in E4M3 ((B, H, D, S') from ``prepass_triton.fp8_values``) and ``v_scale`` its float32
+    policies: v6 is V^T in E4M3 ((B, H, D, S') from ``prepass_launch.fp8_values``) and ``v_scale`` its float32
     (B, H, D) per-channel scales."""
 
     q: torch.Tensor
@@ -51,25 +51,11 @@ class KernelOperands(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
-_PERM_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def cached_anchor_permutation(seq_len: int, n: int, device: torch.device,
-                              dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``anchor_permutation(seq_len, n)`` computed on the CPU once and kept on ``device``."""
-    key = (seq_len, n, device, dtype)
-    perm = _PERM_CACHE.get(key)
-    if perm is None:
-        perm = anchor_permutation(seq_len, n, device="cpu").to(dtype).to(device)
-        _PERM_CACHE[key] = perm
-    return perm
-
-
 def kernel_operands(call, params, settings) -> KernelOperands:
     """The operands of an ``fp4vis.call.AttentionCall`` (its q, k, v views: any (B, H, S, D) strides with unit
     stride along D are read in place; its range record) for its ``fp4vis.policy.KernelParams``. ``settings``: the
     ``fp4vis.config.KernelSettings`` of the launch. The call's q/k transform folds into the launch where
-    ``prepass_triton.fusable_transform`` accepts it (decided here, at run time: under torch.compile this runs in the
+    ``prepass_launch.fusable_transform`` accepts it (decided here, at run time: under torch.compile this runs in the
     op); otherwise it is applied first, in PyTorch, as the unpatched layer applies it. A key-masked call's kept keys
     are gathered first (``kept_keys``, in the anchored order where the policy has anchors; the q/k transform applied
     before, at the keys' own positions), and the pre-pass reads them in that order."""

@@ -1,4 +1,4 @@
-"""The Hopper pre-pass's Triton kernels (the host side: ``prepass_triton.py``).
+"""The Hopper pre-pass's Triton kernels (the host side: ``prepass_launch.py``).
 
 ``_prepass_kernel``: ONE launch reads q, k and v once and writes the kernel's operands, the values of
 ``fp4vis.formats`` (``nvfp4_qdq`` / ``mxfp4_qdq``; the PyTorch statement is ``prepass.py``): NVFP4

@@ -21,9 +21,10 @@ from fp4vis.formats import (
     nvfp4_qdq_counted,
 )
 
+from ..launch_shared import cached_anchor_permutation
 from ..scale_record import add_counts
 from .layout import FP8_KEY_GROUP, fp8_key_scale_blocks
-from .prepass import KernelOperands, cached_anchor_permutation
+from .prepass import KernelOperands
 
 
 def _nan_where_not_finite(x_hat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_layout
     "folded64_mse") q_hat, k_hat, v6 in BF16 and no scales; for ``"fp8_e4m3"`` float8_e4m3fn q8, k8 with their
     power-of-two scales (per query row; per 32 physical keys, padded with 1.0 to whole 128-key kernel tiles).
     ``qk``: a ``fp4vis.qk_transform.QKTransform`` of raw projections q, k, applied first. ``record``: as
-    ``prepass_triton.prepass``'s."""
+    ``prepass_launch.prepass``'s."""
     if qk is not None:
         q, k = qk.apply(q, k, "bhsd")
     k, v = _physical_keys(k, v, anchor)

@@ -1,9 +1,8 @@
 """Launch configuration of the Hopper pre-pass's kernels (``prepass_kernels.py``), measured on the H200: rows,
 warps and register caps per program by head dim, and how a call may launch otherwise (``PrepassLaunch``).
 
-The host launcher (``prepass_triton.py``) imports these names and reads ``FP8_BLOCK_Q``, ``RMS_THREADS`` and
-``RMS_BLOCK_T`` through its own module, where the benchmarks override them (``benchmarks/fp8_prepass_tune.py``,
-``benchmarks/wan_qk_bench.py``)."""
+The host launcher (``prepass_launch.py``) imports these names and reads ``FP8_BLOCK_Q``, ``RMS_THREADS`` and
+``RMS_BLOCK_T`` through its own module, where a benchmark overrides them (``benchmarks/wan_qk_bench.py``)."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ def nvfp4_launch(d: int) -> tuple[int, int, int | None]:
 class PrepassLaunch(NamedTuple):
     """How a pre-pass launches, where a call does not take the defaults: ``block_r`` rows (NVFP4) and ``num_warps``
     per program and ptxas's register cap ``max_registers`` (0: none) for measurement (None: the tables above),
-    and ``direct``: call the cached compiled kernel straight (``prepass_triton``'s host path;
+    and ``direct``: call the cached compiled kernel straight (``prepass_launch``'s host path;
     FP4VIS_PREPASS_DIRECT_LAUNCH)."""
 
     block_r: int | None = None

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from apps.tiny_models import make_image_folder, make_tiny_timm_vit
 
 from fp4vis.cli import build_parser, main
-from fp4vis.evals.tiny import make_image_folder, make_tiny_timm_vit
 
 NO_GPU = not torch.cuda.is_available()
 
@@ -176,7 +176,7 @@ def test_calibrate_then_use_the_plan(assets, tmp_path, cli):
                        tmp_path / "v.mp4", "--no-progress")
     assert code == 2 and "calibrated for policy 'fast', not 'accurate'" in err, err
     # an image-to-video pipeline, its image branch included
-    from fp4vis.evals.tiny import make_tiny_wan_i2v
+    from apps.tiny_models import make_tiny_wan_i2v
     i2v = make_tiny_wan_i2v(tmp_path / "i2v")
     img = assets["data"] / "0" / "img0.png"
     code, out, err = cli("calibrate", "wan", "--model", i2v, "--prompt", "a cat", "--image", img,
@@ -255,7 +255,7 @@ def test_hub_id_without_network_says_what_to_do(assets, tmp_path):
 def bad(assets, tmp_path_factory):
     """Files a user gets wrong: guard plans that are not readable or belong to another model, an output
     path that is a directory or a file, an image that is not one, a ViT classifier where an MAE is needed."""
-    from fp4vis.evals.tiny import make_tiny_hf_vit
+    from apps.tiny_models import make_tiny_hf_vit
 
     root = tmp_path_factory.mktemp("bad")
     assert main(["calibrate", "vit", "--model", str(assets["vit"]), "--data", str(assets["data"]), "--limit", "1",

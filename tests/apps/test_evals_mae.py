@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from apps.tiny_models import make_tiny_mae
 
 from fp4vis.evals.mae_psnr import MaeEvalConfig, load_mae, masking_noise, run_mae_eval
-from fp4vis.evals.tiny import make_tiny_mae
 from fp4vis.services.usage import UsageError
 
 

@@ -225,7 +225,7 @@ def test_a_compiled_baseline_run_gives_the_eager_latents(tiny_archs, cpu_baselin
     import functools
 
     from fp4vis.evals import pipeline_eval
-    from fp4vis.pipelines.wan_video import compile_transformers
+    from fp4vis.pipelines.compile import compile_transformers
 
     kw = dict(speed_only="tiny-qwen-image", policies="fast", baselines="cpu_sdpa", steps=2, backend="reference",
               device="cpu", progress=False)

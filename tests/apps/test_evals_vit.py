@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from apps.tiny_models import make_image_folder, make_tiny_hf_vit, make_tiny_timm_vit
 
 from fp4vis.evals.common import AttentionRecorder, find_attention_modules
-from fp4vis.evals.tiny import make_image_folder, make_tiny_hf_vit, make_tiny_timm_vit
 from fp4vis.evals.vit_top1 import VitEvalConfig, label_mapping, load_classifier, run_vit_eval
 from fp4vis.services.usage import UsageError
 

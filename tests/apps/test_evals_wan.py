@@ -9,6 +9,7 @@ import pytest
 from fp4vis.evals.wan_fidelity import WanEvalConfig, run_wan_eval
 from fp4vis.pipelines import wan_sizes as ws
 from fp4vis.pipelines import wan_video as wv
+from fp4vis.pipelines.compile import compile_transformers
 from fp4vis.services.usage import UsageError
 
 KW = dict(height=32, width=32, frames=5, steps=2, progress=False)
@@ -153,7 +154,7 @@ def test_compiled_runs_give_the_eager_latents_and_report_their_warmup(tiny, tmp_
 
     kw = dict(KW, steps=1, policies="fast", backend="reference", decode=False, baselines="none")
     eager = run_wan_eval(WanEvalConfig(str(tiny), **kw))
-    monkeypatch.setattr(wf, "compile_transformers", functools.partial(wv.compile_transformers, backend="aot_eager"))
+    monkeypatch.setattr(wf, "compile_transformers", functools.partial(compile_transformers, backend="aot_eager"))
     compiled = run_wan_eval(WanEvalConfig(str(tiny), compile="regional", out_dir=tmp_path, **kw))
     assert compiled["compile"] == "regional" and eager["compile"] is None
     for name in ("bf16", "fast"):

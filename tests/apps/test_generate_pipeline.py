@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from apps.tiny_models import tiny_text_encoder
 from PIL import Image
 
-from fp4vis.evals.tiny import _tiny_text_encoder
 from fp4vis.pipelines.diffusers_generate import PipelineCall, is_wan, run_pipeline_generate
-from fp4vis.pipelines.wan_generate import GenerateConfig
+from fp4vis.pipelines.wan_generate import GenerateOptions
 from fp4vis.services.usage import UsageError
 
 SIZE = ["--height", 32, "--width", 32]
@@ -22,7 +22,7 @@ SIZE = ["--height", 32, "--width", 32]
 @pytest.fixture(scope="module")
 def tiny_flux(tmp_path_factory):
     """A FluxPipeline of one double and one single block (2 heads of 16), a one-level VAE, a CLIP and a T5 text
-    encoder of one layer each, with the word-level tokenizer of ``fp4vis.evals.tiny``, saved with
+    encoder of one layer each, with the word-level tokenizer of ``tests/apps/tiny_models.py``, saved with
     save_pretrained."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -34,12 +34,12 @@ def tiny_flux(tmp_path_factory):
     vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
                         latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
                         shift_factor=0.0609, scaling_factor=1.5035)
-    clip_tokenizer, _ = _tiny_text_encoder(0)
+    clip_tokenizer, _ = tiny_text_encoder(0)
     clip_tokenizer.model_max_length = 16   # the CLIP encoder's positions
     clip = CLIPTextModel(CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, max_position_embeddings=16, projection_dim=32,
                                         pad_token_id=0, bos_token_id=1, eos_token_id=1))
-    t5_tokenizer, _ = _tiny_text_encoder(0)
+    t5_tokenizer, _ = tiny_text_encoder(0)
     t5 = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4,
                                  relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
                                  decoder_start_token_id=0))
@@ -137,7 +137,7 @@ def test_settings_not_given_are_the_pipelines_defaults(tiny_flux, tmp_path, cli)
 def test_a_video_pipeline_writes_an_mp4(tiny_wan, tmp_path):
     """The same path on a video pipeline (a Wan one, which the CLI gives to wan_generate instead): its frames as
     an MP4, at 16 fps (WanPipeline's call has no frame_rate)."""
-    config = GenerateConfig(str(tiny_wan), "a red fox", output=tmp_path / "fox.mp4", height=32, width=32, frames=5,
+    config = GenerateOptions(str(tiny_wan), "a red fox", output=tmp_path / "fox.mp4", height=32, width=32, frames=5,
                             steps=2, device="cpu", dtype="float32", backend="reference", progress=False)
     out = run_pipeline_generate(config)
     assert out["kind"] == "video" and out["output"].stat().st_size > 0

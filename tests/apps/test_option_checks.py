@@ -10,6 +10,7 @@ import torch
 
 from fp4vis.cli import options
 from fp4vis.pipelines import wan_sizes as ws
+from fp4vis.pipelines.denoising_steps import check_steps
 from fp4vis.services.runtime import SEED_MAX, SEED_MIN, derived_seed
 from fp4vis.services.usage import UsageError
 
@@ -40,12 +41,12 @@ def test_guidance_is_a_finite_number_at_least_0(text, ok):
 
 
 def test_step_indices_exist():
-    ws.check_steps((0, 1, -1, -2), 2)
-    ws.check_steps(None, 1)
+    check_steps((0, 1, -1, -2), 2)
+    check_steps(None, 1)
     for bad in (2, -3):
         with pytest.raises(UsageError, match=f"--exact-steps: step {bad} does not exist in 2 denoising steps "
                                              r"\(indices 0..1, or -2..-1 from the end\)"):
-            ws.check_steps((0, bad), 2, "--exact-steps")
+            check_steps((0, bad), 2, "--exact-steps")
 
 
 def test_wan_limits_are_read_from_the_model_config_before_loading(tiny_wan):

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from apps.tiny_models import make_image_folder, make_tiny_wan, make_tiny_wan_i2v
 
-from fp4vis.evals.tiny import make_image_folder, make_tiny_wan, make_tiny_wan_i2v
 from fp4vis.metrics import cosine
 from fp4vis.pipelines import wan_generate as wg
 from fp4vis.pipelines import wan_sizes as ws
@@ -66,7 +66,7 @@ def test_prompt_embeds_without_text_encoder(tiny, tmp_path):
 
 def test_run_generate_writes_mp4_and_sidecar(tiny, tmp_path):
     path, _ = tiny
-    out = wg.run_generate(wg.GenerateConfig(str(path), "a dog on the beach", output=tmp_path / "v.mp4", policy="fast",
+    out = wg.run_generate(wg.GenerateOptions(str(path), "a dog on the beach", output=tmp_path / "v.mp4", policy="fast",
                                             seed=1, height=32, width=32, frames=5, steps=1, fps=8, device="cpu",
                                             progress=False))
     frames = _read_mp4(out["video"])
@@ -77,6 +77,35 @@ def test_run_generate_writes_mp4_and_sidecar(tiny, tmp_path):
     assert side["policy"] == "fast" and side["frames"] == 5 and side["steps"] == 1
     assert side["environment"]["versions"]["diffusers"] and "gpu" in side["environment"]
     assert side["timings"]["denoise_s"] > 0 and side["tokens"] == 8
+
+
+def test_run_generate_resolves_once(tiny, tmp_path, monkeypatch):
+    """A run resolves the policy name once and reads model_index.json once (the CLI's reading handed down, or
+    run_generate's own); the layers below take the Policy and the index rather than resolve or read again."""
+    import fp4vis.policy
+    from fp4vis.pipelines import model_files, wan_sizes, wan_video
+
+    resolved, reads = [], []
+
+    class CountingPolicies(dict):
+        def __getitem__(self, name):
+            resolved.append(name)
+            return super().__getitem__(name)
+
+    monkeypatch.setattr(fp4vis.policy, "POLICIES", CountingPolicies(fp4vis.policy.POLICIES))
+    real_index = model_files.model_index
+
+    def counted_index(src):
+        reads.append(src)
+        return real_index(src)
+
+    for module in (wg, wan_sizes, wan_video):
+        monkeypatch.setattr(module, "model_index", counted_index)
+    path, _ = tiny
+    wg.run_generate(wg.GenerateOptions(str(path), "a dog", output=tmp_path / "v.mp4", policy="fast", height=32,
+                                       width=32, frames=5, steps=1, exact_steps=(0,), device="cpu", backend="reference",
+                                       progress=False))
+    assert resolved == ["fast"] and len(reads) == 1
 
 
 def _read_mp4(path):
@@ -100,7 +129,7 @@ def test_errors(tiny, tmp_path):
     with pytest.raises(UsageError, match="CUDA GPU"):
         wv.generate(pipe, prompt="a cat", policy="fast", backend="hopper", **KW)
     with pytest.raises(UsageError, match="image: file"):
-        wg.run_generate(wg.GenerateConfig(str(path), "x", image=str(tmp_path / "nope.png"), device="cpu"))
+        wg.run_generate(wg.GenerateOptions(str(path), "x", image=str(tmp_path / "nope.png"), device="cpu"))
 
 
 def test_random_architecture_builder():
@@ -117,14 +146,14 @@ def test_random_architecture_builder():
 def test_image_to_video(tmp_path):
     path = make_tiny_wan_i2v(tmp_path / "i2v")
     img = make_image_folder(tmp_path / "img", classes=("a",), per_class=1, size=32) / "a" / "img0.png"
-    out = wg.run_generate(wg.GenerateConfig(str(path), "a cat", image=str(img), output=tmp_path / "i2v.mp4",
+    out = wg.run_generate(wg.GenerateOptions(str(path), "a cat", image=str(img), output=tmp_path / "i2v.mp4",
                                             policy="fast", height=32, width=32, frames=5, steps=1, device="cpu",
                                             progress=False))
     side = json.loads(out["sidecar"].read_text())
     assert side["pipeline"] == "WanImageToVideoPipeline" and side["image"] == str(img)
     assert out["result"].frames.shape == (5, 32, 32, 3)
     with pytest.raises(UsageError, match="image-to-video model: pass --image"):
-        wg.run_generate(wg.GenerateConfig(str(path), "a cat", output=tmp_path / "x.mp4", height=32, width=32, frames=5,
+        wg.run_generate(wg.GenerateOptions(str(path), "a cat", output=tmp_path / "x.mp4", height=32, width=32, frames=5,
                                           steps=1, device="cpu", progress=False))
 
 

@@ -86,10 +86,10 @@ def test_atomic_path_removes_the_partial_file_on_an_exception(tmp_path):
 
 def test_save_mp4_is_atomic_and_takes_batched_frames(tmp_path, monkeypatch):
     pytest.importorskip("imageio_ffmpeg")
-    from fp4vis.pipelines import wan_video as wv
+    from fp4vis.pipelines import media_files as mf
 
     frames = np.random.default_rng(0).random((1, 3, 16, 16, 3), dtype=np.float32)   # diffusers' (1, F, H, W, 3)
-    out = wv.save_mp4(frames, tmp_path / "a.mp4")
+    out = mf.save_mp4(frames, tmp_path / "a.mp4")
     assert out.stat().st_size > 0
     good = out.read_bytes()
 
@@ -111,10 +111,10 @@ def test_save_mp4_is_atomic_and_takes_batched_frames(tmp_path, monkeypatch):
 
     monkeypatch.setattr(imageio, "get_writer", Failing)
     with pytest.raises(RuntimeError, match="encoder died"):
-        wv.save_mp4(frames[0], out)
+        mf.save_mp4(frames[0], out)
     assert out.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["a.mp4"]
     with pytest.raises(ValueError, match="frames: expected"):
-        wv.save_mp4(frames[0, 0], tmp_path / "b.mp4")
+        mf.save_mp4(frames[0, 0], tmp_path / "b.mp4")
 
 
 def test_output_paths_are_checked(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fp4vis import zoo
+from fp4vis.pipelines import model_files as mf
 from fp4vis.pipelines import wan_generate as wg
 from fp4vis.pipelines import wan_video as wv
 from fp4vis.services.usage import UsageError
@@ -66,15 +67,15 @@ def test_balanced_prompts_cover_the_digits_and_directions():
 
 def test_a_closed_vocabulary_model_refuses_other_prompts(digits_wan_smoke):
     folder = str(digits_wan_smoke)
-    prompts, grammar = wv.known_prompts(folder)
+    prompts, grammar = mf.known_prompts(folder)
     assert prompts == md.PROMPTS and grammar == "digit <0-9> moving <left|right|up|down>"
-    wv.check_prompt(folder, "digit 3 moving right")
-    wv.check_prompt(folder, " digit 3  moving right ")                    # the tokenizer splits on whitespace
+    mf.check_prompt(folder, "digit 3 moving right")
+    mf.check_prompt(folder, " digit 3  moving right ")                    # the tokenizer splits on whitespace
     with pytest.raises(UsageError, match=r'--prompt: .* "digit <0-9> moving <left\|right\|up\|down>"'):
-        wv.check_prompt(folder, "Digit 3 moving right")
+        mf.check_prompt(folder, "Digit 3 moving right")
     with pytest.warns(UserWarning, match="generating anyway"):
-        wv.check_prompt(folder, "a red fox", force=True)
-    assert wv.known_prompts("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") is None   # any text for other models
+        mf.check_prompt(folder, "a red fox", force=True)
+    assert mf.known_prompts("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") is None   # any text for other models
 
 
 def test_reader_reads_real_clips():
@@ -121,7 +122,7 @@ def test_generate_takes_the_model_settings(digits_wan_smoke, tmp_path):
     gen = wv.generation_defaults(str(digits_wan_smoke))
     assert (gen["height"], gen["width"], gen["frames"], gen["steps"]) == (32, 32, 5, 4)
     assert wv.generation_defaults("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == wv.WAN_GENERATION
-    out = wg.run_generate(wg.GenerateConfig(str(digits_wan_smoke), "digit 3 moving right",
+    out = wg.run_generate(wg.GenerateOptions(str(digits_wan_smoke), "digit 3 moving right",
                                             output=tmp_path / "three.mp4", policy="fast", backend="reference",
                                             device="cpu", progress=False))
     side = json.loads(out["sidecar"].read_text())

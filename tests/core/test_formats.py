@@ -403,7 +403,7 @@ def test_nvfp4_folded_mse_matches_exact_fractions(kind):
     group: first candidate with the least exact squared error."""
     g = torch.Generator().manual_seed(sum(map(ord, kind)))
     x = _mse_groups(kind, g)
-    vals, scales = fm._nvfp4_chunked(x, "folded64_mse")
+    vals, scales = fm.nvfp4_chunked(x, "folded64_mse")
     dec = (vals.unflatten(-1, (-1, 16)) * torch.cat((scales, scales), -1).unsqueeze(-1)).flatten(-2)
     pair = torch.cat((x[:, :64].unflatten(-1, (4, 16)), x[:, 64:].unflatten(-1, (4, 16))), -1)  # (rows, 4, 32)
     dec_pair = torch.cat((dec[:, :64].unflatten(-1, (4, 16)), dec[:, 64:].unflatten(-1, (4, 16))), -1)

@@ -27,3 +27,15 @@ def interpreted_result(tmp_path_factory):
         return json.loads(line[0][len("RESULT"):])
 
     return run
+
+
+@pytest.fixture
+def blackwell_kernel(monkeypatch):
+    """``blackwell_kernel(kernel)``: the Blackwell backend's calls and its self-check run ``kernel(q, k, v, policy,
+    scale)`` in place of the GPU kernel (the gate and the first-use figures tested on the CPU)."""
+    from fp4vis.kernels.blackwell import launch
+
+    def inject(kernel) -> None:
+        monkeypatch.setattr(launch, "checked_attention", kernel)
+        monkeypatch.setattr(launch, "attention", lambda call: kernel(call.q, call.k, call.v, call.policy, call.scale))
+    return inject

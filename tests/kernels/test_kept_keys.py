@@ -86,12 +86,12 @@ def test_hopper_operands_of_kept_keys_are_the_unmasked_calls(policy):
 def test_blackwell_operands_of_kept_keys_are_the_unmasked_calls(policy):
     from fp4vis.kernels.blackwell import prepass
     q, k, v, mask, params, kept = _gathered(policy)
-    ops = prepass.prepare(q, kept.k, kept.v, params.qk_layout, 0, 128, 128, fused=False)
+    ops = prepass.kernel_operands(q, kept.k, kept.v, params.qk_layout, 0, 128, 128, fused=False)
     h = k.shape[1]
     for b in range(k.shape[0]):
         keep = mask[b].nonzero().flatten()
         n = len(keep)
-        want = prepass.prepare(q[b:b + 1], k[b:b + 1, :, keep], v[b:b + 1, :, keep], params.qk_layout,
+        want = prepass.kernel_operands(q[b:b + 1], k[b:b + 1, :, keep], v[b:b + 1, :, keep], params.qk_layout,
                                params.anchor, 128, 128, fused=False)
         rows = slice(b * h, (b + 1) * h)
         assert torch.equal(ops.qc[rows], want.qc) and torch.equal(ops.qs[rows].view(torch.uint8),

@@ -24,9 +24,9 @@ from fp4vis.backends.range_record import CALL_UNDERFLOW, FIRST_CALL, NUM_FIELDS,
 from fp4vis.kernels import scale_record
 from fp4vis.kernels.hopper import prepass as hp
 from fp4vis.kernels.hopper import prepass_torch as hpt
-from fp4vis.kernels.hopper import prepass_triton as htp
+from fp4vis.kernels.hopper import prepass_launch as htp
 from fp4vis.kernels.blackwell import prepass as bp
-from fp4vis.kernels.blackwell import prepass_triton as btp
+from fp4vis.kernels.blackwell import prepass_kernels as btp
 from fp4vis.layout import anchor_permutation
 from fp4vis.policy import LOG2E
 
@@ -94,8 +94,8 @@ for kind, dims, anchors in (("wide", (64, 128), (0, 32)), ("harmless", (64,), (0
                 paths = {
                     "hopper_fused": lambda r: htp.prepass(q, k, v, layout, perm32, record=(*r, S)),
                     "hopper_torch": lambda r: hpt.kernel_operands(q, k, v, layout, anchor, record=(*r, S)),
-                    "blackwell_fused": lambda r: bp.prepare(q, k, v, layout, anchor, 64, 64, True, (*r, S)),
-                    "blackwell_torch": lambda r: bp.prepare(q, k, v, layout, anchor, 64, 64, False, (*r, S)),
+                    "blackwell_fused": lambda r: bp.kernel_operands(q, k, v, layout, anchor, 64, 64, True, (*r, S)),
+                    "blackwell_torch": lambda r: bp.kernel_operands(q, k, v, layout, anchor, 64, 64, False, (*r, S)),
                 }
                 for name, run in paths.items():
                     res[f"{kind}-{name}-{d}-{layout}-{anchor}"] = dict(recorded(run), **want)

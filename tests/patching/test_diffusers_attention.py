@@ -233,15 +233,16 @@ def test_fp8_pv_policy_runs_in_the_default_layers_and_restores(name):
 
 
 def _key_mask_spy(monkeypatch):
-    """The key_mask of every fp4vis.attention call (None where a call had none)."""
-    module = sys.modules["fp4vis.attention"]
-    seen, original = [], module.attention
+    """The key_mask of every FP4 call a patched layer runs (``fp4vis.attention.run_call``; None where a call had
+    none)."""
+    module = sys.modules["fp4vis.patching.layer"]
+    seen, original = [], module.run_call
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("key_mask"))
-        return original(*args, **kwargs)
+    def spy(call, *args, **kwargs):
+        seen.append(call.key_mask)
+        return original(call, *args, **kwargs)
 
-    monkeypatch.setattr(module, "attention", spy)
+    monkeypatch.setattr(module, "run_call", spy)
     return seen
 
 
@@ -431,7 +432,7 @@ def test_the_private_diffusers_names_it_relies_on():
 
 
 def test_broadcast_key_mask_reads_the_form_from_shape_and_strides():
-    from fp4vis.patching.layer import broadcast_key_mask
+    from fp4vis.call import broadcast_key_mask
 
     q, k = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 7, 16)
     keys = torch.rand(2, 7) > 0.3

@@ -97,9 +97,9 @@ def test_per_layer_map_reaches_exactly_the_intended_layers(model, x):
         for st in h.states:
             orig = st.attention
 
-            def spy(q, k, v, policy, _orig=orig, _name=st.name, **kw):
-                used[_name] = policy.name
-                return _orig(q, k, v, policy, **kw)
+            def spy(layer_call, _orig=orig, _name=st.name):
+                used[_name] = layer_call.policy.name
+                return _orig(layer_call)
             st.attention = spy
         model(x)
         assert used == {"blocks.0.attn": "fast", "blocks.1.attn": "accurate"}
@@ -263,9 +263,47 @@ def test_backend_lacking_the_head_dim_keeps_exact_attention(model, x, monkeypatc
         fp4vis.patch(model, backend="tpu")
 
 
-def test_fallback_reasons():
-    from fp4vis.patching.layer import fallback_reason
+@torch.no_grad()
+def test_a_patched_call_is_checked_once(model, x, monkeypatch):
+    """Each FP4 call of a patched layer builds one AttentionCall and asks its backend once (issue 45): the layer's
+    ``select`` checks, ``attention`` runs that call."""
+    from fp4vis.backends import registry as dispatch
 
+    asked, ran = [], []
+
+    class Counting(dispatch.Backend):
+        name = "counting_test"
+
+        def supports(self, call):
+            asked.append(call)
+            return None
+
+        def run(self, call):
+            ran.append(call)
+            return dispatch.get_backend("reference").run(call)
+
+    monkeypatch.setitem(dispatch._REGISTRY, Counting.name, Counting())
+    with fp4vis.patch(model, "fast", backend=Counting.name) as h:
+        model(x)
+        calls = sum(st.calls for st in h.states)
+    assert calls == 3 and len(asked) == len(ran) == calls
+    assert all(a.q is r.q and a.key_mask is r.key_mask for a, r in zip(asked, ran))   # the same call, run
+
+
+def fallback_reason(q, k, v, policy, *, layout, scale, mask=None, dropout_p=0.0, is_causal=False, backend="auto"):
+    """Why a patched layer keeps exact attention for this call (None: it runs FP4), as ``LayerState.select``
+    decides it: the patcher's mask, ``call_reason``, then the backend's answer for the validated call."""
+    from fp4vis.backends.registry import ask_backend
+    from fp4vis.call import validated_call
+    from fp4vis.patching.layer import call_reason
+
+    if mask is not None:
+        return "attention mask given (this layer's patcher hands fp4vis.attention no mask)"
+    reason = call_reason(q, k, v, layout=layout, dropout_p=dropout_p, is_causal=is_causal)
+    return reason or ask_backend(backend, validated_call(q, k, v, policy, scale=scale, layout=layout))[1]
+
+
+def test_fallback_reasons():
     pol = fp4vis.get_policy("fast")
     q = torch.randn(1, 4, 8, 32)
     kv = torch.randn(1, 2, 8, 32)

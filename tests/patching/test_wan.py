@@ -241,7 +241,7 @@ def test_wan_pipeline_end_to_end_fast_accurate_and_step_override(t2v_dir):
         used = []
         for st in h.states:
             orig = st.attention
-            st.attention = lambda q, k, v, p, _o=orig, **kw: (used.append(p.name), _o(q, k, v, p, **kw))[1]
+            st.attention = lambda layer_call, _o=orig: (used.append(layer_call.policy.name), _o(layer_call))[1]
         _call(pipe, callback_on_step_end=MultiPipelineCallbacks([sched]))
         assert used == ["wan_fast"] * 6 + ["accurate"] * 6 + ["wan_fast"] * 6
     assert torch.equal(_call(pipe), ref)
@@ -311,7 +311,7 @@ def test_fused_qk_transform_gives_the_unpatched_values_on_gpu():
     (diffusers' q, k, v, then fp4vis.attention, then to_out) bit for bit."""
     from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     from fp4vis.patching.layer import LayerSpec, LayerState
     from fp4vis.policy import get_policy
     from fp4vis.qk_transform import QKTransform, apply_rotary_emb

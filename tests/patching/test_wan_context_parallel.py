@@ -112,11 +112,11 @@ def _worker(rank: int, out_dir: str, tiny_wan: str, ports: list[int]) -> None:
     # `fp4vis generate --cp` as torchrun starts it: the process group comes from the environment (and
     # goes at the end); rank 0 writes. Rank 1 gets a path of its own, which must stay untouched
     # (torchrun gives every rank the same arguments).
-    from fp4vis.pipelines.wan_generate import GenerateConfig, run_generate
+    from fp4vis.pipelines.wan_generate import GenerateOptions, run_generate
 
     os.environ["MASTER_PORT"] = str(ports[0])
     target = out / ("gen" if rank == 0 else "gen_rank1") / "fox.mp4"
-    gen = run_generate(GenerateConfig(tiny_wan, "a red fox", output=target, frames=5, height=32, width=32, steps=2,
+    gen = run_generate(GenerateOptions(tiny_wan, "a red fox", output=target, frames=5, height=32, width=32, steps=2,
                                       policy="fast", backend="reference", device="cpu", progress=False, cp="ulysses=2"))
     res["generate"] = (gen["video"], gen["result"].latents)
 

@@ -42,7 +42,7 @@ def _qkv(b, h, sq, skv, d, dtype=torch.bfloat16, seed=0, kind="gauss"):
 def test_prepass_decodes_to_reference_operands(policy, d, dtype):
     p = POLICIES[policy] if isinstance(policy, str) else policy
     q, k, v = _qkv(2, 2, 77, 150, d, dtype, kind="wide")
-    ops = prepass.prepare(q, k, v, p.qk_layout(d), p.anchor, 128, 128)
+    ops = prepass.kernel_operands(q, k, v, p.qk_layout(d), p.anchor, 128, 128)
     assert ops.rows_q == 128 and ops.keys == 256 and ops.num_keys == 150
     qd, kd, v6 = prepass.decode_operands(ops)
     ref = quantize_operands(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), p, 0.1)
@@ -56,7 +56,7 @@ def test_prepass_flags_non_finite_heads():
     q, k, v = _qkv(1, 3, 40, 70, 64)
     k[0, 1, 5, 3] = float("nan")
     q[0, 2, 0, 0] = float("inf")
-    ops = prepass.prepare(q, k, v, "folded64_mse", 0, 128, 128)
+    ops = prepass.kernel_operands(q, k, v, "folded64_mse", 0, 128, 128)
     bad = (ops.vs == 0xFF).flatten(1).all(1)
     assert bad.tolist() == [False, True, True]
 
@@ -88,7 +88,7 @@ cases = [("fast", 64, (1, 1, 130, 200)), ("wan_fast", 128, (1, 1, 64, 333)), ("a
 def run(q, k, v, p, scale, arch=90):
     d = q.shape[-1]
     cfg = KernelConfig(d, "bf16", p.native_exp2, p.anchor > 0, arch)
-    ops = prepass.prepare(q, k, v, p.qk_layout(d), p.anchor, cfg.block_m, cfg.block_n)
+    ops = prepass.kernel_operands(q, k, v, p.qk_layout(d), p.anchor, cfg.block_m, cfg.block_n)
     out = torch.empty(q.shape[0] * q.shape[1], q.shape[2], d, dtype=torch.float32)
     kernel.launch_jit(cfg, ops, out, p.kernel_params(d, scale), qk_decode=True)
     return out.unflatten(0, q.shape[:2])
@@ -153,8 +153,8 @@ for layout, anchor, d, dtype, kind in (("folded64_mse", 0, 128, torch.bfloat16, 
     v[0, 0, 7, 7] = -0.0
     if dtype == torch.bfloat16:
         k[0, 0, 1, 0] = 2e5
-    a = prepass.prepare(q, k, v, layout, anchor, 128, 128, fused=False)
-    b = prepass.prepare(q, k, v, layout, anchor, 128, 128, fused=True)
+    a = prepass.kernel_operands(q, k, v, layout, anchor, 128, 128, fused=False)
+    b = prepass.kernel_operands(q, k, v, layout, anchor, 128, 128, fused=True)
     fused_ok.append(all(torch.equal(getattr(a, n).view(torch.uint8), getattr(b, n).view(torch.uint8))
                         for n in ("qc", "qs", "kc", "ks", "vc", "vs")))
 res["fused_prepass_equal"] = fused_ok
@@ -317,7 +317,7 @@ def test_selfcheck_refuses_wrong_kernel(cache):
     with pytest.raises(selfcheck.SelfCheckError, match=r"guard D=128 fp16.*backend='reference'"):
         v = selfcheck.verdict_for(ident, _wrong_kernel, "cpu", problems=SMALL)
         assert not v["passed"]
-        selfcheck._raise_failed(v)
+        selfcheck.raise_failed(v)
     # the failure sticks: the next call is refused without running anything
     with pytest.raises(selfcheck.SelfCheckError):
         selfcheck.check(ident, _reference_kernel, "cpu")
@@ -340,7 +340,7 @@ def test_selfcheck_read_only_or_missing_cache(tmp_path, monkeypatch):
     assert selfcheck.verdict_for({"device": "bad"}, _reference_kernel, "cpu", problems=SMALL)["passed"]
 
 
-def test_backend_forward_refuses_a_wrong_kernel(cache, monkeypatch):
+def test_backend_forward_refuses_a_wrong_kernel(cache, monkeypatch, blackwell_kernel):
     """The backend's own gate: an injected wrong kernel fails the self-check and the call raises
     instead of returning its numbers. (A subset of the fixed problems, for CPU time: the reference
     on the CPU takes about a second per problem.)"""
@@ -349,7 +349,7 @@ def test_backend_forward_refuses_a_wrong_kernel(cache, monkeypatch):
     assert len(selfcheck.PROBLEMS) == 16
     full = selfcheck.PROBLEMS
     monkeypatch.setattr(selfcheck, "PROBLEMS", (full[0], full[13], full[14]))   # fast, guard x2
-    monkeypatch.setattr(BACKEND, "kernel_fn", _wrong_kernel)
+    blackwell_kernel(_wrong_kernel)
     monkeypatch.setattr(launch, "identity", lambda device: {"device": "injected-wrong"})
     q, k, v = _qkv(1, 1, 16, 16, 64)
     with pytest.raises(selfcheck.SelfCheckError, match="guard"):
@@ -357,7 +357,7 @@ def test_backend_forward_refuses_a_wrong_kernel(cache, monkeypatch):
     assert {p[0] for p in full} == {"fast", "wan_fast", "accurate", "guard"}
     assert {(p[1], p[2]) for p in full} == {(64, "bf16"), (64, "fp16"), (128, "bf16"), (128, "fp16")}
     assert {p[5] != p[6] for p in full} == {True, False}   # cross-attention and self-attention
-    monkeypatch.setattr(BACKEND, "kernel_fn", _reference_kernel)
+    blackwell_kernel(_reference_kernel)
     monkeypatch.setattr(launch, "identity", lambda device: {"device": "injected-right"})
     out, report = BACKEND.run(AttentionCall(q, k, v, POLICIES["fast"], 0.125))
     assert report is None and out.shape == q.shape
@@ -472,7 +472,7 @@ def test_cubin_build_and_launch_abi(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=7))
     k = cubin.CubinKernel(cfg, str(tmp_path))
-    ops = prepass.prepare(*_qkv(1, 2, 130, 200, 64), "block16", 32, 128, 128)
+    ops = prepass.kernel_operands(*_qkv(1, 2, 130, 200, 64), "block16", 32, 128, 128)
     out = torch.empty(2, 130, 64, dtype=torch.float16)
     params = KernelParams(s_log2=0.18, margin_raw=44.3, affine_a=1.65, affine_b=0.8, shift=8, native_exp2=False,
                           anchor=32, qk_layout="block16", code_rounding="exact")
@@ -531,19 +531,19 @@ def test_warp_specialized_kernel_is_taken_where_asked_and_possible(monkeypatch, 
     route.clear_route_cache()
     forget_warnings()
     try:
-        assert launch.kernel_config(0, 128, torch.bfloat16, False, False).schedule == "serial"
+        assert launch.product_config(0, 128, torch.bfloat16, False, False).schedule == "serial"
         assert route.identity(torch.device("cuda", 0))["schedule"] == "serial"
         fp4vis_settings(FP4VIS_BLACKWELL_WARP_SPECIALIZED="1")
-        cfg = launch.kernel_config(0, 64, torch.float16, False, False, key_lengths=True)
+        cfg = launch.product_config(0, 64, torch.float16, False, False, key_lengths=True)
         assert cfg.warp_specialized and cfg.key_lengths and cfg.tag().endswith("_klen_ws")
         assert (cfg.num_warps, cfg.num_stages) == (config.WS_WARPS, config.WS_STAGES)
         assert route.identity(torch.device("cuda", 0))["schedule"] == "warp_specialized"
         assert route.identity(torch.device("cuda", 1))["schedule"] == "serial"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert not launch.kernel_config(0, 128, torch.bfloat16, True, True).warp_specialized
-            assert not launch.kernel_config(0, 128, torch.bfloat16, True, True).warp_specialized   # warned once
-            assert not launch.kernel_config(1, 128, torch.bfloat16, False, False).warp_specialized
+            assert not launch.product_config(0, 128, torch.bfloat16, True, True).warp_specialized
+            assert not launch.product_config(0, 128, torch.bfloat16, True, True).warp_specialized   # warned once
+            assert not launch.product_config(1, 128, torch.bfloat16, False, False).warp_specialized
         texts = [str(w.message) for w in caught]
         assert len(texts) == 2 and "native positions or an anchored" in texts[0] and "sm_120" in texts[1]
         with pytest.raises(ValueError, match="warp-specialised kernel is built for sm_100a"):
@@ -556,22 +556,23 @@ def test_warp_specialized_kernel_is_taken_where_asked_and_possible(monkeypatch, 
 
 
 def test_launch_sends_a_warp_specialized_config_to_the_gluon_kernel(monkeypatch):
-    """get_kernel's launch of a warp-specialised config is gluon_ws.launch, with the call's record, key counts and
+    """compiled_kernel's launch of a warp-specialised config is gluon_ws.launch, with the call's record, key counts and
     heads; a serial config still goes through kernel.py's runtime arguments."""
     from fp4vis.kernels.blackwell import gluon_ws, launch, route
+    from fp4vis.kernels.launch_shared import CompiledKernels
 
     seen = []
     monkeypatch.setattr(gluon_ws, "launch", lambda *a: seen.append(("ws", a)))
     monkeypatch.setattr(route, "_ROUTES", {7: ("jit", 100)})
     monkeypatch.setattr(launch, "_jit_launcher", lambda cfg: lambda grid, args: seen.append(("serial", grid, args)))
-    monkeypatch.setattr(launch, "_KERNELS", {})
+    monkeypatch.setattr(launch, "KERNELS", CompiledKernels(launch.log))
     ws = KernelConfig(128, "bf16", False, False, 100, num_warps=4, num_stages=4, schedule="warp_specialized")
-    launch.get_kernel(7, ws)(ws, "ops", "out", "params", "record", "lens", 3)
+    launch.compiled_kernel(7, ws)(ws, "ops", "out", "params", "record", "lens", 3)
     assert seen == [("ws", ("ops", "out", "params", "record", "lens", 3))]
     serial = KernelConfig(128, "bf16", False, False, 100)
     monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.runtime_args", lambda *a: a)
     monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.grid", lambda cfg, ops: (cfg.block_m, ops))
-    launch.get_kernel(7, serial)(serial, "ops", "out", "params", "record", "lens", 3)
+    launch.compiled_kernel(7, serial)(serial, "ops", "out", "params", "record", "lens", 3)
     assert seen[1] == ("serial", (128, "ops"), ("ops", "out", "params", "record", "lens", 3))
 
 
@@ -584,7 +585,7 @@ def test_launch_decides_where_the_kernel_does_not_run(monkeypatch):
 
     decided = []
     monkeypatch.setattr(launch, "route", lambda index: ("jit", 90))
-    monkeypatch.setattr(launch, "prepare", lambda *a, **kw: prepass.Operands(*[None] * 6, 8, 128, 128, 8))
+    monkeypatch.setattr(launch, "kernel_operands", lambda *a, **kw: prepass.KernelOperands(*[None] * 6, 8, 128, 128, 8))
     monkeypatch.setattr(launch, "decide", decided.append)
     monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.runtime_args", lambda *a: a)
     monkeypatch.setattr("fp4vis.kernels.blackwell.kernel.grid", lambda cfg, ops: (1, 1))

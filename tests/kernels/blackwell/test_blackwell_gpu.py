@@ -88,8 +88,8 @@ def test_prepass_on_gpu_equals_cpu(layout, anchor, dtype):
     """The default GPU pre-pass (fused where enabled) = the PyTorch statement on the CPU."""
     from fp4vis.kernels.blackwell import prepass
     q, k, v = make_inputs((1, 2, 100, 300, 128), dtype, "wide", "guard", seed=5)
-    a = prepass.prepare(q, k, v, layout, anchor, 128, 128)
-    b = prepass.prepare(q.cuda(), k.cuda(), v.cuda(), layout, anchor, 128, 128)
+    a = prepass.kernel_operands(q, k, v, layout, anchor, 128, 128)
+    b = prepass.kernel_operands(q.cuda(), k.cuda(), v.cuda(), layout, anchor, 128, 128)
     bad = [n for n in ("qc", "qs", "kc", "ks", "vc", "vs")
            if not torch.equal(getattr(a, n).view(torch.uint8), getattr(b, n).cpu().view(torch.uint8))]
     assert not bad, bad
@@ -104,8 +104,8 @@ def test_fused_prepass_is_the_pytorch_prepass_on_gpu(shape, dtype, anchor):
     from fp4vis.kernels.blackwell import prepass
     q, k, v = make_inputs(shape, dtype, "gauss", "fast", seed=5)
     for layout in ("folded64_mse", "block16"):
-        a = prepass.prepare(q, k, v, layout, anchor, 128, 128, fused=False)
-        b = prepass.prepare(q.cuda(), k.cuda(), v.cuda(), layout, anchor, 128, 128, fused=True)
+        a = prepass.kernel_operands(q, k, v, layout, anchor, 128, 128, fused=False)
+        b = prepass.kernel_operands(q.cuda(), k.cuda(), v.cuda(), layout, anchor, 128, 128, fused=True)
         diff = {n: int((getattr(a, n).view(torch.uint8) != getattr(b, n).cpu().view(torch.uint8)).sum())
                 for n in ("qc", "qs", "kc", "ks", "vc", "vs")}
         assert not any(diff.values()), (layout, diff)

@@ -117,10 +117,11 @@ def test_a_failed_measurement_is_a_reason_not_an_error():
     assert t["shapes"][0]["reasons"]["kernel"] == "RuntimeError: the timer needs a CUDA device, got cpu"
 
 
-def test_figures_are_cached_with_the_verdict(fresh, monkeypatch):
+def test_figures_are_cached_with_the_verdict(fresh, monkeypatch, blackwell_kernel):
     _fake_gpu(monkeypatch)
     calls = []
-    v = launch.verdict(torch.device("cpu"), kernel_fn=_reference_kernel, shape=FIRST,
+    blackwell_kernel(_reference_kernel)
+    v = launch.verdict(torch.device("cpu"), shape=FIRST,
                        timer=_timer({"kernel": 2.0, "sdpa": 1.0, "fa4": 1.0}, calls))
     assert v["passed"] and v["cached"] and len(calls) == 6
     disk = json.loads(fresh.read_text())
@@ -130,26 +131,30 @@ def test_figures_are_cached_with_the_verdict(fresh, monkeypatch):
 
     def boom(*a):
         raise AssertionError("must not run")
-    again = launch.verdict(torch.device("cpu"), kernel_fn=boom, shape=FIRST, timer=boom)
+    blackwell_kernel(boom)
+    again = launch.verdict(torch.device("cpu"), shape=FIRST, timer=boom)
     assert again["timing"] == v["timing"]
     # a forced check measures again
-    forced = launch.verdict(torch.device("cpu"), force=True, kernel_fn=_reference_kernel, timer=FASTER)
+    blackwell_kernel(_reference_kernel)
+    forced = launch.verdict(torch.device("cpu"), force=True, timer=FASTER)
     assert forced["timing"]["shapes"][0]["kernel_ms"] == 0.5
     assert json.loads(fresh.read_text())[selfcheck.identity_key(_identity())]["timing"]["shapes"][0]["kernel_ms"] == 0.5
 
 
-def test_a_verdict_without_figures_gets_them_and_a_failed_one_none(fresh, monkeypatch):
+def test_a_verdict_without_figures_gets_them_and_a_failed_one_none(fresh, monkeypatch, blackwell_kernel):
     _fake_gpu(monkeypatch, device="older")
     v = selfcheck.verdict_for(_identity(device="older"), _reference_kernel, "cpu")   # cached without timing
     assert "timing" not in v
-    assert "timing" in launch.verdict(torch.device("cpu"), kernel_fn=_reference_kernel, timer=FASTER)
+    blackwell_kernel(_reference_kernel)
+    assert "timing" in launch.verdict(torch.device("cpu"), timer=FASTER)
     _fake_gpu(monkeypatch, device="wrong")
     with pytest.raises(selfcheck.SelfCheckError):
-        launch.ensure_verified(torch.device("cpu"), kernel_fn=lambda *a: _reference_kernel(*a) * 1.1, timer=FASTER)
+        blackwell_kernel(lambda *a: _reference_kernel(*a) * 1.1)
+        launch.ensure_verified(torch.device("cpu"), timer=FASTER)
     assert "timing" not in selfcheck.known_verdict(_identity(device="wrong"))
 
 
-def test_nothing_is_measured_under_capture_or_tracing(fresh, monkeypatch):
+def test_nothing_is_measured_under_capture_or_tracing(fresh, monkeypatch, blackwell_kernel):
     _fake_gpu(monkeypatch)
     selfcheck.verdict_for(_identity(), _reference_kernel, "cpu")   # checked before, no figures yet
 
@@ -157,25 +162,31 @@ def test_nothing_is_measured_under_capture_or_tracing(fresh, monkeypatch):
         raise AssertionError("must not measure")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert "timing" not in launch.ensure_verified(torch.device("cpu"), kernel_fn=_reference_kernel, timer=boom)
+    blackwell_kernel(_reference_kernel)
+    assert "timing" not in launch.ensure_verified(torch.device("cpu"), timer=boom)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert first_use.cannot_measure_now() == "torch.compile is tracing"
-    assert "timing" not in launch.ensure_verified(torch.device("cpu"), kernel_fn=_reference_kernel, timer=boom)
+    blackwell_kernel(_reference_kernel)
+    assert "timing" not in launch.ensure_verified(torch.device("cpu"), timer=boom)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    assert "timing" in launch.ensure_verified(torch.device("cpu"), kernel_fn=_reference_kernel, timer=FASTER)
+    blackwell_kernel(_reference_kernel)
+    assert "timing" in launch.ensure_verified(torch.device("cpu"), timer=FASTER)
 
 
-def test_slower_than_bf16_is_said_once_per_process_and_identity(fresh, monkeypatch):
+def test_slower_than_bf16_is_said_once_per_process_and_identity(fresh, monkeypatch, blackwell_kernel):
     _fake_gpu(monkeypatch)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(3):
-            launch.ensure_verified(torch.device("cpu"), kernel_fn=_reference_kernel, shape=FIRST, timer=SLOWER)
+            blackwell_kernel(_reference_kernel)
+            launch.ensure_verified(torch.device("cpu"), shape=FIRST, timer=SLOWER)
         _fake_gpu(monkeypatch, device="FakeGPU RTX 5090", capability="12.0")
-        launch.ensure_verified(torch.device("cpu"), kernel_fn=_reference_kernel, timer=SLOWER)
+        blackwell_kernel(_reference_kernel)
+        launch.ensure_verified(torch.device("cpu"), timer=SLOWER)
         _fake_gpu(monkeypatch, device="fast one")
-        launch.ensure_verified(torch.device("cpu"), kernel_fn=_reference_kernel, timer=FASTER)
+        blackwell_kernel(_reference_kernel)
+        launch.ensure_verified(torch.device("cpu"), timer=FASTER)
     msgs = [str(x.message) for x in w if "slower than BF16" in str(x.message)]
     assert len(msgs) == 2
     assert "FakeGPU B200 (sm_100, route jit)" in msgs[0] and "0.50x SDPA at first call" in msgs[0]
@@ -184,33 +195,35 @@ def test_slower_than_bf16_is_said_once_per_process_and_identity(fresh, monkeypat
     forget_warnings()
     _fake_gpu(monkeypatch)
     with pytest.warns(UserWarning, match="slower than BF16"):
-        launch.ensure_verified(torch.device("cpu"), kernel_fn=_reference_kernel)
+        launch.ensure_verified(torch.device("cpu"))
 
 
-def test_the_sm90_route_is_labelled_not_blackwell(fresh, monkeypatch):
+def test_the_sm90_route_is_labelled_not_blackwell(fresh, monkeypatch, blackwell_kernel):
     _fake_gpu(monkeypatch, device="NVIDIA H200", capability="9.0", route="cubin")
     with pytest.warns(UserWarning, match=r"NVIDIA H200 \(sm_90, route sm_90 verification \(not Blackwell\)"):
-        v = launch.ensure_verified(torch.device("cpu"), kernel_fn=_reference_kernel, timer=SLOWER)
+        blackwell_kernel(_reference_kernel)
+        v = launch.ensure_verified(torch.device("cpu"), timer=SLOWER)
     assert v["timing"]["route"] == first_use.SM90_ROUTE == "sm_90 verification (not Blackwell)"
     assert v["timing"]["launch"] == "cubin"
     assert "not a Blackwell figure" in first_use.format_timing(v["timing"])
     assert "not a Blackwell figure" in first_use.summary(v["timing"])
 
 
-def test_the_backends_first_call_is_the_measured_shape(fresh, monkeypatch):
+def test_the_backends_first_call_is_the_measured_shape(fresh, monkeypatch, blackwell_kernel):
     _fake_gpu(monkeypatch)
     calls = []
     monkeypatch.setattr(first_use, "cuda_event_timer", _timer({"kernel": 0.5, "sdpa": 1.0, "fa4": 1.0}, calls))
-    monkeypatch.setattr(BACKEND, "kernel_fn", _reference_kernel)
+    blackwell_kernel(_reference_kernel)
     q, k, v = (torch.randn(1, 2, s, 64, dtype=torch.bfloat16) for s in (24, 40, 40))
     BACKEND.run(AttentionCall(q, k, v, POLICIES["guard"], 0.125))
     assert calls[0][1] == first_use.CallShape(1, 2, 24, 40, 64, "bf16", POLICIES["guard"])
     assert first_use.call_shape(AttentionCall(q.half(), k.half(), v.half(), POLICIES["fast"], 0.1)).dtype == "fp16"
 
 
-def test_info_shows_the_figures(fresh, monkeypatch, capsys):
+def test_info_shows_the_figures(fresh, monkeypatch, blackwell_kernel, capsys):
     _fake_gpu(monkeypatch, device="NVIDIA H200", capability="9.0")
-    launch.verdict(torch.device("cpu"), kernel_fn=_reference_kernel, shape=FIRST, timer=SLOWER)
+    blackwell_kernel(_reference_kernel)
+    launch.verdict(torch.device("cpu"), shape=FIRST, timer=SLOWER)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "FP4 vs BF16 on NVIDIA H200" in x)
@@ -218,13 +231,14 @@ def test_info_shows_the_figures(fresh, monkeypatch, capsys):
     assert "selfcheck: {'NVIDIA H200': 'passed'}" in out
 
 
-def test_selfcheck_cached_prints_the_figures(fresh, monkeypatch, capsys):
+def test_selfcheck_cached_prints_the_figures(fresh, monkeypatch, blackwell_kernel, capsys):
     _fake_gpu(monkeypatch, device="NVIDIA H200", capability="9.0")
-    launch.verdict(torch.device("cpu"), kernel_fn=_reference_kernel, shape=FIRST, timer=FASTER)
+    blackwell_kernel(_reference_kernel)
+    launch.verdict(torch.device("cpu"), shape=FIRST, timer=FASTER)
     selfcheck._VERDICTS.clear()   # `fp4vis selfcheck --cached` in a new process: the disk's verdict
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(BACKEND, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(BACKEND, "kernel_fn", lambda *a: pytest.fail("--cached must not run the kernel"))
+    blackwell_kernel(lambda *a: pytest.fail("--cached must not run the kernel"))
     assert main(["selfcheck", "--cached"]) == 0
     out = capsys.readouterr().out
     assert "verdict: passed" in out
@@ -256,7 +270,7 @@ def test_first_use_measures_on_this_gpu():
     if isinstance(route.route(dev.index), str):
         pytest.skip(f"the Blackwell kernel does not run here: {route.route(dev.index)}")
     ident = launch.identity(dev)
-    t = first_use.measure(dev, ident, launch._checked_attention,
+    t = first_use.measure(dev, ident, launch.checked_attention,
                           first_use.CallShape(1, 4, 1024, 1024, 128, "bf16", POLICIES["fast"]))
     print(first_use.format_timing(t))
     for r in t["shapes"]:

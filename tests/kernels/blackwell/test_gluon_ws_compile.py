@@ -106,12 +106,12 @@ def test_direct_p_float_ops_match_kernel_py(head_dim):
 def _fake_operands(head_dim, heads=2, sq=256, skv=384):
     import torch
 
-    from fp4vis.kernels.blackwell.prepass import Operands
+    from fp4vis.kernels.blackwell.prepass import KernelOperands
     g = torch.Generator().manual_seed(head_dim)
 
     def rnd(*shape):
         return torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
-    return Operands(rnd(heads, sq, head_dim // 2), rnd(heads, sq, head_dim // 16).view(torch.float8_e4m3fn),
+    return KernelOperands(rnd(heads, sq, head_dim // 2), rnd(heads, sq, head_dim // 16).view(torch.float8_e4m3fn),
                     rnd(heads, skv, head_dim // 2), rnd(heads, skv, head_dim // 16).view(torch.float8_e4m3fn),
                     rnd(heads, head_dim, skv // 2), rnd(heads, head_dim, skv // 32), sq - 5, sq, skv, skv - 7)
 

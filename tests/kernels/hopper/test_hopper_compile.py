@@ -268,7 +268,7 @@ import torch
 from fp4vis.formats import nvfp4_qdq
 from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
 from fp4vis.kernels.hopper.prepass_torch import kernel_operands
-from fp4vis.kernels.hopper import prepass_triton as tp
+from fp4vis.kernels.hopper import prepass_launch as tp
 g = torch.Generator().manual_seed(0)
 for dtype, d, layout, anchor in ((torch.bfloat16, 128, "folded64_mse", 128), (torch.float16, 64, "block16", 32)):
     b, h, s = 1, 2, 45

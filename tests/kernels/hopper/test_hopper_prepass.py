@@ -1,10 +1,10 @@
-"""CPU checks of the one-launch Triton pre-pass (kernels/hopper/prepass_triton.py and its kernels), run through
+"""CPU checks of the one-launch Triton pre-pass (kernels/hopper/prepass_launch.py and its kernels), run through
 Triton's interpreter: bit-for-bit (BF16 bit patterns, signed zeros included) the values of
 fp4vis.formats (nvfp4_qdq for Q and K in both layouts, mxfp4_qdq for V), on tie-heavy, Gaussian and
 wide-range inputs (E4M3-saturating groups, whose tiles take the float64 MSE branch), BF16 and FP16,
 D = 64 and 128, with and without the anchor permutation, partial 32-token V blocks, Sq != Skv; and
 the kernel's GPU build (sm_90 cubin, compiled without a GPU). The FP8 Q/K pre-pass
-(``prepass_triton.fp8_prepass`` and ``prepass_torch.kernel_operands``) likewise: bit-equal to
+(``prepass_launch.fp8_prepass`` and ``prepass_torch.kernel_operands``) likewise: bit-equal to
 fp4vis.formats.fp8_pow2_quantize, decoding to fp8_pow2_qdq, NaN for non-finite inputs."""
 
 import importlib
@@ -18,7 +18,7 @@ _CHECK = r"""
 import torch
 from fp4vis.formats import mxfp4_qdq, nvfp4_qdq
 from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
-from fp4vis.kernels.hopper import prepass_triton as tp
+from fp4vis.kernels.hopper import prepass_launch as tp
 
 def mk(kind, shape, g, dtype):
     if kind == "ties":      # small integers times powers of two: many x == b * sc exactly
@@ -79,7 +79,7 @@ def test_triton_prepass_bit_identical_to_formats_interpreted():
 _CHECK_SATURATING = r"""
 import torch
 from fp4vis import formats as fm
-from fp4vis.kernels.hopper import prepass_triton as tp
+from fp4vis.kernels.hopper import prepass_launch as tp
 
 def wide_tie_rows(g, rows, dtype):
     # tests/core/test_formats.py::_wide_tie_groups with every folded group scaled by 2^e, e in 7..13:
@@ -138,7 +138,7 @@ def test_triton_prepass_saturating_tiles_bit_identical_interpreted():
 _CHECK_CONTENDERS = r"""
 import torch
 from fp4vis import formats as fm
-from fp4vis.kernels.hopper import prepass_triton as tp
+from fp4vis.kernels.hopper import prepass_launch as tp
 
 g = torch.Generator().manual_seed(5)
 
@@ -213,7 +213,7 @@ def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int | None =
     """``compile_check.compile_triton_sm90`` (the GPU build, without a GPU); its asm."""
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import compile_check
-    from fp4vis.kernels.hopper import prepass_triton as tpt
+    from fp4vis.kernels.hopper import prepass_launch as tpt
 
     return compile_check.compile_triton_sm90(fn, signature, constexprs, num_warps or tpt.NUM_WARPS, max_registers)
 
@@ -227,7 +227,7 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     are made on FP16 pairs (HMNMX2/HADD2 in the SASS), without it in float32 (none)."""
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_kernels as tk
-    from fp4vis.kernels.hopper import prepass_triton as tpt
+    from fp4vis.kernels.hopper import prepass_launch as tpt
 
     rows, warps, cap = tpt.nvfp4_launch(d)
     consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=rows, BLOCK_D=64, CODES_F16=f16,
@@ -306,7 +306,7 @@ import torch
 from fp4vis.formats import fp8_pow2_qdq, fp8_pow2_quantize, mxfp4_qdq
 from fp4vis.kernels.hopper import prepass_torch
 from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
-from fp4vis.kernels.hopper.prepass_triton import fp8_prepass
+from fp4vis.kernels.hopper.prepass_launch import fp8_prepass
 
 def physical(x, anchor):
     # keys in the physical order the K groups and V blocks follow
@@ -450,7 +450,7 @@ _CHECK_QK_TRANSFORM = r"""
 import numpy as np
 import torch
 from fp4vis.qk_transform import QKTransform, apply_rotary_emb
-from fp4vis.kernels.hopper import prepass_triton as tp
+from fp4vis.kernels.hopper import prepass_launch as tp
 from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
 
 def rstd_torch_order(x, eps, threads=tp.RMS_THREADS):
@@ -570,7 +570,7 @@ def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
     and the rstd launch compile for sm_90 to a cubin without a GPU."""
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_kernels as tk
-    from fp4vis.kernels.hopper import prepass_triton as tpt
+    from fp4vis.kernels.hopper import prepass_launch as tpt
 
     rows, warps, cap = tpt.nvfp4_launch(128)
     consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=rows, BLOCK_D=64, CODES_F16=True, NORM=True,
@@ -594,7 +594,7 @@ def test_prepass_loads_rows_as_vectors(fp8):
     gathered. Without the hint (strides are runtime integers) every BF16 value is a scalar load."""
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_kernels as tk
-    from fp4vis.kernels.hopper import prepass_triton as tpt
+    from fp4vis.kernels.hopper import prepass_launch as tpt
     from fp4vis.kernels.hopper.compile_check import global_loads
 
     fn = tk._fp8_prepass_kernel if fp8 else tk._prepass_kernel
@@ -617,7 +617,7 @@ def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
     to a cubin without a GPU, from BF16 and FP16 inputs, with the launch's warps for D."""
     pytest.importorskip("triton")
     from fp4vis.kernels.hopper import prepass_kernels as tk
-    from fp4vis.kernels.hopper import prepass_triton as tpt
+    from fp4vis.kernels.hopper import prepass_launch as tpt
 
     consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=False, ROPE=False, ROW_ALIGN=8)
     assert _compile_sm90(tk._fp8_prepass_kernel, tk.compile_signature(True, dtype), consts,
@@ -659,7 +659,7 @@ def test_fp16_pair_codes_bit_identical_on_gpu(d):
     import torch
 
     from fp4vis.formats import mxfp4_qdq, nvfp4_qdq
-    from fp4vis.kernels.hopper import prepass_triton as tp
+    from fp4vis.kernels.hopper import prepass_launch as tp
     from fp4vis.kernels.hopper.prepass import cached_anchor_permutation
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -695,7 +695,7 @@ _CHECK_FP8_VALUES = r"""
 import torch
 from fp4vis.formats import fp8_channel_quantize
 from fp4vis.kernels.hopper.config import PV_FP8_KEY_ORDER
-from fp4vis.kernels.hopper.prepass_triton import fp8_values
+from fp4vis.kernels.hopper.prepass_launch import fp8_values
 
 bad = []
 for seed, (s, d, dtype) in enumerate([(70, 64, torch.bfloat16), (64, 128, torch.float16), (33, 64, torch.bfloat16),
@@ -719,7 +719,7 @@ print("OK" if not bad else f"FAIL {bad}")
 
 
 def test_fp8_values_is_the_channel_quantization_in_key_order_interpreted():
-    """The FP8 P/V policies' V pass (``prepass_triton.fp8_values``): V^T bytes equal ``fp4vis.formats``'
+    """The FP8 P/V policies' V pass (``prepass_launch.fp8_values``): V^T bytes equal ``fp4vis.formats``'
     ``fp8_channel_quantize`` of V, each 32-key block stored in ``PV_FP8_KEY_ORDER`` (the order the kernel's A
     fragment holds P in), keys past S zero, and the scales equal; strided views, BF16 and FP16, one program and
     several along the keys."""

@@ -1,4 +1,4 @@
-"""Fused GPU pre-pass (Triton): q/k/v -> the packed codes and scales of ``prepass.Operands``, the
+"""Fused GPU pre-pass (Triton): q/k/v -> the packed codes and scales of ``prepass.KernelOperands``, the
 same bits as the PyTorch statement in ``prepass.py`` (which is fp4vis.formats' quantizers laid out;
 the CPU tests compare the two bit for bit under Triton's interpreter, the GPU tests on the GPU).
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fp4vis.services.sources import display_source
-from fp4vis.services.usage import UsageError
 
 from .report import markdown_table, write_report
 
@@ -88,12 +87,6 @@ class WanProtocol:
 
 
 PAPER = {"vit": VitProtocol(), "mae": MaeProtocol(), "wan": WanProtocol()}
-
-
-def get_protocol(kind: str, name: str) -> Any:
-    if name not in PROTOCOLS:
-        raise UsageError(f"--protocol: unknown protocol {name!r}; known: {', '.join(PROTOCOLS)}")
-    return PAPER[kind]
 
 
 def _delta(measured: float | None, published: float | None) -> float | None:

@@ -1,5 +1,6 @@
-"""Tiny models and data, built locally and saved in the real formats, so that every command can be
-run end to end without downloads or a GPU (tests, smoke checks, demos).
+"""Tiny models and data for the tests, built
+locally and saved in the real formats, so that every command can be run end to end without downloads or a GPU.
+Imported as ``apps.tiny_models`` (``tests/`` is on the tests' path: tests/conftest.py's fixtures use it too).
 
 Each ``make_*`` writes a folder that the real loading code reads back: a diffusers Wan pipeline
 (with a tiny UMT5 text encoder and a word-level tokenizer), a timm ViT (``save_for_hf``), a
@@ -32,14 +33,14 @@ def make_tiny_wan(path: str | os.PathLike, *, seed: int = 0, text_encoder: bool 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
     tok = enc = None
     if text_encoder:
-        tok, enc = _tiny_text_encoder(seed)
+        tok, enc = tiny_text_encoder(seed)
     pipe = WanPipeline(tokenizer=tok, text_encoder=enc, vae=vae, scheduler=scheduler, transformer=transformer)
     path = Path(path)
     pipe.save_pretrained(str(path))
     return path
 
 
-def _tiny_text_encoder(seed: int):
+def tiny_text_encoder(seed: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
@@ -135,7 +136,7 @@ def make_tiny_wan_i2v(path: str | os.PathLike, *, seed: int = 0, head_dim: int =
     image_encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, image_size=32, patch_size=8, num_hidden_layers=2,
                                                      num_attention_heads=2, intermediate_size=32, projection_dim=32))
     image_processor = CLIPImageProcessor(crop_size=32, size=32)
-    tok, enc = _tiny_text_encoder(seed)
+    tok, enc = tiny_text_encoder(seed)
     pipe = WanImageToVideoPipeline(tokenizer=tok, text_encoder=enc, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(
         shift=7.0), image_processor=image_processor, image_encoder=image_encoder, transformer=transformer)
     path = Path(path)

@@ -1,4 +1,4 @@
-"""The method's protocols as presets (fp4vis.evals.protocols) and the data layouts they read
+"""The method's protocols as presets (fp4vis.evals.paper_protocols) and the data layouts they read
 (fp4vis.evals.datasets), on tiny models and data written here: the paper presets hold the published
 settings and figures; each protocol runner runs its runs with the protocol's seeds and sizes and sets
 the measured rows beside the published ones; CIFAR-10's own format and a flat folder of images load;
@@ -12,12 +12,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from apps.tiny_models import make_image_folder, make_tiny_hf_vit
 
 from fp4vis.cli import main
-from fp4vis.evals import protocols
+from fp4vis.evals import paper_protocols as protocols
 from fp4vis.evals.datasets import open_images, sample_indices
 from fp4vis.evals.report import fmt
-from fp4vis.evals.tiny import make_image_folder, make_tiny_hf_vit
 
 CIFAR_NAMES = ["class0", "class1", "class2"]
 

@@ -1,0 +1,26 @@
+"""torch.compile of a pipeline's transformers (``compile_transformers``), the way ``fp4vis generate`` and the
+pipeline evals compile them (``fp4vis.services.runtime.COMPILE_MODES``)."""
+
+from __future__ import annotations
+
+from fp4vis.services.runtime import COMPILE_MODES
+from fp4vis.services.usage import UsageError
+
+
+def compile_transformers(pipe, mode: str, backend: str = "inductor") -> None:
+    """torch.compile the pipeline's transformers in place with ``fullgraph=True``, as diffusers documents:
+    ``"regional"``, ``ModelMixin.compile_repeated_blocks`` (the Wan blocks share one graph, compiled once:
+    diffusers' advice for diffusion transformers, a fraction of the compile time), or ``"full"``,
+    ``ModelMixin.compile`` (the whole transformer, one graph). Each compiles at its first call; patched and
+    unpatched layers alike (docs/patching.md, "torch.compile"). ``backend``: torch.compile's (the tests'
+    "aot_eager" traces the same graphs without generating code)."""
+    if mode not in COMPILE_MODES:
+        raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    for name in ("transformer", "transformer_2"):
+        transformer = getattr(pipe, name, None)
+        if transformer is None:
+            continue
+        if mode == "regional":
+            transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
+        else:
+            transformer.compile(fullgraph=True, backend=backend)
