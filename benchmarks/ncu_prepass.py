@@ -2,12 +2,12 @@ r"""Run the NVFP4 pre-pass (and the FP8 one) a few times at one shape, for Nsigh
 
 The run behind benchmarks/results/20261203j_h200_ncu_prepass.txt (B1 S4096 H24 D128):
 
-    ncu --clock-control none -k regex:^_prepass_kernel --launch-skip 1 --launch-count 1 \
+    ncu --clock-control none -k regex:^prepass_kernel --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
         --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
         python benchmarks/ncu_prepass.py
 
-``-k regex:_fp8_prepass_kernel`` profiles the FP8 pre-pass of the same run.
+``-k regex:fp8_prepass_kernel`` profiles the FP8 pre-pass of the same run.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
     from fp4vis.config import kernel_settings
     from fp4vis.kernels.hopper import launch as hb
     from fp4vis.kernels.hopper import op as hop  # registers torch.ops.fp4vis.hopper_attention
-    from fp4vis.kernels.hopper.config import DirectPConfig, product_config
+    from fp4vis.kernels.hopper.config import KernelConfig, product_config
     from fp4vis.kernels.hopper.prepass import kernel_operands
     from fp4vis.policy import POLICIES
     scale = d ** -0.5
@@ -238,7 +238,7 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
     row["config_host_us"] = time_host(lambda i: config(), n)
     cfg = config()
     row["ctas_per_sm"] = cfg.ctas_per_sm
-    row["config_matches_policy"] = cfg.key() == DirectPConfig.from_policy(
+    row["config_matches_policy"] = cfg.key() == KernelConfig.from_policy(
         policy, d, "bf16", ctas_per_sm=cfg.ctas_per_sm).key()
 
     def kern(i):
@@ -283,8 +283,8 @@ def _launch_hooks(tp) -> dict:
         return None if hook is None else [repr(c) for c in calls] if isinstance(calls, list) else repr(hook)
 
     out = dict(enter=desc(getattr(rt, "launch_enter_hook", None)), exit=desc(getattr(rt, "launch_exit_hook", None)))
-    if hasattr(tp, "_hooks_clear"):
-        out["clear"] = tp._hooks_clear()
+    if hasattr(tp, "launch_hooks_clear"):
+        out["clear"] = tp.launch_hooks_clear()
     return out
 
 

@@ -196,7 +196,7 @@ def _fp8_calls(tp, q, k, v, perm, n_calls=2):
     signature's cached launch state, whose last entry is the direct launch's compiled kernel, is
     dropped first); per call (outputs, launch path, LAUNCH_STATE after the call). The path is
     "unknown" where the module keeps its state under another key than ``fp8_meta_key`` (default launch)."""
-    metas = tp._FP8_META
+    metas = tp.FP8_LAUNCH_STATE
     key = tp.fp8_meta_key(q, k, v, perm)
     metas.pop(key, None)
     out = []

@@ -1,13 +1,13 @@
 """Short sequences on the H200: the Direct-P kernel's default against its short-sequence variant.
 
-One CTA per SM (the default) against two (``DirectPConfig.ctas_per_sm = 2``), and SDPA cuDNN; one run,
+One CTA per SM (the default) against two (``KernelConfig.ctas_per_sm = 2``), and SDPA cuDNN; one run,
 about 2 minutes.
 
     python3 benchmarks/short_seq_bench.py --out $OUT/short_seq.json [--shapes 64,197,12,64;...] [--policies fast]
 
 Per shape (B, S, H, D; self-attention, BF16) and policy (``fast``, ``fast_fp8qk``), on operands prepared
 once by the pre-pass (``prepass.kernel_operands``), the kernel alone
-(``backend.launch``) with each configuration (``DirectPConfig``, from ``config.product_config``):
+(``backend.launch``) with each configuration (``KernelConfig``, from ``config.product_config``):
 
 * ``{default,short}_events_ms``: CUDA events per launch, median, inputs rotated over up to
   ``KERNEL_COPIES`` operand sets (not always past the 50 MB L2; short shapes are launch-bound here:
@@ -103,7 +103,7 @@ def occupancy(cfg) -> dict:
     try:
         lib = fn.library
     except Exception:   # the TVM-FFI function: compile the same kernel on the DLPack path
-        lib = hb._compile(cfg, tensors, False).fn.library
+        lib = hb.compile_kernel(cfg, tensors, False).fn.library
     clib = drv.CUlibrary(int(lib))
     n = check(drv.cuLibraryGetKernelCount(clib))
     kernels = check(drv.cuLibraryEnumerateKernels(n, clib))

@@ -31,7 +31,7 @@ from fp4vis.services.outputs import write_json
 from fp4vis.services.timing import run_sections
 
 CATEGORIES = (   # first match; inductor's kernels first: some are named after the attention they feed
-    ("prepass", r"_prepass_kernel|_fp8_prepass_kernel|_rms_rstd_kernel"),
+    ("prepass", r"prepass_kernel|fp8_prepass_kernel|rms_rstd_kernel"),
     ("inductor", r"^triton_"),
     ("attention", r"DirectP|[Ff]lash|fmha|[Aa]ttention|sdpa"),
     ("gemm", r"gemm|Gemm|nvjet|xmma|cublas|cutlass"),

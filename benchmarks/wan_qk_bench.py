@@ -82,7 +82,7 @@ def checks(layer: bool = True) -> dict:
         ref_k = torch.ops.aten._fused_rms_norm(kp, [n], wk, 1e-6)
         for threads in (128, 256):
             tp.RMS_THREADS = threads
-            tp._RMS_META.clear()
+            tp.RMS_LAUNCH_STATE.clear()
             rq, rk = tp.rms_rstd(q, k, 1e-6, 1e-6)
             normed = ((qp.float() * rq.view(1, s, 1)) * wq.float()).bfloat16()
             out["rstd"].append(dict(heads=h, width=n, threads=threads, rstd_q_differing=_ndiff(rq, ref_q[1].view(-1)),
@@ -91,7 +91,7 @@ def checks(layer: bool = True) -> dict:
                                     normed_q_vs_rms_norm_differing=_ndiff(normed, torch.nn.functional.rms_norm(
                                         qp, (n,), wq, 1e-6))))
         tp.RMS_THREADS = default_threads
-        tp._RMS_META.clear()
+        tp.RMS_LAUNCH_STATE.clear()
         v = _proj(1, s, n, dev, g).view(1, s, h, d).transpose(1, 2)
         for rope_dtype in (torch.float32, torch.bfloat16):
             rope = _rope(s, d, rope_dtype, dev, g)

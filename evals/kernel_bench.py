@@ -13,7 +13,7 @@ Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES/CTAS_PER_SM/TILE_N``, ``hopper_kernel@...``  a kernel variant (a part
                     may be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
                     ``hopper@pingpong/packed/3`` or ``hopper_kernel@///lane``; see
-                    ``fp4vis.kernels.hopper.config.DirectPConfig``
+                    ``fp4vis.kernels.hopper.config.KernelConfig``
   ``hopper_kernel`` the kernel alone on prepared operands (pre-pass excluded)
   ``prepass``       the pre-pass alone
   ``fa4``           flash-attn-4 (``flash_attn.cute``) BF16 forward, non-causal
@@ -113,7 +113,7 @@ VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales", "ctas_per_sm",
 def split_variant(backend: str) -> tuple[str, dict]:
     """``"hopper_kernel@serial/scalar/3"`` -> ("hopper_kernel", {schedule: "serial", p_path: "scalar",
     num_wg: 3}): the kernel variant's fields in VARIANT_FIELDS order, empty or missing fields left at
-    the defaults (hopper.config.DirectPConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"};
+    the defaults (hopper.config.KernelConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"};
     ``"hopper_kernel@////2"`` the short-sequence variant, ``"hopper_kernel@////1"`` the default kernel
     whatever the sequence lengths (without any field the kernel is picked by sequence length as the
     backend picks it: hopper.backend.SHORT_SEQ)."""
@@ -127,18 +127,18 @@ def split_variant(backend: str) -> tuple[str, dict]:
 
 
 def _variant_config(pol, q: torch.Tensor, variant: dict):
-    """The ``DirectPConfig`` of a named kernel variant (``split_variant``'s fields), None where none is named
+    """The ``KernelConfig`` of a named kernel variant (``split_variant``'s fields), None where none is named
     (the backend's own choice, ``product_config``, the short-sequence variant by sequence length)."""
     if not variant:
         return None
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
-    return _kmod("hopper.config").DirectPConfig.from_policy(pol, q.shape[-1], dtype, **variant)
+    return _kmod("hopper.config").KernelConfig.from_policy(pol, q.shape[-1], dtype, **variant)
 
 
 def hopper_call(policy: str, **variant):
     """The whole call. The default variant goes through the public API (``fp4vis.attention``,
     ``backend="hopper"``: what users and the patchers run); a variant goes to the backend's launcher with its
-    ``DirectPConfig``."""
+    ``KernelConfig``."""
     import fp4vis
     from fp4vis.call import AttentionCall
     hb = _kmod("hopper.launch")

@@ -116,7 +116,7 @@ def _fake_args(cfg):
 
 
 def compile_variant(cfg, *, keep_dir: str | None = None, disassemble: bool = True) -> CompileReport:
-    """Compile one ``DirectPConfig`` for sm_90a and return its report (see module docstring)."""
+    """Compile one ``KernelConfig`` for sm_90a and return its report (see module docstring)."""
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     import cutlass.cute as cute
 
@@ -268,7 +268,7 @@ def prepass_candidate_loop(d: int = 128, codes_f16: bool = True, num_warps: int 
     from . import prepass_launch as tp
     consts = dict(D=d, FOLDED=True, HAS_PERM=False, BLOCK_R=tp.nvfp4_launch(d)[0], BLOCK_D=min(d, 64),
                   CODES_F16=codes_f16, NORM=False, ROPE=False, FULL_SEARCH=full_search, ROW_ALIGN=8)
-    asm = compile_triton_sm90(tk._prepass_kernel, tk.compile_signature(False), consts,
+    asm = compile_triton_sm90(tk.prepass_kernel, tk.compile_signature(False), consts,
                               num_warps or tp.nvfp4_launch(d)[1], tp.nvfp4_launch(d)[2])
     # not the saturating tiles' branch (float64 sums: DADD), nor the one-instruction trap (a branch to
     # itself) that ends the listing
@@ -384,7 +384,7 @@ def variants(head_dims=(128, 64)):
     serial schedule."""
     from fp4vis.policy import POLICIES, guard_policy_for_heads
 
-    from .config import DirectPConfig
+    from .config import KernelConfig
     pols = {name: POLICIES[name] for name in ("fast", "wan_fast", "accurate", "guard")}
     pols["guard_h40"] = guard_policy_for_heads(40)
     pols.update((name, POLICIES[name]) for name in ("fast_bf16round", "fast_fp8qk", "fp8", "fp8pv"))
@@ -392,26 +392,26 @@ def variants(head_dims=(128, 64)):
     out = []
     for d in head_dims:
         for name, p in pols.items():
-            out.append((name, DirectPConfig.from_policy(p, d, "bf16", schedule="pingpong", p_path="packed")))
+            out.append((name, KernelConfig.from_policy(p, d, "bf16", schedule="pingpong", p_path="packed")))
         for name in ("fast", "wan_fast", "accurate"):  # the overlapped schedule (64-key tiles): <= 64 anchors
-            out.append((f"{name}_overlap", DirectPConfig.from_policy(pols[name], d, "bf16", schedule="overlap")))
+            out.append((f"{name}_overlap", KernelConfig.from_policy(pols[name], d, "bf16", schedule="overlap")))
         for name in ("fast", "accurate"):
-            out.append((f"{name}_serial_scalar", DirectPConfig.from_policy(pols[name], d, "bf16", schedule="serial",
+            out.append((f"{name}_serial_scalar", KernelConfig.from_policy(pols[name], d, "bf16", schedule="serial",
                                                                            p_path="scalar")))
-        out.append(("fast_3wg", DirectPConfig.from_policy(fast, d, "bf16", num_wg=3)))
+        out.append(("fast_3wg", KernelConfig.from_policy(fast, d, "bf16", num_wg=3)))
         for name in ("fast", "accurate", "guard", "fast_fp8qk", "fp8", "fp8pv"):   # two CTAs per SM (short sequences)
-            out.append((f"{name}_short", DirectPConfig.from_policy(pols[name], d, "bf16", ctas_per_sm=2)))
+            out.append((f"{name}_short", KernelConfig.from_policy(pols[name], d, "bf16", ctas_per_sm=2)))
         if d == head_dims[0]:  # the timing-only P paths (wrong results) must stay buildable
             for pp in ("scalar", "packed_alu", "none", "timing_scales", "timing_codes"):
-                out.append((f"fast_{pp}", DirectPConfig.from_policy(fast, d, "bf16", p_path=pp)))
-            out.append(("fast_serial_1wg", DirectPConfig.from_policy(fast, d, "bf16", schedule="serial",
+                out.append((f"fast_{pp}", KernelConfig.from_policy(fast, d, "bf16", p_path=pp)))
+            out.append(("fast_serial_1wg", KernelConfig.from_policy(fast, d, "bf16", schedule="serial",
                                                                      num_wg=1)))
             for name in ("fast", "guard", "fast_fp8qk"):   # block constants per thread, the earlier form
-                out.append((f"{name}_lane", DirectPConfig.from_policy(pols[name], d, "bf16", block_scales="lane")))
+                out.append((f"{name}_lane", KernelConfig.from_policy(pols[name], d, "bf16", block_scales="lane")))
             # the range record (range_check "raise"/"warn"): default, anchored, short FP8
-            out.append(("fp8_serial", DirectPConfig.from_policy(pols["fp8"], d, "bf16", schedule="serial")))
+            out.append(("fp8_serial", KernelConfig.from_policy(pols["fp8"], d, "bf16", schedule="serial")))
             for name, kw in (("fast", {}), ("guard", {}), ("fast_fp8qk", {"ctas_per_sm": 2}), ("fp8", {})):
-                cfg = DirectPConfig.from_policy(pols[name], d, "bf16", **kw)
+                cfg = KernelConfig.from_policy(pols[name], d, "bf16", **kw)
                 out.append((f"{name}{'_short' if kw else ''}_record", dataclasses.replace(cfg, range_record=True)))
                 # a key count per batch element (key masks), on the same three
                 out.append((f"{name}{'_short' if kw else ''}_klen", dataclasses.replace(cfg, key_lengths=True)))

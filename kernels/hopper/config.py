@@ -1,10 +1,10 @@
 """Static configuration of the Hopper Direct-P kernel: tuning constants in one place and
-``DirectPConfig``, the compile-time description of one kernel variant (its ``key()`` names the
+``KernelConfig``, the compile-time description of one kernel variant (its ``key()`` names the
 compiled kernel in the backend's cache). Importable without CuTe DSL.
 
 The product variant of a call is ``product_config`` (the defaults below, the short-sequence variant where it
 was measured to pay); the other variants exist for the tests and the benchmarks, which build a
-``DirectPConfig`` and hand it to the launcher (``backend.attention(call, config)``).
+``KernelConfig`` and hand it to the launcher (``backend.attention(call, config)``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fp4vis.policy import QK_FP8, KernelParams, Policy
 # Tuning constants (one place)
 # ------------------------------------------------------------------------------------------------
 TILE_M_PER_WG = 64      # query rows per consumer warpgroup (one WGMMA M)
-NUM_MMA_WG = 2          # default consumer warpgroups per CTA (DirectPConfig.num_wg: 2, 3 with 64-key tiles, 1 serial)
+NUM_MMA_WG = 2          # default consumer warpgroups per CTA (KernelConfig.num_wg: 2, 3 with 64-key tiles, 1 serial)
 # the FP8 P/V softmax at D = 64: three consumer warpgroups of 128-key tiles (its registers fit 160 per thread), a
 # third softmax beside the matrix products: against two on the H100, 1-3 % less kernel time for `fp8`, 9-14 % for
 # `fp8pv` (benchmarks/results/20261206e_h100_kernel.json, hopper_kernel against hopper_kernel@//2)
@@ -29,7 +29,7 @@ TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 6
 KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
 REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
-# Short sequences (DirectPConfig.ctas_per_sm = 2: one serial consumer warpgroup per CTA, two CTAs per SM):
+# Short sequences (KernelConfig.ctas_per_sm = 2: one serial consumer warpgroup per CTA, two CTAs per SM):
 # one CTA's prologue (barrier init, Q/K/V TMA latency) and epilogue run under the other's tiles, and a
 # grid too small to fill the GPU with 128-row CTAs fills twice as many SMs.
 # 64K registers per SM / (2 CTAs x 256 threads) = 128 per thread at launch; setmaxnreg moves 104 from the
@@ -37,7 +37,7 @@ REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups 
 REGS_2CTA = (24, 232)                 # (producer, consumer) registers per thread
 SMEM_2CTA = 113 * 1024                # per CTA: 228 KB per SM, less the 1 KB reserved per CTA, halved
 DP_BLOCK = KEY_BLOCK    # Direct-P block: 32 consecutive keys (docs/numerics.md section 2)
-# Schedules of the consumer warpgroups (DirectPConfig.schedule):
+# Schedules of the consumer warpgroups (KernelConfig.schedule):
 #   "pingpong": each warpgroup issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T back to back, then hands
 #               the tensor cores to the other warpgroup (named barriers) and runs Direct-P on S_j while
 #               the other one's matrix products run (FA3-style ping-pong; no extra registers);
@@ -56,7 +56,7 @@ PPath = Literal["packed", "packed_alu", "scalar", "none", "timing_scales", "timi
 P_PATHS: tuple[PPath, ...] = get_args(PPath)
 TIMING_P_PATHS = ("none", "timing_scales", "timing_codes")   # wrong results by design: nothing to record
 DEFAULT_P_PATH = "packed"
-# Block constants (DirectPConfig.block_scales): the four threads of a quad hold parts of the same
+# Block constants (KernelConfig.block_scales): the four threads of a quad hold parts of the same
 # eight (row, 32-key block) pairs of a 128-key tile. "lane": each thread computes the exponent and
 # constants of all eight (the same values four times); "quad": thread q of the quad computes those of
 # block q (both rows) and shuffles them to the others (the same bits, fewer instructions per tile).
@@ -64,7 +64,7 @@ BlockScales = Literal["quad", "lane"]
 BLOCK_SCALES_MODES: tuple[BlockScales, ...] = get_args(BlockScales)
 DEFAULT_BLOCK_SCALES = "quad"
 BAR_SCHED = 1           # named barriers BAR_SCHED + wg: "warpgroup wg may issue its matrix products"
-# DirectPConfig.eighths: the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
+# KernelConfig.eighths: the affine code as y/8 with fma.sat (relu for free); off: max(y, 0) then round
 EIGHTHS_LOG2 = 3
 OutDtype = Literal["bf16", "fp16"]
 CodeRounding = Literal["exact", "bf16"]   # Policy.code_rounding
@@ -76,7 +76,7 @@ PV_FP8_KEY_ORDER = tuple(16 * (k // 16) + 8 * ((k % 4) // 2) + 2 * ((k % 16) // 
 
 
 @dataclass(frozen=True)
-class DirectPConfig:
+class KernelConfig:
     """Static (compile-time) configuration of one kernel variant."""
 
     head_dim: int = 128
@@ -111,7 +111,7 @@ class DirectPConfig:
     def make(params: KernelParams, head_dim: int, out_dtype: OutDtype, *, range_record: bool = False,
              schedule: Schedule | None = None, tile_n: int | None = None, p_path: PPath | None = None,
              num_wg: int | None = None, block_scales: BlockScales | None = None,
-             ctas_per_sm: int | None = None) -> DirectPConfig:
+             ctas_per_sm: int | None = None) -> KernelConfig:
         """The variant for a policy's kernel parameters (``Policy.kernel_params``), with the tiles chosen for its
         schedule: the overlapped schedule needs 64-key tiles (two 64x128 score buffers do not fit beside the
         output accumulator), and 64-key tiles hold at most 64 anchors, so the 128-anchor guard falls back to the
@@ -173,7 +173,7 @@ class DirectPConfig:
                              f"p_path {p_path!r}")
         if tile_n != 128 or p_path in ("none", "timing_codes"):
             block_scales = "lane"   # a quad shares four blocks only in 128-key tiles; no scales to share
-        return DirectPConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(params.affine_a),
+        return KernelConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(params.affine_a),
                              affine_b=float(params.affine_b), shift=int(params.shift),
                              native_exp2=bool(params.native_exp2), anchor=anchor, schedule=schedule, tile_n=tile_n,
                              p_path=p_path, num_wg=num_wg, code_rounding=params.code_rounding, qk_fp8=qk_fp8,
@@ -182,16 +182,16 @@ class DirectPConfig:
                              pv_fp8=bool(params.pv_fp8))
 
     @staticmethod
-    def from_policy(policy: Policy, head_dim: int, out_dtype: OutDtype, **variant) -> DirectPConfig:
+    def from_policy(policy: Policy, head_dim: int, out_dtype: OutDtype, **variant) -> KernelConfig:
         """``make`` for a policy (``variant``: ``make``'s keyword arguments)."""
-        return DirectPConfig.make(policy.kernel_params(head_dim, 1.0), head_dim, out_dtype, **variant)
+        return KernelConfig.make(policy.kernel_params(head_dim, 1.0), head_dim, out_dtype, **variant)
 
 
 @functools.lru_cache(maxsize=256)
 def product_config(params: KernelParams, head_dim: int, out_dtype: OutDtype, short: bool,
-                   range_record: bool, key_lengths: bool = False) -> DirectPConfig:
+                   range_record: bool, key_lengths: bool = False) -> KernelConfig:
     """The variant the backend runs for a call (cached: it is asked on every call): the defaults, and the
     short-sequence variant (``ctas_per_sm = 2``) where ``short`` (``backend.short_sequences``); ``key_lengths``
     for a key-masked call (it changes no tile: the kernel reads one key count per batch element)."""
-    cfg = DirectPConfig.make(params, head_dim, out_dtype, range_record=range_record, ctas_per_sm=2 if short else None)
+    cfg = KernelConfig.make(params, head_dim, out_dtype, range_record=range_record, ctas_per_sm=2 if short else None)
     return replace(cfg, key_lengths=True) if key_lengths else cfg

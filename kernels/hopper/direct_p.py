@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .config import DP_BLOCK, EIGHTHS_LOG2, TIMING_P_PATHS, DirectPConfig
+from .config import DP_BLOCK, EIGHTHS_LOG2, TIMING_P_PATHS, KernelConfig
 from .ptx import (
     add_bf16x2,
     bf16x2_splat_pow2,
@@ -52,7 +52,7 @@ from .ptx import (
 P_ONES = 0x3F803F80   # a BF16 pair (1, 1): P = 1 on the timing paths
 
 
-def direct_p_for(cfg: DirectPConfig, s_log2: Float32, lane_q: Int32) -> DirectP:
+def direct_p_for(cfg: KernelConfig, s_log2: Float32, lane_q: Int32) -> DirectP:
     """The Direct-P object of a kernel variant (the timing paths' where ``cfg.p_path`` is one of them), its row
     state made in registers."""
     row_m = cute.make_rmem_tensor((2,), Float32)      # the row reference m_i (0 without anchors)
@@ -73,7 +73,7 @@ class DirectP:
     run-time fields (``RUNTIME_FIELDS``: the scale, the lane, the row state) through the kernel's dynamic loops
     (``__extract_mlir_values__``); ``cfg`` stays a compile-time constant."""
 
-    cfg: DirectPConfig            # static: the kernel variant
+    cfg: KernelConfig            # static: the kernel variant
     s_log2: Float32               # the softmax scale times log2 e
     lane_q: Int32                 # column pair inside each 8-column chunk of the accumulator
     row_m: cute.Tensor            # the row reference m_i (0 without anchors)

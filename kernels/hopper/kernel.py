@@ -53,7 +53,7 @@ from .config import (
     REGS_PRODUCER,
     SMEM_2CTA,
     TILE_M_PER_WG,
-    DirectPConfig,
+    KernelConfig,
 )
 from .direct_p import direct_p_for
 from .layout import FP8_KEY_TILE
@@ -84,7 +84,7 @@ class DirectPAttentionSm90:
     (S, D, H, B) / (N, H, B) views, made here from the layouts (no per-call view on the host).
     """
 
-    def __init__(self, cfg: DirectPConfig):
+    def __init__(self, cfg: KernelConfig):
         if cfg.head_dim not in (64, 128):
             raise ValueError(f"head_dim: the Hopper kernel supports D = 64 and 128, got {cfg.head_dim}")
         if cfg.tile_n not in (64, 128):
@@ -96,7 +96,7 @@ class DirectPAttentionSm90:
                              f"got {cfg.anchor}")
         if cfg.block_scales == "quad" and (cfg.tile_n != 128 or cfg.p_path in ("none", "timing_codes")):
             raise ValueError(f"block_scales: 'quad' needs 128-key tiles and block scales (tile_n {cfg.tile_n}, "
-                             f"p_path {cfg.p_path!r}); DirectPConfig.make picks 'lane' there")
+                             f"p_path {cfg.p_path!r}); KernelConfig.make picks 'lane' there")
         if cfg.ctas_per_sm not in (1, 2) or (cfg.ctas_per_sm == 2 and (cfg.num_wg != 1 or cfg.schedule != "serial")):
             raise ValueError(f"ctas_per_sm: 1, or 2 with num_wg = 1 and schedule 'serial', got {cfg.ctas_per_sm} "
                              f"(num_wg {cfg.num_wg}, schedule {cfg.schedule!r})")

@@ -3,7 +3,7 @@ the CuTe DSL kernel. ``attention(call, config)`` asks ``fp4vis.policy`` for the 
 ``config.product_config`` for the kernel variant (or takes the one a test or a benchmark hands it),
 ``prepass.kernel_operands`` for the operands, and ``launch``es the compiled kernel on the current CUDA stream.
 
-Compiled kernels are cached per configuration (``KERNELS``, by ``DirectPConfig.key()``:
+Compiled kernels are cached per configuration (``KERNELS``, by ``KernelConfig.key()``:
 ``kernels/launch_shared.py``); each compile is timed and logged (logger ``fp4vis.kernels.hopper``) and kept in
 ``COMPILE_TIMES``. With TVM-FFI (``FP4VIS_HOPPER_TVM_FFI``, where apache-tvm-ffi imports) torch tensors go straight
 in and the stream is the caller's (a few microseconds per launch); otherwise through DLPack. At small S the call is
@@ -23,15 +23,15 @@ from fp4vis.policy import KernelParams
 
 from ..launch_shared import CompiledKernels
 from ..scale_record import decide
-from .config import DirectPConfig, product_config
+from .config import KernelConfig, product_config
 from .prepass import KernelOperands, kernel_operands
 
 log = logging.getLogger("fp4vis.kernels.hopper")
 
-KERNELS: CompiledKernels[CompiledKernel] = CompiledKernels(log)   # by DirectPConfig.key()
+KERNELS: CompiledKernels[CompiledKernel] = CompiledKernels(log)   # by KernelConfig.key()
 COMPILE_TIMES = KERNELS.compile_times
 # Calls whose query and key sequences are both at most SHORT_SEQ run the short-sequence variant
-# (DirectPConfig.ctas_per_sm = 2: CTAs of 64 query rows, two per SM) where the call names no kernel
+# (KernelConfig.ctas_per_sm = 2: CTAs of 64 query rows, two per SM) where the call names no kernel
 # variant (``product_config``); FP4VIS_HOPPER_SHORT=0 turns that off. Measured on the H200,
 # self-attention, kernel alone, side by side (benchmarks/short_seq_bench.py,
 # benchmarks/results/20261129f_h200_shortseq.json): 30 % faster at 256 tokens, 9-16 % at 197, 1-6 % at
@@ -89,7 +89,7 @@ class CompiledKernel(NamedTuple):
                 Int64(words[1]), Int32(words[2]), _current_stream())
 
 
-def _compile(cfg: DirectPConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKernel:
+def compile_kernel(cfg: KernelConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKernel:
     """Compile ``cfg``: through TVM-FFI where ``tvm_ffi`` and the machine has apache-tvm-ffi, else through the
     plain DLPack path."""
     import cutlass.cute as cute
@@ -112,13 +112,13 @@ def _compile(cfg: DirectPConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKerne
     return CompiledKernel(fn, False)
 
 
-def compiled_kernel(cfg: DirectPConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKernel:
-    """The compiled kernel ``cfg`` (``_compile``; compiled on first use, then cached)."""
-    return KERNELS.get(cfg.key(), lambda: _compile(cfg, tensors, tvm_ffi),
+def compiled_kernel(cfg: KernelConfig, tensors: tuple, tvm_ffi: bool) -> CompiledKernel:
+    """The compiled kernel ``cfg`` (``compile_kernel``; compiled on first use, then cached)."""
+    return KERNELS.get(cfg.key(), lambda: compile_kernel(cfg, tensors, tvm_ffi),
                        lambda run: f"fp4vis hopper: compiled {cfg} (tvm-ffi: {run.tvm_ffi})")
 
 
-def launch(cfg: DirectPConfig, ops: KernelOperands, out: torch.Tensor, params: KernelParams,
+def launch(cfg: KernelConfig, ops: KernelOperands, out: torch.Tensor, params: KernelParams,
            record: RecordSlot | None = None, tvm_ffi: bool = True) -> None:
     """Launch the Direct-P kernel ``cfg`` on the pre-pass's operands into ``out`` ((B, H, Sq, Dv), q's dtype) on
     the current CUDA stream. ``record``: the call's range record where ``cfg.range_record``."""
@@ -141,7 +141,7 @@ def launch(cfg: DirectPConfig, ops: KernelOperands, out: torch.Tensor, params: K
     compiled_kernel(cfg, tensors, tvm_ffi)(tensors, params.s_log2, params.margin_raw, words)
 
 
-def attention(call: AttentionCall, config: DirectPConfig | None = None) -> torch.Tensor:
+def attention(call: AttentionCall, config: KernelConfig | None = None) -> torch.Tensor:
     """The eager launcher: ``call`` (validated, (B, H, S, D) CUDA views) through the pre-pass and the kernel.
     ``config``: a kernel variant (the tests', the benchmarks'); None: ``product_config`` for the call. The kernel
     decides on the scale range its pre-pass recorded (``kernels/scale_record.py``); where it does not run or records

@@ -1,6 +1,6 @@
 """The Hopper pre-pass's Triton kernels (the host side: ``prepass_launch.py``).
 
-``_prepass_kernel``: ONE launch reads q, k and v once and writes the kernel's operands, the values of
+``prepass_kernel``: ONE launch reads q, k and v once and writes the kernel's operands, the values of
 ``fp4vis.formats`` (``nvfp4_qdq`` / ``mxfp4_qdq``; the PyTorch statement is ``prepass.py``): NVFP4
 quantize-dequantize of Q and K (``block16`` or ``folded64_mse`` with its MSE scale search:
 ``prepass_nvfp4.py``), MXFP4 ``alpha * c`` of V, the anchor permutation of K and V folded into the loads
@@ -8,10 +8,10 @@ quantize-dequantize of Q and K (``block16`` or ``folded64_mse`` with its MSE sca
 ``[0, tq)`` quantize Q rows, ``[tq, tq + tk)`` K rows, the rest one 32-token V block each; the three outputs
 live in one buffer. Inputs are (B, H, S, D) views with any strides (unit stride along D), read in place. With a
 layer's q/k transform (``fp4vis.qk_transform.QKTransform``; NORM/ROPE) Q and K are the raw projections,
-normalised with the per-token rstd of a first, small launch (``_rms_rstd_kernel``: torch's CUDA rms_norm sum
+normalised with the per-token rstd of a first, small launch (``rms_rstd_kernel``: torch's CUDA rms_norm sum
 order) and rotated in registers as they are loaded (``_qk_values``).
 
-``_fp8_prepass_kernel``: the FP8 Q/K operands (policy ``fast_fp8qk``; ``fp4vis.formats.fp8_pow2_quantize``),
+``fp8_prepass_kernel``: the FP8 Q/K operands (policy ``fast_fp8qk``; ``fp4vis.formats.fp8_pow2_quantize``),
 also one launch: programs ``[0, tq)`` turn ``BLOCK_Q`` query rows each into E4M3 bytes and their power-of-two
 scales, every other program one 32-key block of K (bytes and one scale, gathered by ``perm``) and the V block at
 the same physical keys (MXFP4 as above). The group exponent is read off the float32 exponent field of the group
@@ -202,7 +202,7 @@ def pv_key_order(k):
 
 
 @triton.jit(do_not_specialize=["S", "H", "sb", "sh", "ss"])
-def _channel_amax_kernel(V, AMAX, S, H, sb, sh, ss, D: tl.constexpr, KEYS: tl.constexpr, ROW_ALIGN: tl.constexpr):
+def channel_amax_kernel(V, AMAX, S, H, sb, sh, ss, D: tl.constexpr, KEYS: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """The channel maxima of V's magnitudes over the keys (head group g = program 0, KEYS keys from program 1 on; a
     (B, H, S, D) view with strides sb, sh, ss, 1) into AMAX (G, D) int32, zeroed first: the float32 bits of |v|,
     which order as the values do (NaN above Inf: a NaN channel's maximum is NaN, as a float maximum gives it)."""
@@ -217,12 +217,12 @@ def _channel_amax_kernel(V, AMAX, S, H, sb, sh, ss, D: tl.constexpr, KEYS: tl.co
 
 
 @triton.jit(do_not_specialize=["S", "SP", "H", "sb", "sh", "ss"])
-def _fp8_values_kernel(V, VT, AMAX, VS, S, SP, H, sb, sh, ss, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def fp8_values_kernel(V, VT, AMAX, VS, S, SP, H, sb, sh, ss, D: tl.constexpr, BLOCK_D: tl.constexpr,
                        KEYS: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """KEYS keys of V (whole 32-key blocks; head group g = program 0, the keys program 1: B * H is unbounded,
     S / KEYS below 65536; a (B, H, S, D) view with strides sb, sh, ss, 1) as E4M3 of v / 2^E into V^T (G, D, SP)
     bytes with each 32-key block's keys in ``pv_key_order`` (KEYS bytes in a row per channel), E per channel from
-    its maximum magnitude over the keys (AMAX, (G, D), float32 bits: ``_channel_amax_kernel``;
+    its maximum magnitude over the keys (AMAX, (G, D), float32 bits: ``channel_amax_kernel``;
     ``fp8_group_exponent``), and 2^E into VS (float32 (G, D), written by program 0); keys >= S are written as 0 up to
     SP = S rounded up to 32 (the kernel's TMA reads whole blocks)."""
     g = tl.program_id(0)
@@ -249,7 +249,7 @@ _RUNTIME_INTS = ["NQ", "SQ", "NK", "SK", "TQ", "TK", "NVB", "NKB", "H", "QSB", "
 
 
 @triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "LIMIT"] + [n for n in _RUNTIME_INTS if n != "NKB"])
-def _prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, LIMIT, NQ, SQ, NK, SK, TQ, TK,
+def prepass_kernel(Q, K, V, YQ, YK, YV, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, LIMIT, NQ, SQ, NK, SK, TQ, TK,
                     NVB, H, QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                     D: tl.constexpr, FOLDED: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr, CODES_F16: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
@@ -321,7 +321,7 @@ def _fp8_key_block(K, K8, KS, PERM, blk, g, S, NKB, H, sb, sh, ss, R, W, COS, SI
 
 
 @triton.jit(do_not_specialize=["REC", "FLAG", "CALL", "LIMIT"] + [n for n in _RUNTIME_INTS if n not in ("NK", "TK")])
-def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, LIMIT, NQ, SQ, TQ,
+def fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, SIN, REC, FLAG, CALL, LIMIT, NQ, SQ, TQ,
                         SK, NKB, NVB, H,
                         QSB, QSH, QSS, KSB, KSH, KSS, VSB, VSH, VSS,
                         D: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -329,7 +329,7 @@ def _fp8_prepass_kernel(Q, K, V, Q8, K8, V6, QS, KS, PERM, RQ, RK, WQ, WK, COS, 
     """Programs [0, TQ): Q row tiles; the rest one (head group, 32-key block) each, NKB blocks per
     group (scales padded to whole kernel tiles): the K block and, for the NVB blocks that hold keys,
     the V block at the same physical keys (both gathered by PERM). Views, NORM/ROPE and the range
-    record (REC, FLAG, CALL, LIMIT) as ``_prepass_kernel``."""
+    record (REC, FLAG, CALL, LIMIT) as ``prepass_kernel``."""
     pid = tl.program_id(0)
     if pid < TQ:
         under, over, flushed, amax = _fp8_query_rows(Q, Q8, QS, pid, NQ, SQ, H, QSB, QSH, QSS, RQ, WQ, COS, SIN, D,
@@ -391,7 +391,7 @@ def _rms_rstd_rows(X, R, tile, NT, S, sb, ss, N, eps, BLOCK_T: tl.constexpr, THR
 
 
 @triton.jit(do_not_specialize=["NQT", "NKT", "TQ", "SQ", "SK", "QSB", "QSS", "KSB", "KSS"])
-def _rms_rstd_kernel(XQ, XK, RQ, RK, NQT, NKT, TQ, SQ, SK, QSB, QSS, KSB, KSS, N, eps_q, eps_k,
+def rms_rstd_kernel(XQ, XK, RQ, RK, NQT, NKT, TQ, SQ, SK, QSB, QSS, KSB, KSS, N, eps_q, eps_k,
                      BLOCK_T: tl.constexpr, THREADS: tl.constexpr, NCHUNK: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Programs [0, TQ): rstd of q's tokens; the rest k's (``_rms_rstd_rows``)."""
     pid = tl.program_id(0)
@@ -402,7 +402,7 @@ def _rms_rstd_kernel(XQ, XK, RQ, RK, NQT, NKT, TQ, SQ, SK, QSB, QSS, KSB, KSS, N
 
 
 def compile_signature(fp8: bool, dtype: str = "bf16", rope_dtype: str = "fp32") -> dict:
-    """The pointer and integer types of ``_prepass_kernel`` (``fp8``: ``_fp8_prepass_kernel``) for
+    """The pointer and integer types of ``prepass_kernel`` (``fp8``: ``fp8_prepass_kernel``) for
     ``dtype`` inputs, as ``compile_check.compile_triton_sm90`` takes them (the GPU build without a GPU)."""
     outs = (("Q8", "*fp8e4nv"), ("K8", "*fp8e4nv"), ("V6", "*bf16"), ("QS", "*fp32"), ("KS", "*fp32")) if fp8 else \
         (("YQ", "*bf16"), ("YK", "*bf16"), ("YV", "*bf16"))

@@ -24,12 +24,12 @@ import triton
 from ..scale_record import words as record_words
 from .layout import fp8_key_scale_blocks
 from .prepass_kernels import (
-    _channel_amax_kernel,
-    _fp8_prepass_kernel,
-    _fp8_values_kernel,
-    _prepass_kernel,
-    _rms_rstd_kernel,
+    channel_amax_kernel,
     compile_signature,
+    fp8_prepass_kernel,
+    fp8_values_kernel,
+    prepass_kernel,
+    rms_rstd_kernel,
 )
 from .prepass_tuning import (
     DEFAULT_LAUNCH,
@@ -68,10 +68,10 @@ __all__ = ["DEFAULT_LAUNCH", "FP8_BLOCK_Q", "FP8_MAX_REGISTERS", "NUM_WARPS", "N
 # why) and the ordinary launch is used.
 FAST_LAUNCH = True   # False once a direct call raised (for the process)
 LAUNCH_STATE = "not used yet"
-_META: dict[tuple, list] = {}
+NVFP4_LAUNCH_STATE: dict[tuple, list] = {}
 
 
-def _hooks_clear() -> bool:
+def launch_hooks_clear() -> bool:
     """No Triton launch hook is set (None, or an empty ``knobs.HookChain``)."""
     rt = getattr(getattr(triton, "knobs", None), "runtime", None)
     if rt is None:
@@ -116,10 +116,10 @@ def _check_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # The layer's q/k transform (fp4vis.qk_transform.QKTransform) folded into the pre-pass: a first,
-# small launch computes each token's rstd (``_rms_rstd_kernel``, torch's reduction order); the
+# small launch computes each token's rstd (``rms_rstd_kernel``, torch's reduction order); the
 # pre-pass then reads the raw projections and normalises and rotates them in registers.
 
-_RMS_META: dict[tuple, list] = {}
+RMS_LAUNCH_STATE: dict[tuple, list] = {}
 
 
 def fusable_transform(q: torch.Tensor, k: torch.Tensor, qk) -> str | None:
@@ -156,17 +156,17 @@ def rms_rstd(q: torch.Tensor, k: torch.Tensor, q_eps: float, k_eps: float) -> tu
     sk = k.shape[2]
     n = h * d
     key = (q.shape, k.shape, q.stride(), k.stride(), q_eps, k_eps, q.device)
-    meta = _RMS_META.get(key)
+    meta = RMS_LAUNCH_STATE.get(key)
     if meta is None:
         tq = -(-(b * sq) // RMS_BLOCK_T)
         grid = tq + -(-(b * sk) // RMS_BLOCK_T)
         tail = (b * sq, b * sk, tq, sq, sk, q.stride(0), q.stride(2), k.stride(0), k.stride(2), n, q_eps, k_eps,
                 RMS_BLOCK_T, RMS_THREADS, -(-n // (4 * RMS_THREADS)), row_align(q, k))
-        meta = _RMS_META[key] = [grid, tail, None]
+        meta = RMS_LAUNCH_STATE[key] = [grid, tail, None]
     grid, tail, _ = meta
     out = torch.empty(b * (sq + sk), dtype=torch.float32, device=q.device)
     rq, rk = out[:b * sq], out[b * sq:]
-    _run(_rms_rstd_kernel, meta, grid, (q, k, rq, rk), tail, (q, k), (NUM_WARPS, None, True))
+    _run(rms_rstd_kernel, meta, grid, (q, k, rq, rk), tail, (q, k), (NUM_WARPS, None, True))
     return rq, rk
 
 
@@ -184,7 +184,7 @@ def _transform_key(qk) -> tuple:
     return () if qk is None else (qk.rope is not None, qk.rope[0].dtype if qk.rope is not None else None)
 
 
-def _launch(inputs: tuple, outputs: tuple, layout: str, perm, f16_codes: bool, full_search: bool = False,
+def launch_parts(inputs: tuple, outputs: tuple, layout: str, perm, f16_codes: bool, full_search: bool = False,
             record: tuple | None = None):
     """One ordinary Triton launch over the parts whose tensors are given ((q, k, v) ``inputs`` into (yq, yk, yv)
     ``outputs``; None: skipped), counting into ``record`` (``kernels/scale_record.py``)."""
@@ -201,7 +201,7 @@ def _launch(inputs: tuple, outputs: tuple, layout: str, perm, f16_codes: bool, f
     qv, kv, vv = (ref if t is None else t for t in inputs)
     ptrs = tuple(ref if t is None else t for t in (*inputs, *outputs, perm)) + (ref,) * 6 + record_words(
         record, ref.device)
-    _prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
+    prepass_kernel[(grid,)](*ptrs, *ints, *_view_ints(qv, kv, vv), d, layout == "folded64_mse",
                              perm is not None, block_r, min(d, 64), f16_codes, False, False, full_search,
                              row_align(qv, kv, vv), num_warps=warps, enable_fp_fusion=False,
                              **({"maxnreg": cap} if cap else {}))
@@ -228,7 +228,7 @@ def _run(kernel, meta: list, grid: int, ptrs: tuple, tail: tuple, inputs: tuple,
     if meta[-1] is None and inputs[0].is_cuda and direct:
         if not hasattr(ck, "packed_metadata") or not hasattr(ck, "function"):
             LAUNCH_STATE = f"direct launch off: the launch returned {type(ck).__name__}"
-        elif not _hooks_clear():
+        elif not launch_hooks_clear():
             LAUNCH_STATE = "direct launch off: Triton launch hooks are set"
         elif _aligned(inputs):
             meta[-1] = ck
@@ -261,7 +261,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
     f16 = q.is_cuda if f16_codes is None else f16_codes
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, layout,
            perm is not None, launch[:3], f16, full_search, q.device, _transform_key(qk))
-    meta = _META.get(key)
+    meta = NVFP4_LAUNCH_STATE.get(key)
     qk_ptrs, flags = _transform_args(q, k, qk)
     if meta is None:
         d = q.shape[-1]
@@ -275,7 +275,7 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         tail = ints + _view_ints(q, k, v) + consts
         shape = (launch.num_warps or warps, cap if launch.max_registers is None else (launch.max_registers or None))
         meta = [(3,) + tuple(q.shape) if same else (nq + nk + v.numel(),), same, grid, tail, shape, None]
-        _META[key] = meta
+        NVFP4_LAUNCH_STATE[key] = meta
     alloc, same, grid, tail, (warps, cap), _ = meta
     buf = torch.empty(alloc, dtype=torch.bfloat16, device=q.device)
     if same:
@@ -284,12 +284,12 @@ def prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, perm
         nq, nk = q.numel(), k.numel()
         yq, yk, yv = buf[:nq].view(q.shape), buf[nq:nq + nk].view(k.shape), buf[nq + nk:].view(v.shape)
     ptrs = (q, k, v, yq, yk, yv, q if perm is None else perm) + qk_ptrs + record_words(record, q.device)
-    _run(_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, (warps, cap, launch.direct))
+    _run(prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, (warps, cap, launch.direct))
     return yq, yk, yv
 
 
 _FP8_ALIGN = 128     # byte alignment of each operand inside the FP8 pre-pass's one buffer
-_FP8_META: dict[tuple, list] = {}
+FP8_LAUNCH_STATE: dict[tuple, list] = {}
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -328,7 +328,7 @@ def _fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_perm: bool,
 
 def fp8_meta_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.Tensor | None = None, qk=None,
                  launch: PrepassLaunch = DEFAULT_LAUNCH) -> tuple:
-    """The key under which ``fp8_prepass`` keeps its launch state (``_FP8_META``) for these arguments."""
+    """The key under which ``fp8_prepass`` keeps its launch state (``FP8_LAUNCH_STATE``) for these arguments."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             perm is not None, launch.num_warps, launch.max_registers, q.device, _transform_key(qk))
 
@@ -344,18 +344,18 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     num_warps, max_registers = launch.num_warps, launch.max_registers
     key = fp8_meta_key(q, k, v, perm, qk, launch)
     qk_ptrs, flags = _transform_args(q, k, qk)
-    meta = _FP8_META.get(key)
+    meta = FP8_LAUNCH_STATE.get(key)
     if meta is None:
         d = q.shape[-1]
         cap = FP8_MAX_REGISTERS[128 if d >= 128 else 64] if max_registers is None else (max_registers or None)
-        meta = _FP8_META[key] = _fp8_plan(q, k, v, perm is not None, flags, (num_warps or default_warps(d), cap))
+        meta = FP8_LAUNCH_STATE[key] = _fp8_plan(q, k, v, perm is not None, flags, (num_warps or default_warps(d), cap))
     nbytes, parts, grid, tail, (warps, cap), _ = meta
     buf = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
     typed = {dtype: buf.view(dtype) for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float32)}
     outs = tuple(typed[dtype].as_strided(shape, strides, off) for dtype, shape, strides, off in parts)
     if grid:
         ptrs = (q, k, v) + outs + (q if perm is None else perm,) + qk_ptrs + record_words(record, q.device)
-        _run(_fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, (warps, cap, launch.direct))
+        _run(fp8_prepass_kernel, meta, grid, ptrs, tail, (q, k, v) + qk_ptrs, (warps, cap, launch.direct))
     return outs
 
 
@@ -363,7 +363,7 @@ def fp8_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The V operand of the FP8 P/V kernel from a (B, H, S, D) view v (unit stride along D; D 64 or 128):
     (V^T E4M3 bytes (B, H, D, SP) with SP = S rounded up to 32, each 32-key block in ``pv_key_order``, zeros past
     S; its float32 scales 2^E (B, H, D), one per channel: ``fp4vis.formats.fp8_channel_quantize``). No host
-    synchronisation: the channel maxima (zeroed words, ``_channel_amax_kernel``), then the bytes and scales."""
+    synchronisation: the channel maxima (zeroed words, ``channel_amax_kernel``), then the bytes and scales."""
     b, h, s, d = v.shape
     sp = -(-s // 32) * 32
     vt = torch.empty((b, h, d, sp), dtype=torch.float8_e4m3fn, device=v.device)
@@ -371,9 +371,9 @@ def fp8_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if sp and b * h:
         amax = torch.zeros((b, h, d), dtype=torch.int32, device=v.device)
         args = (h, v.stride(0), v.stride(1), v.stride(2), d)
-        _channel_amax_kernel[(b * h, -(-s // V_AMAX_KEYS))](v, amax, s, *args, V_AMAX_KEYS, row_align(v),
+        channel_amax_kernel[(b * h, -(-s // V_AMAX_KEYS))](v, amax, s, *args, V_AMAX_KEYS, row_align(v),
                                                            num_warps=4)
-        _fp8_values_kernel[(b * h, -(-sp // V_VALUE_KEYS))](v, vt, amax, scales, s, sp, *args, min(d, 64), V_VALUE_KEYS,
+        fp8_values_kernel[(b * h, -(-sp // V_VALUE_KEYS))](v, vt, amax, scales, s, sp, *args, min(d, 64), V_VALUE_KEYS,
                                                            row_align(v), num_warps=4, enable_fp_fusion=False)
     return vt, scales
 
@@ -384,9 +384,9 @@ def nvfp4_qdq(x: torch.Tensor, layout: str, perm: torch.Tensor | None = None,
     quantizer alone, for the tests)."""
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if perm is None:
-        _launch((x, None, None), (y, None, None), layout, None, x.is_cuda, full_search)
+        launch_parts((x, None, None), (y, None, None), layout, None, x.is_cuda, full_search)
     else:
-        _launch((None, x, None), (None, y, None), layout, perm, x.is_cuda, full_search)
+        launch_parts((None, x, None), (None, y, None), layout, perm, x.is_cuda, full_search)
     return y
 
 
@@ -394,5 +394,5 @@ def mxfp4_v6(v: torch.Tensor, perm: torch.Tensor | None = None, record: tuple | 
     """``alpha * c`` of MXFP4 V (contiguous (B, H, S, D)), BF16, keys optionally permuted; ``record`` as in
     ``prepass``."""
     y = torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
-    _launch((None, None, v), (None, None, y), "block16", perm, v.is_cuda, record=record)
+    launch_parts((None, None, v), (None, None, y), "block16", perm, v.is_cuda, record=record)
     return y

@@ -1,5 +1,5 @@
 """The FP8 P/V softmax on the score tiles of one consumer warpgroup (docs/numerics.md section 7, policies ``fp8``
-and ``fp8pv``): the device-side twin of ``direct_p.DirectP`` for ``DirectPConfig.pv_fp8``, with the same row
+and ``fp8pv``): the device-side twin of ``direct_p.DirectP`` for ``KernelConfig.pv_fp8``, with the same row
 state, the same per-tile entry (``tile``) and the same register order, so the kernel's schedules run either.
 
 Per 128-key tile and row: the tile maximum of t = raw * s (s the softmax scale times log2 e, times 2^Eq 2^Ek for

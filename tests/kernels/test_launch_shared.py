@@ -55,7 +55,7 @@ def test_compiling_or_recording_autograd_goes_through_the_custom_op():
 
 
 def test_the_variant_keys_are_their_fields_in_order():
-    from fp4vis.kernels.hopper.config import DirectPConfig
-    cfg = DirectPConfig(schedule="serial", num_wg=1, ctas_per_sm=2, key_lengths=True)
+    from fp4vis.kernels.hopper.config import KernelConfig
+    cfg = KernelConfig(schedule="serial", num_wg=1, ctas_per_sm=2, key_lengths=True)
     assert cfg.key() == tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
-    assert DirectPConfig(*cfg.key()) == cfg   # every field is in the key: nothing compiled twice under one key
+    assert KernelConfig(*cfg.key()) == cfg   # every field is in the key: nothing compiled twice under one key

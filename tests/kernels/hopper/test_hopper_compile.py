@@ -77,8 +77,8 @@ def test_range_record_costs_the_loop_almost_nothing(nvdisasm, tmp_path):
     block) pair the thread owns) and writes only in the epilogue: the ping-pong loop of the default
     ``fast`` kernel grows by at most 1 % (measured: 734 -> 739 instructions), and only the record
     variant has the global reductions that add its counts."""
-    from fp4vis.kernels.hopper.config import DirectPConfig
-    plain = DirectPConfig.from_policy(POLICIES["fast"], 128, "bf16")
+    from fp4vis.kernels.hopper.config import KernelConfig
+    plain = KernelConfig.from_policy(POLICIES["fast"], 128, "bf16")
     loops, reds = [], []
     for i, cfg in enumerate((plain, dataclasses.replace(plain, range_record=True))):
         rep = compile_check.compile_variant(cfg, keep_dir=str(tmp_path / str(i)))
@@ -139,36 +139,36 @@ def test_fp8_kernel_operands_decode_to_the_reference_operands(anchor, dtype):
 def test_fp8_config_plumbing():
     """The policy's FP8 Q/K reaches the kernel configuration (the benchmark once built kernels without
     a policy field), and the combination the kernel lacks is refused by name."""
-    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.kernels.hopper.config import KernelConfig
     from fp4vis.policy import KernelParams
-    assert DirectPConfig.from_policy(POLICIES["fast_fp8qk"], 128, "bf16").qk_fp8
-    assert not DirectPConfig.from_policy(POLICIES["fast"], 128, "bf16").qk_fp8
-    assert DirectPConfig.from_policy(POLICIES["fast_bf16round"], 128, "bf16").code_rounding == "bf16"
+    assert KernelConfig.from_policy(POLICIES["fast_fp8qk"], 128, "bf16").qk_fp8
+    assert not KernelConfig.from_policy(POLICIES["fast"], 128, "bf16").qk_fp8
+    assert KernelConfig.from_policy(POLICIES["fast_bf16round"], 128, "bf16").code_rounding == "bf16"
     with pytest.raises(ValueError, match="qk_fp8 with anchors"):
-        DirectPConfig.make(KernelParams(0.18, 44.0, 1.5, 1.2, 16, False, 32, "fp8_e4m3", "exact"), 128, "bf16")
+        KernelConfig.make(KernelParams(0.18, 44.0, 1.5, 1.2, 16, False, 32, "fp8_e4m3", "exact"), 128, "bf16")
 
 
 def test_block_scales_config_plumbing():
     """block_scales: "quad" by default with 128-key tiles, "lane" selectable (in the key, from the
     benchmark's variant syntax and the custom op's argument), "lane" wherever 64-key tiles are used."""
     from fp4vis.evals.kernel_bench import split_variant
-    from fp4vis.kernels.hopper.config import DirectPConfig, product_config
+    from fp4vis.kernels.hopper.config import KernelConfig, product_config
     from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
     fast = POLICIES["fast"]
-    quad = DirectPConfig.from_policy(fast, 128, "bf16")
-    lane = DirectPConfig.from_policy(fast, 128, "bf16", block_scales="lane")
+    quad = KernelConfig.from_policy(fast, 128, "bf16")
+    lane = KernelConfig.from_policy(fast, 128, "bf16", block_scales="lane")
     assert quad.block_scales == "quad" and lane.block_scales == "lane" and quad.key() != lane.key()
-    assert DirectPConfig.from_policy(fast, 128, "bf16", schedule="overlap").block_scales == "lane"
-    assert DirectPConfig.from_policy(fast, 128, "bf16", num_wg=3).block_scales == "lane"
+    assert KernelConfig.from_policy(fast, 128, "bf16", schedule="overlap").block_scales == "lane"
+    assert KernelConfig.from_policy(fast, 128, "bf16", num_wg=3).block_scales == "lane"
     for p_path in ("none", "timing_codes"):   # no block scales to share
-        assert DirectPConfig.from_policy(fast, 128, "bf16", p_path=p_path).block_scales == "lane"
+        assert KernelConfig.from_policy(fast, 128, "bf16", p_path=p_path).block_scales == "lane"
     with pytest.raises(ValueError, match="block_scales"):   # built directly, past make's choice
         DirectPAttentionSm90(dataclasses.replace(quad, tile_n=64))
     with pytest.raises(ValueError, match="block_scales"):
-        DirectPConfig.from_policy(fast, 128, "bf16", block_scales="warp")
+        KernelConfig.from_policy(fast, 128, "bf16", block_scales="warp")
     base, kw = split_variant("hopper_kernel@///lane")
     assert base == "hopper_kernel" and kw == {"block_scales": "lane"}
-    assert DirectPConfig.from_policy(fast, 128, "bf16", **kw).key() == lane.key()
+    assert KernelConfig.from_policy(fast, 128, "bf16", **kw).key() == lane.key()
     assert product_config(fast.kernel_params(128, 0.1), 128, "bf16", False, False).key() == quad.key()
 
 
@@ -180,22 +180,22 @@ def test_short_variant_config_plumbing():
     from fp4vis.kernels.hopper import config as hf
     from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
     fast = POLICIES["fast"]
-    default = hf.DirectPConfig.from_policy(fast, 128, "bf16")
-    short = hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=2)
+    default = hf.KernelConfig.from_policy(fast, 128, "bf16")
+    short = hf.KernelConfig.from_policy(fast, 128, "bf16", ctas_per_sm=2)
     assert default.ctas_per_sm == 1 and default.key() != short.key()
     assert (short.ctas_per_sm, short.schedule, short.num_wg) == (2, "serial", 1)
-    assert hf.DirectPConfig.from_policy(fast, 128, "bf16", schedule="serial", num_wg=1, ctas_per_sm=2) == short
+    assert hf.KernelConfig.from_policy(fast, 128, "bf16", schedule="serial", num_wg=1, ctas_per_sm=2) == short
     for bad in (dict(schedule="pingpong"), dict(num_wg=2), dict(schedule="overlap", num_wg=1)):
         with pytest.raises(ValueError, match="ctas_per_sm"):
-            hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=2, **bad)
+            hf.KernelConfig.from_policy(fast, 128, "bf16", ctas_per_sm=2, **bad)
     with pytest.raises(ValueError, match="ctas_per_sm"):
-        hf.DirectPConfig.from_policy(fast, 128, "bf16", ctas_per_sm=3)
+        hf.KernelConfig.from_policy(fast, 128, "bf16", ctas_per_sm=3)
     with pytest.raises(ValueError, match="ctas_per_sm"):   # built directly, past make's checks
         DirectPAttentionSm90(dataclasses.replace(default, ctas_per_sm=2))
     # 128 registers per thread at launch (64K per SM, 2 CTAs of 256 threads): the two warpgroups share 2 x 128
     assert sum(hf.REGS_2CTA) == 2 * (65536 // (2 * 256)) and all(r % 8 == 0 for r in hf.REGS_2CTA)
     for d, fp8, stages in ((128, False, 3), (128, True, 3), (64, False, 4), (64, True, 4)):
-        cfg = hf.DirectPConfig.from_policy(POLICIES["fast_fp8qk" if fp8 else "fast"], d, "bf16", ctas_per_sm=2)
+        cfg = hf.KernelConfig.from_policy(POLICIES["fast_fp8qk" if fp8 else "fast"], d, "bf16", ctas_per_sm=2)
         kern = DirectPAttentionSm90(cfg)
         assert (kern.kv_stages, kern.regs_producer, kern.regs_consumer) == (stages, *hf.REGS_2CTA)
     assert DirectPAttentionSm90(default).kv_stages == 4
@@ -209,7 +209,7 @@ def test_short_variant_dispatch(monkeypatch, fp4vis_settings):
     FP4VIS_HOPPER_SHORT=0 turns it off. The pre-pass and the launch are replaced (no GPU)."""
     from fp4vis.call import AttentionCall
     from fp4vis.kernels.hopper import launch as hb
-    from fp4vis.kernels.hopper.config import DirectPConfig, product_config
+    from fp4vis.kernels.hopper.config import KernelConfig, product_config
     seen = []
     monkeypatch.setattr(hb, "kernel_operands", lambda call, params, settings: None)
     monkeypatch.setattr(hb, "launch", lambda cfg, *a: seen.append(cfg))
@@ -223,8 +223,8 @@ def test_short_variant_dispatch(monkeypatch, fp4vis_settings):
 
     assert hb.SHORT_SEQ == 768
     assert ctas(768, sq=768) == 2 and ctas(769) == 1 and ctas(40, sq=769) == 1
-    assert ctas(40, config=DirectPConfig.from_policy(pol, 64, "bf16", p_path="scalar")) == 1
-    assert ctas(2000, config=DirectPConfig.from_policy(pol, 64, "bf16", ctas_per_sm=2)) == 2
+    assert ctas(40, config=KernelConfig.from_policy(pol, 64, "bf16", p_path="scalar")) == 1
+    assert ctas(2000, config=KernelConfig.from_policy(pol, 64, "bf16", ctas_per_sm=2)) == 2
     assert seen[0].key() == product_config(pol.kernel_params(64, 0.125), 64, "bf16", True, False).key()
     fp4vis_settings(FP4VIS_HOPPER_SHORT="0")
     assert ctas(40) == 1
@@ -237,7 +237,7 @@ def test_launcher_decides_where_no_kernel_does(monkeypatch):
     the launch and the decision are replaced."""
     from fp4vis.call import AttentionCall, RecordSlot
     from fp4vis.kernels.hopper import launch as hb
-    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.kernels.hopper.config import KernelConfig
     decided, fail = [], []
     monkeypatch.setattr(hb, "kernel_operands", lambda call, params, settings: None)
     monkeypatch.setattr(hb, "decide", decided.append)
@@ -249,8 +249,8 @@ def test_launcher_decides_where_no_kernel_does(monkeypatch):
     pol = POLICIES["fast"]
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     slot = RecordSlot(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 5)
-    recording = DirectPConfig.from_policy(pol, 64, "bf16", range_record=True)
-    timing = DirectPConfig.from_policy(pol, 64, "bf16", p_path="timing_codes", range_record=True)
+    recording = KernelConfig.from_policy(pol, 64, "bf16", range_record=True)
+    timing = KernelConfig.from_policy(pol, 64, "bf16", p_path="timing_codes", range_record=True)
     assert recording.range_record and not timing.range_record
     hb.attention(AttentionCall(q, q, q, pol, 0.125, record=slot), recording)
     hb.attention(AttentionCall(q, q, q, pol, 0.125), timing)
@@ -369,10 +369,10 @@ def test_e2m1_grid_rounding_constant_forms_agree():
 
 def test_fp8_pv_config_ignores_direct_p_fields():
     """The FP8 P/V softmax reads none of Direct-P's fields: policies that differ only there share one compiled
-    kernel (``DirectPConfig.key()``), and the named ``fp8`` keeps the product's."""
-    from fp4vis.kernels.hopper.config import DirectPConfig
+    kernel (``KernelConfig.key()``), and the named ``fp8`` keeps the product's."""
+    from fp4vis.kernels.hopper.config import KernelConfig
     from fp4vis.policy import Policy
-    named = DirectPConfig.from_policy(POLICIES["fp8"], 128, "bf16")
+    named = KernelConfig.from_policy(POLICIES["fp8"], 128, "bf16")
     custom = Policy("mine", method="fp8_pv", qk_format="fp8_e4m3", affine_a=1.7, affine_b=0.9, shift=9)
-    assert DirectPConfig.from_policy(custom, 128, "bf16").key() == named.key()
-    assert named.pv_fp8 and named.qk_fp8 and not DirectPConfig.from_policy(POLICIES["fp8pv"], 128, "bf16").qk_fp8
+    assert KernelConfig.from_policy(custom, 128, "bf16").key() == named.key()
+    assert named.pv_fp8 and named.qk_fp8 and not KernelConfig.from_policy(POLICIES["fp8pv"], 128, "bf16").qk_fp8

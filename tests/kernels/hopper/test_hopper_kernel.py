@@ -156,12 +156,12 @@ def variant_kwargs(variant) -> dict:
 
 
 def kernel_variant(q, k, v, pol, scale, **variant):
-    """The Hopper launcher with a kernel variant (``DirectPConfig.make``'s keywords; none: the default variant,
+    """The Hopper launcher with a kernel variant (``KernelConfig.make``'s keywords; none: the default variant,
     one CTA per SM): what the tests and the benchmarks hand it."""
     from fp4vis.call import AttentionCall
-    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.kernels.hopper.config import KernelConfig
     from fp4vis.kernels.hopper.launch import attention
-    cfg = DirectPConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", **variant)
+    cfg = KernelConfig.from_policy(pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", **variant)
     return attention(AttentionCall(q, k, v, pol, scale), cfg)
 
 

@@ -232,7 +232,7 @@ def test_triton_prepass_compiles_for_sm90(folded, has_perm, f16, d):
     rows, warps, cap = tpt.nvfp4_launch(d)
     consts = dict(D=d, FOLDED=folded, HAS_PERM=has_perm, BLOCK_R=rows, BLOCK_D=64, CODES_F16=f16,
                   NORM=False, ROPE=False, FULL_SEARCH=not f16, ROW_ALIGN=8)
-    cubin = _compile_sm90(tk._prepass_kernel, tk.compile_signature(False), consts, warps, cap).get("cubin")
+    cubin = _compile_sm90(tk.prepass_kernel, tk.compile_signature(False), consts, warps, cap).get("cubin")
     assert cubin
     sass = importlib.import_module("fp4vis.kernels.hopper.compile_check").sass_text(cubin)
     assert ("HMNMX2" in sass) == f16 and ("F2FP.F16.F32.PACK_AB" in sass) == f16
@@ -575,15 +575,15 @@ def test_qk_transform_kernels_compile_for_sm90(rope_dtype):
     rows, warps, cap = tpt.nvfp4_launch(128)
     consts = dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=rows, BLOCK_D=64, CODES_F16=True, NORM=True,
                   ROPE=True, FULL_SEARCH=False, ROW_ALIGN=8)
-    assert _compile_sm90(tk._prepass_kernel, tk.compile_signature(False, rope_dtype=rope_dtype), consts,
+    assert _compile_sm90(tk.prepass_kernel, tk.compile_signature(False, rope_dtype=rope_dtype), consts,
                          warps, cap).get("cubin")
     consts = dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=True, ROPE=True, ROW_ALIGN=8)
-    assert _compile_sm90(tk._fp8_prepass_kernel, tk.compile_signature(True, rope_dtype=rope_dtype), consts).get(
+    assert _compile_sm90(tk.fp8_prepass_kernel, tk.compile_signature(True, rope_dtype=rope_dtype), consts).get(
         "cubin")
     sig = dict(XQ="*bf16", XK="*bf16", RQ="*fp32", RK="*fp32", eps_q="fp32", eps_k="fp32",
                **dict.fromkeys(("NQT", "NKT", "TQ", "SQ", "SK", "QSB", "QSS", "KSB", "KSS", "N"), "i32"))
     consts = dict(BLOCK_T=tpt.RMS_BLOCK_T, THREADS=tpt.RMS_THREADS, NCHUNK=3, ROW_ALIGN=8)
-    assert _compile_sm90(tk._rms_rstd_kernel, sig, consts).get("cubin")
+    assert _compile_sm90(tk.rms_rstd_kernel, sig, consts).get("cubin")
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["nvfp4", "fp8"])
@@ -597,7 +597,7 @@ def test_prepass_loads_rows_as_vectors(fp8):
     from fp4vis.kernels.hopper import prepass_launch as tpt
     from fp4vis.kernels.hopper.compile_check import global_loads
 
-    fn = tk._fp8_prepass_kernel if fp8 else tk._prepass_kernel
+    fn = tk.fp8_prepass_kernel if fp8 else tk.prepass_kernel
     base = (dict(D=128, HAS_PERM=False, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64) if fp8 else
             dict(D=128, FOLDED=True, HAS_PERM=False, BLOCK_R=tpt.nvfp4_launch(128)[0], BLOCK_D=64, CODES_F16=True,
                  FULL_SEARCH=False))
@@ -620,7 +620,7 @@ def test_fp8_prepass_compiles_for_sm90(dtype, has_perm, d):
     from fp4vis.kernels.hopper import prepass_launch as tpt
 
     consts = dict(D=d, HAS_PERM=has_perm, BLOCK_Q=tpt.FP8_BLOCK_Q, BLOCK_D=64, NORM=False, ROPE=False, ROW_ALIGN=8)
-    assert _compile_sm90(tk._fp8_prepass_kernel, tk.compile_signature(True, dtype), consts,
+    assert _compile_sm90(tk.fp8_prepass_kernel, tk.compile_signature(True, dtype), consts,
                          tpt.default_warps(d), tpt.FP8_MAX_REGISTERS[d]).get("cubin")
 
 

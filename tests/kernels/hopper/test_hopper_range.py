@@ -65,13 +65,13 @@ def inputs(shape, kind, dtype=torch.bfloat16, seed=0):
 def kernel_run(q, k, v, policy, scale, variant=None):
     """The kernel's output and its record's counts for one call."""
     hl = importlib.import_module("fp4vis.kernels.hopper.launch")
-    from fp4vis.kernels.hopper.config import DirectPConfig
+    from fp4vis.kernels.hopper.config import KernelConfig
     pol = fp4vis.get_policy(policy)
     fp4vis.check_range()
     rec = range_record.record_for(q.device)
     slot = rec.start_call("hopper", pol, "raise", "bhsd", (q, k, v))
     number = slot.number
-    cfg = None if variant is None else DirectPConfig.from_policy(
+    cfg = None if variant is None else KernelConfig.from_policy(
         pol, q.shape[-1], "bf16" if q.dtype == torch.bfloat16 else "fp16", range_record=True,
         **variant_kwargs(variant))
     out = hl.attention(AttentionCall(q, k, v, pol, scale, record=slot), cfg)
