@@ -49,10 +49,10 @@ class SoftmaxFP8(DirectP):
     DENOMINATOR_SCALE = 1.0   # O = acc / l (Direct-P's 1/6 factors are its own)
 
     def tile(self, acc_s, r_p, tile_scales, kv_limit, tile_idx, masked: bool, wait_pv: bool = False):
-        """P of one 64 x 128 score tile into the A fragment r_p (E4M3 words), the denominator and the rescaled
-        output. Reads the scores only (see ``DirectP.tile``); with ``wait_pv`` every P is made before waiting for
-        the P V product in flight, and r_p and the accumulator are written after it. Plain Python, unrolled while
-        the kernel is traced (its loops and dictionaries are over compile-time indices)."""
+        """P of one 64 x 128 score tile into the A fragment r_p (E4M3 words), the denominator, and the tile's
+        2^(m_{j-1} - m_j) for ``before_pv``. Reads the scores only (see ``DirectP.tile``); with ``wait_pv`` every P
+        is made before waiting for the P V product in flight, and r_p is written after it. Plain Python, unrolled
+        while the kernel is traced (its loops and dictionaries are over compile-time indices)."""
         _, s_pair, _ = self.multipliers(tile_scales)
         idx, vals, mx = self.block_maxima(acc_s, kv_limit, masked)
         corr = [Float32(1.0), Float32(1.0)]
