@@ -24,7 +24,7 @@ import torch
 
 import fp4vis
 from fp4vis.formats import e4m3_round, fp8_channel_quantize, fp8_pow2_qdq
-from fp4vis.layout import P_E4M3_LOG2
+from fp4vis.key_positions import P_E4M3_LOG2
 
 
 def format_floor() -> dict:

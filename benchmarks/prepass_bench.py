@@ -23,7 +23,7 @@ Sections (each one a key of the JSON, written after every section; ``--skip`` le
    NaN operands exactly where the (permuted) input is not finite, other rows and key blocks
    unchanged. The NVFP4 check runs both E2M1 code forms of the search (the backend's,
    FP4VIS_PREPASS_F16_CODES: FP16 pairs by default on the GPU, and float32: ``differing_qkv_f32_codes``).
-   The pre-pass calls take the switches the backend passes (``fp4vis.config.kernel_settings``).
+   The pre-pass calls take the switches the backend passes (``fp4vis.settings.kernel_settings``).
 3. ``prepass``: pre-pass time per shape, CUDA events around each call, median, inputs rotated over
    enough copies to exceed the 50 MB L2; host time of the Python call (perf_counter, no
    synchronisation). NVFP4: old (three launches, ``--old``: the previous module) against new, per
@@ -190,12 +190,12 @@ def _call_policy(name, ins, n, d, ref, row) -> None:
     undispatched body, and of each part of the host path as the backend's ``attention`` runs it."""
     from fp4vis.backends.range_record import policy_text
     from fp4vis.call import AttentionCall
-    from fp4vis.config import kernel_settings
     from fp4vis.kernels.hopper import launch as hb
     from fp4vis.kernels.hopper import op as hop  # registers torch.ops.fp4vis.hopper_attention
     from fp4vis.kernels.hopper.config import KernelConfig, product_config
     from fp4vis.kernels.hopper.prepass import kernel_operands
     from fp4vis.policy import POLICIES
+    from fp4vis.settings import kernel_settings
     scale = d ** -0.5
     policy = POLICIES[name]
     params, settings, text = policy.kernel_params(d, scale), kernel_settings(), policy_text(policy)

@@ -8,13 +8,13 @@ import traceback
 
 import torch
 
-from fp4vis.config import kernel_settings
 from fp4vis.policy import QK_FP8
+from fp4vis.settings import kernel_settings
 
 
 def backend_switches() -> dict:
     """``prepass_launch.prepass``'s ``f16_codes`` and ``full_search`` as the backend passes them
-    (FP4VIS_PREPASS_F16_CODES, FP4VIS_PREPASS_FULL_SEARCH: ``fp4vis.config.kernel_settings``)."""
+    (FP4VIS_PREPASS_F16_CODES, FP4VIS_PREPASS_FULL_SEARCH: ``fp4vis.settings.kernel_settings``)."""
     settings = kernel_settings()
     return dict(f16_codes=settings.prepass_f16_codes, full_search=settings.prepass_full_search)
 
@@ -182,7 +182,7 @@ def _fp8_inputs(kind, b, h, sq, sk, d, dtype, perm, g, dev):
 def _fp8_formats_ref(q, kk, vv):
     """(q8, k8, v6, q_scale, k_scale) from fp4vis.formats for q and physical-order kk, vv."""
     from fp4vis.formats import fp8_pow2_quantize, mxfp4_qdq
-    from fp4vis.kernels.hopper.layout import fp8_key_scale_blocks
+    from fp4vis.kernels.hopper.fp8_key_scales import fp8_key_scale_blocks
     qv, qs = fp8_pow2_quantize(q, 1)
     kv, ks = fp8_pow2_quantize(kk, 32)
     ks = ks.squeeze(-1)

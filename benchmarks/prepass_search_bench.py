@@ -196,10 +196,10 @@ def call_times() -> list:
 def _call_policy(policy: str, full: bool, sets: list, scale: float) -> dict:
     """Kernel alone, pre-pass alone and the whole call of one policy (``full``: the full search)."""
     import fp4vis
-    from fp4vis import config
+    from fp4vis import settings
     from fp4vis.evals.kernel_bench import hopper_parts
     copies = len(sets)
-    with config.overridden(FP4VIS_PREPASS_FULL_SEARCH="1" if full else "0"):
+    with settings.overridden(FP4VIS_PREPASS_FULL_SEARCH="1" if full else "0"):
         pre, ker = hopper_parts(policy)
         ops = [pre(q, k, v, scale) for q, k, v in sets]
 

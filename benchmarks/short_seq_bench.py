@@ -36,10 +36,10 @@ import traceback
 
 import torch
 
-from fp4vis.config import kernel_settings
 from fp4vis.services.environment import environment
 from fp4vis.services.outputs import write_json
 from fp4vis.services.timing import input_copies, time_events, time_graph
+from fp4vis.settings import kernel_settings
 
 SHAPES = [(1, 256, 16, 128), (1, 1024, 16, 128), (64, 197, 12, 64), (32, 197, 16, 64), (8, 577, 16, 64),
           (1, 4096, 24, 128)]
@@ -158,11 +158,11 @@ def bench_shape(shape, policies, budget: float, occ: dict, log) -> dict:
 def bench_policy(name, ins, scale, ref, budget: float, occ: dict, sub: dict) -> None:
     """One policy's keys (module doc) into ``sub``: both configurations on the same prepared operands."""
     from fp4vis.call import AttentionCall
-    from fp4vis.config import kernel_settings
     from fp4vis.kernels.hopper import launch as hb
     from fp4vis.kernels.hopper.prepass import kernel_operands
     from fp4vis.metrics import rel_l2
     from fp4vis.policy import POLICIES as ALL
+    from fp4vis.settings import kernel_settings
     d, s = ins[0][0].shape[-1], ins[0][1].shape[-2]
     pol, settings = ALL[name], kernel_settings()
     params = pol.kernel_params(d, scale)

@@ -237,11 +237,11 @@ def _views(projections, h: int) -> tuple:
 
 def _prepass_policy(policy: str, raw: list, h: int, norms, rope, tr, copies: int) -> dict:
     from fp4vis.call import AttentionCall, default_scale
-    from fp4vis.config import kernel_settings
     from fp4vis.kernels.hopper import prepass_launch as tp
     from fp4vis.kernels.hopper.prepass import kernel_operands
     from fp4vis.policy import get_policy
     from fp4vis.qk_transform import apply_rotary_emb
+    from fp4vis.settings import kernel_settings
     pol, d, settings = get_policy(policy), raw[0][0].shape[-1] // h, kernel_settings()
     scale = default_scale(d)
     params = pol.kernel_params(d, scale)
@@ -295,11 +295,11 @@ def _call_row(h: int, d: int, s: int, weights, g) -> dict:
 def _call_policy(policy: str, raw: list, tr, copies: int) -> dict:
     import fp4vis
     from fp4vis.call import AttentionCall, default_scale
-    from fp4vis.config import kernel_settings
     from fp4vis.kernels.hopper import launch as hb
     from fp4vis.kernels.hopper.config import product_config
     from fp4vis.kernels.hopper.prepass import kernel_operands
     from fp4vis.policy import get_policy
+    from fp4vis.settings import kernel_settings
     b, s, h, d = raw[0][0].shape
     scale, pol, settings = default_scale(d), get_policy(policy), kernel_settings()
     params = pol.kernel_params(d, scale)

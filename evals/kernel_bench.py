@@ -155,7 +155,7 @@ def hopper_parts(policy: str, **variant):
     """(prepass(q, k, v, scale) -> operands, kernel(operands, q, scale) -> out) for the split timings: the
     backend's own two steps (``prepass.kernel_operands``, ``backend.launch``)."""
     from fp4vis.call import AttentionCall
-    from fp4vis.config import kernel_settings
+    from fp4vis.settings import kernel_settings
     hb = _kmod("hopper.launch")
     product_config = _kmod("hopper.config").product_config
     kernel_operands = _kmod("hopper.prepass").kernel_operands
@@ -190,7 +190,7 @@ def fp8_tensor_core_scores(q_hat: torch.Tensor, k_hat: torch.Tensor, matmul=None
     smallest subnormals). A power-of-two factor on one operand of every product does not change the
     FP8 MMA's accumulation, so the scores are the kernel's."""
     from fp4vis.formats import FP8_MIN_GROUP_EXP, fp8_group_exponent, pow2
-    from fp4vis.layout import KEY_BLOCK
+    from fp4vis.key_positions import KEY_BLOCK
 
     def exponent(amax):
         pow2_max = (amax.view(torch.int32) & 0x7FFFFF) == 0

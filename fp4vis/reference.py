@@ -36,7 +36,7 @@ from fp4vis.formats import (
     mxfp4_quantize,
     nvfp4_quantize,
 )
-from fp4vis.layout import KEY_BLOCK, P_E4M3_LOG2, SOFTMAX_TILE, anchor_permutation, native_positions
+from fp4vis.key_positions import KEY_BLOCK, P_E4M3_LOG2, SOFTMAX_TILE, anchor_permutation, native_positions
 from fp4vis.policy import LOG2E, Policy
 from fp4vis.range_report import RangeReport
 

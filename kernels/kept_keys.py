@@ -4,7 +4,7 @@ section 6, "Key masks").
 
 ``kept_keys(k, v, key_mask, anchor)`` returns K and V with, per batch element b, its ``lengths[b]`` kept keys
 at positions 0..lengths[b]-1 in the physical order of an unmasked call on them (anchored policies: the anchor
-samples of ``lengths[b]`` keys first, ``fp4vis.layout.anchor_permutation``), and zeros after them. Zeros make
+samples of ``lengths[b]`` keys first, ``fp4vis.key_positions.anchor_permutation``), and zeros after them. Zeros make
 every block statistic of the pre-passes (the MXFP4 V blocks of 32 tokens, the FP8 K scales of 32 keys) the one
 the unmasked call gets from its zero padding; the kernels mask keys >= lengths[b] as they mask keys >= Skv. The
 pre-pass then runs without a permutation of its own.
@@ -27,7 +27,7 @@ class KeptKeys(NamedTuple):
 
 
 def anchor_positions(lengths: torch.Tensor, n: int) -> torch.Tensor:
-    """``fp4vis.layout.anchor_indices(lengths[b], n)`` for every b at once, (B, n) int64 (rows with
+    """``fp4vis.key_positions.anchor_indices(lengths[b], n)`` for every b at once, (B, n) int64 (rows with
     ``lengths[b] <= n`` are not meaningful: there every key is a sample). The same float64 arithmetic as
     ``torch.linspace`` (the first half counted from the start, the second from the end) and the same rounding
     (half to even), so the positions are those of the unmasked call (tests/core/test_key_mask.py checks)."""

@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from fp4vis.layout import anchor_permutation
+from fp4vis.key_positions import anchor_permutation
 
 Kernel = TypeVar("Kernel")
 

@@ -97,18 +97,18 @@ def digits_wan_smoke(tmp_path_factory):
 @pytest.fixture()
 def fp4vis_settings(monkeypatch):
     """``fp4vis_settings(FP4VIS_X="0", ...)`` sets ``FP4VIS_*`` variables for one test, re-reading the
-    values that per-call paths cache (``fp4vis.config.refresh``) now and at the end."""
-    from fp4vis import config
+    values that per-call paths cache (``fp4vis.settings.refresh``) now and at the end."""
+    from fp4vis import settings
 
     def set_settings(**values: str) -> None:
         for name, value in values.items():
-            config.SETTINGS[name].parse(value)
+            settings.SETTINGS[name].parse(value)
             monkeypatch.setenv(name, value)
-        config.refresh()
+        settings.refresh()
 
     yield set_settings
     monkeypatch.undo()
-    config.refresh()
+    settings.refresh()
 
 
 @pytest.fixture()

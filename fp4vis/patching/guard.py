@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fp4vis.layout import anchor_indices
+from fp4vis.key_positions import anchor_indices
 from fp4vis.policy import LOG2E, Policy, get_policy, guard_policy_for_heads
 
 from .discovery import find_layers, select_layers

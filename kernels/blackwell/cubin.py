@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from fp4vis.config import kernel_settings
+from fp4vis.settings import kernel_settings
 
 from .config import KernelConfig
 

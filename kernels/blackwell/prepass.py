@@ -7,7 +7,7 @@ MXFP4 V through ``formats.mxfp4_blocks``; this module only re-lays their values 
 codes packed two per byte along the MMA's reduction dim (D for Q/K, tokens for V), the folded
 scale written twice (docs/numerics.md section 1: block i shares with i + nb/2, so the kernel sees one E4M3
 scale per 16), V transposed to (D, tokens). For anchored policies K and V are first permuted so the
-anchor samples sit at physical keys 0..n-1 (docs/numerics.md section 4, ``fp4vis.layout.anchor_permutation``).
+anchor samples sit at physical keys 0..n-1 (docs/numerics.md section 4, ``fp4vis.key_positions.anchor_permutation``).
 The CPU tests check the decoded operands bit for bit against ``fp4vis.reference.quantize_operands``.
 
 No host synchronisation (CUDA-graph capture, torch.compile): the public quantizers' NaN checks
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fp4vis.config import kernel_settings
 from fp4vis.formats import (
     E2M1_INDEX_OF_TWICE_MAG,
     mxfp4_blocks,
@@ -32,6 +31,7 @@ from fp4vis.formats import (
     nvfp4_chunked,
     nvfp4_scale_counts,
 )
+from fp4vis.settings import kernel_settings
 
 from ..launch_shared import cached_anchor_permutation
 from .config import E8M0_NAN, KEY_BLOCK

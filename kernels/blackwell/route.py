@@ -15,7 +15,7 @@ import os
 import torch
 
 from fp4vis.backends.base import device_capability
-from fp4vis.config import kernel_settings
+from fp4vis.settings import kernel_settings
 from fp4vis.tracing import constant_at_trace_time
 
 from . import cubin as cubin_mod

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from fp4vis.layout import KEY_BLOCK
+from fp4vis.key_positions import KEY_BLOCK
 from fp4vis.policy import QK_FP8, KernelParams, Policy
 
 # ------------------------------------------------------------------------------------------------

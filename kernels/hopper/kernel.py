@@ -56,7 +56,7 @@ from .config import (
     KernelConfig,
 )
 from .direct_p import direct_p_for
-from .layout import FP8_KEY_TILE
+from .fp8_key_scales import FP8_KEY_TILE
 from .ptx import (
     abs_max_nan,
     count_zero_row,

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import torch
 
 from fp4vis.call import AttentionCall, RecordSlot
-from fp4vis.config import KernelSettings, kernel_settings
 from fp4vis.policy import KernelParams
+from fp4vis.settings import KernelSettings, kernel_settings
 
 from ..launch_shared import CompiledKernels
 from ..scale_record import decide

@@ -9,7 +9,7 @@ permutation and a layer's q/k transform folded into the loads).
 * ``v6``: MXFP4-quantized V over 32-token blocks, decoded as ``alpha * c`` (six times the value, exact in BF16;
   the kernel applies the factors 1/6 once, at the end).
 * For anchored policies K and V are read in physical order: the anchor samples first
-  (``fp4vis.layout.anchor_permutation``), and the MXFP4 blocks follow that order, as in the reference.
+  (``fp4vis.key_positions.anchor_permutation``), and the MXFP4 blocks follow that order, as in the reference.
 
 The same arithmetic as ``fp4vis.reference.quantize_operands``: ``prepass_torch`` states it in PyTorch and the
 CPU tests check the two bit for bit (Triton's interpreter). No host synchronisation (CUDA-graph capture,
@@ -54,7 +54,7 @@ class KernelOperands(NamedTuple):
 def kernel_operands(call, params, settings) -> KernelOperands:
     """The operands of an ``fp4vis.call.AttentionCall`` (its q, k, v views: any (B, H, S, D) strides with unit
     stride along D are read in place; its range record) for its ``fp4vis.policy.KernelParams``. ``settings``: the
-    ``fp4vis.config.KernelSettings`` of the launch. The call's q/k transform folds into the launch where
+    ``fp4vis.settings.KernelSettings`` of the launch. The call's q/k transform folds into the launch where
     ``prepass_launch.fusable_transform`` accepts it (decided here, at run time: under torch.compile this runs in the
     op); otherwise it is applied first, in PyTorch, as the unpatched layer applies it. A key-masked call's kept keys
     are gathered first (``kept_keys``, in the anchored order where the policy has anchors; the q/k transform applied

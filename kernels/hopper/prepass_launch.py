@@ -22,7 +22,7 @@ import torch
 import triton
 
 from ..scale_record import words as record_words
-from .layout import fp8_key_scale_blocks
+from .fp8_key_scales import fp8_key_scale_blocks
 from .prepass_kernels import (
     channel_amax_kernel,
     compile_signature,

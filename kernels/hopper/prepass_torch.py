@@ -23,7 +23,7 @@ from fp4vis.formats import (
 
 from ..launch_shared import cached_anchor_permutation
 from ..scale_record import add_counts
-from .layout import FP8_KEY_GROUP, fp8_key_scale_blocks
+from .fp8_key_scales import FP8_KEY_GROUP, fp8_key_scale_blocks
 from .prepass import KernelOperands
 
 

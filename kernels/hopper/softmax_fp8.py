@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from fp4vis.layout import P_E4M3_LOG2
+from fp4vis.key_positions import P_E4M3_LOG2
 
 from .direct_p import DirectP
 from .ptx import defined_here, e4m3x4, ex2_approx, fma_rn, fmax_nan, order_before_wait, select_f32

@@ -10,7 +10,7 @@ import torch
 import fp4vis
 from fp4vis import reference
 from fp4vis.formats import E4M3_MAX, e4m3_round, fp8_channel_quantize, fp8_group_exponent
-from fp4vis.layout import P_E4M3_LOG2, SOFTMAX_TILE
+from fp4vis.key_positions import P_E4M3_LOG2, SOFTMAX_TILE
 from fp4vis.metrics import rel_l2
 from fp4vis.policy import LOG2E, POLICIES, Policy
 

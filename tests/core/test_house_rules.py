@@ -242,18 +242,18 @@ def test_the_private_reach_rule_finds_what_it_says():
     source = """
 import torch
 import fp4vis.formats as fmt
-from fp4vis import layout
+from fp4vis import key_positions
 from fp4vis.formats import _nvfp4_chunked, public
 from . import route
 from .route import _index
 from ..scale_record import decide
-x = fmt._E2M1 + layout._blocks(route._ROUTES) + torch._C + public._cache + decide.__doc__
+x = fmt._E2M1 + key_positions._blocks(route._ROUTES) + torch._C + public._cache + decide.__doc__
 def f(self):
     return self._own
 """
     assert _private_reaches("kernels/blackwell/launch.py", source) == [
         "fp4vis.formats._E2M1", "fp4vis.formats._nvfp4_chunked", "fp4vis.formats.public._cache",
-        "fp4vis.layout._blocks", "kernels.blackwell.route._ROUTES", "kernels.blackwell.route._index"]
+        "fp4vis.key_positions._blocks", "kernels.blackwell.route._ROUTES", "kernels.blackwell.route._index"]
 
 
 def test_no_private_name_is_reached_across_modules():

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # source folder -> package it installs as (pyproject.toml's package-dir)
 SOURCES = {"fp4vis": "fp4vis", "kernels": "fp4vis.kernels", "pipelines": "fp4vis.pipelines", "evals": "fp4vis.evals"}
 LAYERS = {  # module prefix -> layer (lower imports nothing higher)
-    "fp4vis.config": 0, "fp4vis.formats": 0, "fp4vis.scale_range": 0, "fp4vis.policy": 0, "fp4vis.layout": 0,
+    "fp4vis.settings": 0, "fp4vis.formats": 0, "fp4vis.scale_range": 0, "fp4vis.policy": 0, "fp4vis.key_positions": 0,
     "fp4vis.reference": 0, "fp4vis.range_report": 0, "fp4vis.metrics": 0, "fp4vis.attention": 0, "fp4vis.files": 0,
     "fp4vis.qk_transform": 0,
     "fp4vis.tracing": 0, "fp4vis.call": 0,

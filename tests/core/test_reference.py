@@ -8,7 +8,7 @@ import torch
 
 import fp4vis
 from fp4vis import formats as fm
-from fp4vis import layout
+from fp4vis import key_positions
 from fp4vis import reference as ref
 from fp4vis.policy import POLICIES, Policy, guard_policy
 
@@ -80,7 +80,7 @@ def test_accurate_policy_worked_by_hand():
     raw = (q[0, 0] @ k[0, 0].T).float()
     m = torch.tensor([[36 + 64 * LN2]], dtype=torch.float64)
     blk = ref.direct_p_block(raw, m, 1 / 8, POLICIES["accurate"], torch.ones(32, dtype=torch.bool),
-                             layout.native_positions(32))
+                             key_positions.native_positions(32))
     assert blk.codes.flatten().tolist() == expected
     assert blk.u.flatten().tolist() == [121]
     v_col = [1, 0.5, 0.25, 1, 0.5, 1] + [1] * 26
@@ -90,7 +90,7 @@ def test_accurate_policy_worked_by_hand():
 
 
 def test_native_positions_pattern():
-    nat = layout.native_positions(128)
+    nat = key_positions.native_positions(128)
     assert nat.float().mean() == 0.25
     assert nat[:32].nonzero().flatten().tolist() == [0, 1, 8, 9, 16, 17, 24, 25]
     assert nat[32:64].nonzero().flatten().tolist() == [2, 3, 8, 9, 18, 19, 24, 25]
@@ -98,12 +98,12 @@ def test_native_positions_pattern():
 
 
 def test_anchor_indices_and_permutation():
-    assert layout.anchor_indices(10, 32).tolist() == list(range(10))
-    idx = layout.anchor_indices(1000, 32)
+    assert key_positions.anchor_indices(10, 32).tolist() == list(range(10))
+    idx = key_positions.anchor_indices(1000, 32)
     assert idx[0] == 0 and idx[-1] == 999 and len(set(idx.tolist())) == 32
     expected = [round(i * 999 / 31) for i in range(32)]  # no exact .5 ties at these sizes
     assert idx.tolist() == expected
-    perm = layout.anchor_permutation(1000, 32)
+    perm = key_positions.anchor_permutation(1000, 32)
     assert perm[:32].tolist() == expected
     assert sorted(perm.tolist()) == list(range(1000))
     rest = perm[32:].tolist()
@@ -291,12 +291,12 @@ def test_anchor_permutation_is_what_the_anchored_policy_sees():
     hand, with the row reference supplied the same way (anchor max over the first n physical keys)."""
     q, k, v = gaussian(1, 1, 6, 32, seed=16), gaussian(1, 1, 200, 32, seed=17), gaussian(1, 1, 200, 32, seed=18)
     pol = POLICIES["guard"]
-    perm = layout.anchor_permutation(200, 128)
+    perm = key_positions.anchor_permutation(200, 128)
     got, _ = ref.direct_p_attention(q[0], k[0], v[0], pol, 0.1)
     ops = ref.quantize_operands(q[0], k[0][:, perm], v[0][:, perm], pol.replace(anchor=0, margin=0), 0.1)
     m = (ops.q @ ops.k[:, :128].mT).amax(-1, keepdim=True).double() + pol.margin * LN2
     blk = ref.direct_p_block(ops.q @ ops.k.mT, m, ops.s, pol, torch.arange(ops.k.shape[1]) < 200,
-                             layout.native_positions(ops.k.shape[1]))
+                             key_positions.native_positions(ops.k.shape[1]))
     want = (blk.p_scaled @ ops.v6) / (6 * blk.weighted_sum.unsqueeze(-1))
     assert torch.allclose(got, want.float(), rtol=1e-6, atol=1e-7)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp4vis.kernels.kept_keys import anchor_positions, kept_keys
-from fp4vis.layout import anchor_indices, anchor_permutation
+from fp4vis.key_positions import anchor_indices, anchor_permutation
 from fp4vis.policy import POLICIES
 
 

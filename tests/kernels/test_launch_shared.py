@@ -10,7 +10,7 @@ import time
 import torch
 
 from fp4vis.kernels.launch_shared import CompiledKernels, cached_anchor_permutation, needs_custom_op
-from fp4vis.layout import anchor_permutation
+from fp4vis.key_positions import anchor_permutation
 
 
 def test_a_kernel_is_compiled_once_per_key_and_timed(caplog):

@@ -27,7 +27,7 @@ from fp4vis.kernels.hopper import prepass_torch as hpt
 from fp4vis.kernels.hopper import prepass_launch as htp
 from fp4vis.kernels.blackwell import prepass as bp
 from fp4vis.kernels.blackwell import prepass_kernels as btp
-from fp4vis.layout import anchor_permutation
+from fp4vis.key_positions import anchor_permutation
 from fp4vis.policy import LOG2E
 
 g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fp4vis
-from fp4vis.layout import anchor_indices
+from fp4vis.key_positions import anchor_indices
 from fp4vis.patching.guard import logit_stats
 from fp4vis.patching.guard_plan import EXP_LIMIT, GuardPlan, GuardRule, LayerStats, policy_limit
 

@@ -395,7 +395,7 @@ def test_kernel_config_validates():
 
 
 def test_route_by_capability(monkeypatch, tmp_path):
-    from fp4vis import config
+    from fp4vis import settings
     from fp4vis.kernels.blackwell import cubin, route
     caps = {0: (10, 0), 1: (12, 0), 2: (9, 0), 3: (8, 0), 4: (10, 3)}
     monkeypatch.setattr(route, "device_capability", lambda i: caps[i])
@@ -403,23 +403,23 @@ def test_route_by_capability(monkeypatch, tmp_path):
     try:
         monkeypatch.setattr(route, "triton_problem", lambda: None)
         monkeypatch.delenv(cubin.CUBIN_ENV, raising=False)
-        config.refresh()
+        settings.refresh()
         assert route.route(0) == ("jit", 100) and route.route(1) == ("jit", 120)
         assert route.route(4) == ("jit", 103)
         assert route.route(2) == ("jit", 90)          # sm_90 with a Triton that lowers dot_scaled
         assert "8.0 has no Blackwell kernel build" in route.route(3)
         route.clear_route_cache()
         monkeypatch.setenv(cubin.CUBIN_ENV, str(tmp_path))
-        config.refresh()   # the kernel settings are read once
+        settings.refresh()   # the kernel settings are read once
         assert route.route(2) == ("cubin", 90)
         route.clear_route_cache()
         monkeypatch.setattr(route, "triton_problem", lambda: "Triton 3.6.0 is too old: ... needs Triton >= 3.8")
         monkeypatch.delenv(cubin.CUBIN_ENV)
-        config.refresh()
+        settings.refresh()
         assert "Triton >= 3.8" in route.route(0)
         assert "cubins" in route.route(2) and "Triton >= 3.8" in route.route(2)
     finally:
-        config.refresh()
+        settings.refresh()
         route.clear_route_cache()
 
 

@@ -17,9 +17,9 @@ import torch
 
 import fp4vis
 from fp4vis.call import AttentionCall
-from fp4vis.config import setting
 from fp4vis.kernels.blackwell.selfcheck import make_inputs
 from fp4vis.metrics import rel_l2
+from fp4vis.settings import setting
 
 
 def _route_ok() -> bool:

@@ -19,9 +19,9 @@ os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
 
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
-from fp4vis.config import setting  # noqa: E402
 from fp4vis.policy import POLICIES  # noqa: E402
 from fp4vis.reference import quantize_operands  # noqa: E402
+from fp4vis.settings import setting  # noqa: E402
 
 compile_check = importlib.import_module("fp4vis.kernels.hopper.compile_check")
 prepass_torch = importlib.import_module("fp4vis.kernels.hopper.prepass_torch")
@@ -121,7 +121,7 @@ def test_fp8_kernel_operands_decode_to_the_reference_operands(anchor, dtype):
     """What the FP8 kernel reads (E4M3 bytes times their row / key-block scales, as the kernel folds
     them) is exactly the reference's decoded Q-hat and K-hat, in the physical (anchor-permuted) order;
     k_scale covers whole 128-key tiles."""
-    from fp4vis.kernels.hopper.layout import fp8_key_scale_blocks
+    from fp4vis.kernels.hopper.fp8_key_scales import fp8_key_scale_blocks
     pol = POLICIES["fast_fp8qk"].replace(name="fp8_test", anchor=anchor, margin=4.0 if anchor else 0.0)
     b, h, sq, skv, d = 1, 2, 40, 161, 64
     q, k, v = _inputs(b, h, sq, skv, d, dtype)

@@ -252,7 +252,7 @@ def test_codes_match_reference_up_to_rounding_boundaries(policy, d):
     read back. Codes may differ from the reference's only where the reference's value lies within
     float32 rounding distance of an E2M1 rounding boundary (or its block exponent within rounding
     distance of an integer), and only rarely."""
-    from fp4vis import layout
+    from fp4vis import key_positions
     from fp4vis import reference as ref
 
     pol = fp4vis.get_policy(policy)
@@ -269,7 +269,7 @@ def test_codes_match_reference_up_to_rounding_boundaries(policy, d):
     raw = ops.q @ ops.k.mT
     m = ref.row_reference(ops.q, ops.k, ops.num_keys, ops.s, pol)
     valid = torch.arange(nkp, device="cuda") < ops.num_keys
-    native = layout.native_positions(nkp, device="cuda") if pol.native_exp2 else None
+    native = key_positions.native_positions(nkp, device="cuda") if pol.native_exp2 else None
     blk = ref.direct_p_block(raw, m, ops.s, pol, valid, native)
     codes_ref = blk.codes.flatten(-2)[..., :skv]                               # (G, Sq, Skv), physical
     u_work = blk.u.double().clamp(min=pol.shift + 1)

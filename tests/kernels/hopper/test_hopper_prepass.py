@@ -524,7 +524,7 @@ for h, d, sq, sk, rope_dtype, anchor in ((3, 64, 37, 37, torch.float32, 0), (5, 
 # the dispatch (prepass.kernel_operands): a transform the pre-pass cannot fold (float32 weights) is applied in
 # PyTorch first, a foldable one is folded; both give the operands of the made q and k
 from fp4vis.call import AttentionCall
-from fp4vis.config import kernel_settings
+from fp4vis.settings import kernel_settings
 from fp4vis.kernels.hopper.prepass import kernel_operands
 from fp4vis.policy import POLICIES
 tr32 = QKTransform(wq.float(), wk.float(), 1e-6, 1e-5, None)

@@ -1,4 +1,4 @@
-"""``fp4vis.config``: every FP4VIS_* variable is declared once, read at use, validated, and listed in
+"""``fp4vis.settings``: every FP4VIS_* variable is declared once, read at use, validated, and listed in
 docs/configuration.md; no other module reads one from the environment itself."""
 
 from __future__ import annotations
@@ -9,53 +9,53 @@ from pathlib import Path
 
 import pytest
 
-from fp4vis import config
+from fp4vis import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_settings_are_read_at_use(monkeypatch):
     monkeypatch.delenv("FP4VIS_HOPPER_SHORT", raising=False)
-    assert config.setting("FP4VIS_HOPPER_SHORT") is True
+    assert settings.setting("FP4VIS_HOPPER_SHORT") is True
     monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "0")
-    assert config.setting("FP4VIS_HOPPER_SHORT") is False
+    assert settings.setting("FP4VIS_HOPPER_SHORT") is False
     monkeypatch.setenv("FP4VIS_BLACKWELL_CUBINS", "/some/Dir")
-    assert config.setting("FP4VIS_BLACKWELL_CUBINS") == "/some/Dir"   # text: as given
+    assert settings.setting("FP4VIS_BLACKWELL_CUBINS") == "/some/Dir"   # text: as given
 
 
 def test_bad_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "maybe")
     with pytest.raises(ValueError, match="FP4VIS_HOPPER_SHORT"):
-        config.setting("FP4VIS_HOPPER_SHORT")
+        settings.setting("FP4VIS_HOPPER_SHORT")
     with pytest.raises(KeyError):
-        config.setting("FP4VIS_NO_SUCH_SETTING")
+        settings.setting("FP4VIS_NO_SUCH_SETTING")
 
 
 def test_overridden_restores_the_environment(monkeypatch):
     monkeypatch.delenv("FP4VIS_PREPASS_F16_CODES", raising=False)
     monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "1")
-    with config.overridden(FP4VIS_PREPASS_F16_CODES="0", FP4VIS_HOPPER_SHORT="0"):
-        assert config.setting("FP4VIS_PREPASS_F16_CODES") is False
-        assert config.setting("FP4VIS_HOPPER_SHORT") is False
-    assert config.setting("FP4VIS_PREPASS_F16_CODES") is True
-    assert config.setting("FP4VIS_HOPPER_SHORT") is True
-    with pytest.raises(ValueError), config.overridden(FP4VIS_HOPPER_SHORT="perhaps"):
+    with settings.overridden(FP4VIS_PREPASS_F16_CODES="0", FP4VIS_HOPPER_SHORT="0"):
+        assert settings.setting("FP4VIS_PREPASS_F16_CODES") is False
+        assert settings.setting("FP4VIS_HOPPER_SHORT") is False
+    assert settings.setting("FP4VIS_PREPASS_F16_CODES") is True
+    assert settings.setting("FP4VIS_HOPPER_SHORT") is True
+    with pytest.raises(ValueError), settings.overridden(FP4VIS_HOPPER_SHORT="perhaps"):
         pass
 
 
 def test_kernel_settings_are_read_once_and_again_after_overridden(monkeypatch):
     monkeypatch.delenv("FP4VIS_HOPPER_SHORT", raising=False)
-    config.refresh()
-    first = config.kernel_settings()
-    assert first.hopper_short is True and config.kernel_settings() is first   # read once
+    settings.refresh()
+    first = settings.kernel_settings()
+    assert first.hopper_short is True and settings.kernel_settings() is first   # read once
     monkeypatch.setenv("FP4VIS_HOPPER_SHORT", "0")
-    assert config.kernel_settings() is first                                  # not at every call
-    with config.overridden(FP4VIS_HOPPER_SHORT="0"):
-        assert config.kernel_settings().hopper_short is False
-    assert config.kernel_settings().hopper_short is False                     # the environment's value now
+    assert settings.kernel_settings() is first                                  # not at every call
+    with settings.overridden(FP4VIS_HOPPER_SHORT="0"):
+        assert settings.kernel_settings().hopper_short is False
+    assert settings.kernel_settings().hopper_short is False                     # the environment's value now
     monkeypatch.delenv("FP4VIS_HOPPER_SHORT")
-    config.refresh()
-    assert config.kernel_settings().hopper_short is True
+    settings.refresh()
+    assert settings.kernel_settings().hopper_short is True
 
 
 def _env_reads(source: str) -> list[int]:
@@ -100,7 +100,7 @@ def _env_reads(source: str) -> list[int]:
 
 
 def test_env_reads_finds_every_form():
-    """The check below can fail: each way of reading a setting past fp4vis.config is found."""
+    """The check below can fail: each way of reading a setting past fp4vis.settings is found."""
     src = """import os
 from os import environ, getenv
 CUBIN_ENV = "FP4VIS_BLACKWELL_CUBINS"
@@ -117,13 +117,13 @@ os.environ["FP4VIS_HOPPER_SHORT"] = "0"
 
 def test_every_setting_is_documented_and_no_module_reads_one_itself():
     table = (ROOT / "docs" / "configuration.md").read_text()
-    assert config.markdown_table() in table
+    assert settings.markdown_table() in table
     documented = set(re.findall(r"^\| `(FP4VIS_[A-Z0-9_]+)` \|", table, re.M))
-    assert documented == set(config.SETTINGS)
+    assert documented == set(settings.SETTINGS)
     readers = []
     for folder in ("fp4vis", "kernels", "pipelines", "evals", "benchmarks", "scripts", "tests"):
         for path in (ROOT / folder).rglob("*.py"):
-            if path == ROOT / "fp4vis" / "config.py":
+            if path == ROOT / "fp4vis" / "settings.py":
                 continue
             readers += [f"{path.relative_to(ROOT)}:{line}" for line in _env_reads(path.read_text())]
     assert readers == []

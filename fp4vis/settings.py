@@ -122,7 +122,7 @@ def overridden(**values: str) -> Iterator[None]:
 
 
 def markdown_table() -> str:
-    """The settings as docs/configuration.md lists them (``python -m fp4vis.config`` prints it)."""
+    """The settings as docs/configuration.md lists them (``python -m fp4vis.settings`` prints it)."""
     rows = ["| variable | default | values | what |", "|---|---|---|---|"]
     for s in SETTINGS.values():
         values = "a path" if s.text else "`1`, `0`"

@@ -1,9 +1,9 @@
-"""The Hopper kernel's operand layout contract: what the pre-pass writes and the kernel reads besides
-the (B, H, S, D) operands themselves (docs/hopper_kernel.md, "Operands")."""
+"""The FP8 K scales' contract between the Hopper pre-pass and kernel: one power-of-two scale per 32 keys, padded
+to whole kernel tiles (docs/hopper_kernel.md, "Operands")."""
 
 from __future__ import annotations
 
-from fp4vis.layout import KEY_BLOCK
+from fp4vis.key_positions import KEY_BLOCK
 
 FP8_KEY_GROUP = KEY_BLOCK   # keys per FP8 K scale: the P block
 FP8_KEY_TILE = 128          # keys per kernel tile: k_scale covers whole tiles, so the kernel loads it unmasked
