@@ -1,0 +1,118 @@
+"""FP4 attention of the generic diffusers layers under diffusers' context parallelism, on the CPU.
+
+Two gloo processes run patched tiny FLUX, Qwen-Image (text padding as a key mask) and LTX-Video
+transformers under diffusers' split (``fp4vis.pipelines.context_parallel.enable_context_parallel``: the
+model's own ``_cp_plan``) and must give one process's output bit for bit (reference backend): under Ulysses
+for every policy, under ring where the contract allows it (``fp4vis.patching.context_parallel``). FLUX's and
+Qwen-Image's joint layers join a text and an image shard on each rank, which the FP4 path puts back in one
+GPU's order. LTX's cross-attention keeps exact attention (its additive mask), through diffusers' own
+Ulysses attention; under ring that needs a backend returning the log-sum-exp, which no CPU has.
+
+One spawn of two processes runs every scenario; the tests read the results.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_diffusers_attention import _flux, _ltx, _qwen
+from test_wan_context_parallel import _error, _free_ports
+
+from fp4vis.policy import POLICIES
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+FP4 = tuple(p for p in POLICIES if p != "bf16")
+MODELS = {"flux": _flux, "qwen": _qwen, "ltx": _ltx}
+RING = {"flux": ("fast", "accurate", "fp8"), "qwen": ("fast", "guard")}   # ring: FP4 in every layer they use
+
+
+def _build(name: str):
+    torch.manual_seed(0)   # the same weights in every process and model
+    model, inputs = MODELS[name]()
+    if name == "flux":   # positions that differ per token, so that the rotary embedding is split with its tokens
+        g = torch.Generator().manual_seed(3)
+        inputs.update(img_ids=torch.randint(0, 8, (16, 3), generator=g).float(),
+                      txt_ids=torch.randint(0, 8, (8, 3), generator=g).float())
+    if name == "ltx":   # diffusers 0.42's Ulysses attention fails on LTX's additive text mask (exact cross-attn)
+        inputs["encoder_attention_mask"] = None
+    return model.eval(), inputs
+
+
+@torch.no_grad()
+def _run(model, inputs, policy, **kw):
+    import fp4vis
+
+    with warnings.catch_warnings(record=True) as caught, fp4vis.patch(model, policy, backend="reference", **kw) as h:
+        warnings.simplefilter("always")
+        out = model(**inputs)[0]
+        calls = {name: st.calls for name, st in h.layers.items() if st is not None}
+    return out, calls, sorted({str(w.message) for w in caught if "fp4vis" in str(w.message)})
+
+
+def _worker(rank: int, out_dir: str, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from fp4vis.pipelines.context_parallel import ContextParallel, enable_context_parallel
+
+    res: dict = {}
+    for name in MODELS:
+        for mode, policies in (("ulysses", FP4), ("ring", RING.get(name, ()))):
+            if not policies:
+                continue
+            single, inputs = _build(name)
+            parallel, _ = _build(name)
+            enable_context_parallel(parallel, ContextParallel(**{mode: 2}))
+            for policy in policies:
+                res[name, mode, policy, "single"] = _run(single, inputs, policy)[0]
+                res[name, mode, policy, "cp"] = _run(parallel, inputs, policy)
+            with torch.no_grad():
+                res[name, mode, "exact"] = single(**inputs)[0]
+    # LTX under ring: its exact cross-attention goes to diffusers' ring attention, which the CPU cannot run
+    ltx, inputs = _build("ltx")
+    enable_context_parallel(ltx, ContextParallel(ring=2))
+    res["ltx_ring"] = _error(lambda: _run(ltx, inputs, "fast"))
+    dist.destroy_process_group()
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diffusers_cp")
+    mp.spawn(_worker, args=(str(out), _free_ports(1)[0]), nprocs=2)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("policy", FP4)
+def test_ulysses_gives_one_process_output_bit_for_bit(ranks, name, policy):
+    single = ranks[0][name, "ulysses", policy, "single"]
+    for r in ranks:
+        out, calls, _ = r[name, "ulysses", policy, "cp"]
+        assert torch.equal(out, single), (name, policy, (out - single).abs().max())
+        assert calls and all(n > 0 for n in calls.values()), calls   # FP4 ran in every patched layer
+    assert not torch.equal(single, ranks[0][name, "ulysses", "exact"])
+
+
+@pytest.mark.parametrize(("name", "policy"), [(n, p) for n, ps in RING.items() for p in ps])
+def test_ring_gives_one_process_output_and_says_why_it_gathers(ranks, name, policy):
+    single = ranks[0][name, "ring", policy, "single"]
+    for r in ranks:
+        out, calls, _ = r[name, "ring", policy, "cp"]
+        assert torch.equal(out, single), (name, policy, (out - single).abs().max())
+        assert calls and all(n > 0 for n in calls.values()), calls
+    gathered = [m for m in ranks[0][name, "ring", policy, "cp"][2] if "ring attention gathers" in m]
+    why = "several token streams" if name == "flux" and policy == "fast" else (
+        "padding mask" if name == "qwen" and policy == "fast" else f"policy {policy!r}")
+    assert len(gathered) == 1 and why in gathered[0], gathered
+
+
+def test_exact_cross_attention_under_ring_is_diffusers_and_fails_on_the_cpu(ranks):
+    assert ranks[0]["ltx_ring"] == ranks[1]["ltx_ring"] and "return_lse" in ranks[0]["ltx_ring"]
