@@ -201,6 +201,23 @@ def check_tokens(tokens: int, cp: ContextParallel, option: str = OPTION) -> None
                          f"(frames, height, width after the VAE and patching) is divisible by {cp.degree}")
 
 
+SHARD_ASSERTION = "must be divisible by mesh size"   # diffusers' EquipartitionSharder, on an unequal split
+
+
+@contextlib.contextmanager
+def equal_shards(cp: ContextParallel | None, option: str = OPTION) -> Iterator[None]:
+    """diffusers' split of a sequence into unequal shards (an AssertionError of its sharder, at the first
+    transformer pass, on every rank alike) as a UsageError naming ``option``; nothing without ``cp``."""
+    try:
+        yield
+    except AssertionError as exc:
+        if cp is None or SHARD_ASSERTION not in str(exc):
+            raise
+        raise UsageError(f"{option} {cp}: a sequence the transformer splits (the image or video tokens at this size, "
+                         f"or the prompt's tokens) does not split into {cp.degree} equal shards (diffusers' context "
+                         "parallelism needs equal shards); choose a size, or a prompt length, that divides") from None
+
+
 def ring_exact_backend(device: torch.device, dtype: torch.dtype) -> str | None:
     """The diffusers attention backend that runs exact attention under ring parallelism here, or None
     where none of diffusers' backends can (its ring merges partial outputs by their log-sum-exp, which
@@ -230,6 +247,10 @@ def enable_context_parallel(transformer: torch.nn.Module, cp: ContextParallel, o
     if dist.get_world_size() != cp.degree:
         raise UsageError(f"{option} {cp}: needs {cp.degree} processes, the process group has {dist.get_world_size()}")
     check_heads(int(transformer.config.num_attention_heads), cp, option)
+    if getattr(transformer, "_cp_plan", None) is None:
+        raise UsageError(f"{option} {cp}: diffusers has no context-parallel plan for {type(transformer).__name__} "
+                         "(its _cp_plan: where the sequence is split and gathered), so its context parallelism cannot "
+                         "run it; run it on one process")
     param = next(transformer.parameters())
     backend = ring_exact_backend(param.device, param.dtype)
     if cp.ring > 1 and backend is not None and exact_backend_for_ring:

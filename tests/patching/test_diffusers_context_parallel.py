@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_diffusers_attention import _flux, _ltx, _qwen
+from test_diffusers_attention import _cogvideox, _flux, _hunyuan, _ltx, _qwen
 from test_wan_context_parallel import _error, _free_ports
 
 from fp4vis.policy import POLICIES
@@ -79,6 +79,9 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     ltx, inputs = _build("ltx")
     enable_context_parallel(ltx, ContextParallel(ring=2))
     res["ltx_ring"] = _error(lambda: _run(ltx, inputs, "fast"))
+    # diffusers ships no context-parallel plan for these (where to split and gather): refused up front
+    res["no_plan"] = [_error(lambda b=build: enable_context_parallel(b()[0], ContextParallel(ulysses=2)))
+                      for build in (_hunyuan, _cogvideox)]
     dist.destroy_process_group()
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 
@@ -112,6 +115,13 @@ def test_ring_gives_one_process_output_and_says_why_it_gathers(ranks, name, poli
     why = "several token streams" if name == "flux" and policy == "fast" else (
         "padding mask" if name == "qwen" and policy == "fast" else f"policy {policy!r}")
     assert len(gathered) == 1 and why in gathered[0], gathered
+
+
+def test_models_without_a_context_parallel_plan_are_refused_naming_it(ranks):
+    hunyuan, cogvideox = ranks[0]["no_plan"]
+    assert hunyuan.startswith("UsageError: --cp ulysses=2: diffusers has no context-parallel plan for "
+                              "HunyuanVideoTransformer3DModel"), hunyuan
+    assert "CogVideoXTransformer3DModel" in cogvideox and ranks[1]["no_plan"] == ranks[0]["no_plan"]
 
 
 def test_exact_cross_attention_under_ring_is_diffusers_and_fails_on_the_cpu(ranks):
