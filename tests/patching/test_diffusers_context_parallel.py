@@ -80,10 +80,27 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     enable_context_parallel(ltx, ContextParallel(ring=2))
     res["ltx_ring"] = _error(lambda: _run(ltx, inputs, "fast"))
     # diffusers ships no context-parallel plan for these (where to split and gather): refused up front
+    res["eval"] = _eval(rank, Path(out_dir))
     res["no_plan"] = [_error(lambda b=build: enable_context_parallel(b()[0], ContextParallel(ulysses=2)))
                       for build in (_hunyuan, _cogvideox)]
     dist.destroy_process_group()
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _eval(rank: int, out: Path):
+    """``fp4vis eval pipeline --speed-only ... --cp ulysses=2``'s run on this process group: rank 0 writes."""
+    import sys
+
+    from fp4vis.evals import published_configs as pc
+    from fp4vis.evals.pipeline_eval import PipelineEvalConfig, run_pipeline_eval
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "apps"))
+    from test_evals_pipeline import tiny_arch
+
+    pc.PUBLISHED_DENOISERS["tiny-flux.1-dev"] = tiny_arch("flux.1-dev")
+    return run_pipeline_eval(PipelineEvalConfig(speed_only="tiny-flux.1-dev", policies="fast", steps=2, warmup=False,
+                                                backend="reference", device="cpu", progress=False, cp="ulysses=2",
+                                                out_dir=out / f"eval{rank}"))
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +132,14 @@ def test_ring_gives_one_process_output_and_says_why_it_gathers(ranks, name, poli
     why = "several token streams" if name == "flux" and policy == "fast" else (
         "padding mask" if name == "qwen" and policy == "fast" else f"policy {policy!r}")
     assert len(gathered) == 1 and why in gathered[0], gathered
+
+
+def test_eval_pipeline_under_context_parallelism_writes_on_rank_zero(ranks):
+    r = ranks[0]["eval"]
+    assert r["complete"] and r["context_parallel"] == {"ulysses": 2, "ring": 1, "world_size": 2}
+    assert set(r["runs"]) == {"bf16", "fast"} and 0 < r["runs"]["fast"]["latent_cosine"] < 1
+    assert Path(r["files"]["json"]).parent.name == "eval0" and ranks[1]["eval"] is None
+    assert not Path(r["files"]["json"]).parent.with_name("eval1").exists()
 
 
 def test_models_without_a_context_parallel_plan_are_refused_naming_it(ranks):
