@@ -163,6 +163,18 @@ def _rank_device(device: str | torch.device, local_rank: int, option: str) -> to
     return torch.device("cuda", local_rank)
 
 
+def gathered(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (a one-element list outside a process group): what the benchmarks
+    record per rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def agree(check) -> Any:
     """Run ``check()`` on rank 0 only (it may write, e.g. probe an output folder) and raise its
     UsageError on every rank, so that all ranks stop together before any work."""

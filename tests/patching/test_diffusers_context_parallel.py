@@ -81,10 +81,25 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     res["ltx_ring"] = _error(lambda: _run(ltx, inputs, "fast"))
     # diffusers ships no context-parallel plan for these (where to split and gather): refused up front
     res["eval"] = _eval(rank, Path(out_dir))
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))   # as torchrun starts the benchmark
+    res["bench"] = _benchmark().main(["--dry-run", "--no-warmup", "--steps", "1", "--archs", "flux.1-dev,hunyuanvideo",
+                                      "--policies", "bf16,fast", "--out", str(Path(out_dir) / f"bench{rank}.json")])
+    res["bench_written"] = (Path(out_dir) / f"bench{rank}.json").exists()
     res["no_plan"] = [_error(lambda b=build: enable_context_parallel(b()[0], ContextParallel(ulysses=2)))
                       for build in (_hunyuan, _cogvideox)]
     dist.destroy_process_group()
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _benchmark():
+    """benchmarks/published_context_parallel.py (a script, not a package module)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "published_context_parallel.py"
+    spec = importlib.util.spec_from_file_location("published_cp_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _eval(rank: int, out: Path):
@@ -140,6 +155,28 @@ def test_eval_pipeline_under_context_parallelism_writes_on_rank_zero(ranks):
     assert set(r["runs"]) == {"bf16", "fast"} and 0 < r["runs"]["fast"]["latent_cosine"] < 1
     assert Path(r["files"]["json"]).parent.name == "eval0" and ranks[1]["eval"] is None
     assert not Path(r["files"]["json"]).parent.with_name("eval1").exists()
+
+
+def test_benchmark_dry_run_over_two_ranks(ranks):
+    r = ranks[0]["bench"]
+    runs = {(x["arch"], x["mode"], x["policy"]): x for x in r["runs"]}
+    assert set(runs) == {("FLUX.1-dev", m, p) for m in ("single", "ulysses=2") for p in ("bf16", "fast")} | {
+        ("HunyuanVideo", "single", p) for p in ("bf16", "fast")}
+    assert "no context-parallel plan" in r["skipped"]["hunyuanvideo ulysses=2"]
+    fp4 = runs["FLUX.1-dev", "ulysses=2", "fast"]
+    assert fp4["bit_identical_vs_single"] and fp4["latents_rel_l2_vs_single"] == 0
+    assert fp4["speedup_vs_diffusers_cp_bf16"] > 0 and fp4["speedup_vs_single_bf16"] > 0
+    assert len(set(fp4["weights_checksum_per_rank"])) == 1 and len(fp4["seconds_per_step_per_rank"]) == 2
+    assert ranks[0]["bench_written"] and not ranks[1]["bench_written"]   # rank 0 alone writes
+
+
+def test_benchmark_dry_run_on_one_process(tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    r = _benchmark().main(["--dry-run", "--no-warmup", "--steps", "1", "--archs", "qwen-image", "--policies",
+                           "bf16,fast", "--out", str(tmp_path / "b.json")])
+    assert [(x["mode"], x["policy"]) for x in r["runs"]] == [("single", "bf16"), ("single", "fast")]
+    assert "torchrun" in r["skipped"]["context parallelism"] and (tmp_path / "b.json").exists()
 
 
 def test_models_without_a_context_parallel_plan_are_refused_naming_it(ranks):
