@@ -1,5 +1,6 @@
 """Context parallelism for the apps: ``--cp ulysses=N,ring=M``, the process group that torchrun describes,
-diffusers' ``enable_parallelism`` on a Wan transformer, and which rank writes.
+diffusers' ``enable_parallelism`` on a transformer (Wan's, or any other that diffusers has a context-parallel
+plan for: FLUX, Qwen-Image, LTX-Video, ...), and which rank writes.
 
     torchrun --nproc-per-node 2 -m fp4vis.cli generate --model ... --prompt ... --cp ulysses=2
 
