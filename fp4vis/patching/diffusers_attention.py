@@ -44,7 +44,9 @@ tokens in one GPU's order (``JOINT_STREAM_ORDER``: which stream the processor pu
 from its ``hidden_states`` and ``encoder_hidden_states``), which makes Ulysses one GPU's call, bit for bit. A
 single-stream block that joins the streams before its attention (FLUX's) has the length of the joint layers' calls
 of the same forward and takes their streams (``PatchHandle.joint_streams``). A joint processor not in the table
-keeps diffusers' attention, with the warning naming it; so do per-query masks (HunyuanVideo 1.5's).
+keeps diffusers' attention, with the warning naming it; so do per-query masks (HunyuanVideo 1.5's) and patched
+cross-attention layers (a model's plan may split the text, LTX-Video's, or keep it whole on every rank, Wan-style
+processors, which then make that call without the parallel config).
 
 Groups: ``"self"`` (one token stream, which may hold text and image tokens: FLUX's single blocks, CogVideoX),
 ``"joint"`` (two streams with their own projections: FLUX/SD3/Qwen-Image/HunyuanVideo double blocks, Mochi),
@@ -322,8 +324,9 @@ class FP4AttnProcessor(_WrappingProcessor):
         backend = getattr(self.original, "_attention_backend", None)
         if self.pairwise_mask:
             return "a per-query padding mask under context parallelism (its rows are one rank's queries)"
-        if self.state.group == "cross":   # the keys are the text alone: one stream
-            return _ParallelCall(groups, config, backend, None)
+        if self.state.group == "cross":
+            return ("cross-attention under context parallelism (whether its text is split is the model's plan's "
+                    "and its processor's choice: diffusers' own attention follows it)")
         hidden = _argument(type(self.original), "hidden_states", args, kwargs)
         text = _argument(type(self.original), "encoder_hidden_states", args, kwargs)
         seen = self.state.handle.joint_streams if self.state.handle is not None else {}

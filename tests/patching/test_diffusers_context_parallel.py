@@ -140,6 +140,11 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                 res[name, mode, "exact"] = single(**inputs)[0]
                 if mode == "ulysses":   # diffusers' own Ulysses attention, unpatched
                     res[name, mode, "exact_cp"] = parallel(**inputs)[0]
+    # LTX's cross-attention patched too: under context parallelism it keeps diffusers' attention, saying why
+    single, inputs = _build("ltx")
+    parallel, _ = _build("ltx")
+    enable_context_parallel(parallel, ContextParallel(ulysses=2))
+    res["ltx_cross"] = (_run(single, inputs, "fast")[0], _run(parallel, inputs, "fast", cross_attention=True))
     # LTX under ring: its exact cross-attention goes to diffusers' ring attention, which the CPU cannot run
     ltx, inputs = _build("ltx")
     enable_context_parallel(ltx, ContextParallel(ring=2))
@@ -261,6 +266,13 @@ def test_models_without_a_context_parallel_plan_are_refused_naming_it(ranks):
     assert hunyuan.startswith("UsageError: --cp ulysses=2: diffusers has no context-parallel plan for "
                               "HunyuanVideoTransformer3DModel"), hunyuan
     assert "CogVideoXTransformer3DModel" in cogvideox and ranks[1]["no_plan"] == ranks[0]["no_plan"]
+
+
+def test_patched_cross_attention_keeps_diffusers_attention_under_context_parallelism(ranks):
+    single, (out, calls, said) = ranks[0]["ltx_cross"]
+    assert torch.equal(out, single)   # attn1 FP4, attn2 diffusers' Ulysses attention: as one process's attn1-only
+    assert calls == {f"transformer_blocks.{i}.attn{j}": (1 if j == 1 else 0) for i in (0, 1) for j in (1, 2)}
+    assert any("attn2' keeps exact attention: cross-attention under context parallelism" in m for m in said), said
 
 
 def test_exact_cross_attention_under_ring_is_diffusers_and_fails_on_the_cpu(ranks):
