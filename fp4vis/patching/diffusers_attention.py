@@ -45,8 +45,8 @@ from its ``hidden_states`` and ``encoder_hidden_states``), which makes Ulysses o
 single-stream block that joins the streams before its attention (FLUX's) has the length of the joint layers' calls
 of the same forward and takes their streams (``PatchHandle.joint_streams``). A joint processor not in the table
 keeps diffusers' attention, with the warning naming it; so do per-query masks (HunyuanVideo 1.5's) and patched
-cross-attention layers (a model's plan may split the text, LTX-Video's, or keep it whole on every rank, Wan-style
-processors, which then make that call without the parallel config).
+cross-attention and text-only layers (a model's plan may split the text, LTX-Video's, or keep it whole on every
+rank, Wan-style processors, which then make that call without the parallel config).
 
 Groups: ``"self"`` (one token stream, which may hold text and image tokens: FLUX's single blocks, CogVideoX),
 ``"joint"`` (two streams with their own projections: FLUX/SD3/Qwen-Image/HunyuanVideo double blocks, Mochi),
@@ -324,9 +324,10 @@ class FP4AttnProcessor(_WrappingProcessor):
         backend = getattr(self.original, "_attention_backend", None)
         if self.pairwise_mask:
             return "a per-query padding mask under context parallelism (its rows are one rank's queries)"
-        if self.state.group == "cross":
-            return ("cross-attention under context parallelism (whether its text is split is the model's plan's "
-                    "and its processor's choice: diffusers' own attention follows it)")
+        if self.state.group in ("cross", "text"):
+            what = "cross-attention" if self.state.group == "cross" else "attention over the prompt alone"
+            return (f"{what} under context parallelism (whether its text is split is the model's plan's and its "
+                    "processor's choice: diffusers' own attention follows it)")
         hidden = _argument(type(self.original), "hidden_states", args, kwargs)
         text = _argument(type(self.original), "encoder_hidden_states", args, kwargs)
         seen = self.state.handle.joint_streams if self.state.handle is not None else {}
