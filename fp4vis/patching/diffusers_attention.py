@@ -321,13 +321,13 @@ class FP4AttnProcessor(_WrappingProcessor):
         if groups is None:
             return None
         context_parallel.check_layer(self.state, groups, _heads(attn)[0])
-        backend = getattr(self.original, "_attention_backend", None)
         if self.pairwise_mask:
             return "a per-query padding mask under context parallelism (its rows are one rank's queries)"
         if self.state.group in ("cross", "text"):
             what = "cross-attention" if self.state.group == "cross" else "attention over the prompt alone"
             return (f"{what} under context parallelism (whether its text is split is the model's plan's and its "
                     "processor's choice: diffusers' own attention follows it)")
+        backend = getattr(self.original, "_attention_backend", None)
         hidden = _argument(type(self.original), "hidden_states", args, kwargs)
         text = _argument(type(self.original), "encoder_hidden_states", args, kwargs)
         seen = self.state.handle.joint_streams if self.state.handle is not None else {}
@@ -486,7 +486,7 @@ class _SDPARouter(_SDPAMode):
         layer_call = st.select(q, k, v, layout="bhsd", scale=call["scale"], dropout_p=call["dropout_p"],
                                is_causal=call["is_causal"], extra_reason=reason, key_mask=key_mask)
         if self.parallel is not None:
-            return self._parallel(func, call, layer_call, key_mask)
+            return self._parallel(call, layer_call, key_mask)
         if layer_call is None:
             return func(*args, **kwargs)
         out = st.attention(layer_call)
@@ -494,8 +494,7 @@ class _SDPARouter(_SDPAMode):
             out = out.masked_fill(~query_rows[:, None, :, None], 0)
         return out
 
-
-    def _parallel(self, func, call: dict[str, Any], layer_call: Any, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def _parallel(self, call: dict[str, Any], layer_call: Any, key_mask: torch.Tensor | None) -> torch.Tensor:
         """This rank's shard of an SDPA call under context parallelism: FP4 through ``context_parallel`` (its
         collectives), or diffusers' own context-parallel attention for a call the layer keeps exact."""
         q, k, v = (call[n].transpose(1, 2) for n in ("query", "key", "value"))   # bshd, as diffusers' backends
