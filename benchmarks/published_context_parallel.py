@@ -31,10 +31,11 @@ mode's bf16 run: diffusers' own context parallelism). An architecture diffusers 
 for (HunyuanVideo in diffusers 0.42), or whose heads the degree does not divide, gets its one-GPU runs and a
 ``skipped`` reason for the others. Rank 0 rewrites the JSON after every run; the other ranks write nothing.
 
-Time on 2 H100s (estimated from the one-GPU figures in README.md, "Current results"): FLUX.1-dev and Qwen-Image
-a few seconds a step, Wan2.2 at 720p about 40 s and HunyuanVideo about 25 s a step on one GPU; with the defaults
-(3 policies, 2 modes, a warm-up and 2 timed steps each) about 10 minutes per video model: run one architecture per
-command under a 10-minute limit.
+Time, estimated, not measured: one step of a 720p video model is tens of seconds on one GPU (HunyuanVideo 720p
+about 19-30 s on an H200, issue 47; Wan2.1-14B 720p about 25 s a CFG step, benchmarks/wan_context_parallel.py),
+FLUX.1-dev and Qwen-Image a few seconds. With the defaults (3 policies, one GPU and Ulysses, a warm-up and 2 timed
+steps each) a video model takes about 10 minutes: under a 10-minute limit per command, run one architecture per
+command (``--archs wan2.2-t2v-a14b``), and the image models together (``--archs flux.1-dev,qwen-image``).
 """
 
 from __future__ import annotations
