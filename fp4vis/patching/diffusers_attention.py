@@ -94,13 +94,18 @@ from fp4vis.call import broadcast_key_mask
 from . import context_parallel
 from .layer import LayerSpec, LayerState, block_position
 
-__all__ = ["FP4AttnProcessor", "FunctionAttnProcessor", "PAIRWISE_MASK_PROCESSORS", "SDPA_BACKENDS",
+__all__ = ["CONTEXT_PARALLEL_SDPA_BACKENDS", "FP4AttnProcessor", "FunctionAttnProcessor", "PAIRWISE_MASK_PROCESSORS",
+           "SDPA_BACKENDS",
            "attention_route", "find_layers", "function_call_reason", "install", "install_function",
            "is_known_non_attention", "layer_group", "restore_processor", "uninstall"]
 
 #: diffusers attention backends whose function ends in ``F.scaled_dot_product_attention`` (without context
 #: parallelism): the ones whose call a patched layer takes
 SDPA_BACKENDS = ("native", "_native_flash", "_native_efficient", "_native_math")
+#: under diffusers' context parallelism also ``_native_cudnn``, which ends in SDPA too without a parallel config (the
+#: FP4 path sets the config aside) and which the apps give exact self-attention under ring (its ring attention
+#: returns the log-sum-exp: ``fp4vis.pipelines.context_parallel.RING_EXACT_BACKEND``)
+CONTEXT_PARALLEL_SDPA_BACKENDS = (*SDPA_BACKENDS, "_native_cudnn")
 #: processors whose SDPA mask is, by construction, ``valid[:, None, :, None] & valid[:, None, None, :]``
 PAIRWISE_MASK_PROCESSORS = ("diffusers.models.transformers.transformer_hunyuan_video15.HunyuanVideo15AttnProcessor2_0",)
 #: joint processors (text and image tokens with projections of their own): which stream comes first in the sequence
@@ -272,7 +277,8 @@ class _WrappingProcessor:
         if self.route == "dispatch":
             backend = getattr(self.original, "_attention_backend", None) or _AttentionBackendRegistry._active_backend
             name = getattr(backend, "value", backend)
-            if name not in SDPA_BACKENDS:
+            parallel = getattr(self.original, "_parallel_config", None) is not None
+            if name not in (CONTEXT_PARALLEL_SDPA_BACKENDS if parallel else SDPA_BACKENDS):
                 return (f"diffusers attention backend {name!r} (fp4vis takes the calls of the backends that end in "
                         f"torch's scaled_dot_product_attention: {', '.join(SDPA_BACKENDS)})")
         return None

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from diffusers.models.attention_dispatch import AttentionBackendName
 from test_diffusers_attention import TEXT, B, _cogvideox, _flux, _hunyuan, _ltx, _qwen, _text_mask
 from test_wan_context_parallel import _error, _free_ports
 
@@ -140,6 +141,15 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                 res[name, mode, "exact"] = single(**inputs)[0]
                 if mode == "ulysses":   # diffusers' own Ulysses attention, unpatched
                     res[name, mode, "exact_cp"] = parallel(**inputs)[0]
+    # ring on a GPU: enable_context_parallel gives the exact self-attention diffusers' cuDNN backend, whose function
+    # without a parallel config ends in SDPA as well: the FP4 layers keep running FP4 (set here by hand on the CPU)
+    single, inputs = _build("flux")
+    parallel, _ = _build("flux")
+    enable_context_parallel(parallel, ContextParallel(ring=2))
+    for module in parallel.modules():
+        if hasattr(getattr(module, "processor", None), "_attention_backend"):
+            module.processor._attention_backend = AttentionBackendName("_native_cudnn")
+    res["flux_ring_cudnn"] = (_run(single, inputs, "fast")[0], _run(parallel, inputs, "fast"))
     # LTX's cross-attention patched too: under context parallelism it keeps diffusers' attention, saying why
     single, inputs = _build("ltx")
     parallel, _ = _build("ltx")
@@ -266,6 +276,12 @@ def test_models_without_a_context_parallel_plan_are_refused_naming_it(ranks):
     assert hunyuan.startswith("UsageError: --cp ulysses=2: diffusers has no context-parallel plan for "
                               "HunyuanVideoTransformer3DModel"), hunyuan
     assert "CogVideoXTransformer3DModel" in cogvideox and ranks[1]["no_plan"] == ranks[0]["no_plan"]
+
+
+def test_the_ring_exact_backend_of_gpus_leaves_fp4_layers_fp4(ranks):
+    single, (out, calls, said) = ranks[0]["flux_ring_cudnn"]
+    assert torch.equal(out, single) and calls and all(n == 1 for n in calls.values()), calls
+    assert not any("keeps exact attention" in m for m in said), said
 
 
 def test_patched_cross_attention_keeps_diffusers_attention_under_context_parallelism(ranks):
