@@ -42,8 +42,10 @@ the key mask with its keys; the calls it keeps exact go to diffusers' own contex
 separately, so a rank's sequence is its text shard and its image shard joined; the FP4 path puts the gathered
 tokens in one GPU's order (``JOINT_STREAM_ORDER``: which stream the processor puts first; the local lengths come
 from its ``hidden_states`` and ``encoder_hidden_states``), which makes Ulysses one GPU's call, bit for bit. A
-single-stream block that joins the streams before its attention (FLUX's) has the length of the joint layers' calls
-of the same forward and takes their streams (``PatchHandle.joint_streams``). A joint processor not in the table
+single-stream block that joins the streams before its attention (FLUX's: a joint processor called without text)
+has the length of the joint layers' calls of the same forward and takes their streams
+(``PatchHandle.joint_streams``); where no joint layer ran FP4 at that length, it keeps diffusers' attention, saying
+so. A joint processor not in the table
 keeps diffusers' attention, with the warning naming it; so do per-query masks (HunyuanVideo 1.5's) and patched
 cross-attention and text-only layers (a model's plan may split the text, LTX-Video's, or keep it whole on every
 rank, Wan-style processors, which then make that call without the parallel config).
@@ -337,9 +339,16 @@ class FP4AttnProcessor(_WrappingProcessor):
         hidden = _argument(type(self.original), "hidden_states", args, kwargs)
         text = _argument(type(self.original), "encoder_hidden_states", args, kwargs)
         seen = self.state.handle.joint_streams if self.state.handle is not None else {}
-        if text is None:   # a single-stream block may attend over the joint blocks' concatenation (FLUX)
-            return _ParallelCall(groups, config, backend, seen.get(hidden.shape[1]))
         first = JOINT_STREAM_ORDER.get(_qualname(type(self.original)))
+        if text is None and first is not None:   # a single-stream block of a joint model (FLUX's): the joint order
+            streams = seen.get(hidden.shape[1])
+            if streams is None:
+                return (f"context parallelism: this {type(self.original).__name__} call attends over the text and "
+                        "image tokens its block joined, in the order of the model's joint layers, none of which ran "
+                        "FP4 with this length")
+            return _ParallelCall(groups, config, backend, streams)
+        if text is None:
+            return _ParallelCall(groups, config, backend, None)
         if first is None:
             return (f"context parallelism: fp4vis does not know in which order {type(self.original).__name__} "
                     "joins its text and image tokens, which diffusers splits separately")

@@ -150,6 +150,10 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
         if hasattr(getattr(module, "processor", None), "_attention_backend"):
             module.processor._attention_backend = AttentionBackendName("_native_cudnn")
     res["flux_ring_cudnn"] = (_run(single, inputs, "fast")[0], _run(parallel, inputs, "fast"))
+    # FLUX's double block left exact: its single block cannot learn the joint order, and says so
+    flux, inputs = _build("flux")
+    enable_context_parallel(flux, ContextParallel(ulysses=2))
+    res["flux_single_alone"] = _run(flux, inputs, "fast", layers={"transformer_blocks.0.attn": None})
     # LTX's cross-attention patched too: under context parallelism it keeps diffusers' attention, saying why
     single, inputs = _build("ltx")
     parallel, _ = _build("ltx")
@@ -282,6 +286,13 @@ def test_the_ring_exact_backend_of_gpus_leaves_fp4_layers_fp4(ranks):
     single, (out, calls, said) = ranks[0]["flux_ring_cudnn"]
     assert torch.equal(out, single) and calls and all(n == 1 for n in calls.values()), calls
     assert not any("keeps exact attention" in m for m in said), said
+
+
+def test_a_single_stream_block_without_its_joint_order_keeps_diffusers_attention(ranks):
+    _, calls, said = ranks[0]["flux_single_alone"]
+    assert calls == {"single_transformer_blocks.0.attn": 0}, calls
+    assert any("single_transformer_blocks.0.attn' keeps exact attention: context parallelism: this FluxAttnProcessor "
+               "call attends over the text and image tokens its block joined" in m for m in said), said
 
 
 def test_patched_cross_attention_keeps_diffusers_attention_under_context_parallelism(ranks):
