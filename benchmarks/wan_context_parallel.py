@@ -101,17 +101,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (a one-element list outside a process group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def build(args: argparse.Namespace, device: torch.device, cp: Any = None):
     """A fresh pipeline (the same seeded weights every time), with context parallelism ``cp``."""
     from fp4vis.pipelines.context_parallel import enable_context_parallel
@@ -182,11 +171,11 @@ def _single_reference(args, singles, size: str, policy: str):
 
 def run_mode(args, device, mode: str, cp, policies, sizes, steps, record, singles) -> None:
     """Every (size, policy) of one mode on one pipeline build; ``record`` appends and writes a run."""
-    from fp4vis.pipelines.context_parallel import is_main_process
+    from fp4vis.pipelines.context_parallel import gathered, is_main_process
     from fp4vis.pipelines.wan_video import initial_latents, random_prompt_embeds
 
     pipe = build(args, device, cp)
-    checksums = _gather(weights_checksum(pipe))
+    checksums = gathered(weights_checksum(pipe))
     try:
         for size in sizes:
             embeds = tuple(e.to(device) for e in random_prompt_embeds(args.seed))
@@ -204,11 +193,11 @@ def run_mode(args, device, mode: str, cp, policies, sizes, steps, record, single
                     if cp is not None:
                         raise
                     continue
-                per_rank = _gather(res["step_s"])
+                per_rank = gathered(res["step_s"])
                 step_s = [max(r[i] for r in per_rank) for i in range(steps)] if cp is not None else per_rank[0]
                 row.update(seconds_per_step=step_s, mean_s_per_step=statistics.fmean(step_s),
                            median_s_per_step=statistics.median(step_s), seconds_per_step_per_rank=per_rank,
-                           peak_memory_gib=_gather(res["peak_gib"]),
+                           peak_memory_gib=gathered(res["peak_gib"]),
                            latents_finite=bool(torch.isfinite(res["latents"]).all()))
                 if cp is None:
                     singles[row["size"], policy] = (res["latents"], row["mean_s_per_step"])

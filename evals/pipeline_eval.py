@@ -40,7 +40,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -90,7 +90,9 @@ class PipelineEvalConfig:
     architecture's published one; ``frames`` None for an image model), ``steps``, ``guidance_scale`` (None:
     the pipeline's default); ``decode`` None: yes with a model (never in speed-only mode); ``compile``:
     "regional" or "full" (``fp4vis.pipelines.compile.compile_transformers``), in each run's warm-up;
-    ``out_dir``: where ``name``.json / .md go (``name`` None: pipeline_fidelity, or pipeline_speed)."""
+    ``out_dir``: where ``name``.json / .md go (``name`` None: pipeline_fidelity, or pipeline_speed); ``cp``
+    (``"ulysses=2"``, a ``ContextParallel``): every run's transformers under diffusers' context parallelism over
+    the processes of a torchrun launch (the bf16 run is then diffusers' own context-parallel attention)."""
 
     model: str | None = None
     speed_only: str | None = None
@@ -114,6 +116,7 @@ class PipelineEvalConfig:
     out_dir: str | os.PathLike | None = None
     name: str | None = None
     progress: bool = True
+    cp: Any = None
 
 
 @dataclass
@@ -263,11 +266,43 @@ def _check(config: PipelineEvalConfig) -> pc.PublishedDenoiser | None:
     return arch
 
 
-def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] | None = None) -> dict[str, Any] | None:
     """Run BF16 and every policy of ``config`` (``PipelineEvalConfig``); returns the result dict and writes
-    JSON/Markdown to ``config.out_dir``. ``say``: told what the eval runs once its options are checked."""
+    JSON/Markdown to ``config.out_dir``. ``say``: told what the eval runs once its options are checked. With
+    ``config.cp``, under torchrun: every rank runs, rank 0 alone says, writes and returns the result (the others
+    None)."""
     arch = _check(config)
-    dev = resolve_device(config.device)
+    if config.cp is None:
+        return _evaluate(config, arch, resolve_device(config.device), say)
+    from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
+
+    cp = config.cp if isinstance(config.cp, ContextParallel) else parse_cp(config.cp)
+    with distributed(cp, config.device) as session:
+        main = session.is_main
+        result = _evaluate(replace(config, cp=cp, out_dir=config.out_dir if main else None,
+                                   progress=config.progress and main), arch, session.device, say if main else None)
+    return result if main else None
+
+
+def _spread(subject: SpeedOnlySubject | PipelineSubject, cp: Any, dev: torch.device, dtype: torch.dtype) -> None:
+    """The subject's transformers under diffusers' context parallelism ``cp`` (``enable_context_parallel``: its
+    checks first); the bf16 run's exact attention under ring needs a backend that can run it."""
+    from fp4vis.pipelines.context_parallel import check_exact_under_ring, enable_context_parallel
+
+    check_exact_under_ring(cp, dev, dtype, "the bf16 run")
+    module = subject.module
+    models = [module] if isinstance(subject, SpeedOnlySubject) else [
+        getattr(module, n) for n in ("transformer", "transformer_2") if isinstance(getattr(module, n, None),
+                                                                                  torch.nn.Module)]
+    if not models:
+        raise UsageError(f"--cp {cp}: {type(module).__name__} has no transformer to spread over the processes")
+    for model in models:
+        enable_context_parallel(model, cp)
+
+
+def _evaluate(config: PipelineEvalConfig, arch: pc.PublishedDenoiser | None, dev: torch.device,
+              say: Callable[[str], Any] | None) -> dict[str, Any]:
+    """``run_pipeline_eval`` on this process's device ``dev``."""
     check_backend(config.backend, dev)
     pols = resolve_policies(config.policies, allow_bf16=False)
     baseline_names, baselines_skipped = select_baselines(config.baselines, dev)
@@ -296,6 +331,8 @@ def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] |
             f"{', '.join(p.name for p in pols)} on the {backend_in_use(config.backend, dev)} backend"
             + (f"; every run compiled ({config.compile}, fullgraph), in its warm-up" if config.compile else ""))
     subject.load()
+    if config.cp is not None:
+        _spread(subject, config.cp, dev, resolve_dtype(config.dtype))
     if config.compile is not None:
         subject.compile(config.compile)
     runs: dict[str, Any] = {}
@@ -308,7 +345,8 @@ def run_pipeline_eval(config: PipelineEvalConfig, *, say: Callable[[str], Any] |
         "seed": config.seed, "dtype": config.dtype, "backend": config.backend, "device": dev.type,
         "decode": decode, "warmup": config.warmup, "compile": config.compile, "guard_plan": guard_plan_summary(plan),
         "baselines": baseline_names, "baselines_skipped": baselines_skipped, "baseline_layers": BASELINE_LAYERS,
-        "runs": runs, "complete": False, "warnings": []}
+        "context_parallel": config.cp.to_dict() if config.cp is not None else None, "runs": runs, "complete": False,
+        "warnings": []}
     if random_weights:
         result["architecture"] = {"name": config.speed_only, "class": arch.class_name, "source": arch.source,
                                   "config": arch.config, "text_tokens": arch.text_tokens,

@@ -1,5 +1,6 @@
 """Context parallelism for the apps: ``--cp ulysses=N,ring=M``, the process group that torchrun describes,
-diffusers' ``enable_parallelism`` on a Wan transformer, and which rank writes.
+diffusers' ``enable_parallelism`` on a transformer (Wan's, or any other that diffusers has a context-parallel
+plan for: FLUX, Qwen-Image, LTX-Video, ...), and which rank writes.
 
     torchrun --nproc-per-node 2 -m fp4vis.cli generate --model ... --prompt ... --cp ulysses=2
 
@@ -163,6 +164,18 @@ def _rank_device(device: str | torch.device, local_rank: int, option: str) -> to
     return torch.device("cuda", local_rank)
 
 
+def gathered(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (a one-element list outside a process group): what the benchmarks
+    record per rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def agree(check) -> Any:
     """Run ``check()`` on rank 0 only (it may write, e.g. probe an output folder) and raise its
     UsageError on every rank, so that all ranks stop together before any work."""
@@ -201,6 +214,23 @@ def check_tokens(tokens: int, cp: ContextParallel, option: str = OPTION) -> None
                          f"(frames, height, width after the VAE and patching) is divisible by {cp.degree}")
 
 
+SHARD_ASSERTION = "must be divisible by mesh size"   # diffusers' EquipartitionSharder, on an unequal split
+
+
+@contextlib.contextmanager
+def equal_shards(cp: ContextParallel | None, option: str = OPTION) -> Iterator[None]:
+    """diffusers' split of a sequence into unequal shards (an AssertionError of its sharder, at the first
+    transformer pass, on every rank alike) as a UsageError naming ``option``; nothing without ``cp``."""
+    try:
+        yield
+    except AssertionError as exc:
+        if cp is None or SHARD_ASSERTION not in str(exc):
+            raise
+        raise UsageError(f"{option} {cp}: a sequence the transformer splits (the image or video tokens at this size, "
+                         f"or the prompt's tokens) does not split into {cp.degree} equal shards (diffusers' context "
+                         "parallelism needs equal shards); choose a size, or a prompt length, that divides") from None
+
+
 def ring_exact_backend(device: torch.device, dtype: torch.dtype) -> str | None:
     """The diffusers attention backend that runs exact attention under ring parallelism here, or None
     where none of diffusers' backends can (its ring merges partial outputs by their log-sum-exp, which
@@ -230,6 +260,10 @@ def enable_context_parallel(transformer: torch.nn.Module, cp: ContextParallel, o
     if dist.get_world_size() != cp.degree:
         raise UsageError(f"{option} {cp}: needs {cp.degree} processes, the process group has {dist.get_world_size()}")
     check_heads(int(transformer.config.num_attention_heads), cp, option)
+    if getattr(transformer, "_cp_plan", None) is None:
+        raise UsageError(f"{option} {cp}: diffusers has no context-parallel plan for {type(transformer).__name__} "
+                         "(its _cp_plan: where the sequence is split and gathered), so its context parallelism cannot "
+                         "run it; run it on one process")
     param = next(transformer.parameters())
     backend = ring_exact_backend(param.device, param.dtype)
     if cp.ring > 1 and backend is not None and exact_backend_for_ring:

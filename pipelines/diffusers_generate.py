@@ -17,7 +17,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fp4vis.pipelines.compile import compile_transformers
+from fp4vis.pipelines.context_parallel import equal_shards
 from fp4vis.pipelines.denoising_steps import chained_callbacks, check_steps
 from fp4vis.pipelines.media_files import save_mp4, save_png
 from fp4vis.pipelines.model_files import check_prompt, model_index, resolve_model
@@ -238,22 +239,37 @@ def _raised_in(exc: BaseException, function: str) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class PipelineRun:
+    """One ``fp4vis generate`` of a pipeline other than Wan's, resolved and checked: the options, the pipeline's
+    call, the settings given to it, the policy and guard plan, the number of steps and the context parallelism
+    (None: one process)."""
+
+    config: Any
+    call: PipelineCall
+    settings: dict[str, Any]
+    policy: Policy
+    plan: Any
+    steps: int
+    cp: Any = None
+
+
 def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = None,
                           index: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``fp4vis generate`` on a pipeline other than Wan's: ``config`` is a
     ``fp4vis.pipelines.wan_generate.GenerateOptions`` whose settings left None are the pipeline's own call
-    defaults, and whose ``output`` None is ``image.png`` or ``video.mp4``; its Wan-only fields (``image``,
-    ``cp``) are refused; ``index``: the model's ``pipeline_index`` where the caller has read it. Everything is
-    resolved and checked once, before the weights load; ``say`` is told what runs once they have. Returns
-    {"output", "kind", "sidecar", "timings"}."""
+    defaults, and whose ``output`` None is ``image.png`` or ``video.mp4``; its Wan-only field ``image`` is refused;
+    ``index``: the model's ``pipeline_index`` where the caller has read it. Everything is resolved and checked once,
+    before the weights load; ``say`` is told what runs once they have. With ``cp`` (``"ulysses=2"``, a
+    ``ContextParallel``) under torchrun, every rank runs the pipeline with its transformers under diffusers' context
+    parallelism (``fp4vis.pipelines.context_parallel``) and rank 0 alone decodes and writes (the others return
+    ``output`` None). Returns {"output", "kind", "sidecar", "timings"}."""
     c = config
     index = pipeline_index(c.model) if index is None else index
     class_name = pipeline_class_name(c.model, index)
-    for value, option, what in ((c.image, "--image", "image-to-video conditioning"),
-                                (c.cp, "--cp", "context parallelism")):
-        if value is not None:
-            raise UsageError(f"{option}: {what} is for Wan2.1 pipelines ({', '.join(WAN_PIPELINES)}); "
-                             f"{c.model!r} is a {class_name}")
+    if c.image is not None:
+        raise UsageError(f"--image: image-to-video conditioning is for Wan2.1 pipelines ({', '.join(WAN_PIPELINES)}); "
+                         f"{c.model!r} is a {class_name}")
     call = PipelineCall.of(class_name, c.model)
     settings = call.arguments(height=c.height, width=c.width, frames=c.frames, steps=c.steps,
                               guidance_scale=c.guidance_scale, negative_prompt=c.negative_prompt)
@@ -266,29 +282,64 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
     if c.exact_steps and "callback_on_step_end" not in call.parameters:
         raise UsageError(f"--exact-steps: {call.class_name}'s call takes no callback_on_step_end, by which the "
                          "attention is switched per step")
-    dev = resolve_device(c.device)
-    check_backend(c.backend, dev)
     if c.compile is not None and c.compile not in COMPILE_MODES:
         raise UsageError(f"--compile: must be one of {', '.join(COMPILE_MODES)}, got {c.compile!r}")
     if c.compile is not None and not any((index.get(n) or [None])[0] for n in ("transformer", "transformer_2")):
         raise UsageError(f"--compile: {call.class_name} has no transformer to compile")
     plan = load_guard_plan(c.guard_plan)
     check_plan_policy(plan, policy)
-    output = check_output(c.output if c.output is not None else default_output(call), call)
+    run = PipelineRun(c, call, settings, policy, plan, steps)
+    if c.cp is None:
+        return _run_pipeline(run, resolve_device(c.device), say=say)
+    from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
+
+    cp = c.cp if isinstance(c.cp, ContextParallel) else parse_cp(c.cp)
+    if not any((index.get(n) or [None])[0] for n in ("transformer", "transformer_2")):
+        raise UsageError(f"--cp {cp}: {call.class_name} has no transformer to spread over the processes")
+    with distributed(cp, c.device) as session:
+        return _run_pipeline(replace(run, cp=cp), session.device, main=session.is_main,
+                             say=say if session.is_main else None)
+
+
+def _run_pipeline(run: PipelineRun, dev: torch.device, *, main: bool = True,
+                  say: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """``run_pipeline_generate`` of the checked ``run`` on this process's device ``dev``; ``main``: the process that
+    decodes and writes."""
+    c, call, policy, plan = run.config, run.call, run.policy, run.plan
+    check_backend(c.backend, dev)
+    path = c.output if c.output is not None else default_output(call)
+    if run.cp is None:
+        output = check_output(path, call)
+    else:   # rank 0 alone touches the output folder; every rank stops on its error
+        from fp4vis.pipelines.context_parallel import agree, check_exact_under_ring
+
+        output = agree(lambda: check_output(path, call))
+        exact = "--policy bf16" if policy.method == "exact" else "--exact-steps" if c.exact_steps else None
+        check_exact_under_ring(run.cp, dev, resolve_dtype(c.dtype), exact)
     rate = call.default("frame_rate")
     fps = c.fps or (rate if isinstance(rate, int) and rate > 0 else DEFAULT_FPS)
     with Timer() as tload:
         pipe = load_pipeline(c.model, device=dev, dtype=c.dtype)
+    if run.cp is not None:
+        from fp4vis.pipelines.context_parallel import enable_context_parallel
+
+        for name in ("transformer", "transformer_2"):
+            if isinstance(getattr(pipe, name, None), torch.nn.Module):
+                enable_context_parallel(getattr(pipe, name), run.cp)
     if c.compile is not None:
         compile_transformers(pipe, c.compile)
     label = attention_label(policy, c.backend, dev, plan)
     if say is not None:
         exact = f", exact attention in steps {', '.join(map(str, c.exact_steps))}" if c.exact_steps else ""
-        say(f"generate: {c.model} ({call.class_name}), \"{c.prompt}\", {describe(settings)}, seed "
-            f"{c.seed}; attention: {label}{exact}"
+        spread = f"; context parallelism {run.cp} over {run.cp.degree} processes" if run.cp is not None else ""
+        say(f"generate: {c.model} ({call.class_name}), \"{c.prompt}\", {describe(run.settings)}, seed "
+            f"{c.seed}; attention: {label}{exact}{spread}"
             f"{f'; transformer compiled ({c.compile}, fullgraph) in the first step' if c.compile else ''} -> {output}")
     warn_reference_fallback(c.backend, dev, policy, "fp4vis generate")   # after the line saying what runs
-    pictures, timings = _generate(pipe, call, c, settings, (policy, plan), steps, label)
+    pictures, timings = _generate(pipe, run, label, main)
+    timings = {"load_s": tload.seconds, **timings}
+    if not main:
+        return {"output": None, "kind": call.kind, "sidecar": None, "timings": timings}
     if call.kind == "video":
         out = save_mp4(pictures, output, fps=fps, progress=c.progress)
     else:
@@ -297,30 +348,33 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
         "model": c.model, "pipeline": call.class_name, "kind": call.kind, "prompt": c.prompt,
         "negative_prompt": c.negative_prompt, "seed": c.seed,
         "frames": len(pictures) if call.kind == "video" else None, "height": int(pictures.shape[1]),
-        "width": int(pictures.shape[2]), "steps": steps,
-        "guidance_scale": settings.get("guidance_scale", call.default("guidance_scale")),
-        "fps": fps if call.kind == "video" else None, "call_arguments": settings,
+        "width": int(pictures.shape[2]), "steps": run.steps,
+        "guidance_scale": run.settings.get("guidance_scale", call.default("guidance_scale")),
+        "fps": fps if call.kind == "video" else None, "call_arguments": run.settings,
         "policy": policy.name, "backend": c.backend,
         "dtype": str(resolve_dtype(c.dtype)).replace("torch.", ""), "guard_plan": c.guard_plan,
         "guard_plan_content": guard_plan_summary(plan), "exact_steps": list(c.exact_steps) if c.exact_steps else None,
-        "compile": c.compile, "timings": {"load_s": tload.seconds, **timings}, call.kind: str(out),
-        "environment": environment(),
+        "context_parallel": run.cp.to_dict() if run.cp is not None else None,
+        "compile": c.compile, "timings": timings, call.kind: str(out), "environment": environment(),
     }
     side = write_json(out.with_suffix(".json"), sidecar)
     return {"output": out, "kind": call.kind, "sidecar": side, "timings": sidecar["timings"]}
 
 
-def _generate(pipe, call: PipelineCall, c: Any, settings: dict[str, Any], attention: tuple[Policy, Any], steps: int,
-              label: str) -> tuple[np.ndarray, dict[str, float | None]]:
-    """One call of ``pipe`` under ``attention`` (the resolved policy and guard plan): its pictures, (N, H, W, 3)
-    in [0, 1] (a video's frames, or the image), and its stages' times (``StageClock``). A ValueError of the
-    pipeline's own input checks (``check_inputs``) is the user's: a UsageError."""
+def _generate(pipe, run: PipelineRun, label: str, main: bool = True) -> tuple[np.ndarray | None,
+                                                                         dict[str, float | None]]:
+    """One call of ``pipe`` under the run's policy and guard plan: its pictures, (N, H, W, 3) in [0, 1] (a video's
+    frames, or the image; None where not ``main``: a rank of a context-parallel run that does not write, whose
+    call stops at the latents), and its stages' times (``StageClock``). A ValueError of the pipeline's own input
+    checks (``check_inputs``) is the user's: a UsageError; so is an unequal split of the sequence under context
+    parallelism."""
+    c, call, steps = run.config, run.call, run.steps
     dev = pipe._execution_device
     clock = StageClock(pipe, torch.device(dev))
-    kw: dict[str, Any] = dict(prompt=c.prompt, generator=torch.Generator().manual_seed(c.seed), output_type="np",
-                              **settings)
+    kw: dict[str, Any] = dict(prompt=c.prompt, generator=torch.Generator().manual_seed(c.seed),
+                              output_type="np" if main else "latent", **run.settings)
     pipe.set_progress_bar_config(disable=not c.progress, desc=f"denoise ({label})")
-    policy, plan = attention
+    policy, plan = run.policy, run.plan
     with policy_applied(pipe, policy, guard=plan, backend=c.backend) as handle:
         callbacks: list[Any] = []
         if c.exact_steps and handle is not None:
@@ -333,13 +387,16 @@ def _generate(pipe, call: PipelineCall, c: Any, settings: dict[str, Any], attent
         with clock.hooked():
             start = time.perf_counter()
             try:
-                out = pipe(**kw)
+                with equal_shards(run.cp):
+                    out = pipe(**kw)
             except ValueError as e:
                 if _raised_in(e, "check_inputs"):
                     raise UsageError(f"{call.class_name} refuses these settings: {e}") from None
                 raise
             _sync(torch.device(dev))
             end = time.perf_counter()
+    if not main:
+        return None, clock.timings(start, end)
     if call.kind == "video":
         pictures = np.asarray(out.frames[0], dtype=np.float32)
     else:

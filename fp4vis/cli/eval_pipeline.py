@@ -53,12 +53,17 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
                        no_decode_help="latents only",
                        compile_help="every run with the transformer under torch.compile, fullgraph=True (regional or "
                                     "full), compiled in its warm-up")
+    p.add_argument("--cp", default=None, metavar="ulysses=N,ring=M",
+                   help="every run's transformer under diffusers' context parallelism over the processes of a "
+                        "torchrun launch (ulysses=N, ring=N or both; N x M processes; bf16 is then diffusers' own "
+                        "context-parallel attention): torchrun --nproc-per-node 2 -m fp4vis.cli eval pipeline ... "
+                        "--cp ulysses=2; rank 0 writes")
     p.add_argument("--out-dir", default="out")
     p.add_argument("--name", default=None, help="default: pipeline_fidelity, or pipeline_speed with --speed-only")
     add_runtime(p)
 
 
-def run(args: argparse.Namespace, common: dict) -> dict:
+def run(args: argparse.Namespace, common: dict) -> dict | None:
     """``eval pipeline``: the eval, then one line per run."""
     from fp4vis.evals.pipeline_eval import DEFAULT_PROMPT, PipelineEvalConfig, routing_text, run_pipeline_eval
 
@@ -66,8 +71,11 @@ def run(args: argparse.Namespace, common: dict) -> dict:
         args.model, speed_only=args.speed_only, policies=args.policies, prompt=args.prompt or DEFAULT_PROMPT,
         negative_prompt=args.negative_prompt, height=args.height, width=args.width, frames=args.frames,
         steps=args.steps, guidance_scale=args.guidance, seed=args.seed, decode=args.decode,
-        warmup=not args.no_warmup, compile=args.compile, name=args.name, baselines=args.baselines, **common)
+        warmup=not args.no_warmup, compile=args.compile, name=args.name, baselines=args.baselines, cp=args.cp,
+        **common)
     r = run_pipeline_eval(config, say=eval_announcer(args))
+    if r is None:   # a rank other than 0 of a --cp run: rank 0 reports
+        return None
     emulated = print_schedule_notes(r)
     for name, entry in r["runs"].items():
         if "error" in entry:

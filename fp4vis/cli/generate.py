@@ -65,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cp", default=None, metavar="ulysses=N,ring=M",
                    help="context parallelism over the processes of a torchrun launch (ulysses=N, ring=N or both; "
                         "N x M processes): torchrun --nproc-per-node 2 -m fp4vis.cli generate ... --cp ulysses=2; "
-                        "rank 0 writes the video" + WAN_ONLY)
+                        "rank 0 writes the video or image")
     p.add_argument("--compile", nargs="?", const="regional", default=None, choices=COMPILE_MODES,
                    help="torch.compile the transformer with fullgraph=True: regional (the default: diffusers' "
                         "compile_repeated_blocks, one graph shared by the blocks) or full (the whole transformer); "
@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     index = pipeline_index(args.model)   # read once here: it picks the pipeline, and the run takes it
     if not is_wan(args.model, index):   # any other diffusers pipeline; its own checks refuse the Wan-only options
         out = run_pipeline_generate(_options(args, cp=args.cp), say=announcer(args), index=index)
+        if out["output"] is None:   # a rank other than 0 of a --cp run: rank 0 reports
+            return 0
         t = out["timings"]
         stages = ", ".join(f"{name} {t[key]:.2f} s" for name, key in (
             ("load", "load_s"), ("text", "text_encode_s"), ("denoise", "denoise_s"), ("decode", "decode_s"))

@@ -33,6 +33,13 @@ and rank r holds sequence shard r):
     (``rotate_method="allgather"``). One warning per reason says so.
 * both: the Ulysses all-to-all within each Ulysses group, then the ring over the ring group.
 
+The same path serves the Wan layers (``fp4vis.patching.wan``) and every diffusers layer the generic patcher reaches
+(``fp4vis.patching.diffusers_attention``). A key-padding mask (text padding: Qwen-Image, HunyuanVideo) travels
+with its keys (gathered as they are; the ring gathers where it has one). A joint layer's sequence on a rank is its
+shard of each token stream (text, image) joined, as diffusers splits them; ``streams`` gives their local lengths,
+and the gathered tokens are put in one GPU's order (``one_gpu_order``) before the attention, the outputs back after
+it, so that Ulysses is one GPU's call. The ring gathers such keys.
+
 Refused before any collective, with ``ContextParallelError``: heads not divisible by
 ``ulysses_degree``; ``ulysses_anything`` / ``ring_anything`` (uneven shards); calibration and
 ``guard="auto"`` (their statistics would be one rank's: calibrate on one GPU, then pass the plan);
@@ -58,7 +65,7 @@ from fp4vis.reference import DirectPAccumulator, key_stream_reason
 from .layer import LayerState
 
 __all__ = ["ContextParallelError", "ContextParallelGroups", "attention", "check_layer", "check_policy",
-           "groups_of", "ring_strategy"]
+           "groups_of", "one_gpu_order", "ring_strategy"]
 
 
 class ContextParallelError(ValueError):
@@ -119,18 +126,57 @@ def check_policy(state: LayerState, policy: Policy) -> None:
 
 
 def attention(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
-              groups: ContextParallelGroups) -> torch.Tensor:
-    """FP4 attention of this rank's sequence shard, (B, S_local, H, D) in and out (layout ``bshd``)."""
+              groups: ContextParallelGroups, *, scale: float | None = None, key_mask: torch.Tensor | None = None,
+              streams: tuple[int, ...] | None = None) -> torch.Tensor:
+    """FP4 attention of this rank's sequence shard, (B, S_local, H, D) in and out (layout ``bshd``).
+
+    ``scale``: the softmax scale (None: 1/sqrt(D)). ``key_mask``: the shard's bool (B, S_local) key-padding
+    mask; it travels with its keys. ``streams``: the local lengths of the token streams the layer's sequence
+    joins (joint attention: text and image shards, in the layer's order), None for one stream. diffusers splits
+    each stream, so the gathered sequence holds every rank's streams in turn; they are put in one GPU's order
+    (every stream whole, in turn) before the attention, and the outputs back after it."""
     check_policy(state, policy)
+    streams = streams if streams is not None and len(streams) > 1 else None
+    if streams is not None and not sum(streams) == q.shape[1] == k.shape[1]:
+        raise ContextParallelError(f"fp4vis: layer {state.name!r} under context parallelism: token streams of "
+                                   f"{list(streams)} tokens do not make its {q.shape[1]} queries and {k.shape[1]} keys")
     if groups.ulysses_degree > 1:
         q, k, v = (_heads_to_ranks(t, groups) for t in (q, k, v))
+        if key_mask is not None:
+            key_mask = _gather_mask(key_mask, groups.ulysses_group, groups.ulysses_degree)
     if groups.ring_degree > 1:
-        out = _ring(state, q, k, v, policy, groups)
+        out = _ring(state, (q, k, v), policy, groups, scale, key_mask, streams)
+    elif streams is not None:
+        order = one_gpu_order(streams, groups.ulysses_degree, q.device)
+        q, k, v = (t[:, order] for t in (q, k, v))
+        key_mask = key_mask[:, order] if key_mask is not None else None
+        out = state.attention_of(q, k, v, policy, layout="bshd", scale=scale, key_mask=key_mask)
+        out = out[:, torch.argsort(order)]
     else:
-        out = state.attention_of(q, k, v, policy, layout="bshd")
+        out = state.attention_of(q, k, v, policy, layout="bshd", scale=scale, key_mask=key_mask)
     if groups.ulysses_degree > 1:
         out = _heads_from_ranks(out, groups)
     return out
+
+
+def one_gpu_order(streams: tuple[int, ...], shards: int, device: torch.device | None = None) -> torch.Tensor:
+    """For ``shards`` gathered shards, each holding its part of every stream in turn (local lengths ``streams``),
+    the gathered position of each token of one GPU's sequence (every stream whole, in turn): ``gathered[:, order]``
+    is one GPU's sequence, and ``x[:, argsort(order)]`` takes one GPU's order back to the gathered one."""
+    length = sum(streams)
+    parts, start = [], 0
+    for n in streams:
+        parts += [torch.arange(r * length + start, r * length + start + n) for r in range(shards)]
+        start += n
+    return torch.cat(parts).to(device)
+
+
+def _gather_mask(mask: torch.Tensor, group: Any, degree: int) -> torch.Tensor:
+    """(B, S_local) bool key mask -> (B, degree * S_local), the group's shards in rank order."""
+    local = mask.to(torch.uint8).contiguous()   # gloo gathers no bool tensors
+    parts = [torch.empty_like(local) for _ in range(degree)]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=1).bool()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,17 +222,29 @@ def ring_strategy(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.
     return None
 
 
-def _ring(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
-          groups: ContextParallelGroups) -> torch.Tensor:
+def _ring(state: LayerState, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], policy: Policy,
+          groups: ContextParallelGroups, scale: float | None, key_mask: torch.Tensor | None,
+          streams: tuple[int, ...] | None) -> torch.Tensor:
+    q, k, v = qkv
     reason = ring_strategy(state, q, k, v, policy)
+    if reason is None and key_mask is not None:
+        reason = "the keys have a padding mask (key streaming takes no mask)"
+    if reason is None and streams is not None:
+        reason = "the layer's keys are several token streams (joint attention: one GPU's key order is not the ring's)"
     if reason is not None:
         _warn_once(f"fp4vis: ring attention gathers each layer's keys and values on every rank where {reason} "
                    "(the one-GPU result, at the memory of diffusers' own ring attention)")
         k_all, v_all = _gather_keys(k, v, groups)
-        return state.attention_of(q, k_all, v_all, policy, layout="bshd")
+        if key_mask is not None:
+            key_mask = _gather_mask(key_mask, groups.ring_group, groups.ring_degree)
+        if streams is not None:
+            order = one_gpu_order(streams, groups.ulysses_degree * groups.ring_degree, k.device)
+            k_all, v_all = k_all[:, order], v_all[:, order]
+            key_mask = key_mask[:, order] if key_mask is not None else None
+        return state.attention_of(q, k_all, v_all, policy, layout="bshd", scale=scale, key_mask=key_mask)
     b, _, h, d = q.shape
     with state.fp4_call():
-        acc = DirectPAccumulator(q.transpose(1, 2).flatten(0, 1), policy, default_scale(d),
+        acc = DirectPAccumulator(q.transpose(1, 2).flatten(0, 1), policy, default_scale(d) if scale is None else scale,
                                  num_keys=k.shape[1] * groups.ring_degree)
         for k_shard, v_shard in _key_shards_in_order(k, v, groups):
             acc.add(k_shard.transpose(1, 2).flatten(0, 1), v_shard.transpose(1, 2).flatten(0, 1))

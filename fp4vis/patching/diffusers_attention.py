@@ -29,9 +29,26 @@ Attention backends: the layers whose processor dispatches to a backend that ends
 ``native``, the default, and ``_native_flash`` / ``_native_efficient`` / ``_native_math``) run FP4; any other
 backend (flash-attn, sage, flex, xformers, cuDNN, hub kernels), chosen per layer (``set_attention_backend``) or
 for the process (``attention_backend(...)``, ``DIFFUSERS_ATTN_BACKEND``), is the user's choice of exact attention
-library: the layer keeps it, with the fallback warning naming the backend. So does a layer under diffusers'
-context parallelism (fp4vis's own covers the Wan layers: ``fp4vis.patching.context_parallel``), and a call of a
-processor that made no SDPA call at all.
+library: the layer keeps it, with the fallback warning naming the backend. So does a call of a processor that
+made no SDPA call at all.
+
+Context parallelism (``enable_parallelism(config=ContextParallelConfig(...))``, before or after patching; the
+settings land on the original processor): diffusers' hooks split the sequence and gather it, and its processors
+would hand their shard to diffusers' context-parallel attention. A patched layer runs the original processor with
+its parallel config set aside for the call (``_local_attention``), so its SDPA call is on this rank's shard, and
+hands that to ``fp4vis.patching.context_parallel`` (Ulysses, ring, both: the collectives the Wan layers use too),
+the key mask with its keys; the calls it keeps exact go to diffusers' own context-parallel attention
+(``dispatch_attention_fn`` with the parallel config). diffusers splits the text and image streams of a joint layer
+separately, so a rank's sequence is its text shard and its image shard joined; the FP4 path puts the gathered
+tokens in one GPU's order (``JOINT_STREAM_ORDER``: which stream the processor puts first; the local lengths come
+from its ``hidden_states`` and ``encoder_hidden_states``), which makes Ulysses one GPU's call, bit for bit. A
+single-stream block that joins the streams before its attention (FLUX's: a joint processor called without text)
+has the length of the joint layers' calls of the same forward and takes their streams
+(``PatchHandle.joint_streams``); where no joint layer ran FP4 at that length, it keeps diffusers' attention, saying
+so. A joint processor not in the table
+keeps diffusers' attention, with the warning naming it; so do per-query masks (HunyuanVideo 1.5's) and patched
+cross-attention and text-only layers (a model's plan may split the text, LTX-Video's, or keep it whole on every
+rank, Wan-style processors, which then make that call without the parallel config).
 
 Groups: ``"self"`` (one token stream, which may hold text and image tokens: FLUX's single blocks, CogVideoX),
 ``"joint"`` (two streams with their own projections: FLUX/SD3/Qwen-Image/HunyuanVideo double blocks, Mochi),
@@ -61,31 +78,45 @@ processors' ``_attention_backend`` and ``_parallel_config`` attributes (what ``s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention import AttentionModuleMixin
-from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
 from diffusers.models.attention_processor import Attention, MochiAttention
 from torch.overrides import TorchFunctionMode
 
 from fp4vis.call import broadcast_key_mask
 
+from . import context_parallel
 from .layer import LayerSpec, LayerState, block_position
 
-__all__ = ["FP4AttnProcessor", "FunctionAttnProcessor", "PAIRWISE_MASK_PROCESSORS", "SDPA_BACKENDS",
+__all__ = ["CONTEXT_PARALLEL_SDPA_BACKENDS", "FP4AttnProcessor", "FunctionAttnProcessor", "PAIRWISE_MASK_PROCESSORS",
+           "SDPA_BACKENDS",
            "attention_route", "find_layers", "function_call_reason", "install", "install_function",
            "is_known_non_attention", "layer_group", "restore_processor", "uninstall"]
 
 #: diffusers attention backends whose function ends in ``F.scaled_dot_product_attention`` (without context
 #: parallelism): the ones whose call a patched layer takes
 SDPA_BACKENDS = ("native", "_native_flash", "_native_efficient", "_native_math")
+#: under diffusers' context parallelism also ``_native_cudnn``, which ends in SDPA too without a parallel config (the
+#: FP4 path sets the config aside) and which the apps give exact self-attention under ring (its ring attention
+#: returns the log-sum-exp: ``fp4vis.pipelines.context_parallel.RING_EXACT_BACKEND``)
+CONTEXT_PARALLEL_SDPA_BACKENDS = (*SDPA_BACKENDS, "_native_cudnn")
 #: processors whose SDPA mask is, by construction, ``valid[:, None, :, None] & valid[:, None, None, :]``
 PAIRWISE_MASK_PROCESSORS = ("diffusers.models.transformers.transformer_hunyuan_video15.HunyuanVideo15AttnProcessor2_0",)
+#: joint processors (text and image tokens with projections of their own): which stream comes first in the sequence
+#: of their attention (the processor concatenates them), read under context parallelism (module docstring)
+JOINT_STREAM_ORDER = {
+    "diffusers.models.transformers.transformer_flux.FluxAttnProcessor": "text",
+    "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0": "text",
+    "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0": "image",
+}
 #: a layer under a module of this name attends over the prompt tokens alone (group "text")
 TEXT_PATH_PARTS = ("context_embedder",)
 
@@ -245,13 +276,11 @@ class _WrappingProcessor:
 
     def _exact_reason(self) -> str | None:
         """Why no call of this processor can be taken, whatever its inputs (None: the calls decide)."""
-        if getattr(self.original, "_parallel_config", None) is not None:
-            return ("diffusers context parallelism (a parallel config on the processor; fp4vis's context-parallel "
-                    "attention covers the Wan layers)")
         if self.route == "dispatch":
             backend = getattr(self.original, "_attention_backend", None) or _AttentionBackendRegistry._active_backend
             name = getattr(backend, "value", backend)
-            if name not in SDPA_BACKENDS:
+            parallel = getattr(self.original, "_parallel_config", None) is not None
+            if name not in (CONTEXT_PARALLEL_SDPA_BACKENDS if parallel else SDPA_BACKENDS):
                 return (f"diffusers attention backend {name!r} (fp4vis takes the calls of the backends that end in "
                         f"torch's scaled_dot_product_attention: {', '.join(SDPA_BACKENDS)})")
         return None
@@ -276,16 +305,56 @@ class FP4AttnProcessor(_WrappingProcessor):
         if not st.needs_qkv():
             return self.original(attn, *args, **kwargs)
         reason = self._exact_reason()
+        parallel = None
+        if reason is None:
+            parallel = self._parallel_call(attn, args, kwargs)
+            reason = parallel if isinstance(parallel, str) else None
         if reason is not None:
             if st.active_policy() is not None:
                 st.fallback(reason)
             return self.original(attn, *args, **kwargs)
-        router = _SDPARouter(st, self.pairwise_mask)
-        with router:
+        router = _SDPARouter(st, self.pairwise_mask, parallel)
+        with router, _local_attention(self.original, parallel):
             out = self.original(attn, *args, **kwargs)
         if router.sdpa_calls == 0 and st.active_policy() is not None:
             st.fallback(self._no_sdpa_reason())
         return out
+
+    def _parallel_call(self, attn: torch.nn.Module, args: tuple, kwargs: dict) -> _ParallelCall | str | None:
+        """Under diffusers' context parallelism: how this call's SDPA calls run FP4 (``fp4vis.patching.
+        context_parallel``, every rank alike), or why they keep diffusers' own context-parallel attention; None
+        without it. Raises ``ContextParallelError`` for what no policy can run (before any collective)."""
+        config = getattr(self.original, "_parallel_config", None)
+        groups = context_parallel.groups_of(config)
+        if groups is None:
+            return None
+        context_parallel.check_layer(self.state, groups, _heads(attn)[0])
+        if self.pairwise_mask:
+            return "a per-query padding mask under context parallelism (its rows are one rank's queries)"
+        if self.state.group in ("cross", "text"):
+            what = "cross-attention" if self.state.group == "cross" else "attention over the prompt alone"
+            return (f"{what} under context parallelism (whether its text is split is the model's plan's and its "
+                    "processor's choice: diffusers' own attention follows it)")
+        backend = getattr(self.original, "_attention_backend", None)
+        hidden = _argument(type(self.original), "hidden_states", args, kwargs)
+        text = _argument(type(self.original), "encoder_hidden_states", args, kwargs)
+        seen = self.state.handle.joint_streams if self.state.handle is not None else {}
+        first = JOINT_STREAM_ORDER.get(_qualname(type(self.original)))
+        if text is None and first is not None:   # a single-stream block of a joint model (FLUX's): the joint order
+            streams = seen.get(hidden.shape[1])
+            if streams is None:
+                return (f"context parallelism: this {type(self.original).__name__} call attends over the text and "
+                        "image tokens its block joined, in the order of the model's joint layers, none of which ran "
+                        "FP4 with this length")
+            return _ParallelCall(groups, config, backend, streams)
+        if text is None:
+            return _ParallelCall(groups, config, backend, None)
+        if first is None:
+            return (f"context parallelism: fp4vis does not know in which order {type(self.original).__name__} "
+                    "joins its text and image tokens, which diffusers splits separately")
+        streams = (text.shape[1], hidden.shape[1]) if first == "text" else (hidden.shape[1], text.shape[1])
+        seen[sum(streams)] = streams
+        return _ParallelCall(groups, config, backend, streams)
 
     def __repr__(self) -> str:
         return f"FP4AttnProcessor({type(self.original).__name__}, {self.state!r})"
@@ -307,6 +376,8 @@ class FunctionAttnProcessor(_WrappingProcessor):
 
     def _run(self, attn: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         reason = self._exact_reason()
+        if getattr(self.original, "_parallel_config", None) is not None:
+            reason = "diffusers context parallelism (the function would see this rank's shard of the sequence only)"
         if reason is not None:
             self.tally(reason)
             return self.original(attn, *args, **kwargs)
@@ -319,6 +390,46 @@ class FunctionAttnProcessor(_WrappingProcessor):
 
     def __repr__(self) -> str:
         return f"FunctionAttnProcessor({type(self.original).__name__}, {getattr(self.fn, '__name__', self.fn)!r})"
+
+
+class _ParallelCall(NamedTuple):
+    """A processor call under diffusers' context parallelism: the groups of its device mesh, diffusers' parallel
+    config (the exact path: diffusers' own context-parallel attention) and the local lengths of the token streams
+    its attention joins (None: one stream)."""
+
+    groups: context_parallel.ContextParallelGroups
+    config: Any
+    backend: Any
+    streams: tuple[int, ...] | None
+
+
+@contextlib.contextmanager
+def _local_attention(processor: Any, parallel: _ParallelCall | None) -> Iterator[None]:
+    """Under context parallelism, the processor's attention call made on this rank's shard (its parallel config
+    set aside for the call): the router hands it to ``fp4vis.patching.context_parallel``, which does the
+    collectives."""
+    if parallel is None:
+        yield
+        return
+    processor._parallel_config = None
+    try:
+        yield
+    finally:
+        processor._parallel_config = parallel.config
+
+
+@functools.cache
+def _argument_position(processor_cls: type, name: str) -> int | None:
+    params = list(inspect.signature(processor_cls.__call__).parameters)
+    return params.index(name) - 2 if name in params else None   # after self and attn
+
+
+def _argument(processor_cls: type, name: str, args: tuple, kwargs: dict) -> Any:
+    """A processor call's argument ``name``, given by keyword or position."""
+    if name in kwargs:
+        return kwargs[name]
+    position = _argument_position(processor_cls, name)
+    return args[position] if position is not None and 0 <= position < len(args) else None
 
 
 @functools.cache
@@ -372,10 +483,11 @@ class _SDPARouter(_SDPAMode):
     """The SDPA calls of one processor call, for one layer, to fp4vis where it can compute them (module
     docstring)."""
 
-    def __init__(self, state: LayerState, pairwise_mask: bool):
+    def __init__(self, state: LayerState, pairwise_mask: bool, parallel: _ParallelCall | None = None):
         super().__init__()
         self.state = state
         self.pairwise_mask = pairwise_mask
+        self.parallel = parallel
 
     def sdpa(self, func, args: tuple, kwargs: dict, call: dict[str, Any]) -> torch.Tensor:
         q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
@@ -388,12 +500,27 @@ class _SDPARouter(_SDPAMode):
         st = self.state
         layer_call = st.select(q, k, v, layout="bhsd", scale=call["scale"], dropout_p=call["dropout_p"],
                                is_causal=call["is_causal"], extra_reason=reason, key_mask=key_mask)
+        if self.parallel is not None:
+            return self._parallel(call, layer_call, key_mask)
         if layer_call is None:
             return func(*args, **kwargs)
         out = st.attention(layer_call)
         if query_rows is not None:   # a query that attends to no key: SDPA's zero row
             out = out.masked_fill(~query_rows[:, None, :, None], 0)
         return out
+
+    def _parallel(self, call: dict[str, Any], layer_call: Any, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """This rank's shard of an SDPA call under context parallelism: FP4 through ``context_parallel`` (its
+        collectives), or diffusers' own context-parallel attention for a call the layer keeps exact."""
+        q, k, v = (call[n].transpose(1, 2) for n in ("query", "key", "value"))   # bshd, as diffusers' backends
+        if layer_call is None:
+            out = dispatch_attention_fn(q, k, v, attn_mask=call["attn_mask"], dropout_p=call["dropout_p"],
+                                        is_causal=call["is_causal"], scale=call["scale"],
+                                        backend=self.parallel.backend, parallel_config=self.parallel.config)
+            return out.transpose(1, 2)
+        out = context_parallel.attention(self.state, q, k, v, layer_call.policy, self.parallel.groups,
+                                         scale=call["scale"], key_mask=key_mask, streams=self.parallel.streams)
+        return out.transpose(1, 2)
 
 
 def _is_square_bool(mask: Any, q: torch.Tensor, k: torch.Tensor) -> bool:

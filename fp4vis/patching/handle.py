@@ -40,6 +40,9 @@ class PatchHandle:
     guard_plan: Any = None
     removed: bool = False
     _hooks: list = field(default_factory=list)
+    #: under context parallelism: local sequence length -> the token streams of the joint attention of that
+    #: length (fp4vis.patching.diffusers_attention), for the single-stream blocks that attend over it
+    joint_streams: dict = field(default_factory=dict)
 
     @property
     def layers(self) -> dict[str, LayerState | None]:

@@ -190,11 +190,11 @@ class LayerState:
             return self._run(layer_call)
 
     def attention_of(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, *,
-                     layout: str) -> torch.Tensor:
+                     layout: str, scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The FP4 output of q, k, v that no :meth:`select` saw (context parallelism: the heads or keys of other
         ranks): checked and its backend picked as ``fp4vis.attention`` does (an explicit backend that cannot run
         it raises), then run as :meth:`attention`."""
-        call = self._validated(q, k, v, policy, layout, None, None, None)
+        call = self._validated(q, k, v, policy, layout, scale, None, key_mask)
         if torch.compiler.is_compiling():
             backend = registry.select_backend(self.backend, call)
         else:

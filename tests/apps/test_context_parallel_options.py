@@ -1,5 +1,6 @@
 """``--cp`` and the checks of ``fp4vis.pipelines.context_parallel`` that need no second process (the
-two- and four-process runs are tests/patching/test_wan_context_parallel.py)."""
+two- and four-process runs are tests/patching/test_wan_context_parallel.py and
+test_diffusers_context_parallel.py)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from fp4vis.pipelines.context_parallel import (
     check_heads,
     check_tokens,
     distributed,
+    equal_shards,
     parse_cp,
     ring_exact_backend,
 )
@@ -59,3 +61,22 @@ def test_checks_before_any_work(monkeypatch):
     with pytest.raises(UsageError, match="needs 2 processes .ulysses x ring., but torchrun started 3"):
         with distributed(ContextParallel(ring=2), "cpu"):
             pass
+
+
+def test_an_unequal_split_in_diffusers_sharder_is_a_usage_error():
+    """diffusers' sharder asserts equal shards (no option named): ``equal_shards`` makes its AssertionError the
+    one-line UsageError of --cp; other assertions pass unchanged."""
+    from diffusers.hooks.context_parallel import EquipartitionSharder
+
+    class Mesh:   # the size is all the check reads
+        def size(self):
+            return 2
+
+    with pytest.raises(UsageError, match="--cp ulysses=2: a sequence the transformer splits .* does not split into 2 "
+                                         "equal shards"):
+        with equal_shards(ContextParallel(ulysses=2)):
+            EquipartitionSharder.shard(torch.zeros(1, 7, 4), 1, Mesh())
+    with pytest.raises(AssertionError, match="other"), equal_shards(ContextParallel(ulysses=2)):
+        raise AssertionError("other")
+    with pytest.raises(AssertionError), equal_shards(None):
+        EquipartitionSharder.shard(torch.zeros(1, 7, 4), 1, Mesh())

@@ -128,6 +128,9 @@ def test_cli_speed_only_end_to_end(tiny_archs, tmp_path, capsys):
                                                       "model"),
     (["--speed-only", "flux.1-dev", "--baselines", "sdpa_flash,nope"], "fp4vis eval pipeline: error: baselines: "
                                                                        "unknown baseline 'nope'"),
+    (["--speed-only", "flux.1-dev", "--cp", "ulysses=2"], "fp4vis eval pipeline: error: --cp ulysses=2: needs 2 "
+                                                          "processes, one per GPU; launch with torchrun"),
+    (["--speed-only", "flux.1-dev", "--cp", "ulysses"], "fp4vis eval pipeline: error: --cp: expected ulysses=N"),
 ])
 def test_cli_option_errors_are_one_line(argv, expected, tmp_path, capsys):
     try:

@@ -4,12 +4,14 @@ the one-line errors of the options it does not take."""
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-import torch
-from apps.tiny_models import tiny_text_encoder
+from apps.tiny_models import make_tiny_flux
 from PIL import Image
 
 from fp4vis.pipelines.diffusers_generate import PipelineCall, is_wan, run_pipeline_generate
@@ -21,33 +23,7 @@ SIZE = ["--height", 32, "--width", 32]
 
 @pytest.fixture(scope="module")
 def tiny_flux(tmp_path_factory):
-    """A FluxPipeline of one double and one single block (2 heads of 16), a one-level VAE, a CLIP and a T5 text
-    encoder of one layer each, with the word-level tokenizer of ``tests/apps/tiny_models.py``, saved with
-    save_pretrained."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                         pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
-    vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
-                        latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
-                        shift_factor=0.0609, scaling_factor=1.5035)
-    clip_tokenizer, _ = tiny_text_encoder(0)
-    clip_tokenizer.model_max_length = 16   # the CLIP encoder's positions
-    clip = CLIPTextModel(CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, max_position_embeddings=16, projection_dim=32,
-                                        pad_token_id=0, bos_token_id=1, eos_token_id=1))
-    t5_tokenizer, _ = tiny_text_encoder(0)
-    t5 = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4,
-                                 relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
-                                 decoder_start_token_id=0))
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
-                        tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=transformer)
-    path = tmp_path_factory.mktemp("generic") / "flux"
-    pipe.save_pretrained(str(path))
-    return path
+    return make_tiny_flux(tmp_path_factory.mktemp("generic") / "flux")
 
 
 def test_the_call_is_read_from_the_pipeline_class(tiny_flux, tiny_wan):
@@ -122,6 +98,32 @@ def test_generate_an_image_then_calibrate_and_use_the_plan(tiny_flux, tmp_path, 
     assert result["guard_plan"]["layers"].keys() == layers.keys() and result["runs"]["fast"]["latent_cosine"] < 1
 
 
+def test_generate_under_torchrun_with_cp_writes_what_one_process_writes(tiny_flux, tmp_path, cli):
+    """``torchrun --nproc-per-node 2 -m fp4vis.cli generate ... --cp ulysses=2`` on the CPU (gloo): the FLUX
+    transformer under diffusers' context parallelism, FP4 in both layers, and rank 0 writes the image one process
+    writes, bit for bit (rank 1 gets the same arguments and writes nothing)."""
+    args = ["generate", "--model", tiny_flux, "--prompt", "a red fox", *SIZE, "--steps", 2, "--dtype", "float32",
+            "--device", "cpu", "--backend", "reference"]
+    one = tmp_path / "one.png"
+    code, _, err = cli(*args, "--output", one, "--no-progress")
+    assert code == 0, err
+    two = tmp_path / "cp" / "fox.png"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "fp4vis.cli", *map(str, args), "--output", str(two), "--cp", "ulysses=2"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"image: {two}" in proc.stdout and proc.stdout.count("image: ") == 1, proc.stdout
+    said = [line for line in proc.stderr.splitlines() if line.startswith("generate:")]   # rank 0 alone says it
+    assert len(said) == 1 and "attention: fast, reference; context parallelism ulysses=2 over 2 processes" in said[0]
+    assert "keeps exact attention" not in proc.stderr, proc.stderr
+    assert np.array_equal(np.asarray(Image.open(two)), np.asarray(Image.open(one)))
+    assert sorted(p.name for p in two.parent.iterdir()) == ["fox.json", "fox.png"]
+    side = json.loads(two.with_suffix(".json").read_text())
+    assert side["context_parallel"] == {"ulysses": 2, "ring": 1, "world_size": 2} and side["policy"] == "fast"
+    assert json.loads(one.with_suffix(".json").read_text())["context_parallel"] is None
+
+
 def test_settings_not_given_are_the_pipelines_defaults(tiny_flux, tmp_path, cli):
     """No size and no guidance given: FluxPipeline's own (128 x 128 from its default_sample_size, guidance 3.5);
     the default output is image.png in the working folder."""
@@ -152,7 +154,7 @@ def test_a_video_pipeline_writes_an_mp4(tiny_wan, tmp_path):
     (["--output", "fox.mp4"], r"--output: FluxPipeline makes an image, written as PNG: give a path ending in \.png"),
     (["--frames", 5], "--frames: FluxPipeline is an image pipeline whose call takes no num_frames"),
     (["--fps", 8], "--fps: FluxPipeline is an image pipeline"),
-    (["--cp", "ulysses=2"], r"--cp: context parallelism is for Wan2.1 pipelines .*is a FluxPipeline"),
+    (["--cp", "ulysses=2"], r"--cp ulysses=2: needs 2 processes, one per GPU; launch with torchrun"),
     (["--image", "cat.png"], r"--image: image-to-video conditioning is for Wan2.1 pipelines"),
     (["--exact-steps", "0,5", "--steps", 2], "--exact-steps: step 5 does not exist in 2 denoising steps"),
 ])

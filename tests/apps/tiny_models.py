@@ -142,3 +142,32 @@ def make_tiny_wan_i2v(path: str | os.PathLike, *, seed: int = 0, head_dim: int =
     path = Path(path)
     pipe.save_pretrained(str(path))
     return path
+
+
+def make_tiny_flux(path: str | os.PathLike, *, seed: int = 0) -> Path:
+    """A FluxPipeline of one double and one single block (2 heads of 16), a one-level VAE, a CLIP and a T5 text
+    encoder of one layer each, with the word-level tokenizer of ``tiny_text_encoder``, saved with save_pretrained."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+    vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
+                        latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+                        shift_factor=0.0609, scaling_factor=1.5035)
+    clip_tokenizer, _ = tiny_text_encoder(seed)
+    clip_tokenizer.model_max_length = 16   # the CLIP encoder's positions
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, max_position_embeddings=16, projection_dim=32,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=1))
+    t5_tokenizer, _ = tiny_text_encoder(seed)
+    t5 = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4,
+                                 relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+                                 decoder_start_token_id=0))
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
+                        tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=transformer)
+    path = Path(path)
+    pipe.save_pretrained(str(path))
+    return path

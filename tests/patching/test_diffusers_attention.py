@@ -337,8 +337,10 @@ def test_int_keys_select_wan_vace_main_blocks():
 
 @torch.no_grad()
 def test_strict_names_what_keeps_a_processor_exact():
-    """A non-SDPA attention backend (per layer or for the process), diffusers' context parallelism and a processor
-    that makes no SDPA call keep exact attention, naming it; the SDPA backends run fp4vis."""
+    """A non-SDPA attention backend (per layer or for the process) and a processor that makes no SDPA call keep
+    exact attention, naming it; the SDPA backends run fp4vis. A context-parallel config without its device mesh
+    (not set up by enable_parallelism) is an error naming it (context parallelism itself:
+    tests/patching/test_diffusers_context_parallel.py)."""
     model, inputs = _build("flux")
     layer = model.transformer_blocks[0].attn
     # set_attention_backend sets the process-wide backend too: attention_backend sets the previous one back
@@ -350,8 +352,11 @@ def test_strict_names_what_keeps_a_processor_exact():
         model.reset_attention_backend()
         with attention_backend("flex"), pytest.raises(fp4vis.FallbackError, match="backend 'flex'"):
             model(**inputs)
-        layer.processor.original._parallel_config = object()
-        with pytest.raises(fp4vis.FallbackError, match="transformer_blocks.0.attn.*context parallelism"):
+        from diffusers import ContextParallelConfig
+        from diffusers.models._modeling_parallel import ParallelConfig
+
+        layer.processor.original._parallel_config = ParallelConfig(ContextParallelConfig(ulysses_degree=2))
+        with pytest.raises(ValueError, match="ContextParallelConfig has no device mesh: it is set up by the model's"):
             model(**inputs)
         layer.processor.original._parallel_config = None
 

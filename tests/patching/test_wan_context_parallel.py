@@ -189,7 +189,8 @@ def two_ranks(ranks_run):
 def test_ulysses_and_ring_together_on_four_ranks(ranks_run):
     _, ranks = ranks_run
     for rank, res in enumerate(ranks):
-        assert res["together"] == {p: (True, 0.0, 1) for p in ("fast", "fast_fp8qk", "guard")}, (rank, res)
+        assert res["together"] == {**{p: (True, 0.0, 1) for p in ("fast", "fast_fp8qk", "guard")},
+                                   **{(p, "streams"): (True, 0.0, 1) for p in ("fast", "guard")}}, (rank, res)
 
 
 @pytest.mark.parametrize(("mode", "policy"), [(m, p) for m, ps in POLICIES.items() for p in ps])
@@ -305,6 +306,19 @@ def _together(rank: int, port: int) -> dict:
             out = context_parallel.attention(state, q[:, shard], k[:, shard], v[:, shard], state.policy, groups)
         one = fp4vis.attention(q, k, v, policy=policy, layout="bshd", backend="reference")[:, shard]
         res[policy] = (torch.equal(out, one), float((out - one).abs().max()), state.calls)
+    # a joint layer's two streams (each rank: its 20 text and 30 image tokens) with a key-padding mask: one GPU's
+    # sequence is every text shard, then every image shard
+    mask = torch.rand(1, 200, generator=g) > 0.3
+    local = torch.cat((torch.arange(20 * rank, 20 * rank + 20), torch.arange(80 + 30 * rank, 110 + 30 * rank)))
+    for policy in ("fast", "guard"):
+        state = LayerState(spec, fp4vis.get_policy(policy), backend="reference", range_check="raise", strict=False,
+                           handle=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = context_parallel.attention(state, q[:, local], k[:, local], v[:, local], state.policy, groups,
+                                             key_mask=mask[:, local], streams=(20, 30))
+        one = fp4vis.attention(q, k, v, policy=policy, layout="bshd", backend="reference", key_mask=mask)[:, local]
+        res[policy, "streams"] = (torch.equal(out, one), float((out - one).abs().max()), state.calls)
     dist.destroy_process_group()
     reference.KEY_CHUNK = 4096
     return res
