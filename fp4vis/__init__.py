@@ -3,8 +3,8 @@
 Layers, imports running one way (docs/design.md):
 
 * core: ``attention`` (validation, layout, range check), ``policy``, ``formats``, ``key_positions`` (key
-  blocks and tiles, anchors, native positions), ``reference`` (the exact emulation of docs/numerics.md), ``range_report``,
-  ``metrics``, ``settings`` (the ``FP4VIS_*`` variables);
+  blocks and tiles, anchors, native positions), ``reference`` (the exact emulation of docs/numerics.md),
+  ``range_report``, ``metrics``, ``settings`` (the ``FP4VIS_*`` variables);
 * backends: ``fp4vis.backends`` (the registry, the reference backend) and the kernels in
   ``fp4vis.kernels.<name>``;
 * patching: ``fp4vis.patching`` (``patch``, guard plans, one module per model library);
