@@ -323,10 +323,9 @@ def _generate(pipe, call: PipelineCall, c: Any, settings: dict[str, Any], attent
     policy, plan = attention
     with policy_applied(pipe, policy, guard=plan, backend=c.backend) as handle:
         callbacks: list[Any] = []
-        if c.exact_steps and handle is not None:
-            from fp4vis.patching.wan import exact_steps
-
-            callbacks.append(exact_steps(handle, steps=tuple(c.exact_steps), num_inference_steps=steps))
+        exact = handle.step_callback(steps, c.exact_steps or ()) if handle is not None else None
+        if exact is not None:
+            callbacks.append(exact)
         if "callback_on_step_end" in call.parameters:
             callbacks.append(clock)
             kw["callback_on_step_end"] = chained_callbacks(callbacks)

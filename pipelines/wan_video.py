@@ -302,10 +302,9 @@ def generate_checked(pipe, cfg: GenerationConfig) -> GenerationResult:
     keep = LatentsAfterSteps(tuple(cfg.latents_after))
     with policy_applied(pipe, pol, guard=cfg.guard, backend=cfg.backend, layers=cfg.layers) as handle:
         chain: list[Any] = []
-        if cfg.exact_steps and handle is not None:
-            from fp4vis.patching.wan import exact_steps as step_callback
-
-            chain.append(step_callback(handle, steps=tuple(cfg.exact_steps), num_inference_steps=cfg.steps))
+        steps = handle.step_callback(cfg.steps, cfg.exact_steps or ()) if handle is not None else None
+        if steps is not None:
+            chain.append(steps)
         chain += [*cfg.callbacks, *([keep] if cfg.latents_after else [])]
         if chain:
             kwargs["callback_on_step_end"] = chained_callbacks(chain)
