@@ -273,6 +273,11 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
     if c.compile is not None and not any((index.get(n) or [None])[0] for n in ("transformer", "transformer_2")):
         raise UsageError(f"--compile: {call.class_name} has no transformer to compile")
     plan = load_guard_plan(c.guard_plan)
+    if plan is not None and plan.exact_steps:
+        check_steps(plan.exact_steps, steps, "--guard-plan: its exact_steps")
+        if "callback_on_step_end" not in call.parameters:
+            raise UsageError(f"--guard-plan: the plan keeps steps exact and {call.class_name}'s call takes no "
+                             "callback_on_step_end, by which the attention is switched per step")
     check_plan_policy(plan, policy)
     output = check_output(c.output if c.output is not None else default_output(call), call)
     rate = call.default("frame_rate")

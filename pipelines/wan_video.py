@@ -328,6 +328,6 @@ def generate_checked(pipe, cfg: GenerationConfig) -> GenerationResult:
     timings["total_s"] = timings["text_encode_s"] + timings["denoise_s"] + timings["decode_s"]
     info = {"policy": pol.name, "height": cfg.height, "width": cfg.width, "frames": cfg.frames, "steps": cfg.steps,
             "guidance_scale": cfg.guidance_scale, "seed": cfg.seed, "backend": cfg.backend,
-            "exact_steps": list(cfg.exact_steps) if cfg.exact_steps else None,
+            "exact_steps": list(steps.schedule) if steps is not None else None,   # the plan's too
             "tokens": tokens_per_frame_sequence(pipe, height=cfg.height, width=cfg.width, frames=cfg.frames)}
     return GenerationResult(latents=final, frames=video, timings=timings, info=info, step_latents=keep.latents)

@@ -142,7 +142,8 @@ def test_time_model():
     # 4 steps, step 0 exact, layer c exact: FP4 cells = 3 steps x (a + b) = 3 * 2 of 4 * 6 units
     assert t.fp4_share(4, {0}, {"c"}) == pytest.approx(6 / 24)
     assert t.run_time(4, set(range(4)), (), "fast") == pytest.approx(2 * 4 * 6 * t.exact["a"])
-    hand = AttentionTimes(exact={"a": 1.0, "b": 3.0}, fp4={"fast": {"a": 0.5, "b": 1.0}}, calls=1, source="", units="ms")
+    hand = AttentionTimes(exact={"a": 1.0, "b": 3.0}, fp4={"fast": {"a": 0.5, "b": 1.0}}, calls=1, source="",
+                          units="ms")
     assert hand.run_time(2, {1}, {"b"}, "fast") == pytest.approx(4.0 + 0.5 + 3.0)
 
 
@@ -166,7 +167,21 @@ def test_cli_writes_the_plan_and_its_report(tiny_wan, tmp_path, cli):
     report = json.loads((tmp_path / "plan_report.json").read_text())
     assert report["held_out"]["plans"]["plan"]["met"] and report["candidates"][0]["fp4_share"] == 1.0
     assert "| candidate | why measured | FP4 share |" in (tmp_path / "plan_report.md").read_text()
-    assert GuardPlan.load(out).fidelity["target"] == {"metric": "latent_cosine", "statistic": "mean", "value": 0.5}
+    plan = GuardPlan.load(out)
+    assert plan.fidelity["target"] == {"metric": "latent_cosine", "statistic": "mean", "value": 0.5}
+    # generate --guard-plan runs its exact steps (the sidecar says which), and refuses steps the run lacks
+    plan.exact_steps = [0, -1]
+    plan.save(out)
+    video = tmp_path / "v.mp4"
+    gen = ("generate", "--model", tiny_wan, "--prompt", "x", "--frames", 5, "--height", 32, "--width", 32,
+           "--guard-plan", out, "--output", video, "--no-progress", "--backend", "reference")
+    code, _, err = cli(*gen, "--steps", 2)
+    assert code == 0, err
+    assert json.loads(video.with_suffix(".json").read_text())["exact_steps"] == [0, -1]
+    plan.exact_steps = [5]
+    plan.save(out)
+    code, _, err = cli(*gen, "--steps", 2)
+    assert code == 2 and "guard_plan: its exact_steps" in err, err
 
 
 @pytest.mark.parametrize("extra, why", [
