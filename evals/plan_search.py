@@ -17,12 +17,17 @@ The search (``search``), deterministic and bounded by ``budget`` pipeline runs b
    one layer raises the target's figure (ties: model order);
 3. the simplest plans, for comparison: all steps exact but the last k (``first = N - k``), and all but the
    first k (``last = N - k``), each family's largest k that meets the target by bisection;
-4. every candidate ``(first, last, layers)`` in order of FP4 share, largest first: one that some measured
-   candidate that missed the target dominates (it keeps no more exact) is skipped, as fidelity is taken to
-   grow with what stays exact; the first that meets the target is the plan.
+4. for each number j = 0, 1, ... of the most sensitive layers kept exact, the staircase of step plans that meet
+   the target (``_Search.walk``): the fewest exact first steps at each number of exact last steps, traced from the
+   point found by bisection with no exact last step, one run lowering the first steps or, where that misses,
+   raising the last ones, until no point further along can have more FP4 share than the best found (a j whose
+   largest possible share cannot either is skipped). Fidelity is taken to grow with what stays exact: a
+   candidate that keeps no more exact than one that missed misses too, and one that keeps at least as much as
+   one that met meets too (neither is run). The plan is the candidate measured to meet the target with the
+   largest FP4 share (ties: the higher figure).
 
-When the budget runs out first, the plan is the measured candidate that met the target with the largest FP4
-share (at worst: every step exact), and the result says so.
+When the budget runs out first, the plan is the best measured so far (at worst: every step exact), and the
+result says so.
 """
 
 from __future__ import annotations
@@ -257,6 +262,54 @@ class _Search:
                  f"({'meets' if m.met else 'misses'} the target), FP4 share {m.fp4_share:.3f}")
         return m
 
+    def known(self, c: Candidate) -> bool | None:
+        """Whether ``c`` meets the target, from what is measured: its own run, or a measured candidate that
+        missed it and keeps at least as much exact (then ``c`` misses too); None where a run must say."""
+        if c.first + c.last >= self.steps:
+            return True
+        if c in self.measured:
+            return self.measured[c].met
+        return False if any(not m.met and _within(c, m.candidate) for m in self.measured.values()) else None
+
+    def meets(self, c: Candidate, role: str) -> bool | None:
+        """``known``, else a run; None when the budget is spent."""
+        if (k := self.known(c)) is not None:
+            return k
+        return self.measure(c, role).met if self.left > 0 else None
+
+    def best_share(self) -> float:
+        return max(m.fp4_share for m in self.measured.values() if m.met)
+
+    def walk(self, layers: tuple[str, ...], guard: bool, a_bound: int) -> int | None:
+        """The staircase of ``layers`` kept exact: for b = 0, 1, ... exact steps at the end, the fewest exact
+        steps ``a`` from the start that meet the target (``a`` never grows with ``b``), only where that could have
+        more FP4 share than the best found: at each ``b`` the largest such ``a`` below the last one is run; where
+        it misses, ``b`` grows, where it meets, a bisection below it finds the fewest. Ends where no ``b`` can do
+        better (``a = 0``). ``(a_bound, 0)`` meets. Returns the fewest ``a`` found at ``b = 0`` (else ``a_bound``),
+        which the next, larger set of exact layers meets too; None when the budget ran out."""
+        role = f"staircase, {len(layers)} layers exact"
+
+        def share(a: int, b: int) -> float:
+            return self.share(Candidate(a, b, layers, guard))
+
+        a, b, a0 = a_bound, 0, a_bound
+        while a > 0 and share(0, b) > self.best_share():
+            a1 = next(x for x in range(a - 1, -1, -1) if share(x, b) > self.best_share())
+            met = self.meets(Candidate(a1, b, layers, guard), role)
+            if met is None:
+                return None
+            if met:
+                lo, hi = 0, a1   # (hi, b) meets
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if (met := self.meets(Candidate(mid, b, layers, guard), role)) is None:
+                        return None
+                    lo, hi = (lo, mid) if met else (mid + 1, hi)
+                a = hi
+                a0 = a if b == 0 else a0
+            b += 1
+        return a0
+
     def bisect(self, family: Callable[[int], Candidate], role: str) -> Measured | None:
         """The family's member with the largest k (FP4 steps) that meets the target, by bisection over
         k in 0..N (k = 0: every step exact, which meets it)."""
@@ -295,30 +348,17 @@ def search(runs: WanRuns, target: FidelityTarget, times: AttentionTimes, base: G
     order = sorted(layers, key=lambda nm: (-gain.get(nm, -math.inf), layers.index(nm)))
     simplest = {"exact but the last k": s.bisect(lambda k: Candidate(first=n - k, guard=use_guard), "simplest"),
                 "exact but the first k": s.bisect(lambda k: Candidate(last=n - k, guard=use_guard), "simplest")}
-    chosen, exhausted = None, False
-    if s.measured[base_c].met:
-        chosen = s.measured[base_c]
-    else:
-        grid = [Candidate(a, b, tuple(order[:j]), use_guard) for j in range(len(layers) + 1) for a in range(n + 1)
-                for b in range(n + 1 - a)]
-        grid.sort(key=lambda c: (-s.share(c), len(c.exact_layers), c.first + c.last, c.last))
-        for c in grid:
-            if c in s.measured:
-                if s.measured[c].met:
-                    chosen = s.measured[c]
-                    break
-                continue
-            if any(not m.met and _within(c, m.candidate, order) for m in s.measured.values()):
-                continue
-            if s.left <= 0:
+    exhausted = False
+    if not s.measured[base_c].met:
+        a_bound = simplest["exact but the last k"].candidate.first   # (a, 0, no layer) meets from here on
+        for j in range(len(layers) + 1):
+            walked = s.walk(tuple(order[:j]), use_guard, a_bound)
+            if walked is None:
                 exhausted = True
                 break
-            if (m := s.measure(c)).met:
-                chosen = m
-                break
-    if chosen is None:   # the budget ran out: the best measured candidate that meets it
-        passing = [m for m in s.measured.values() if m.met] or [s.measure(Candidate(first=n), "every step exact")]
-        chosen = max(passing, key=lambda m: (m.fp4_share, m.score))
+            a_bound = walked
+    passing = [m for m in s.measured.values() if m.met]
+    chosen = max(passing, key=lambda m: (m.fp4_share, m.score))
     fidelity = {"target": target.to_dict(), "measured": {f"{st}_{k}": float(fn(v)) for k, v in
                                                          chosen.per_prompt.items()
                                                          for st, fn in (("mean", np.mean), ("worst", np.min))},
@@ -350,7 +390,7 @@ def check_plan(runs: WanRuns, plans: dict[str, GuardPlan], target: FidelityTarge
     return out
 
 
-def _within(c: Candidate, failed: Candidate, order: Sequence[str]) -> bool:
+def _within(c: Candidate, failed: Candidate) -> bool:
     """``c`` keeps no more exact than ``failed`` (the same policy): taken to miss the target too."""
     return (c.guard == failed.guard and c.first <= failed.first and c.last <= failed.last
             and set(c.exact_layers) <= set(failed.exact_layers))
