@@ -59,7 +59,8 @@ METRIC_NAMES = {"psnr": "psnr_db", "psnr_db": "psnr_db", "cosine": "latent_cosin
 @dataclass(frozen=True)
 class FidelityTarget:
     """``metric`` (latent_cosine, psnr_db, ssim) of the run against BF16's, its ``statistic`` over the prompts
-    (``mean``, or ``worst``: the lowest prompt's) at least ``value``."""
+    (``mean``; ``worst``: the lowest prompt's; ``lower``: the lower end of the mean's 95 % Student-t interval, a
+    margin for prompts the plan was not chosen on; one prompt: its figure) at least ``value``."""
 
     metric: str
     value: float
@@ -87,6 +88,11 @@ class FidelityTarget:
         return cls(METRIC_NAMES[m.group(1)], value, statistic)
 
     def score(self, per_prompt: Sequence[float]) -> float:
+        if self.statistic == "lower":
+            from fp4vis.evals.report import mean_ci95
+
+            ci = mean_ci95(list(per_prompt))
+            return float(ci["ci95_low"] if ci["ci95_low"] is not None else ci["mean"])
         return float(np.mean(per_prompt)) if self.statistic == "mean" else float(np.min(per_prompt))
 
     def met(self, per_prompt: Sequence[float]) -> bool:

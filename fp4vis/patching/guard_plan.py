@@ -226,7 +226,7 @@ _PLAN_SEARCHED = ("exact_layers", "exact_steps", "fidelity")   # version 2
 _FIDELITY_FIELDS = ("target", "measured", "num_prompts", "fp4_share", "time_model")
 _FIDELITY_OPTIONAL = ("predicted_attention_time", "steps", "candidates", "runs", "method")
 TARGET_METRICS = ("latent_cosine", "psnr_db", "ssim")
-TARGET_STATISTICS = ("mean", "worst")
+TARGET_STATISTICS = ("mean", "worst", "lower")   # lower: the lower end of the mean's 95 % interval
 
 
 def _json_type(v: Any) -> str:

@@ -43,7 +43,10 @@ def test_targets_parse_and_refuse():
                      ("psnr=inf", "finite")):
         with pytest.raises(ValueError, match=why):
             FidelityTarget.parse(bad)
-    with pytest.raises(ValueError, match="statistic: expected one of mean, worst"):
+    lower = FidelityTarget("psnr_db", 30.0, "lower")
+    assert lower.score([31.0, 29.0, 30.0]) == pytest.approx(30.0 - 4.302653 / math.sqrt(3), rel=1e-4)
+    assert lower.score([31.0]) == 31.0
+    with pytest.raises(ValueError, match="statistic: expected one of mean, worst, lower"):
         FidelityTarget("psnr_db", 30.0, "median")
 
 
