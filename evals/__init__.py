@@ -11,6 +11,9 @@ published protocols    ``paper_protocols``         ``fp4vis eval vit|mae|wan --p
 the demo               ``demo`` (``demo_video``,   ``fp4vis demo`` (``demo.py``)
                        ``demo_defaults``)
 kernel benchmark       ``kernel_bench``            ``fp4vis bench`` (``bench.py``)
+a plan for a target    ``plan_search`` (``plan_    ``fp4vis calibrate wan|pipeline --target`` (``calibrate.py``,
+                       report``, ``attention_      ``calibrate_target.py``); ``fp4vis.plan``
+                       time``)
 =====================  ==========================  ==========================================================
 
 What they share: ``common`` (per-layer attention errors, per-sample metrics, datasets of images),

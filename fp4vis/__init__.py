@@ -35,6 +35,17 @@ from fp4vis.range_report import RangeReport
 
 __version__ = "0.1.0"
 
+
+def plan(pipe, prompts, policy="fast", target=None, **options):
+    """The plan that meets a fidelity ``target`` against BF16 on ``prompts`` with the most attention time in FP4:
+    which denoising steps and layers stay exact (a ``GuardPlan`` for ``fp4vis.patch(..., guard=plan)``). An app
+    service that runs the pipeline (``fp4vis.evals.plan_search.plan``, imported on the first call: ``import
+    fp4vis`` loads no pipeline library); ``options``: its ``settings``, ``budget``, ``guard``."""
+    from fp4vis.evals.plan_search import plan as search
+
+    return search(pipe, prompts, policy, target, **options)
+
+
 __all__ = [
     "FallbackError",
     "FallbackWarning",
@@ -55,6 +66,7 @@ __all__ = [
     "guard_policy",
     "guard_policy_for_heads",
     "patch",
+    "plan",
     "rel_l2",
     "rmse",
     "unpatch",

@@ -287,6 +287,11 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
     if c.compile is not None and not any((index.get(n) or [None])[0] for n in ("transformer", "transformer_2")):
         raise UsageError(f"--compile: {call.class_name} has no transformer to compile")
     plan = load_guard_plan(c.guard_plan)
+    if plan is not None and plan.exact_steps:
+        check_steps(plan.exact_steps, steps, "--guard-plan: its exact_steps")
+        if "callback_on_step_end" not in call.parameters:
+            raise UsageError(f"--guard-plan: the plan keeps steps exact and {call.class_name}'s call takes no "
+                             "callback_on_step_end, by which the attention is switched per step")
     check_plan_policy(plan, policy)
     run = PipelineRun(c, call, settings, policy, plan, steps)
     if c.cp is None:
@@ -377,10 +382,9 @@ def _generate(pipe, run: PipelineRun, label: str, main: bool = True) -> tuple[np
     policy, plan = run.policy, run.plan
     with policy_applied(pipe, policy, guard=plan, backend=c.backend) as handle:
         callbacks: list[Any] = []
-        if c.exact_steps and handle is not None:
-            from fp4vis.patching.wan import exact_steps
-
-            callbacks.append(exact_steps(handle, steps=tuple(c.exact_steps), num_inference_steps=steps))
+        exact = handle.step_callback(steps, c.exact_steps or ()) if handle is not None else None
+        if exact is not None:
+            callbacks.append(exact)
         if "callback_on_step_end" in call.parameters:
             callbacks.append(clock)
             kw["callback_on_step_end"] = chained_callbacks(callbacks)

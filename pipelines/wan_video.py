@@ -302,10 +302,9 @@ def generate_checked(pipe, cfg: GenerationConfig) -> GenerationResult:
     keep = LatentsAfterSteps(tuple(cfg.latents_after))
     with policy_applied(pipe, pol, guard=cfg.guard, backend=cfg.backend, layers=cfg.layers) as handle:
         chain: list[Any] = []
-        if cfg.exact_steps and handle is not None:
-            from fp4vis.patching.wan import exact_steps as step_callback
-
-            chain.append(step_callback(handle, steps=tuple(cfg.exact_steps), num_inference_steps=cfg.steps))
+        steps = handle.step_callback(cfg.steps, cfg.exact_steps or ()) if handle is not None else None
+        if steps is not None:
+            chain.append(steps)
         chain += [*cfg.callbacks, *([keep] if cfg.latents_after else [])]
         if chain:
             kwargs["callback_on_step_end"] = chained_callbacks(chain)
@@ -329,6 +328,6 @@ def generate_checked(pipe, cfg: GenerationConfig) -> GenerationResult:
     timings["total_s"] = timings["text_encode_s"] + timings["denoise_s"] + timings["decode_s"]
     info = {"policy": pol.name, "height": cfg.height, "width": cfg.width, "frames": cfg.frames, "steps": cfg.steps,
             "guidance_scale": cfg.guidance_scale, "seed": cfg.seed, "backend": cfg.backend,
-            "exact_steps": list(cfg.exact_steps) if cfg.exact_steps else None,
+            "exact_steps": list(steps.schedule) if steps is not None else None,   # the plan's too
             "tokens": tokens_per_frame_sequence(pipe, height=cfg.height, width=cfg.width, frames=cfg.frames)}
     return GenerationResult(latents=final, frames=video, timings=timings, info=info, step_latents=keep.latents)

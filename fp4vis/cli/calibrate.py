@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             same = "" if wan else " (default: the pipeline's)"
             p.add_argument("--prompt", action="append", required=True, help="calibration prompt (repeatable)")
             p.add_argument("--frames", type=positive_int, default=17 if wan else None, help="video pipelines" + same)
-            p.add_argument("--steps", type=positive_int, default=4, help="denoising steps of each calibration run")
+            p.add_argument("--steps", type=positive_int, default=None,
+                           help="denoising steps of each calibration run (default 4; with --target: the model's)")
             p.add_argument("--height", type=positive_int, default=480 if wan else None, help=same.strip())
             p.add_argument("--width", type=positive_int, default=832 if wan else None, help=same.strip())
             p.add_argument("--guidance", type=guidance, default=5.0 if wan else None,
@@ -46,6 +47,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                              "(I2V) pipeline, its image branch included")
             p.add_argument("--force", action="store_true", help="calibrate on prompts a model trained on a closed "
                                                                 "set of prompts (fp4vis:digits-wan) does not know")
+            t = p.add_argument_group("a plan for a fidelity target (which steps and layers stay exact; "
+                                     "docs/plan.md)")
+            t.add_argument("--target", default=None, metavar="METRIC=VALUE",
+                           help="search the plan that meets this against BF16 on the prompts with the most attention "
+                                "time in FP4: psnr=30 (frames' PSNR, dB), cosine=0.99 (latents), ssim=0.95")
+            t.add_argument("--statistic", choices=["mean", "worst", "lower"], default="mean",
+                           help="the target's statistic over the prompts: the mean, the worst prompt's, or the lower "
+                                "end of the mean's 95 %% interval (a margin for other prompts)")
+            t.add_argument("--budget", type=positive_int, default=None,
+                           help="pipeline runs the search may make besides BF16's (default 24)")
+            t.add_argument("--check-prompt", action="append", default=None,
+                           help="a held-out prompt to check the plan on (repeatable): the report gives each figure "
+                                "with its 95 %% interval there")
+            t.add_argument("--no-guard", action="store_true", help="do not try the guard policy on the FP4 layers")
         else:
             p.add_argument("--data", required=True, help="ImageFolder root: ROOT/<class>/<image>")
             p.add_argument("--limit", type=positive_int, default=16, help="calibration images")
@@ -79,6 +94,15 @@ def run(args: argparse.Namespace) -> int:
         option, _, reason = str(exc).partition(": ")
         raise UsageError(f"--{option}: {reason}") from None
     out = check_output_file(args.out, "--out")
+    if args.calib_kind in ("wan", "pipeline"):
+        if args.target is not None:
+            from .calibrate_target import run_target
+
+            return run_target(args, out)
+        for option in ("budget", "check_prompt", "no_guard"):
+            if getattr(args, option) not in (None, False):
+                raise UsageError(f"--{option.replace('_', '-')}: only with --target")
+        args.steps = 4 if args.steps is None else args.steps
     if args.calib_kind == "wan":
         from fp4vis.pipelines.model_files import check_prompt
         from fp4vis.pipelines.wan_sizes import wan_geometry

@@ -37,7 +37,10 @@ Per-layer policy resolution (first to last, later steps win):
    exact attention;
 3. the guard plan: each guarded layer whose policy is a Direct-P policy gets the plan's guard policy
    (exact, ``nv_fp8`` and FP8 P/V (``fp8``, ``fp8pv``) layers stay as they are: softmax policies have no range
-   to guard).
+   to guard); the layers a plan found for a fidelity target keeps exact (``exact_layers``) are exact. Its
+   exact steps (``exact_steps``) run through the pipeline call's ``callback_on_step_end=handle.step_callback()``
+   (``fp4vis generate`` and ``fp4vis.pipelines.wan_video.generate`` pass it; a handle removed without it having
+   been built warns that the steps did not run exact).
 
 A layer whose resolved policy is exact is not touched at all. At call time a patched layer keeps
 the model's exact attention, with one :class:`FallbackWarning` naming the layer and the reason,
@@ -104,6 +107,8 @@ def resolve_layer_policies(specs: list[LayerSpec], policy: Any, layers: Mapping 
         for s in plan.match(specs):
             if out[s.name] is not None and out[s.name].is_direct_p:
                 out[s.name] = plan.guard_policy
+        for s in plan.match(specs, plan.exact_layers):
+            out[s.name] = None
     return out
 
 

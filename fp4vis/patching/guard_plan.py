@@ -23,6 +23,12 @@ need no guard). Change it with ``threshold=`` (absolute, log2 units), ``fraction
 **The plan** (:class:`GuardPlan`) is versioned JSON: format, version, model id, base policy, guard
 policy (its fields), the rule, per-layer statistics (value, limit, headroom, fraction of the limit)
 and the guarded layers. ``fp4vis.patch(model, guard=plan_or_path)`` applies it.
+
+A plan found for a fidelity target (``fp4vis.plan``, ``fp4vis calibrate pipeline --target``; version 2, the
+fields a version-1 plan lacks) also keeps layers exact (``exact_layers``: the model's own attention in every
+step) and denoising steps exact (``exact_steps``: step indices, negative from the end; every layer exact in
+them, through the handle's ``step_callback()``), and records what it was chosen for (``fidelity``: the target
+against BF16, the measured fidelity and FP4 share of attention time, the prompts' count, the time model).
 ``GuardPlan.save`` writes it atomically; ``GuardPlan.load`` / ``from_dict`` check it against its saved form
 field by field (``GuardPlanError`` naming the field and the reason).
 """
@@ -43,7 +49,7 @@ from fp4vis.files import atomic_write
 from fp4vis.policy import Policy
 
 FORMAT = "fp4vis.guard_plan"
-VERSION = 1
+VERSION = 2   # 2: exact layers and steps, and the fidelity a searched plan was chosen for
 #: largest representable P block exponent relative to the row reference (docs/numerics.md section 2)
 EXP_LIMIT = 127.0
 GUARD_ANCHORS = 128
@@ -215,6 +221,12 @@ def check_plan_path(path: Any, what: str) -> None:
 # earlier fp4vis may lack are optional (architecture: plans before fingerprints); any other field is unknown.
 _PLAN_REQUIRED = ("format", "version", "model_id", "policy", "guard_policy", "rule", "layers", "guarded")
 _PLAN_OPTIONAL = ("created", "n_samples", "num_inputs", "statistic_units", "architecture")
+_PLAN_SEARCHED = ("exact_layers", "exact_steps", "fidelity")   # version 2
+# a searched plan's ``fidelity`` record: its fields, and those of its target
+_FIDELITY_FIELDS = ("target", "measured", "num_prompts", "fp4_share", "time_model")
+_FIDELITY_OPTIONAL = ("predicted_attention_time", "steps", "candidates", "runs", "method")
+TARGET_METRICS = ("latent_cosine", "psnr_db", "ssim")
+TARGET_STATISTICS = ("mean", "worst", "lower")   # lower: the lower end of the mean's 95 % interval
 
 
 def _json_type(v: Any) -> str:
@@ -325,6 +337,37 @@ def _check_architecture(v: Any) -> dict[str, list[int]]:
     return {str(k): list(v) for k, v in arch.items()}
 
 
+def _check_steps(where: str, v: Any) -> list[int]:
+    if not isinstance(v, list) or not all(type(x) is int for x in v):
+        raise GuardPlanError(f"{where}: expected a list of step indices (integers, negative from the end), got "
+                             f"{_json_type(v)}")
+    return list(v)
+
+
+def check_target(where: str, v: Any) -> dict[str, Any]:
+    """A fidelity target's saved form: ``{"metric", "statistic", "value"}`` (``GuardPlanError`` naming the field)."""
+    d = _check_fields(where, v, required=("metric", "statistic", "value"), optional=())
+    for key, known in (("metric", TARGET_METRICS), ("statistic", TARGET_STATISTICS)):
+        if d[key] not in known:
+            raise GuardPlanError(f"{where}.{key}: expected one of {', '.join(known)}, got {_json_type(d[key])}")
+    return {"metric": d["metric"], "statistic": d["statistic"], "value": _check_number(f"{where}.value", d["value"])}
+
+
+def _check_fidelity(v: Any) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    d = _check_fields("fidelity", v, required=_FIDELITY_FIELDS, optional=_FIDELITY_OPTIONAL)
+    check_target("fidelity.target", d["target"])
+    for name, x in _check_object("fidelity.measured", d["measured"], "{metric: value}").items():
+        _check_number(f"fidelity.measured[{name!r}]", x)
+    _check_int("fidelity.num_prompts", d["num_prompts"], minimum=1)
+    share = _check_number("fidelity.fp4_share", d["fp4_share"])
+    if not 0 <= share <= 1:
+        raise GuardPlanError(f"fidelity.fp4_share: expected a fraction in [0, 1], got {share!r}")
+    _check_str("fidelity.time_model", d["time_model"])
+    return dict(d)
+
+
 def _policy_to_dict(p: Policy) -> dict[str, Any]:
     return dataclasses.asdict(p)
 
@@ -357,9 +400,18 @@ class GuardPlan:
     num_inputs: int = 0
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(
         timespec="seconds"))
-    version: int = VERSION
+    version: int = 1   # written as VERSION when the plan is a searched one (to_dict)
     # the fingerprint of the model it was calibrated on: every reachable attention layer -> [heads, head dim]
     architecture: dict[str, list[int]] = field(default_factory=dict)
+    # a plan found for a fidelity target (module docstring): layers and steps kept exact, what it was chosen for
+    exact_layers: list[str] = field(default_factory=list)
+    exact_steps: list[int] = field(default_factory=list)
+    fidelity: dict[str, Any] | None = None
+
+    @property
+    def searched(self) -> bool:
+        """Whether the plan keeps layers or steps exact or records a fidelity target (a version-2 plan)."""
+        return bool(self.exact_layers or self.exact_steps or self.fidelity)
 
     # -- decisions -------------------------------------------------------------------------------
     def decide(self) -> list[str]:
@@ -375,11 +427,12 @@ class GuardPlan:
         new.decide()
         return new
 
-    def match(self, specs: Iterable[Any]) -> list[Any]:
-        """The layer specs (fp4vis.patching.layer.LayerSpec) this plan guards; unknown names raise."""
+    def match(self, specs: Iterable[Any], names: Iterable[str] | None = None) -> list[Any]:
+        """The layer specs (fp4vis.patching.layer.LayerSpec) this plan guards (``names``: those it names
+        otherwise, e.g. ``exact_layers``); unknown names raise."""
         specs = list(specs)
         chosen, missing = [], []
-        for name in self.guarded:
+        for name in self.guarded if names is None else names:
             hits = [s for s in specs if name in (s.name, s.local_name) or (
                 s.component == "" and name.split(".", 1)[-1] == s.name and "." in name)]
             if not hits:
@@ -450,7 +503,8 @@ class GuardPlan:
             "layers": {name: st.to_dict() for name, st in self.stats.items()},
             "guarded": list(self.guarded),
             "architecture": {name: list(shape) for name, shape in self.architecture.items()},
-        }
+        } | ({"version": VERSION, "exact_layers": list(self.exact_layers), "exact_steps": list(self.exact_steps),
+              "fidelity": self.fidelity} if self.searched else {})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GuardPlan:
@@ -464,7 +518,8 @@ class GuardPlan:
         if type(version) is not int or version > VERSION or version < 1:
             raise GuardPlanError(f"guard plan version {version!r} is not supported (this fp4vis reads "
                                  f"versions 1..{VERSION})")
-        d = _check_fields("", d, required=_PLAN_REQUIRED, optional=_PLAN_OPTIONAL)
+        d = _check_fields("", d, required=_PLAN_REQUIRED,
+                          optional=_PLAN_OPTIONAL + (_PLAN_SEARCHED if version >= 2 else ()))
         _check_str("statistic_units", d.get("statistic_units", ""))
         layers = _check_object("layers", d["layers"], "{layer name: statistics}")
         stats = {}
@@ -482,7 +537,10 @@ class GuardPlan:
                    n_samples=_check_int("n_samples", d.get("n_samples", GUARD_ANCHORS), minimum=1),
                    num_inputs=_check_int("num_inputs", d.get("num_inputs", 0), minimum=0),
                    created=_check_str("created", d.get("created", "")), version=version,
-                   architecture=_check_architecture(d.get("architecture", {})))
+                   architecture=_check_architecture(d.get("architecture", {})),
+                   exact_layers=_check_names("exact_layers", d.get("exact_layers", [])),
+                   exact_steps=_check_steps("exact_steps", d.get("exact_steps", [])),
+                   fidelity=_check_fidelity(d.get("fidelity")))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON, atomically (a failed write never replaces a good plan)."""
@@ -505,6 +563,9 @@ class GuardPlan:
     def summary(self) -> str:
         lines = [f"guard plan for {self.model_id} (policy {self.policy.name}, guard {self.guard_policy.name}; "
                  f"{self.rule.describe(self.policy)})"]
+        if self.searched:
+            lines.append(f"  exact layers: {', '.join(self.exact_layers) or 'none'}; exact steps: "
+                         f"{', '.join(map(str, self.exact_steps)) or 'none'}")
         for name, st in self.stats.items():
             lines.append(f"  {name}: value {st.value:.1f} / limit {st.limit:.1f}"
                          f"{'  GUARDED' if st.guarded else ''}" if st.value is not None else f"  {name}: -")

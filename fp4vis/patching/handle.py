@@ -43,6 +43,7 @@ class PatchHandle:
     #: under context parallelism: local sequence length -> the token streams of the joint attention of that
     #: length (fp4vis.patching.diffusers_attention), for the single-stream blocks that attend over it
     joint_streams: dict = field(default_factory=dict)
+    _steps_armed: bool = False
 
     @property
     def layers(self) -> dict[str, LayerState | None]:
@@ -72,9 +73,28 @@ class PatchHandle:
     def clear_override(self) -> None:
         self.set_override(UNSET)
 
+    def step_callback(self, num_inference_steps: int | None = None, extra_steps: Iterable[int] = ()) -> Any:
+        """The ``callback_on_step_end`` that runs the guard plan's exact steps (and ``extra_steps``) with every
+        layer exact (``fp4vis.patching.wan.StepPolicyCallback``); None when there are none. Negative step
+        indices count from the end: give ``num_inference_steps`` when one is the first step."""
+        steps = [*(self.guard_plan.exact_steps if self.guard_plan is not None else ()), *extra_steps]
+        self._steps_armed = True
+        if not steps:
+            return None
+        from .wan import StepPolicyCallback
+
+        return StepPolicyCallback(self, {int(s): None for s in steps}, num_inference_steps=num_inference_steps)
+
     def remove(self) -> None:
         if self.removed:
             return
+        if self.guard_plan is not None and self.guard_plan.exact_steps and not self._steps_armed:
+            import warnings
+
+            warnings.warn(f"fp4vis: the guard plan keeps denoising steps {self.guard_plan.exact_steps} exact, and "
+                          "this patch ran without its step callback: every step ran the plan's layers (pass "
+                          "callback_on_step_end=handle.step_callback() to the pipeline call)", RuntimeWarning,
+                          stacklevel=2)
         errors = []
         for inst in reversed(self._installed):
             try:
