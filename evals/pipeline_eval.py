@@ -50,7 +50,7 @@ import torch
 from fp4vis.evals import published_configs as pc
 from fp4vis.evals.baselines import BASELINES, attention_functions, run_name, select_baselines
 from fp4vis.evals.common import error_metrics, frame_metrics, reference_timed
-from fp4vis.evals.report import fmt, markdown_table, mean_ci95, write_report
+from fp4vis.evals.report import fmt, markdown_table, mean_ci95, report_writer
 from fp4vis.evals.timed_runs import (
     LoopSettings,
     RunOutcome,
@@ -355,11 +355,7 @@ def _evaluate(config: PipelineEvalConfig, arch: pc.PublishedDenoiser | None, dev
         result["guidance_scale"] = arch.guidance if config.guidance_scale is None else config.guidance_scale
     name = config.name or ("pipeline_speed" if random_weights else "pipeline_fidelity")
 
-    def write() -> None:
-        if config.out_dir is not None:
-            result["environment"] = environment()
-            files = write_report(config.out_dir, name, result, pipeline_markdown(result))
-            result["files"] = {k: str(v) for k, v in files.items()}
+    write = report_writer(config.out_dir, name, result, pipeline_markdown)
 
     schedule, references = bf16_baselines_policies(
         pols, baseline_names, BASELINE_LAYERS, guard_for=lambda pol: plan_for(plan, pol),

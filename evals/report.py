@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,19 @@ def write_report(out_dir: str | os.PathLike, name: str, result: dict[str, Any], 
     atomic_write(md_path, markdown.rstrip() + "\n\n" + environment_markdown(result["environment"]) + "\n"
                  + f"\nRaw output: [{json_path.name}]({json_path.name})\n")
     return {"json": json_path, "markdown": md_path}
+
+
+def report_writer(out_dir: str | os.PathLike | None, name: str, result: dict[str, Any],
+                  markdown: Callable[[dict[str, Any]], str]) -> Callable[[], None]:
+    """The ``write()`` an eval's run loop calls after every run: ``result`` as it is then (its environment read
+    again) as ``<name>.json`` and ``<name>.md`` in ``out_dir`` (nothing where None), their paths into
+    ``result["files"]``."""
+    def write() -> None:
+        if out_dir is not None:
+            result["environment"] = environment()
+            files = write_report(out_dir, name, result, markdown(result))
+            result["files"] = {k: str(v) for k, v in files.items()}
+    return write
 
 
 def environment_markdown(env: dict[str, Any]) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 
 from fp4vis.evals.baselines import BASELINES, attention_function, run_name, select_baselines
 from fp4vis.evals.common import AttentionRecorder, error_metrics, frame_metrics, reference_timed
-from fp4vis.evals.report import fmt, markdown_table, write_report
+from fp4vis.evals.report import fmt, markdown_table, report_writer
 from fp4vis.evals.timed_runs import (
     LoopSettings,
     RunOutcome,
@@ -264,11 +264,7 @@ def run_wan_eval(config: WanEvalConfig, *, say: Callable[[str], Any] | None = No
         result["backends_available"] = {"error": str(e)}
     name = config.name or ("wan_speed" if random_weights else "wan_fidelity")
 
-    def write() -> None:
-        if config.out_dir is not None:
-            result["environment"] = environment()
-            files = write_report(config.out_dir, name, result, wan_markdown(result))
-            result["files"] = {k: str(v) for k, v in files.items()}
+    write = report_writer(config.out_dir, name, result, wan_markdown)
 
     # what each run's bar says: the baseline in attn1, else the policy and its backend (generate's default)
     schedule, references = bf16_baselines_policies(
