@@ -18,7 +18,6 @@ The FP4 share of a plan is the share of the all-exact run's attention time its F
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,7 +130,3 @@ def attention_times(shapes: Mapping[str, LayerShape], policies: Sequence[str], c
     if torch.device(device).type == "cuda":
         return measured_times(shapes, policies, calls, device=torch.device(device))
     return stated_times(shapes, policies, calls)
-
-
-def geometric_mean(values: Sequence[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))

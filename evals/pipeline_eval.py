@@ -288,12 +288,11 @@ def _spread(subject: SpeedOnlySubject | PipelineSubject, cp: Any, dev: torch.dev
     """The subject's transformers under diffusers' context parallelism ``cp`` (``enable_context_parallel``: its
     checks first); the bf16 run's exact attention under ring needs a backend that can run it."""
     from fp4vis.pipelines.context_parallel import check_exact_under_ring, enable_context_parallel
+    from fp4vis.pipelines.model_files import pipeline_transformers
 
     check_exact_under_ring(cp, dev, dtype, "the bf16 run")
     module = subject.module
-    models = [module] if isinstance(subject, SpeedOnlySubject) else [
-        getattr(module, n) for n in ("transformer", "transformer_2") if isinstance(getattr(module, n, None),
-                                                                                  torch.nn.Module)]
+    models = [module] if isinstance(subject, SpeedOnlySubject) else pipeline_transformers(module)
     if not models:
         raise UsageError(f"--cp {cp}: {type(module).__name__} has no transformer to spread over the processes")
     for model in models:

@@ -3,6 +3,7 @@ pipeline evals compile them (``fp4vis.services.runtime.COMPILE_MODES``)."""
 
 from __future__ import annotations
 
+from fp4vis.pipelines.model_files import pipeline_transformers
 from fp4vis.services.runtime import COMPILE_MODES
 from fp4vis.services.usage import UsageError
 
@@ -16,10 +17,7 @@ def compile_transformers(pipe, mode: str, backend: str = "inductor") -> None:
     "aot_eager" traces the same graphs without generating code)."""
     if mode not in COMPILE_MODES:
         raise UsageError(f"compile: must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-    for name in ("transformer", "transformer_2"):
-        transformer = getattr(pipe, name, None)
-        if transformer is None:
-            continue
+    for transformer in pipeline_transformers(pipe):
         if mode == "regional":
             transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
         else:

@@ -28,7 +28,13 @@ from fp4vis.pipelines.compile import compile_transformers
 from fp4vis.pipelines.context_parallel import equal_shards
 from fp4vis.pipelines.denoising_steps import chained_callbacks, check_steps
 from fp4vis.pipelines.media_files import save_mp4, save_png
-from fp4vis.pipelines.model_files import check_prompt, model_index, resolve_model
+from fp4vis.pipelines.model_files import (
+    check_prompt,
+    has_transformer,
+    model_index,
+    pipeline_transformers,
+    resolve_model,
+)
 from fp4vis.policy import Policy, get_policy
 from fp4vis.services.environment import environment
 from fp4vis.services.guard_plans import check_plan_policy, guard_plan_summary, load_guard_plan
@@ -284,7 +290,7 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
                          "attention is switched per step")
     if c.compile is not None and c.compile not in COMPILE_MODES:
         raise UsageError(f"--compile: must be one of {', '.join(COMPILE_MODES)}, got {c.compile!r}")
-    if c.compile is not None and not any((index.get(n) or [None])[0] for n in ("transformer", "transformer_2")):
+    if c.compile is not None and not has_transformer(index):
         raise UsageError(f"--compile: {call.class_name} has no transformer to compile")
     plan = load_guard_plan(c.guard_plan)
     if plan is not None and plan.exact_steps:
@@ -299,7 +305,7 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
     from fp4vis.pipelines.context_parallel import ContextParallel, distributed, parse_cp
 
     cp = c.cp if isinstance(c.cp, ContextParallel) else parse_cp(c.cp)
-    if not any((index.get(n) or [None])[0] for n in ("transformer", "transformer_2")):
+    if not has_transformer(index):
         raise UsageError(f"--cp {cp}: {call.class_name} has no transformer to spread over the processes")
     with distributed(cp, c.device) as session:
         return _run_pipeline(replace(run, cp=cp), session.device, main=session.is_main,
@@ -328,9 +334,8 @@ def _run_pipeline(run: PipelineRun, dev: torch.device, *, main: bool = True,
     if run.cp is not None:
         from fp4vis.pipelines.context_parallel import enable_context_parallel
 
-        for name in ("transformer", "transformer_2"):
-            if isinstance(getattr(pipe, name, None), torch.nn.Module):
-                enable_context_parallel(getattr(pipe, name), run.cp)
+        for transformer in pipeline_transformers(pipe):
+            enable_context_parallel(transformer, run.cp)
     if c.compile is not None:
         compile_transformers(pipe, c.compile)
     label = attention_label(policy, c.backend, dev, plan)

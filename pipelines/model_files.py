@@ -1,7 +1,8 @@
 """What a model source's files say, read before (or without) its weights: ``resolve_model`` (where a source's
 folder is: a model fp4vis ships is its folder), ``model_index`` (a local diffusers folder's
-``model_index.json``), ``training_record`` (a folder's ``training.json``), and the prompts a model trained
-on a closed set knows (``known_prompts``, ``check_prompt``). Generic: every pipeline reads them, Wan's and any
+``model_index.json``; ``has_transformer``: whether it names a transformer), ``training_record`` (a folder's
+``training.json``), the prompts a model trained on a closed set knows (``known_prompts``, ``check_prompt``), and a
+loaded pipeline's transformers (``pipeline_transformers``). Generic: every pipeline reads them, Wan's and any
 other diffusers pipeline's."""
 
 from __future__ import annotations
@@ -28,6 +29,22 @@ def model_index(path: str) -> dict[str, Any]:
         raise UsageError(f"model: {path!r} is not a diffusers pipeline folder (no model_index.json); save one "
                          "with pipe.save_pretrained(dir) or pass a Hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
     return json.loads(f.read_text())
+
+
+#: the pipeline components that hold a denoising transformer (Wan2.2's second expert: ``transformer_2``)
+TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
+
+
+def has_transformer(index: dict[str, Any]) -> bool:
+    """Whether a pipeline's ``model_index.json`` (``index``) names a transformer component."""
+    return any((index.get(name) or [None])[0] for name in TRANSFORMER_COMPONENTS)
+
+
+def pipeline_transformers(pipe: Any) -> list[Any]:
+    """A loaded pipeline's transformers (``TRANSFORMER_COMPONENTS`` that are modules), in that order."""
+    import torch
+
+    return [m for name in TRANSFORMER_COMPONENTS if isinstance(m := getattr(pipe, name, None), torch.nn.Module)]
 
 
 def training_record(model: str) -> dict[str, Any]:

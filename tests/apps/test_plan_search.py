@@ -4,6 +4,7 @@ saved and loaded through the real loading code: the search (deterministic, withi
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from apps.tiny_models import make_tiny_wan
 
 import fp4vis
-from fp4vis.evals.attention_time import FP4_RELATIVE_TIME, AttentionTimes, LayerShape, geometric_mean, stated_times
+from fp4vis.evals.attention_time import FP4_RELATIVE_TIME, AttentionTimes, LayerShape, stated_times
 from fp4vis.evals.plan_search import Candidate, FidelityTarget, WanRuns, check_plan, search, search_plan
 from fp4vis.patching import GuardPlan, GuardPlanError
 from fp4vis.pipelines import wan_video as wv
@@ -154,7 +155,7 @@ def test_stated_ratio_is_the_committed_gpu_result():
     rows = json.loads((ROOT / "benchmarks/results/20261203o_h200_kernel_grid.json").read_text())["rows"]
     exact = {r["shape"]: r["ms"] for r in rows if r["backend"] == "sdpa_cudnn"}
     fast = [r["ms"] / exact[r["shape"]] for r in rows if r["backend"] == "hopper" and r["policy"] == "fast"]
-    assert len(fast) == 5 and round(geometric_mean(fast), 3) == FP4_RELATIVE_TIME["fast"]
+    assert len(fast) == 5 and round(statistics.geometric_mean(fast), 3) == FP4_RELATIVE_TIME["fast"]
 
 
 def test_cli_writes_the_plan_and_its_report(tiny_wan, tmp_path, cli):
