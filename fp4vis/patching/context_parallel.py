@@ -64,8 +64,8 @@ from fp4vis.reference import DirectPAccumulator, key_stream_reason
 
 from .layer import LayerState
 
-__all__ = ["ContextParallelError", "ContextParallelGroups", "attention", "check_layer", "check_policy",
-           "groups_of", "one_gpu_order", "ring_strategy"]
+__all__ = ["ContextParallelError", "ContextParallelGroups", "check_layer", "check_policy", "groups_of",
+           "one_gpu_order", "ring_strategy", "shard_attention"]
 
 
 class ContextParallelError(ValueError):
@@ -125,9 +125,9 @@ def check_policy(state: LayerState, policy: Policy) -> None:
                                    "(qk_global_scale), which no rank holds")
 
 
-def attention(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
-              groups: ContextParallelGroups, *, scale: float | None = None, key_mask: torch.Tensor | None = None,
-              streams: tuple[int, ...] | None = None) -> torch.Tensor:
+def shard_attention(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                    groups: ContextParallelGroups, *, scale: float | None = None, key_mask: torch.Tensor | None = None,
+                    streams: tuple[int, ...] | None = None) -> torch.Tensor:
     """FP4 attention of this rank's sequence shard, (B, S_local, H, D) in and out (layout ``bshd``).
 
     ``scale``: the softmax scale (None: 1/sqrt(D)). ``key_mask``: the shard's bool (B, S_local) key-padding

@@ -313,7 +313,8 @@ class FP4AttnProcessor(_WrappingProcessor):
             if st.active_policy() is not None:
                 st.fallback(reason)
             return self.original(attn, *args, **kwargs)
-        router = _SDPARouter(st, self.pairwise_mask, parallel)
+        router = (_SDPARouter(st, self.pairwise_mask) if parallel is None
+                  else _ParallelSDPARouter(st, parallel))
         with router, _local_attention(self.original, parallel):
             out = self.original(attn, *args, **kwargs)
         if router.sdpa_calls == 0 and st.active_policy() is not None:
@@ -483,13 +484,23 @@ class _SDPARouter(_SDPAMode):
     """The SDPA calls of one processor call, for one layer, to fp4vis where it can compute them (module
     docstring)."""
 
-    def __init__(self, state: LayerState, pairwise_mask: bool, parallel: _ParallelCall | None = None):
+    def __init__(self, state: LayerState, pairwise_mask: bool):
         super().__init__()
         self.state = state
         self.pairwise_mask = pairwise_mask
-        self.parallel = parallel
 
     def sdpa(self, func, args: tuple, kwargs: dict, call: dict[str, Any]) -> torch.Tensor:
+        layer_call, _, query_rows = self.select(call)
+        if layer_call is None:
+            return func(*args, **kwargs)
+        out = self.state.attention(layer_call)
+        if query_rows is not None:   # a query that attends to no key: SDPA's zero row
+            out = out.masked_fill(~query_rows[:, None, :, None], 0)
+        return out
+
+    def select(self, call: dict[str, Any]) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        """The layer's answer for an SDPA call (its ``LayerCall``, or None: exact), with the call's bool (B, S)
+        key mask and, for a pairwise padding mask, its valid query rows (else None)."""
         q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
         key_mask = query_rows = reason = None
         if mask is not None:
@@ -497,28 +508,29 @@ class _SDPARouter(_SDPAMode):
                 key_mask = query_rows = mask[:, 0].diagonal(dim1=-2, dim2=-1)   # valid (B, S)
             else:
                 key_mask, reason = broadcast_key_mask(mask, q, k)
-        st = self.state
-        layer_call = st.select(q, k, v, layout="bhsd", scale=call["scale"], dropout_p=call["dropout_p"],
-                               is_causal=call["is_causal"], extra_reason=reason, key_mask=key_mask)
-        if self.parallel is not None:
-            return self._parallel(call, layer_call, key_mask)
-        if layer_call is None:
-            return func(*args, **kwargs)
-        out = st.attention(layer_call)
-        if query_rows is not None:   # a query that attends to no key: SDPA's zero row
-            out = out.masked_fill(~query_rows[:, None, :, None], 0)
-        return out
+        layer_call = self.state.select(q, k, v, layout="bhsd", scale=call["scale"], dropout_p=call["dropout_p"],
+                                       is_causal=call["is_causal"], extra_reason=reason, key_mask=key_mask)
+        return layer_call, key_mask, query_rows
 
-    def _parallel(self, call: dict[str, Any], layer_call: Any, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """This rank's shard of an SDPA call under context parallelism: FP4 through ``context_parallel`` (its
-        collectives), or diffusers' own context-parallel attention for a call the layer keeps exact."""
+
+class _ParallelSDPARouter(_SDPARouter):
+    """The router under diffusers' context parallelism: each SDPA call is this rank's shard, computed FP4 through
+    ``context_parallel`` (its collectives), or by diffusers' own context-parallel attention where the layer keeps
+    it exact. A pairwise mask never comes here (``FP4AttnProcessor._parallel_call`` keeps such layers exact)."""
+
+    def __init__(self, state: LayerState, parallel: _ParallelCall):
+        super().__init__(state, pairwise_mask=False)
+        self.parallel = parallel
+
+    def sdpa(self, func, args: tuple, kwargs: dict, call: dict[str, Any]) -> torch.Tensor:
+        layer_call, key_mask, _ = self.select(call)
         q, k, v = (call[n].transpose(1, 2) for n in ("query", "key", "value"))   # bshd, as diffusers' backends
         if layer_call is None:
             out = dispatch_attention_fn(q, k, v, attn_mask=call["attn_mask"], dropout_p=call["dropout_p"],
                                         is_causal=call["is_causal"], scale=call["scale"],
                                         backend=self.parallel.backend, parallel_config=self.parallel.config)
             return out.transpose(1, 2)
-        out = context_parallel.attention(self.state, q, k, v, layer_call.policy, self.parallel.groups,
+        out = context_parallel.shard_attention(self.state, q, k, v, layer_call.policy, self.parallel.groups,
                                          scale=call["scale"], key_mask=key_mask, streams=self.parallel.streams)
         return out.transpose(1, 2)
 

@@ -242,7 +242,7 @@ class FP4WanAttnProcessor(WanProcessorBase):
             return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          backend=self._attention_backend, parallel_config=parallel_config)
         if groups is not None:
-            return context_parallel.attention(st, query, key, value, layer_call.policy, groups)
+            return context_parallel.shard_attention(st, query, key, value, layer_call.policy, groups)
         return st.attention(layer_call)
 
     def _attend_projections(self, attn, query, key, value, rotary_emb, parallel_config):

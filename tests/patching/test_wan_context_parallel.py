@@ -303,7 +303,7 @@ def _together(rank: int, port: int) -> dict:
                            handle=None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = context_parallel.attention(state, q[:, shard], k[:, shard], v[:, shard], state.policy, groups)
+            out = context_parallel.shard_attention(state, q[:, shard], k[:, shard], v[:, shard], state.policy, groups)
         one = fp4vis.attention(q, k, v, policy=policy, layout="bshd", backend="reference")[:, shard]
         res[policy] = (torch.equal(out, one), float((out - one).abs().max()), state.calls)
     # a joint layer's two streams (each rank: its 20 text and 30 image tokens) with a key-padding mask: one GPU's
@@ -315,7 +315,7 @@ def _together(rank: int, port: int) -> dict:
                            handle=None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = context_parallel.attention(state, q[:, local], k[:, local], v[:, local], state.policy, groups,
+            out = context_parallel.shard_attention(state, q[:, local], k[:, local], v[:, local], state.policy, groups,
                                              key_mask=mask[:, local], streams=(20, 30))
         one = fp4vis.attention(q, k, v, policy=policy, layout="bshd", backend="reference", key_mask=mask)[:, local]
         res[policy, "streams"] = (torch.equal(out, one), float((out - one).abs().max()), state.calls)
