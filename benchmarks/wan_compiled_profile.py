@@ -72,7 +72,7 @@ def _summary(table: list, wall_s: float, profiled_wall_s: float) -> dict:
 
 
 def _runs(model: str, compiled: bool, which: tuple[str, ...]) -> dict:
-    from fp4vis.evals.wan_fidelity import baseline_attention
+    from fp4vis.evals.timed_runs import baseline_applied
     from fp4vis.pipelines.compile import compile_transformers
     from fp4vis.pipelines.wan_video import (
         GenerationConfig,
@@ -94,7 +94,7 @@ def _runs(model: str, compiled: bool, which: tuple[str, ...]) -> dict:
     for run in which:
         baseline = run.split("=", 1)[1] if run.startswith("attn1=") else None
         policy = "bf16" if baseline is not None or run == "bf16" else run
-        with baseline_attention(pipe, baseline):
+        with baseline_applied(pipe, baseline, "*attn1"):
             if compiled:
                 torch._dynamo.reset()
             t0 = time.perf_counter()

@@ -165,7 +165,8 @@ def run_wan_protocol(*, model: str | None = None, protocol: WanProtocol = PAPER[
     """The Wan protocol: one run of each length (``fp4vis.evals.wan_fidelity.run_wan_eval``, latents only)
     and the final latents' cosine / relL2 against BF16 beside the published ones of that model size.
     Fidelity only: no BF16 attention baselines (they are speed figures, and not the published protocol's)."""
-    from .wan_fidelity import DEFAULT_PROMPT, WanEvalConfig, run_wan_eval
+    from .timed_runs import DEFAULT_PROMPT
+    from .wan_fidelity import WanEvalConfig, run_wan_eval
 
     model = model or protocol.model
     size = protocol.size_of(model)

@@ -77,6 +77,12 @@ class WanGeometry:
     def max_frames(self) -> int:
         return (self.rope_max_seq_len * self.patch[0] - 1) * self.temporal + 1
 
+    def tokens(self, *, height: int, width: int, frames: int) -> int:
+        """Self-attention sequence length at this size (arithmetic only: also for a size the rotary embedding
+        cannot generate, as the CPU's size limit asks of it)."""
+        p, sf = self.patch, self.spatial
+        return (self.latent_frames(frames) // p[0]) * (height // sf // p[1]) * (width // sf // p[2])
+
     def check(self, *, height: int, width: int, frames: int, model: str = "the model", prefix: str = "") -> None:
         """A UsageError naming the option (``prefix`` + frames/height/width: ``--`` at the command line) and
         what the model needs, for a size its pipeline cannot generate."""
@@ -145,25 +151,13 @@ def latent_shape(pipe, *, height: int, width: int, frames: int, batch: int = 1) 
 
 
 def tokens_per_frame_sequence(pipe, *, height: int, width: int, frames: int) -> int:
-    """Self-attention sequence length of the transformer for this video size (arithmetic only: also for a size
-    that this pipeline's rotary embedding cannot generate, as the CPU estimate asks of a small model)."""
-    geometry = WanGeometry.of_pipeline(pipe)
-    p = geometry.patch
-    sf = geometry.spatial
-    return (geometry.latent_frames(frames) // p[0]) * (height // sf // p[1]) * (width // sf // p[2])
+    """Self-attention sequence length of the loaded pipeline's transformer for this video size
+    (``WanGeometry.tokens``)."""
+    return WanGeometry.of_pipeline(pipe).tokens(height=height, width=width, frames=frames)
 
 
 WAN_VAE_SCALE = (4, 8)   # the Wan2.1 VAE's downsampling in time and space (build_random_wan_pipeline's too)
-
-
-def wan_tokens(size: str, *, height: int, width: int, frames: int) -> int:
-    """``tokens_per_frame_sequence`` of the Wan2.1 architecture ``size`` before it is built."""
-    p = WAN_TRANSFORMER_CONFIGS[size]["patch_size"]
-    tf, sf = WAN_VAE_SCALE
-    return ((frames - 1) // tf + 1) // p[0] * (height // sf // p[1]) * (width // sf // p[2])
-
-
-CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence on the CPU generate warns, the Wan eval refuses
+CPU_PRACTICAL_TOKENS = 4096   # above this many tokens per sequence on the CPU generate warns, the evals refuse
 
 
 def check_cpu_size(what: str, tokens: int, *, height: int, width: int, frames: int) -> None:

@@ -41,6 +41,23 @@ def print_files(result: dict) -> None:
         print(f"{kind}: {path}")
 
 
+def run_line(name: str, run: dict, emulated: bool, timing: str, details: str = "") -> str:
+    """One run of a diffusion eval: its ``timing``, speedups against BF16 and each baseline (none where the FP4
+    runs were the reference emulation: its times are no speed result), ``details``, the latent cosine and, where
+    decoded, PSNR/SSIM (``frames``, or ``video``)."""
+    if "error" in run:
+        return f"{name}: FAILED {run['error']}"
+    speedups = "" if emulated else ", ".join(f"{x:.2f}x vs {ref}" for ref, x in run.get("speedup_vs", {}).items()
+                                             if ref != name)
+    line = f"{name}: {timing}" + (f", speedup {speedups}" if speedups else "") + details
+    if "latent_cosine" in run:
+        line += f", latent cosine {run['latent_cosine']:.5f}"
+    frames = run.get("frames") or run.get("video")
+    if frames:
+        line += f", PSNR {frames['psnr_mean']:.2f} dB, SSIM {frames['ssim_mean']:.4f}"
+    return line
+
+
 def print_schedule_notes(result: dict) -> bool:
     """What a diffusion eval's schedule says before its runs' lines: the baselines skipped (and why), and whether
     the FP4 runs were the reference emulation (then no speedup is given). Returns the latter."""

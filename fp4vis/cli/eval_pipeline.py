@@ -1,11 +1,12 @@
 """``fp4vis eval pipeline``: any diffusers text-to-image or text-to-video pipeline's per-step speed and fidelity
-against BF16, or a published denoiser's speed alone (``fp4vis.evals.pipeline_eval``)."""
+against BF16, or a published denoiser's speed alone (``fp4vis.evals.pipeline_eval``, the pipeline eval's generic
+configuration)."""
 
 from __future__ import annotations
 
 import argparse
 
-from .eval_common import eval_announcer, print_schedule_notes
+from .eval_common import eval_announcer, print_schedule_notes, run_line
 from .options import Formatter, add_denoising_runs, add_prompt, add_runtime, guidance, policy_list, positive_int, seed
 
 
@@ -65,7 +66,8 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, common: dict) -> dict | None:
     """``eval pipeline``: the eval, then one line per run."""
-    from fp4vis.evals.pipeline_eval import DEFAULT_PROMPT, PipelineEvalConfig, routing_text, run_pipeline_eval
+    from fp4vis.evals.pipeline_eval import PipelineEvalConfig, run_pipeline_eval
+    from fp4vis.evals.timed_runs import DEFAULT_PROMPT, routing_text
 
     config = PipelineEvalConfig(
         args.model, speed_only=args.speed_only, policies=args.policies, prompt=args.prompt or DEFAULT_PROMPT,
@@ -78,18 +80,8 @@ def run(args: argparse.Namespace, common: dict) -> dict | None:
         return None
     emulated = print_schedule_notes(r)
     for name, entry in r["runs"].items():
-        if "error" in entry:
-            print(f"{name}: FAILED {entry['error']}")
-            continue
-        line = f"{name}: {entry['step_s']['mean']:.4f} s per step"
-        speedups = ", ".join(f"{x:.2f}x vs {ref}" for ref, x in entry.get("speedup_vs", {}).items() if ref != name)
-        if speedups and not emulated:
-            line += f", speedup {speedups}"
-        if "baseline" in entry:
-            line += f"; {entry['baseline']['name']}: {routing_text(entry['baseline']['routing'])}"
-        if "latent_cosine" in entry:
-            line += f", latent cosine {entry['latent_cosine']:.5f}"
-        if "frames" in entry:
-            line += f", PSNR {entry['frames']['psnr_mean']:.2f} dB, SSIM {entry['frames']['ssim_mean']:.4f}"
-        print(line)
+        routing = (f"; {entry['baseline']['name']}: {routing_text(entry['baseline']['routing'])}"
+                   if "baseline" in entry else "")
+        timing = f"{entry['step_s']['mean']:.4f} s per step" if "step_s" in entry else ""
+        print(run_line(name, entry, emulated, timing, routing))
     return r

@@ -1,11 +1,11 @@
 """``fp4vis eval wan``: a Wan2.1 pipeline's fidelity against BF16 and its end-to-end speed
-(``fp4vis.evals.wan_fidelity``)."""
+(``fp4vis.evals.wan_fidelity``, the pipeline eval's Wan configuration)."""
 
 from __future__ import annotations
 
 import argparse
 
-from .eval_common import PROTOCOL_HELP, eval_announcer, print_schedule_notes
+from .eval_common import PROTOCOL_HELP, eval_announcer, print_schedule_notes, run_line
 from .options import (
     Formatter,
     add_denoising_runs,
@@ -65,19 +65,6 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
     add_runtime(p)
 
 
-def run_line(name: str, run: dict, emulated: bool = False) -> str:
-    """One run of the Wan eval: its denoising time, speedups against BF16 and each baseline (none where the
-    FP4 runs were the reference emulation: its times are no speed result), latent cosine."""
-    if "error" in run:
-        return f"{name}: FAILED {run['error']}"
-    speedups = "" if emulated else ", ".join(f"{x:.2f}x vs {ref}" for ref, x in run.get("speedup_vs", {}).items()
-                                             if ref != name)
-    extra = f", speedup {speedups}" if speedups else ""
-    if "latent_cosine" in run:
-        extra += f", latent cosine {run['latent_cosine']:.5f}"
-    return f"{name}: denoise {run['timings']['denoise_s']:.3f} s{extra}"
-
-
 def check_options(args: argparse.Namespace, size: dict[str, int]) -> None:
     """Before anything loads: --latent-steps within the run's steps, and the size and frames the model's VAE
     and transformer can take (read from its configs, or the --speed-only architecture's)."""
@@ -94,7 +81,8 @@ def check_options(args: argparse.Namespace, size: dict[str, int]) -> None:
 
 def run(args: argparse.Namespace, common: dict) -> dict:
     """The eval (prompt, size and steps checked before anything loads), then one line per run."""
-    from fp4vis.evals.wan_fidelity import DEFAULT_PROMPT, WanEvalConfig, run_wan_eval
+    from fp4vis.evals.timed_runs import DEFAULT_PROMPT
+    from fp4vis.evals.wan_fidelity import WanEvalConfig, run_wan_eval
     from fp4vis.pipelines.model_files import check_prompt, training_record
     from fp4vis.pipelines.wan_video import WAN_GENERATION, generation_defaults
 
@@ -116,5 +104,6 @@ def run(args: argparse.Namespace, common: dict) -> dict:
     r = run_wan_eval(config, say=eval_announcer(args))
     emulated = print_schedule_notes(r)
     for name, entry in r["runs"].items():
-        print(run_line(name, entry, emulated))
+        timing = f"denoise {entry['timings']['denoise_s']:.3f} s" if "timings" in entry else ""
+        print(run_line(name, entry, emulated, timing))
     return r

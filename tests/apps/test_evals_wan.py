@@ -130,8 +130,12 @@ def test_a_baseline_runs_in_attn1_through_the_processor(tiny, tmp_path, monkeypa
         assert run["speedup_vs"] == {ref: pytest.approx(denoise[ref] / denoise[name])
                                      for ref in ("bf16", "attn1=cpu_sdpa")}
     md = (tmp_path / "wan_fidelity.md").read_text()
-    assert "| run | vs bf16 | vs attn1=cpu_sdpa |" in md and "| attn1=cpu_sdpa |" in md
-    assert "`attn1=cpu_sdpa`: torch SDPA (a test's)" in md
+    assert "| attn1=cpu_sdpa |" in md and "`attn1=cpu_sdpa`: torch SDPA (a test's)" in md
+    # off the reference emulation the report tabulates the speedups against every reference; on it, none (its
+    # times are no speed result), as the generic configuration's report
+    assert "| run | vs bf16 | vs attn1=cpu_sdpa |" in wan_fidelity.wan_markdown(dict(r, backend="hopper",
+                                                                                       device="cuda"))
+    assert "| run | vs bf16 |" not in md
     assert json.loads((tmp_path / "wan_fidelity.json").read_text())["baselines"] == ["cpu_sdpa"]
 
 
@@ -166,3 +170,32 @@ def test_compiled_runs_give_the_eager_latents_and_report_their_warmup(tiny, tmp_
         run_wan_eval(WanEvalConfig(str(tiny), compile="full", warmup=False, **kw))
     with pytest.raises(UsageError, match="compile: must be one of regional, full"):
         run_wan_eval(WanEvalConfig(str(tiny), compile="max", **kw))
+
+
+def test_the_wan_eval_is_a_configuration_of_the_pipeline_eval(tiny, monkeypatch):
+    """One run loop: the Wan eval, the pipeline eval's entry point given the Wan configuration, and the generic
+    configuration on the same saved Wan pipeline all run their schedules through ``timed_runs.run_schedule``; the
+    pipeline eval's entry point runs a ``WanEvalConfig`` as ``run_wan_eval`` does, to the latent."""
+    from fp4vis.evals import timed_runs
+    from fp4vis.evals.pipeline_eval import PipelineEvalConfig, run_pipeline_eval
+
+    loops = []
+    real = timed_runs.run_schedule
+
+    def spy(schedule, settings, result, **kw):
+        loops.append((result["eval"], [run.name for run in schedule]))
+        return real(schedule, settings, result, **kw)
+
+    monkeypatch.setattr(timed_runs, "run_schedule", spy)
+    kw = dict(KW, policies="fast", backend="reference", device="cpu", decode=False, warmup=False, baselines="none")
+    wan = run_wan_eval(WanEvalConfig(str(tiny), **kw))
+    wan_via_pipeline = run_pipeline_eval(WanEvalConfig(str(tiny), **kw))
+    generic = run_pipeline_eval(PipelineEvalConfig(str(tiny), dtype="float32", **kw))
+    assert loops == [(name, ["bf16", "fast"]) for name in ("wan_fidelity", "wan_fidelity", "pipeline_eval")]
+    assert wan_via_pipeline["eval"] == "wan_fidelity"
+    assert wan_via_pipeline["runs"]["fast"]["latent_cosine"] == wan["runs"]["fast"]["latent_cosine"]
+    # what the loop writes is the same for both configurations
+    for r in (wan, generic):
+        assert r["complete"] and r["context_parallel"] is None and r["baselines_skipped"] == {}
+        assert r["runs"]["fast"]["speedup_vs"] == {"bf16": pytest.approx(r["runs"]["bf16"]["timings"]["denoise_s"]
+                                                                          / r["runs"]["fast"]["timings"]["denoise_s"])}
