@@ -10,7 +10,7 @@ Library API (the CLIs ``benchmarks/kernel_grid.py`` and ``fp4vis bench`` call th
 Backends (each skipped with a reason in its row when it cannot run here):
   ``hopper``        fp4vis Hopper kernel, whole call: pre-pass (quantize, anchors) + kernel
   ``hopper_plain`` / ``hopper_overlap``  the whole call with the serial or the overlapped schedule
-  ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES/CTAS_PER_SM/TILE_N``, ``hopper_kernel@...``  a kernel variant (a part
+  ``hopper@SCHEDULE/P_PATH/NUM_WG/BLOCK_SCALES/CTAS_PER_SM/TILE_N/POLY_EXP2``, ``hopper_kernel@...``  a variant (a part
                     may be empty or left out: the default), e.g. ``hopper_kernel@serial/scalar``,
                     ``hopper@pingpong/packed/3`` or ``hopper_kernel@///lane``; see
                     ``fp4vis.kernels.hopper.config.KernelConfig``
@@ -48,7 +48,7 @@ import importlib
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -107,7 +107,7 @@ def _kmod(name: str):
     return importlib.import_module(f"fp4vis.kernels.{name}")
 
 
-VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales", "ctas_per_sm", "tile_n")
+VARIANT_FIELDS = ("schedule", "p_path", "num_wg", "block_scales", "ctas_per_sm", "tile_n", "poly_exp2")
 
 
 def split_variant(backend: str) -> tuple[str, dict]:
@@ -116,11 +116,12 @@ def split_variant(backend: str) -> tuple[str, dict]:
     the defaults (hopper.config.KernelConfig); ``"hopper_kernel@///lane"`` -> {block_scales: "lane"};
     ``"hopper_kernel@////2"`` the short-sequence variant, ``"hopper_kernel@////1"`` the default kernel
     whatever the sequence lengths (without any field the kernel is picked by sequence length as the
-    backend picks it: hopper.backend.SHORT_SEQ)."""
+    backend picks it: hopper.backend.SHORT_SEQ); ``"hopper_kernel@//////0"`` the FP8 P/V softmax with every
+    exponential on the exponential unit (``poly_exp2``: how many of 8 go to the FMA pipe)."""
     base, _, variant = backend.partition("@")
     parts = variant.split("/") if variant else []
     kw = {f: v for f, v in zip(VARIANT_FIELDS, parts) if v}
-    for f in ("num_wg", "ctas_per_sm", "tile_n"):
+    for f in ("num_wg", "ctas_per_sm", "tile_n", "poly_exp2"):
         if f in kw:
             kw[f] = int(kw[f])
     return base, kw
@@ -132,7 +133,15 @@ def _variant_config(pol, q: torch.Tensor, variant: dict):
     if not variant:
         return None
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
-    return _kmod("hopper.config").KernelConfig.from_policy(pol, q.shape[-1], dtype, **variant)
+    variant = dict(variant)
+    poly_exp2 = variant.pop("poly_exp2", None)   # no argument of make's: set on the made variant
+    cfg = _kmod("hopper.config").KernelConfig.from_policy(pol, q.shape[-1], dtype, **variant)
+    if poly_exp2 is not None:
+        if not cfg.pv_fp8 or not 0 <= poly_exp2 <= 8:
+            raise ValueError(f"poly_exp2: 0-8 exponentials of 8, for the FP8 P/V policies; got {poly_exp2} for "
+                             f"policy {pol.name!r}")
+        cfg = replace(cfg, poly_exp2=poly_exp2)
+    return cfg
 
 
 def hopper_call(policy: str, **variant):

@@ -22,9 +22,15 @@ from fp4vis.policy import QK_FP8, KernelParams, Policy
 TILE_M_PER_WG = 64      # query rows per consumer warpgroup (one WGMMA M)
 NUM_MMA_WG = 2          # default consumer warpgroups per CTA (KernelConfig.num_wg: 2, 3 with 64-key tiles, 1 serial)
 # the FP8 P/V softmax at D = 64: three consumer warpgroups of 128-key tiles (its registers fit 160 per thread), a
-# third softmax beside the matrix products: against two on the H100, 1-3 % less kernel time for `fp8`, 9-14 % for
-# `fp8pv` (benchmarks/results/20261206e_h100_kernel.json, hopper_kernel against hopper_kernel@//2)
+# third softmax beside the matrix products: against two on the H100, 6-7 % less kernel time for `fp8`, 11-14 % for
+# `fp8pv` (benchmarks/results/20261206h_h100_kernel.json, hopper_kernel against hopper_kernel@//2)
 PV_FP8_D64_WG = 3
+# `fp8`: of every 8 scores of a row's 32-key block, those whose 2^x the FMA pipe computes (ptx.ex2_poly) in the
+# softmax's whole tiles, the others on the exponential unit. Against 0 on the H100, 2 takes 9-11 % off the D = 64
+# kernel and 1-2 % at D = 128, and 4 is slower (benchmarks/results/20261206h_h100_kernel.json, hopper_kernel against
+# hopper_kernel@//////0 and @//////4); `fp8pv` (its Q K^T on BF16 tensor cores, twice FP8's time) ran 1-7 % slower
+# with 2 at four of the five shapes (20261206h_h100_kernel_fp8pv-poly.json) and keeps 0
+PV_FP8_POLY_EXP2 = 2
 TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 64 also supported
 KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
@@ -98,6 +104,7 @@ class KernelConfig:
     range_record: bool = False       # count saturated blocks, empty rows, non-finite outputs (range_check)
     key_lengths: bool = False        # a key count per batch element (key masks: kernels/kept_keys.py), else Skv
     pv_fp8: bool = False             # Policy method "fp8_pv": online softmax, E4M3 P and V (softmax_fp8.SoftmaxFP8)
+    poly_exp2: int = 0               # pv_fp8: of every 8 exponentials, those on the FMA pipe (PV_FP8_POLY_EXP2)
 
     @property
     def overlap(self) -> bool:
@@ -179,7 +186,7 @@ class KernelConfig:
                              p_path=p_path, num_wg=num_wg, code_rounding=params.code_rounding, qk_fp8=qk_fp8,
                              block_scales=block_scales, ctas_per_sm=ctas_per_sm, eighths=eighths,
                              range_record=bool(range_record) and p_path not in TIMING_P_PATHS,
-                             pv_fp8=bool(params.pv_fp8))
+                             pv_fp8=bool(params.pv_fp8), poly_exp2=PV_FP8_POLY_EXP2 if params.pv_fp8 and qk_fp8 else 0)
 
     @staticmethod
     def from_policy(policy: Policy, head_dim: int, out_dtype: OutDtype, **variant) -> KernelConfig:

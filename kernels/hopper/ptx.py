@@ -85,6 +85,29 @@ def ex2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [Float32(x)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", loc, ip))
 
 
+# 2^f on [-1/2, 1/2], degree 3: the minimax fit in relative error (Remez; tests/kernels/hopper/test_exp2_poly.py
+# derives it), error <= 7.5e-5, far below E4M3's 2^-4 rounding of P
+EXP2_POLY = (0.99992807, 0.69326099, 0.24261112, 0.05517167)
+
+
+@dsl_user_op
+def ex2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x on the FMA pipe (the exponential unit's work moved to the ALUs, as flash-attn-4 does on Blackwell):
+    n = round(x) by the 1.5 * 2^23 addition, 2^(x - n) by ``EXP2_POLY``, n added to the exponent field. x is
+    clamped at -120 first (max.NaN: a NaN stays NaN), so the result stays a normal float32; x <= 2^22."""
+    c0, c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
+    body = ("{ .reg .f32 y, r, n, f, p; .reg .b32 rb, pb;\n"
+            "max.NaN.f32 y, $1, 0fC2F00000;\n"
+            "add.rn.f32 r, y, 0f4B400000;\n"
+            "sub.rn.f32 n, r, 0f4B400000;\n"
+            "sub.rn.f32 f, y, n;\n"
+            f"fma.rn.f32 p, f, {c3}, {c2};\n"
+            f"fma.rn.f32 p, p, f, {c1};\n"
+            f"fma.rn.f32 p, p, f, {c0};\n"
+            "mov.b32 rb, r;\n shl.b32 rb, rb, 23;\n mov.b32 pb, p;\n add.s32 pb, pb, rb;\n mov.b32 $0, pb; }")
+    return Float32(_asm(T.f32(), [Float32(x)], body, "=f,f", loc, ip))
+
+
 @dsl_user_op
 def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(_asm(T.f32(), [Float32(a), Float32(b), Float32(c)], "fma.rn.f32 $0, $1, $2, $3;",

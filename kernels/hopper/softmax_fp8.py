@@ -4,8 +4,9 @@ state, the same per-tile entry (``tile``) and the same register order, so the ke
 
 Per 128-key tile and row: the tile maximum of t = raw * s (s the softmax scale times log2 e, times 2^Eq 2^Ek for
 FP8 Q/K: positive, so the maximum of the raw block maxima times s is the maximum of the products), the running
-maximum m_j = max(m_{j-1}, that), P = 2^(t - m_j + 8) on the exponential unit (one FFMA and one MUFU.EX2 per
-score), the unrounded P summed into the row's denominator, and P rounded to E4M3 (``cvt.rn.satfinite.e4m3x2``:
+maximum m_j = max(m_{j-1}, that), P = 2^(t - m_j + 8) (one FFMA and one MUFU.EX2 per score; in whole tiles
+``cfg.poly_exp2`` of every 8 on the FMA pipe instead: ``ptx.ex2_poly``, ``config.PV_FP8_POLY_EXP2``),
+the unrounded P summed into the row's denominator, and P rounded to E4M3 (``cvt.rn.satfinite.e4m3x2``:
 P <= 256, never saturated) straight into the A fragment of the P V WGMMA: slot k of a 32-key block is the
 accumulator column ``config.PV_FP8_KEY_ORDER[k]`` of the same thread, and V^T holds its keys in that order, so
 no value moves between registers or threads. The denominator is multiplied by 2^(m_{j-1} - m_j) at once, the output
@@ -23,7 +24,7 @@ from cutlass import Float32, Int32, const_expr
 from fp4vis.key_positions import P_E4M3_LOG2
 
 from .direct_p import DirectP
-from .ptx import defined_here, e4m3x4, ex2_approx, fma_rn, fmax_nan, order_before_wait, select_f32
+from .ptx import defined_here, e4m3x4, ex2_approx, ex2_poly, fma_rn, fmax_nan, order_before_wait, select_f32
 
 
 def softmax_fp8_for(cfg, s_log2: Float32, lane_q: Int32, acc_o: cute.Tensor) -> SoftmaxFP8:
@@ -55,6 +56,7 @@ class SoftmaxFP8(DirectP):
         while the kernel is traced (its loops and dictionaries are over compile-time indices)."""
         _, s_pair, _ = self.multipliers(tile_scales)
         idx, vals, mx = self.block_maxima(acc_s, kv_limit, masked)
+        n_poly = 0 if masked else self.cfg.poly_exp2   # masked tiles: -inf scores must give P = 0 exactly
         corr = [Float32(1.0), Float32(1.0)]
         p = {}   # P by accumulator index
         l_acc = [Float32(0.0), Float32(0.0)]
@@ -72,7 +74,8 @@ class SoftmaxFP8(DirectP):
             self.row_m[r] = m_new
             bias = Float32(P_E4M3_LOG2) - m_use
             for b in range(self.nb):
-                block = [ex2_approx(fma_rn(vals[r, b][t8], s_pair[r, b], bias)) for t8 in range(8)]
+                ys = (fma_rn(vals[r, b][t8], s_pair[r, b], bias) for t8 in range(8))   # lazily: each beside its 2^y
+                block = [ex2_poly(y) if (t8 * n_poly) % 8 < n_poly else ex2_approx(y) for t8, y in enumerate(ys)]
                 for t8 in range(8):
                     p[idx[r, b][t8]] = block[t8]
                 # a tree per block: short dependency chains for the denominator's adds
