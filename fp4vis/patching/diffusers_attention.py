@@ -36,7 +36,8 @@ Context parallelism (``enable_parallelism(config=ContextParallelConfig(...))``, 
 settings land on the original processor): diffusers' hooks split the sequence and gather it, and its processors
 would hand their shard to diffusers' context-parallel attention. A patched layer runs the original processor with
 its parallel config set aside for the call (``_local_attention``), so its SDPA call is on this rank's shard, and
-hands that to ``fp4vis.patching.context_parallel`` (Ulysses, ring, both: the collectives the Wan layers use too),
+its router (``_ParallelSDPARouter``, the one-GPU router's subclass) hands that to
+``fp4vis.patching.context_parallel.shard_attention`` (Ulysses, ring, both: the collectives the Wan layers use too),
 the key mask with its keys; the calls it keeps exact go to diffusers' own context-parallel attention
 (``dispatch_attention_fn`` with the parallel config). diffusers splits the text and image streams of a joint layer
 separately, so a rank's sequence is its text shard and its image shard joined; the FP4 path puts the gathered
