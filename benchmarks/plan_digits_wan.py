@@ -4,8 +4,9 @@ prompts (docs/plan.md):
 1. ``fp4vis.evals.plan_search.search_plan`` on 10 prompts (``balanced_prompts(20)[:10]``: every digit once,
    seeds 0..9), the whole pipeline in float32 (docs/demo.md says why), FP4 on the reference backend;
 2. the held-out check (``check_plan``) on 10 other prompts (``balanced_prompts(20)[10:]``: every digit once, in
-   another direction, seeds 100..109): the plan, ``fast`` everywhere, and the simplest plans that met the
-   target on the search prompts, each against BF16 with its 95 % interval;
+   another direction, seeds 100..109): the plan, ``fast`` everywhere, the simplest plans that met the target on
+   the search prompts, and the simplest with one exact step fewer (it missed there), each against BF16 with its
+   95 % interval;
 3. the demo's readout (``fp4vis.zoo.moving_digits.read_clips``) of every held-out clip: how many read as the
    prompted digit, BF16's own count beside each plan's.
 
