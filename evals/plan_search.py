@@ -24,8 +24,8 @@ The search (``search``), deterministic and bounded by ``budget`` pipeline runs b
    ``j = 1 .. L - 1`` of the most sensitive layers (step 2's order), those ``j`` layers kept exact ``c`` steps
    longer (to the last step at most: then exact in every step). At each ``(a, j)`` the largest ``c`` whose FP4
    share still beats the best plan found is run first; where it misses, no smaller ``c`` can meet, where it meets,
-   a bisection finds the fewest ``c`` that meets. The refinement ends after two levels ``a`` in a row with no
-   plan that meets, at ``a = 0``, or when the budget is spent.
+   a bisection finds the fewest ``c`` that meets. The refinement ends after ``a = 0``, or when the budget is
+   spent; at the lower levels most candidates are decided without a run (below).
 
 Fidelity is taken to grow with what stays exact: a candidate whose exact cells are a subset of a measured
 candidate's that missed misses too, and one whose exact cells hold a measured candidate's that met meets too
@@ -331,9 +331,7 @@ class _Search:
     def refine(self, order: Sequence[str], guard: bool, top: int) -> bool:
         """Step 4 of the module docstring, below ``top`` steps exact from the start (which meets the target);
         False when the budget ran out."""
-        idle = 0
         for a in range(top - 1, -1, -1):
-            found = False
             for j in range(1, len(order)):
                 def cand(c: int, a: int = a, j: int = j) -> Candidate:
                     if a + c >= self.steps:   # exact to the last step: exact in every step
@@ -348,15 +346,11 @@ class _Search:
                     return False
                 if not met:
                     continue
-                found = True
                 while lo < hi:   # (hi) meets: the fewest c that meets
                     mid = (lo + hi) // 2
                     if (met := self.meets(cand(mid), "refinement")) is None:
                         return False
                     lo, hi = (lo, mid) if met else (mid + 1, hi)
-            idle = 0 if found else idle + 1
-            if idle == 2:
-                break
         return True
 
     def bisect(self, family: Callable[[int], Candidate], role: str) -> Measured | None:
