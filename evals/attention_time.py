@@ -67,7 +67,9 @@ class AttentionTimes:
         total = steps * sum(self.exact.values())
         fp4 = sum(t * self._fp4_steps(name, steps, exact_steps, exact_layers, layer_steps)
                   for name, t in self.exact.items())
-        return fp4 / total if total > 0 else 0.0
+        # rounded: plans with the same FP4 cells in another order must compare equal (the search runs only
+        # candidates with strictly more share than its best, and a last-bit difference would pass for more)
+        return round(fp4 / total, 12) if total > 0 else 0.0
 
     def run_time(self, steps: int, exact_steps: Collection[int], exact_layers: Collection[str], policy: str,
                  layer_steps: Mapping[str, Collection[int]] | None = None) -> float:

@@ -109,6 +109,11 @@ def test_candidate_cells_label_and_share():
     assert t.fp4_share(4, {0}, (), {"l1": [1, 2]}) == pytest.approx(6 / 16)
     assert t.run_time(4, {0}, (), "fast", {"l1": [1, 2]}) == pytest.approx(2 * (3 * 0.5 + 1 + 1 * 1.0 + 3 * 3.0))
     assert t.fp4_share(4, {0}, ("l1",), {"l1": [1]}) == pytest.approx(3 / 16)
+    # the same number of FP4 cells of equal layers is the same share to the last bit, whichever cells they are
+    # (summed in another order, 16 of 48 cells came out 0.33333333333333337 against 0.3333333333333333)
+    equal = AttentionTimes(exact=dict.fromkeys("abcd", 0.67108864), fp4={}, calls=2, source="", units="")
+    assert equal.fp4_share(12, set(range(8)), ()) == equal.fp4_share(12, set(range(5)), (), {n: [5, 6, 7, 8]
+                                                                                             for n in "abc"})
 
 
 @pytest.fixture(scope="module")
