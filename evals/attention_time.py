@@ -59,20 +59,33 @@ class AttentionTimes:
     source: str
     units: str
 
-    def fp4_share(self, steps: int, exact_steps: Collection[int], exact_layers: Collection[str]) -> float:
-        """The share of the all-exact run's attention time that the plan's FP4 cells take (module docstring)."""
+    def fp4_share(self, steps: int, exact_steps: Collection[int], exact_layers: Collection[str],
+                  layer_steps: Mapping[str, Collection[int]] | None = None) -> float:
+        """The share of the all-exact run's attention time that the plan's FP4 cells take (module docstring).
+        ``exact_steps``: steps every layer is exact in (0 .. steps - 1); ``exact_layers``: layers exact in every
+        step; ``layer_steps``: a layer -> the further steps it is exact in."""
         total = steps * sum(self.exact.values())
-        fp4_steps = steps - len(set(exact_steps))
-        fp4 = fp4_steps * sum(t for name, t in self.exact.items() if name not in exact_layers)
-        return fp4 / total if total > 0 else 0.0
+        fp4 = sum(t * self._fp4_steps(name, steps, exact_steps, exact_layers, layer_steps)
+                  for name, t in self.exact.items())
+        # rounded: plans with the same FP4 cells in another order must compare equal (the search runs only
+        # candidates with strictly more share than its best, and a last-bit difference would pass for more)
+        return round(fp4 / total, 12) if total > 0 else 0.0
 
-    def run_time(self, steps: int, exact_steps: Collection[int], exact_layers: Collection[str],
-                 policy: str) -> float:
+    def run_time(self, steps: int, exact_steps: Collection[int], exact_layers: Collection[str], policy: str,
+                 layer_steps: Mapping[str, Collection[int]] | None = None) -> float:
         """Predicted attention time of the run (``units``): every cell under what it runs."""
         fp4 = self.fp4[policy]
-        per_fp4_step = sum(self.exact[n] if n in exact_layers else fp4[n] for n in self.exact)
-        n_exact = len(set(exact_steps))
-        return self.calls * (n_exact * sum(self.exact.values()) + (steps - n_exact) * per_fp4_step)
+        return self.calls * sum(
+            k * fp4[n] + (steps - k) * self.exact[n]
+            for n in self.exact for k in [self._fp4_steps(n, steps, exact_steps, exact_layers, layer_steps)])
+
+    @staticmethod
+    def _fp4_steps(name: str, steps: int, exact_steps: Collection[int], exact_layers: Collection[str],
+                   layer_steps: Mapping[str, Collection[int]] | None) -> int:
+        """How many of the run's steps the layer runs in FP4."""
+        if name in exact_layers:
+            return 0
+        return steps - len(set(exact_steps) | set((layer_steps or {}).get(name, ())))
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "units": self.units, "calls_per_step": self.calls,

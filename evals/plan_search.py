@@ -2,12 +2,14 @@
 (``fp4vis.plan``, ``fp4vis calibrate pipeline --target``).
 
 The user names a target against BF16 on their prompts (``FidelityTarget``: latent cosine, frames' PSNR or SSIM,
-of the mean over prompts or of the worst prompt). A candidate plan (``Candidate``) keeps the first ``first``
-and the last ``last`` denoising steps exact (every layer), the ``layers`` most sensitive layers exact in every
-step, and runs every other cell under the policy, or under the guard policy where that measured better. Each
-candidate's fidelity is measured by running the pipeline on the prompts (``WanRuns``: one batched run, the same
-initial noise and prompt embeddings as the BF16 run); its FP4 share of attention time comes from the time model
-of ``fp4vis.evals.attention_time`` (measured on a GPU, stated on the CPU).
+of the mean over prompts, of the worst prompt, or the mean judged by the lower end of its 95 % interval over the
+prompts: a margin for prompts the plan was not chosen on). A candidate plan (``Candidate``) keeps the first
+``first`` and the last ``last`` denoising steps exact (every layer), layers exact in every step
+(``exact_layers``), layers exact up to a later step (``layer_steps``: layer ``l`` exact in steps ``first .. t-1``),
+and runs every other (step, layer) cell under the policy, or under the guard policy where that measured better.
+Each candidate's fidelity is measured by running the pipeline on the prompts (``WanRuns``: one batched run, the
+same initial noise and prompt embeddings as the BF16 run); its FP4 share of attention time comes from the time
+model of ``fp4vis.evals.attention_time`` (measured on a GPU, stated on the CPU).
 
 The search (``search``), deterministic and bounded by ``budget`` pipeline runs besides BF16's:
 
@@ -15,19 +17,21 @@ The search (``search``), deterministic and bounded by ``budget`` pipeline runs b
    two runs the FP4 cells of every later candidate;
 2. layer sensitivity: each layer exact alone (all steps), the others FP4; the layers ranked by how much that
    one layer raises the target's figure (ties: model order);
-3. the simplest plans, for comparison: all steps exact but the last k (``first = N - k``), and all but the
-   first k (``last = N - k``), each family's largest k that meets the target by bisection;
-4. for each number j = 0, 1, ... of the most sensitive layers kept exact, the staircase of step plans that meet
-   the target (``_Search.walk``): the fewest exact first steps at each number of exact last steps, traced from the
-   point found by bisection with no exact last step, one run lowering the first steps or, where that misses,
-   raising the last ones, until no point further along can have more FP4 share than the best found (a j whose
-   largest possible share cannot either is skipped). Fidelity is taken to grow with what stays exact: a
-   candidate that keeps no more exact than one that missed misses too, and one that keeps at least as much as
-   one that met meets too (neither is run). The plan is the candidate measured to meet the target with the
-   largest FP4 share (ties: the higher figure).
+3. the simplest plans: all steps exact but the last k (``first = N - k``), and all but the first k
+   (``last = N - k``), each family's largest k that meets the target by bisection;
+4. refinement (``_Search.refine``), between the simplest plan of step 3, the first ``A`` steps exact, and the
+   first ``A - 1`` (which misses): for ``a = A - 1, A - 2, ...`` steps exact from the start and
+   ``j = 1 .. L - 1`` of the most sensitive layers (step 2's order), those ``j`` layers kept exact ``c`` steps
+   longer (to the last step at most: then exact in every step). At each ``(a, j)`` the largest ``c`` whose FP4
+   share still beats the best plan found is run first; where it misses, no smaller ``c`` can meet, where it meets,
+   a bisection finds the fewest ``c`` that meets. The refinement ends after ``a = 0``, or when the budget is
+   spent; at the lower levels most candidates are decided without a run (below).
 
-When the budget runs out first, the plan is the best measured so far (at worst: every step exact), and the
-result says so.
+Fidelity is taken to grow with what stays exact: a candidate whose exact cells are a subset of a measured
+candidate's that missed misses too, and one whose exact cells hold a measured candidate's that met meets too
+(neither is run). The plan is the candidate measured to meet the target with the largest FP4 share (ties: the
+higher figure). When the budget runs out first, the plan is the best measured so far (at worst: every step
+exact), and the result says so.
 """
 
 from __future__ import annotations
@@ -98,7 +102,19 @@ class FidelityTarget:
     def met(self, per_prompt: Sequence[float]) -> bool:
         return self.score(per_prompt) >= self.value
 
+    @property
+    def estimate(self) -> str:
+        """The statistic the target is about: ``lower`` bounds the mean, and the mean is what prompts the plan was
+        not chosen on are checked on (``check_plan``)."""
+        return "mean" if self.statistic == "lower" else self.statistic
+
+    def met_held_out(self, per_prompt: Sequence[float]) -> bool:
+        return dataclasses.replace(self, statistic=self.estimate).met(per_prompt)
+
     def describe(self) -> str:
+        if self.statistic == "lower":
+            return (f"mean {self.metric} >= {self.value:g} against BF16, judged by the lower end of its 95 % "
+                    f"interval over the prompts")
         return f"{self.statistic} {self.metric} >= {self.value:g} against BF16"
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,21 +123,34 @@ class FidelityTarget:
 
 @dataclass(frozen=True)
 class Candidate:
-    """Steps ``0 .. first-1`` and the last ``last`` steps exact; ``exact_layers`` exact in every step; the other
-    cells under the policy (``guard``: under the guard policy)."""
+    """Steps ``0 .. first-1`` and the last ``last`` steps exact; ``exact_layers`` exact in every step;
+    ``layer_steps``: (layer, t) pairs, the layer exact in steps ``first .. t-1`` too; the other cells under the
+    policy (``guard``: under the guard policy)."""
 
     first: int = 0
     last: int = 0
     exact_layers: tuple[str, ...] = ()
     guard: bool = False
+    layer_steps: tuple[tuple[str, int], ...] = ()
 
     def exact_steps(self) -> list[int]:
         return [*range(self.first), *range(-self.last, 0)]
 
+    def exact_layer_steps(self) -> dict[str, list[int]]:
+        return {name: list(range(self.first, t)) for name, t in self.layer_steps if t > self.first}
+
+    def cells(self, steps: int, layers: Sequence[str]) -> frozenset[tuple[int, str]]:
+        """The exact (step, layer) cells of a run of ``steps`` steps over ``layers``."""
+        every = {i % steps for i in self.exact_steps()}
+        more = self.exact_layer_steps()
+        return frozenset((i, n) for i in range(steps) for n in layers
+                         if i in every or n in self.exact_layers or i in more.get(n, ()))
+
     def label(self) -> str:
         layers = ", ".join(n.removeprefix("transformer.") for n in self.exact_layers)
+        until = ", ".join(f"{n.removeprefix('transformer.')} to step {t - 1}" for n, t in self.layer_steps)
         parts = [f"first {self.first}" if self.first else "", f"last {self.last}" if self.last else "",
-                 f"layers {layers}" if self.exact_layers else ""]
+                 f"layers {layers}" if self.exact_layers else "", until]
         text = " + ".join(p for p in parts if p) or "none"
         return f"exact: {text}{' (guard)' if self.guard else ''}"
 
@@ -143,6 +172,7 @@ class Measured:
         c = self.candidate
         return {"label": c.label(), "role": self.role, "first": c.first, "last": c.last,
                 "exact_layers": list(c.exact_layers), "guard": c.guard, "exact_steps": c.exact_steps(),
+                "exact_layer_steps": c.exact_layer_steps(),
                 "fp4_share": self.fp4_share, "predicted_attention_time": self.attention_time,
                 "predicted_attention_time_vs_exact": self.relative_time, "score": self.score,
                 "met": self.met, "mean": {k: float(np.mean(v)) for k, v in self.per_prompt.items()},
@@ -239,10 +269,15 @@ class _Search:
         plan = GuardPlan.from_dict(self.base.to_dict())
         plan.guarded = [n for n in self.times.exact if n not in c.exact_layers] if c.guard else []
         plan.exact_layers, plan.exact_steps, plan.fidelity = list(c.exact_layers), c.exact_steps(), fidelity
+        plan.exact_layer_steps = c.exact_layer_steps()
         return plan
 
     def share(self, c: Candidate) -> float:
-        return self.times.fp4_share(self.steps, set(i % self.steps for i in c.exact_steps()), c.exact_layers)
+        return self.times.fp4_share(self.steps, set(i % self.steps for i in c.exact_steps()), c.exact_layers,
+                                    c.exact_layer_steps())
+
+    def cells(self, c: Candidate) -> frozenset[tuple[int, str]]:
+        return c.cells(self.steps, list(self.times.exact))
 
     @property
     def left(self) -> int:
@@ -259,7 +294,8 @@ class _Search:
         else:
             per = self.runs.measure(self.plan_of(c))
         policy = self.base.guard_policy.name if c.guard else self.policy_name
-        time = self.times.run_time(self.steps, set(i % self.steps for i in c.exact_steps()), c.exact_layers, policy)
+        time = self.times.run_time(self.steps, set(i % self.steps for i in c.exact_steps()), c.exact_layers, policy,
+                                   c.exact_layer_steps())
         m = Measured(c, per, self.share(c), time, time / self.times.run_time(self.steps, range(self.steps), (),
                                                                              self.policy_name), role=role)
         m.score, m.met = self.target.score(per[self.target.metric]), self.target.met(per[self.target.metric])
@@ -269,13 +305,19 @@ class _Search:
         return m
 
     def known(self, c: Candidate) -> bool | None:
-        """Whether ``c`` meets the target, from what is measured: its own run, or a measured candidate that
-        missed it and keeps at least as much exact (then ``c`` misses too); None where a run must say."""
+        """Whether ``c`` meets the target, from what is measured: its own run, a measured candidate that missed
+        it and keeps every cell ``c`` keeps exact (then ``c`` misses too), or one that met it and keeps no cell
+        exact that ``c`` does not (then ``c`` meets too); None where a run must say."""
         if c.first + c.last >= self.steps:
             return True
         if c in self.measured:
             return self.measured[c].met
-        return False if any(not m.met and _within(c, m.candidate) for m in self.measured.values()) else None
+        mine = self.cells(c)
+        for m in self.measured.values():
+            if m.candidate.guard == c.guard and (mine <= self.cells(m.candidate) if not m.met
+                                                 else mine >= self.cells(m.candidate)):
+                return m.met
+        return None
 
     def meets(self, c: Candidate, role: str) -> bool | None:
         """``known``, else a run; None when the budget is spent."""
@@ -286,35 +328,30 @@ class _Search:
     def best_share(self) -> float:
         return max(m.fp4_share for m in self.measured.values() if m.met)
 
-    def walk(self, layers: tuple[str, ...], guard: bool, a_bound: int) -> int | None:
-        """The staircase of ``layers`` kept exact: for b = 0, 1, ... exact steps at the end, the fewest exact
-        steps ``a`` from the start that meet the target (``a`` never grows with ``b``), only where that could have
-        more FP4 share than the best found: at each ``b`` the largest such ``a`` below the last one is run; where
-        it misses, ``b`` grows, where it meets, a bisection below it finds the fewest. Ends where no ``b`` can do
-        better (``a = 0``). ``(a_bound, 0)`` meets. Returns the fewest ``a`` found at ``b = 0`` (else ``a_bound``),
-        which the next, larger set of exact layers meets too; None when the budget ran out."""
-        role = f"staircase, {len(layers)} layers exact"
+    def refine(self, order: Sequence[str], guard: bool, top: int) -> bool:
+        """Step 4 of the module docstring, below ``top`` steps exact from the start (which meets the target);
+        False when the budget ran out."""
+        for a in range(top - 1, -1, -1):
+            for j in range(1, len(order)):
+                def cand(c: int, a: int = a, j: int = j) -> Candidate:
+                    if a + c >= self.steps:   # exact to the last step: exact in every step
+                        return Candidate(first=a, exact_layers=tuple(order[:j]), guard=guard)
+                    return Candidate(first=a, layer_steps=tuple((n, a + c) for n in order[:j]), guard=guard)
 
-        def share(a: int, b: int) -> float:
-            return self.share(Candidate(a, b, layers, guard))
-
-        a, b, a0 = a_bound, 0, a_bound
-        while a > 0 and share(0, b) > self.best_share():
-            a1 = next(x for x in range(a - 1, -1, -1) if share(x, b) > self.best_share())
-            met = self.meets(Candidate(a1, b, layers, guard), role)
-            if met is None:
-                return None
-            if met:
-                lo, hi = 0, a1   # (hi, b) meets
-                while lo < hi:
+                allowed = [c for c in range(1, self.steps - a + 1) if self.share(cand(c)) > self.best_share()]
+                if not allowed:
+                    continue
+                lo, hi = allowed[0], allowed[-1]
+                if (met := self.meets(cand(hi), "refinement")) is None:
+                    return False
+                if not met:
+                    continue
+                while lo < hi:   # (hi) meets: the fewest c that meets
                     mid = (lo + hi) // 2
-                    if (met := self.meets(Candidate(mid, b, layers, guard), role)) is None:
-                        return None
+                    if (met := self.meets(cand(mid), "refinement")) is None:
+                        return False
                     lo, hi = (lo, mid) if met else (mid + 1, hi)
-                a = hi
-                a0 = a if b == 0 else a0
-            b += 1
-        return a0
+        return True
 
     def bisect(self, family: Callable[[int], Candidate], role: str) -> Measured | None:
         """The family's member with the largest k (FP4 steps) that meets the target, by bisection over
@@ -354,15 +391,9 @@ def search(runs: WanRuns, target: FidelityTarget, times: AttentionTimes, base: G
     order = sorted(layers, key=lambda nm: (-gain.get(nm, -math.inf), layers.index(nm)))
     simplest = {"exact but the last k": s.bisect(lambda k: Candidate(first=n - k, guard=use_guard), "simplest"),
                 "exact but the first k": s.bisect(lambda k: Candidate(last=n - k, guard=use_guard), "simplest")}
-    exhausted = False
-    if not s.measured[base_c].met:
-        a_bound = simplest["exact but the last k"].candidate.first   # (a, 0, no layer) meets from here on
-        for j in range(len(layers) + 1):
-            walked = s.walk(tuple(order[:j]), use_guard, a_bound)
-            if walked is None:
-                exhausted = True
-                break
-            a_bound = walked
+    exhausted = s.left <= 0 and not s.measured[base_c].met
+    if not s.measured[base_c].met and not exhausted:
+        exhausted = not s.refine(order, use_guard, simplest["exact but the last k"].candidate.first)
     passing = [m for m in s.measured.values() if m.met]
     chosen = max(passing, key=lambda m: (m.fp4_share, m.score))
     fidelity = {"target": target.to_dict(), "measured": {f"{st}_{k}": float(fn(v)) for k, v in
@@ -380,7 +411,8 @@ def search(runs: WanRuns, target: FidelityTarget, times: AttentionTimes, base: G
 def check_plan(runs: WanRuns, plans: dict[str, GuardPlan], target: FidelityTarget) -> dict[str, Any]:
     """The check that matters: each plan run on ``runs``' prompts (held out: not those it was chosen on), its
     per-prompt figures against BF16, the mean with its 95 % Student-t interval, the worst prompt, and whether the
-    target is met (``frames``: each run's decoded clips, for a reader)."""
+    target is met (of a ``lower`` target: whether the mean meets it, ``FidelityTarget.estimate``); ``frames``: each
+    run's decoded clips, for a reader."""
     from fp4vis.evals.report import mean_ci95
 
     out: dict[str, Any] = {"target": target.to_dict(), "num_prompts": len(runs.prompts), "plans": {}, "frames": {}}
@@ -392,14 +424,8 @@ def check_plan(runs: WanRuns, plans: dict[str, GuardPlan], target: FidelityTarge
             "exact_steps": list(p.exact_steps), "exact_layers": list(p.exact_layers), "guarded": list(p.guarded),
             "per_prompt": per, "ci95": {k: mean_ci95(v) for k, v in per.items()},
             "worst": {k: float(np.min(v)) for k, v in per.items()},
-            "score": target.score(per[target.metric]), "met": target.met(per[target.metric])}
+            "score": target.score(per[target.metric]), "met": target.met_held_out(per[target.metric])}
     return out
-
-
-def _within(c: Candidate, failed: Candidate) -> bool:
-    """``c`` keeps no more exact than ``failed`` (the same policy): taken to miss the target too."""
-    return (c.guard == failed.guard and c.first <= failed.first and c.last <= failed.last
-            and set(c.exact_layers) <= set(failed.exact_layers))
 
 
 def base_plan(pipe, policy: Policy) -> tuple[GuardPlan, list[Any]]:

@@ -293,8 +293,8 @@ def run_pipeline_generate(config: Any, *, say: Callable[[str], Any] | None = Non
     if c.compile is not None and not has_transformer(index):
         raise UsageError(f"--compile: {call.class_name} has no transformer to compile")
     plan = load_guard_plan(c.guard_plan)
-    if plan is not None and plan.exact_steps:
-        check_steps(plan.exact_steps, steps, "--guard-plan: its exact_steps")
+    if plan is not None and plan.step_indices():
+        check_steps(tuple(plan.step_indices()), steps, "--guard-plan: its exact_steps")
         if "callback_on_step_end" not in call.parameters:
             raise UsageError(f"--guard-plan: the plan keeps steps exact and {call.class_name}'s call takes no "
                              "callback_on_step_end, by which the attention is switched per step")

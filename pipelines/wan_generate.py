@@ -106,7 +106,7 @@ def run_generate(config: GenerateOptions, *, say: Callable[[str], Any] | None = 
     plan = load_guard_plan(config.guard_plan)
     check_plan_policy(plan, policy, "guard_plan")
     if plan is not None:
-        check_steps(plan.exact_steps, config.steps, "guard_plan: its exact_steps")
+        check_steps(tuple(plan.step_indices()), config.steps, "guard_plan: its exact_steps")
     if config.image is not None and not Path(config.image).is_file():
         raise UsageError(f"image: file {config.image!r} does not exist")
     src, is_local = check_model_source(resolve_model(config.model))

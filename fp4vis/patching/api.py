@@ -109,6 +109,7 @@ def resolve_layer_policies(specs: list[LayerSpec], policy: Any, layers: Mapping 
                 out[s.name] = plan.guard_policy
         for s in plan.match(specs, plan.exact_layers):
             out[s.name] = None
+        plan.match(specs, plan.exact_layer_steps)   # unknown names raise now, not at the step callback
     return out
 
 

@@ -26,8 +26,9 @@ and the guarded layers. ``fp4vis.patch(model, guard=plan_or_path)`` applies it.
 
 A plan found for a fidelity target (``fp4vis.plan``, ``fp4vis calibrate pipeline --target``; version 2, the
 fields a version-1 plan lacks) also keeps layers exact (``exact_layers``: the model's own attention in every
-step) and denoising steps exact (``exact_steps``: step indices, negative from the end; every layer exact in
-them, through the handle's ``step_callback()``), and records what it was chosen for (``fidelity``: the target
+step), denoising steps exact (``exact_steps``: step indices, negative from the end; every layer exact in
+them) and layers exact in some steps only (``exact_layer_steps``: layer name -> step indices), the steps through
+the handle's ``step_callback()``; and it records what it was chosen for (``fidelity``: the target
 against BF16, the measured fidelity and FP4 share of attention time, the prompts' count, the time model).
 ``GuardPlan.save`` writes it atomically; ``GuardPlan.load`` / ``from_dict`` check it against its saved form
 field by field (``GuardPlanError`` naming the field and the reason).
@@ -221,7 +222,7 @@ def check_plan_path(path: Any, what: str) -> None:
 # earlier fp4vis may lack are optional (architecture: plans before fingerprints); any other field is unknown.
 _PLAN_REQUIRED = ("format", "version", "model_id", "policy", "guard_policy", "rule", "layers", "guarded")
 _PLAN_OPTIONAL = ("created", "n_samples", "num_inputs", "statistic_units", "architecture")
-_PLAN_SEARCHED = ("exact_layers", "exact_steps", "fidelity")   # version 2
+_PLAN_SEARCHED = ("exact_layers", "exact_steps", "exact_layer_steps", "fidelity")   # version 2
 # a searched plan's ``fidelity`` record: its fields, and those of its target
 _FIDELITY_FIELDS = ("target", "measured", "num_prompts", "fp4_share", "time_model")
 _FIDELITY_OPTIONAL = ("predicted_attention_time", "steps", "candidates", "runs", "method")
@@ -406,12 +407,17 @@ class GuardPlan:
     # a plan found for a fidelity target (module docstring): layers and steps kept exact, what it was chosen for
     exact_layers: list[str] = field(default_factory=list)
     exact_steps: list[int] = field(default_factory=list)
+    exact_layer_steps: dict[str, list[int]] = field(default_factory=dict)   # a layer exact in these steps only
     fidelity: dict[str, Any] | None = None
 
     @property
     def searched(self) -> bool:
         """Whether the plan keeps layers or steps exact or records a fidelity target (a version-2 plan)."""
-        return bool(self.exact_layers or self.exact_steps or self.fidelity)
+        return bool(self.exact_layers or self.exact_steps or self.exact_layer_steps or self.fidelity)
+
+    def step_indices(self) -> list[int]:
+        """Every step index the plan names (``exact_steps`` and each layer's), for a check against a run's steps."""
+        return [*self.exact_steps, *(i for steps in self.exact_layer_steps.values() for i in steps)]
 
     # -- decisions -------------------------------------------------------------------------------
     def decide(self) -> list[str]:
@@ -504,6 +510,7 @@ class GuardPlan:
             "guarded": list(self.guarded),
             "architecture": {name: list(shape) for name, shape in self.architecture.items()},
         } | ({"version": VERSION, "exact_layers": list(self.exact_layers), "exact_steps": list(self.exact_steps),
+              "exact_layer_steps": {n: list(v) for n, v in self.exact_layer_steps.items()},
               "fidelity": self.fidelity} if self.searched else {})
 
     @classmethod
@@ -540,6 +547,9 @@ class GuardPlan:
                    architecture=_check_architecture(d.get("architecture", {})),
                    exact_layers=_check_names("exact_layers", d.get("exact_layers", [])),
                    exact_steps=_check_steps("exact_steps", d.get("exact_steps", [])),
+                   exact_layer_steps={name: _check_steps(f"exact_layer_steps[{name!r}]", steps) for name, steps in
+                                      _check_object("exact_layer_steps", d.get("exact_layer_steps", {}),
+                                                    "{layer name: step indices}").items()},
                    fidelity=_check_fidelity(d.get("fidelity")))
 
     def save(self, path: str | os.PathLike) -> None:
@@ -565,7 +575,9 @@ class GuardPlan:
                  f"{self.rule.describe(self.policy)})"]
         if self.searched:
             lines.append(f"  exact layers: {', '.join(self.exact_layers) or 'none'}; exact steps: "
-                         f"{', '.join(map(str, self.exact_steps)) or 'none'}")
+                         f"{', '.join(map(str, self.exact_steps)) or 'none'}"
+                         + "".join(f"; {n} exact in steps {', '.join(map(str, v))}"
+                                   for n, v in self.exact_layer_steps.items()))
         for name, st in self.stats.items():
             lines.append(f"  {name}: value {st.value:.1f} / limit {st.limit:.1f}"
                          f"{'  GUARDED' if st.guarded else ''}" if st.value is not None else f"  {name}: -")

@@ -73,25 +73,40 @@ class PatchHandle:
     def clear_override(self) -> None:
         self.set_override(UNSET)
 
+    def set_layer_override(self, names: Iterable[str], policy: Any = UNSET) -> None:
+        """Run the patched layers named (``LayerSpec.name``) with ``policy`` (None: exact), the others as set."""
+        pol, names = (UNSET if policy is UNSET else resolve_policy(policy)), set(names)
+        for inst in self._installed:
+            if inst.spec.name in names:
+                inst.state.override = pol
+
     def step_callback(self, num_inference_steps: int | None = None, extra_steps: Iterable[int] = ()) -> Any:
         """The ``callback_on_step_end`` that runs the guard plan's exact steps (and ``extra_steps``) with every
-        layer exact (``fp4vis.patching.wan.StepPolicyCallback``); None when there are none. Negative step
-        indices count from the end: give ``num_inference_steps`` when one is the first step."""
-        steps = [*(self.guard_plan.exact_steps if self.guard_plan is not None else ()), *extra_steps]
+        layer exact, and its layers exact in some steps only (``exact_layer_steps``) exact there
+        (``fp4vis.patching.wan.StepPolicyCallback``); None when there are none. Negative step indices count from
+        the end: give ``num_inference_steps`` when one is the first step."""
+        plan = self.guard_plan
+        steps = [*(plan.exact_steps if plan is not None else ()), *extra_steps]
+        per_layer: dict[str, list[int]] = {}
+        for name, layer_steps in (plan.exact_layer_steps.items() if plan is not None else ()):
+            for spec in plan.match(self.specs, [name]):
+                per_layer.setdefault(spec.name, []).extend(int(s) for s in layer_steps)
         self._steps_armed = True
-        if not steps:
+        if not steps and not per_layer:
             return None
         from .wan import StepPolicyCallback
 
-        return StepPolicyCallback(self, {int(s): None for s in steps}, num_inference_steps=num_inference_steps)
+        return StepPolicyCallback(self, {int(s): None for s in steps}, num_inference_steps=num_inference_steps,
+                                  layer_steps=per_layer)
 
     def remove(self) -> None:
         if self.removed:
             return
-        if self.guard_plan is not None and self.guard_plan.exact_steps and not self._steps_armed:
+        if self.guard_plan is not None and self.guard_plan.step_indices() and not self._steps_armed:
             import warnings
 
-            warnings.warn(f"fp4vis: the guard plan keeps denoising steps {self.guard_plan.exact_steps} exact, and "
+            warnings.warn(f"fp4vis: the guard plan keeps denoising steps {self.guard_plan.exact_steps} exact"
+                          f"{' (and layers in some steps)' if self.guard_plan.exact_layer_steps else ''}, and "
                           "this patch ran without its step callback: every step ran the plan's layers (pass "
                           "callback_on_step_end=handle.step_callback() to the pipeline call)", RuntimeWarning,
                           stacklevel=2)

@@ -344,24 +344,34 @@ class StepPolicyCallback(PipelineCallback):
     calls the callback at the end of step i, so it arms step i+1; step 0 is armed when the callback
     is built and again after the last step (ready for the next run; ``reset()`` re-arms it by
     hand, e.g. after an interrupted run). Negative indices for step 0 need ``num_inference_steps``.
+    ``layer_steps`` (layer name -> step indices) runs those layers exact in those steps where the schedule
+    leaves the step to the layers' own policies.
     Combine with other callbacks through ``diffusers.callbacks.MultiPipelineCallbacks``.
     """
 
     tensor_inputs: list[str] = []
 
-    def __init__(self, handle: Any, schedule: Mapping[int, Any], num_inference_steps: int | None = None):
+    def __init__(self, handle: Any, schedule: Mapping[int, Any], num_inference_steps: int | None = None,
+                 layer_steps: Mapping[str, Iterable[int]] | None = None):
         super().__init__(cutoff_step_ratio=1.0)
         self.handle = handle
         self.schedule = {int(k): resolve_policy(v) for k, v in schedule.items()}
+        self.layer_steps = {name: [int(s) for s in steps] for name, steps in (layer_steps or {}).items()}
         self.num_inference_steps = num_inference_steps
         self.history: list[tuple[int, str]] = []   # (step armed, policy name or "exact"/"layers")
         self.reset()
 
     def _arm(self, step: int, n: int | None) -> None:
-        hits = [pol for k, pol in self.schedule.items() if (k if k >= 0 else (n + k if n else None)) == step]
+        def at(k: int) -> bool:
+            return (k if k >= 0 else (n + k if n else None)) == step
+
+        hits = [pol for k, pol in self.schedule.items() if at(k)]
         if not hits:
             self.handle.clear_override()
-            self.history.append((step, "layers"))
+            exact = [name for name, steps in self.layer_steps.items() if any(at(k) for k in steps)]
+            if exact:
+                self.handle.set_layer_override(exact, None)
+            self.history.append((step, "layers" + "".join(f", {name} exact" for name in exact)))
         else:
             chosen = hits[-1]
             self.handle.set_override(chosen)
