@@ -79,7 +79,7 @@ def check_only(pipe, args, target, settings, gen, held_idx) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="psnr=30")
-    ap.add_argument("--statistic", default="mean", choices=["mean", "worst", "lower"],
+    ap.add_argument("--statistic", default="lower", choices=["mean", "worst", "lower"],
                     help="lower: the search judges the mean by the lower end of its 95 %% interval (a margin)")
     ap.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
     ap.add_argument("--out-dir", default="out/plan")

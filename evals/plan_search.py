@@ -63,12 +63,12 @@ METRIC_NAMES = {"psnr": "psnr_db", "psnr_db": "psnr_db", "cosine": "latent_cosin
 @dataclass(frozen=True)
 class FidelityTarget:
     """``metric`` (latent_cosine, psnr_db, ssim) of the run against BF16's, its ``statistic`` over the prompts
-    (``mean``; ``worst``: the lowest prompt's; ``lower``: the lower end of the mean's 95 % Student-t interval, a
-    margin for prompts the plan was not chosen on; one prompt: its figure) at least ``value``."""
+    (``lower``, the default: the lower end of the mean's 95 % Student-t interval, a margin for prompts the plan was
+    not chosen on, one prompt: its figure; ``mean``; ``worst``: the lowest prompt's) at least ``value``."""
 
     metric: str
     value: float
-    statistic: str = "mean"
+    statistic: str = "lower"
 
     def __post_init__(self) -> None:
         try:
@@ -77,7 +77,7 @@ class FidelityTarget:
             raise ValueError(str(exc)) from None
 
     @classmethod
-    def parse(cls, text: str, statistic: str = "mean") -> FidelityTarget:
+    def parse(cls, text: str, statistic: str = "lower") -> FidelityTarget:
         """``psnr=30``, ``psnr>=30``, ``cosine=0.99``, ``ssim=0.95`` (metric names: ``METRIC_NAMES``)."""
         m = re.fullmatch(r"\s*([a-z_]+)\s*(?:>=|=)\s*(\S+?)\s*", str(text))
         if m is None or m.group(1) not in METRIC_NAMES:

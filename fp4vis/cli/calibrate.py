@@ -52,9 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             t.add_argument("--target", default=None, metavar="METRIC=VALUE",
                            help="search the plan that meets this against BF16 on the prompts with the most attention "
                                 "time in FP4: psnr=30 (frames' PSNR, dB), cosine=0.99 (latents), ssim=0.95")
-            t.add_argument("--statistic", choices=["mean", "worst", "lower"], default="mean",
-                           help="the target's statistic over the prompts: the mean, the worst prompt's, or the lower "
-                                "end of the mean's 95 %% interval (a margin for other prompts)")
+            t.add_argument("--statistic", choices=["mean", "worst", "lower"], default="lower",
+                           help="the target's statistic over the prompts: the lower end of the mean's 95 %% interval "
+                                "(default: a margin for prompts the plan was not chosen on), the mean, or the worst "
+                                "prompt's")
             t.add_argument("--budget", type=positive_int, default=None,
                            help="pipeline runs the search may make besides BF16's (default 24)")
             t.add_argument("--check-prompt", action="append", default=None,

@@ -61,7 +61,7 @@ def run_search(target: FidelityTarget, budget: int = 30, offsets=(-0.1, 0.0, 0.1
 
 
 def test_refinement_keeps_more_fp4_than_the_simplest_plan():
-    r, runs = run_search(FidelityTarget("psnr_db", 60.0))
+    r, runs = run_search(FidelityTarget("psnr_db", 60.0, "mean"))
     simplest = r.simplest["exact but the last k"]
     # first 2 steps exact: 10 + 5 * 12 = 70 meets, first 1: 50 misses; first 1 + l1 in step 1: 62 meets
     assert simplest.candidate == Candidate(first=2) and simplest.fp4_share == pytest.approx(12 / 18)
@@ -75,19 +75,19 @@ def test_refinement_keeps_more_fp4_than_the_simplest_plan():
     refined = [m.candidate for m in r.measured if m.role == "refinement"]
     assert refined == [Candidate(first=1, layer_steps=(("l1", 3),)), Candidate(first=1, layer_steps=(("l1", 2),))]
     assert r.runs == runs.runs == 12 == len(r.measured) - 1   # "first 6" is every step exact: no run
-    again, _ = run_search(FidelityTarget("psnr_db", 60.0))
+    again, _ = run_search(FidelityTarget("psnr_db", 60.0, "mean"))
     assert [m.to_dict() for m in again.measured] == [m.to_dict() for m in r.measured]
 
 
 def test_budget_bounds_the_search_and_says_so():
-    r, runs = run_search(FidelityTarget("psnr_db", 60.0), budget=8)
+    r, runs = run_search(FidelityTarget("psnr_db", 60.0, "mean"), budget=8)
     assert runs.runs == r.runs == 8 and r.exhausted
     assert r.chosen.met and r.chosen.fp4_share == max(m.fp4_share for m in r.measured if m.met)
 
 
 def test_lower_statistic_asks_for_a_margin():
     spread = (-2.0, 0.0, 2.0)
-    mean, _ = run_search(FidelityTarget("psnr_db", 60.0), offsets=spread)
+    mean, _ = run_search(FidelityTarget("psnr_db", 60.0, "mean"), offsets=spread)
     lower, _ = run_search(FidelityTarget("psnr_db", 60.0, "lower"), offsets=spread)
     # 62 +- 2 has its interval's lower end at 62 - 4.303 * 2 / sqrt(3) = 57.0: the margin asks for more exact
     assert mean.chosen.candidate == Candidate(first=1, layer_steps=(("l1", 2),))

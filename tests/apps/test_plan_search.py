@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = wv.GenerationConfig(height=32, width=32, frames=5, steps=3, guidance_scale=3.0, backend="reference",
                                progress=False)
 PROMPTS = ["a red fox", "a blue car"]
+TARGET = FidelityTarget("latent_cosine", 0.999999, "mean")   # the search's mechanics, on the plain mean
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +33,16 @@ def pipe(tiny_wan):
 
 @pytest.fixture(scope="module")
 def searched(pipe):
-    return search_plan(pipe, PROMPTS, "fast", FidelityTarget("latent_cosine", 0.999999), settings=SETTINGS, budget=5)
+    return search_plan(pipe, PROMPTS, "fast", TARGET, settings=SETTINGS, budget=5)
 
 
 def test_targets_parse_and_refuse():
-    assert FidelityTarget.parse("psnr=30") == FidelityTarget("psnr_db", 30.0, "mean")
+    assert FidelityTarget.parse("psnr=30") == FidelityTarget("psnr_db", 30.0, "lower")
+    assert FidelityTarget("psnr_db", 30.0).statistic == "lower"   # the default: a margin for other prompts
     assert FidelityTarget.parse("cosine>=0.99", "worst") == FidelityTarget("latent_cosine", 0.99, "worst")
     t = FidelityTarget("psnr_db", 30.0, "worst")
-    assert t.score([31.0, 29.0]) == 29.0 and not t.met([31.0, 29.0]) and FidelityTarget("psnr_db", 30.0).met([31, 29])
+    assert t.score([31.0, 29.0]) == 29.0 and not t.met([31.0, 29.0])
+    assert FidelityTarget("psnr_db", 30.0, "mean").met([31, 29]) and not FidelityTarget("psnr_db", 30.0).met([31, 29])
     for bad, why in (("psnr", "expected METRIC=VALUE"), ("lpips=0.1", "expected METRIC=VALUE"),
                      ("psnr=inf", "finite")):
         with pytest.raises(ValueError, match=why):
@@ -56,7 +59,7 @@ def test_search_is_deterministic_and_bounded(pipe, searched):
     assert r.runs <= r.budget == 5
     assert r.chosen.met and r.plan.fidelity["fp4_share"] == r.chosen.fp4_share
     assert r.chosen.fp4_share == max(m.fp4_share for m in r.measured if m.met)
-    again = search_plan(pipe, PROMPTS, "fast", FidelityTarget("latent_cosine", 0.999999), settings=SETTINGS, budget=5)
+    again = search_plan(pipe, PROMPTS, "fast", TARGET, settings=SETTINGS, budget=5)
     assert [m.to_dict() for m in again.measured] == [m.to_dict() for m in r.measured]
     assert again.plan.exact_steps == r.plan.exact_steps and again.plan.exact_layers == r.plan.exact_layers
     # the first run is the policy everywhere; a candidate is the plan it names
@@ -165,14 +168,14 @@ def test_cli_writes_the_plan_and_its_report(tiny_wan, tmp_path, cli):
                             "--target", "cosine=0.5", "--budget", 2, "--dtype", "float32", "--out", out,
                             "--no-progress")
     assert code == 0, err
-    assert "chosen: exact: none: mean latent_cosine" in stdout and "held out (1 prompts)" in stdout
+    assert "chosen: exact: none: lower latent_cosine" in stdout and "held out (1 prompts)" in stdout
     for name in ("plan_report.json", "plan_report.md", "plan_report.png"):
         assert (tmp_path / name).is_file()
     report = json.loads((tmp_path / "plan_report.json").read_text())
     assert report["held_out"]["plans"]["plan"]["met"] and report["candidates"][0]["fp4_share"] == 1.0
     assert "| candidate | why measured | FP4 share |" in (tmp_path / "plan_report.md").read_text()
     plan = GuardPlan.load(out)
-    assert plan.fidelity["target"] == {"metric": "latent_cosine", "statistic": "mean", "value": 0.5}
+    assert plan.fidelity["target"] == {"metric": "latent_cosine", "statistic": "lower", "value": 0.5}   # the default
     # generate --guard-plan runs its exact steps (the sidecar says which), and refuses steps the run lacks
     plan.exact_steps = [0, -1]
     plan.save(out)
