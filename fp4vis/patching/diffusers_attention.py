@@ -95,7 +95,7 @@ from torch.overrides import TorchFunctionMode
 from fp4vis.call import broadcast_key_mask
 
 from . import context_parallel
-from .layer import LayerSpec, LayerState, block_position
+from .layer import LayerCall, LayerSpec, LayerState, block_position
 
 __all__ = ["CONTEXT_PARALLEL_SDPA_BACKENDS", "FP4AttnProcessor", "FunctionAttnProcessor", "PAIRWISE_MASK_PROCESSORS",
            "SDPA_BACKENDS",
@@ -499,7 +499,7 @@ class _SDPARouter(_SDPAMode):
             out = out.masked_fill(~query_rows[:, None, :, None], 0)
         return out
 
-    def select(self, call: dict[str, Any]) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+    def select(self, call: dict[str, Any]) -> tuple[LayerCall | None, torch.Tensor | None, torch.Tensor | None]:
         """The layer's answer for an SDPA call (its ``LayerCall``, or None: exact), with the call's bool (B, S)
         key mask and, for a pairwise padding mask, its valid query rows (else None)."""
         q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
