@@ -10,11 +10,9 @@ import torch
 from fp4vis.formats import MXFP4_BLOCK
 
 KEY_BLOCK = MXFP4_BLOCK  # keys per P block (section 2) = tokens per MXFP4 V block (section 1)
-# FP8 P/V policies (section 7): the reference updates the row maximum, rounded up to an integer, once per tile of
-# this many physical keys; the maximum being an integer, any tile of a multiple of 32 keys gives the same result up
-# to P below E4M3's normal range and float32 rounding, so a kernel picks its own key tile. P in [0, 1] is scaled by
-# 2**P_E4M3_LOG2 before its E4M3 rounding (P = 1 -> 256: no saturation at 448, and 8 more binades before E4M3's
-# subnormals)
+# FP8 P/V policies (section 7): the row maximum is updated once per tile of this many physical keys (the Hopper
+# kernel's key tile), and P in [0, 1] is scaled by 2**P_E4M3_LOG2 before its E4M3 rounding (P = 1 -> 256: no
+# saturation at 448, and 8 more binades before E4M3's subnormals)
 SOFTMAX_TILE = 128
 P_E4M3_LOG2 = 8
 

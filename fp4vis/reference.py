@@ -418,19 +418,15 @@ def nv_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     return out, report
 
 
-def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy, scale: float,
-                     score_product=None, tile: int = SOFTMAX_TILE) -> tuple[torch.Tensor, RangeReport]:
+def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: Policy,
+                     scale: float, score_product=None) -> tuple[torch.Tensor, RangeReport]:
     """The FP8 P/V softmax (docs/numerics.md section 7): Q/K in the policy's format (decoded, exact in float32),
-    V in E4M3 with a power-of-two scale per channel (``fp8_channel_quantize``), and per row an integer online
-    maximum updated once per ``tile`` physical keys: t = raw * s, m_j = max(m_{j-1}, ceil(max of tile j's t)),
+    V in E4M3 with a power-of-two scale per channel (``fp8_channel_quantize``), and per row an online maximum
+    updated once per ``SOFTMAX_TILE`` physical keys: t = raw * s, m_j = max(m_{j-1}, max of tile j's t),
     P = 2^(t - m_j) for tile j's keys, numerator sum_j 2^(m_j - m_n) sum E4M3(2^8 P) V8 (float32), denominator
     the same sum of the unrounded 2^8 P, O = numerator / denominator * 2^Ev. Float32 output (G, Sq, Dv) and a
     RangeReport of Q's and K's scale ranges. ``score_product`` as in ``direct_p_attention`` (it gets the keys
-    zero-padded to whole 32-key blocks). ``tile``: the running maximum's key tile, any multiple of 32 (default
-    ``SOFTMAX_TILE``); with m_j an integer every tiling gives the same result up to the P that fall below E4M3's
-    normal range (2^-6 after the 2^8 scale) and float32 rounding and summation order."""
-    if tile <= 0 or tile % KEY_BLOCK:
-        raise ValueError(f"tile: {tile} is not a positive multiple of {KEY_BLOCK} keys")
+    zero-padded to whole 32-key blocks)."""
     qd, kd, tensor_scale, qk_ranges = quantize_qk(q, k, policy)
     report = RangeReport()
     s = scale * tensor_scale * LOG2E
@@ -438,7 +434,7 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     v8, v_scale = fp8_channel_quantize(v)
     groups, sq, nk = qd.shape[0], qd.shape[1], kd.shape[1]
     out = torch.empty(groups, sq, v.shape[-1], dtype=torch.float32, device=q.device)
-    cg, cq, ck = _chunk_sizes(groups, sq, max(nk, 1), tile)
+    cg, cq, ck = _chunk_sizes(groups, sq, max(nk, 1), SOFTMAX_TILE)
     p_scale = float(2 ** P_E4M3_LOG2)
     for g0, g1 in _chunks(groups, cg):
         for q0, q1 in _chunks(sq, cq):
@@ -446,17 +442,15 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
             m = torch.full((g1 - g0, q1 - q0), -math.inf, dtype=torch.float32, device=q.device)
             num = torch.zeros(g1 - g0, q1 - q0, v.shape[-1], dtype=torch.float32, device=q.device)
             den = torch.zeros(g1 - g0, q1 - q0, dtype=torch.float32, device=q.device)
-            for k0, k1 in _chunks(nk, ck):   # ck: whole tiles (or all the keys), so tiles start at multiples of tile
+            for k0, k1 in _chunks(nk, ck):   # ck: whole tiles, so tiles start where the kernel's do
                 kc = kd[g0:g1, k0:k1]
                 if score_product is None:
                     raw = qc @ kc.mT
                 else:
                     raw = score_product(qc, F.pad(kc, (0, 0, 0, (-kc.shape[1]) % KEY_BLOCK)))[..., : kc.shape[1]]
-                t = pad_last(raw * s, tile, -math.inf)
-                t = t.unflatten(-1, (-1, tile))                               # (g, q, tiles, keys)
-                # m_j per tile, an integer: every rescale 2^(m_j - m_last) is exact, and a key's E4M3(P) is
-                # the same under any tiling up to a power of two (ceil keeps -inf, inf and NaN)
-                run = torch.maximum(torch.cummax(torch.ceil(t.amax(-1)), -1).values, m.unsqueeze(-1))
+                t = pad_last(raw * s, SOFTMAX_TILE, -math.inf)
+                t = t.unflatten(-1, (-1, SOFTMAX_TILE))                       # (g, q, tiles, keys)
+                run = torch.maximum(torch.cummax(t.amax(-1), -1).values, m.unsqueeze(-1))   # m_j per tile
                 p = torch.exp2(t - run.unsqueeze(-1)) * p_scale
                 last = run[..., -1]
                 weight = torch.exp2(run - last.unsqueeze(-1)).unsqueeze(-1)   # 2^(m_j - m_last)
