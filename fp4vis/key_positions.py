@@ -10,11 +10,19 @@ import torch
 from fp4vis.formats import MXFP4_BLOCK
 
 KEY_BLOCK = MXFP4_BLOCK  # keys per P block (section 2) = tokens per MXFP4 V block (section 1)
-# FP8 P/V policies (section 7): the row maximum is updated once per tile of this many physical keys (the Hopper
-# kernel's key tile), and P in [0, 1] is scaled by 2**P_E4M3_LOG2 before its E4M3 rounding (P = 1 -> 256: no
-# saturation at 448, and 8 more binades before E4M3's subnormals)
+# FP8 P/V policies (section 7): the row maximum is updated once per tile of physical keys, the Hopper kernel's key
+# tile at the head dim (``softmax_tile``): 192 at D = 128 (two consumer warpgroups, a 64 x 192 score tile beside the
+# output in registers; longer tiles spread each tile's fixed work over more keys), 128 at any other D (D = 64 runs
+# three warpgroups of 160 registers); and P in [0, 1] is scaled by 2**P_E4M3_LOG2 before its E4M3 rounding (P = 1 ->
+# 256: no saturation at 448, and 8 more binades before E4M3's subnormals)
 SOFTMAX_TILE = 128
+SOFTMAX_TILE_D128 = 192
 P_E4M3_LOG2 = 8
+
+
+def softmax_tile(head_dim: int) -> int:
+    """Physical keys per tile of the FP8 P/V softmax's running maximum at this head dim (docs/numerics.md section 7)."""
+    return SOFTMAX_TILE_D128 if head_dim == 128 else SOFTMAX_TILE
 
 
 def anchor_indices(seq_len: int, n: int, device=None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from fp4vis.formats import (
     mxfp4_quantize,
     nvfp4_quantize,
 )
-from fp4vis.key_positions import KEY_BLOCK, P_E4M3_LOG2, SOFTMAX_TILE, anchor_permutation, native_positions
+from fp4vis.key_positions import KEY_BLOCK, P_E4M3_LOG2, anchor_permutation, native_positions, softmax_tile
 from fp4vis.policy import LOG2E, Policy
 from fp4vis.range_report import RangeReport
 
@@ -422,7 +422,7 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
                      scale: float, score_product=None) -> tuple[torch.Tensor, RangeReport]:
     """The FP8 P/V softmax (docs/numerics.md section 7): Q/K in the policy's format (decoded, exact in float32),
     V in E4M3 with a power-of-two scale per channel (``fp8_channel_quantize``), and per row an online maximum
-    updated once per ``SOFTMAX_TILE`` physical keys: t = raw * s, m_j = max(m_{j-1}, max of tile j's t),
+    updated once per ``softmax_tile(D)`` physical keys: t = raw * s, m_j = max(m_{j-1}, max of tile j's t),
     P = 2^(t - m_j) for tile j's keys, numerator sum_j 2^(m_j - m_n) sum E4M3(2^8 P) V8 (float32), denominator
     the same sum of the unrounded 2^8 P, O = numerator / denominator * 2^Ev. Float32 output (G, Sq, Dv) and a
     RangeReport of Q's and K's scale ranges. ``score_product`` as in ``direct_p_attention`` (it gets the keys
@@ -434,7 +434,8 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     v8, v_scale = fp8_channel_quantize(v)
     groups, sq, nk = qd.shape[0], qd.shape[1], kd.shape[1]
     out = torch.empty(groups, sq, v.shape[-1], dtype=torch.float32, device=q.device)
-    cg, cq, ck = _chunk_sizes(groups, sq, max(nk, 1), SOFTMAX_TILE)
+    tile = softmax_tile(qd.shape[-1])
+    cg, cq, ck = _chunk_sizes(groups, sq, max(nk, 1), tile)
     p_scale = float(2 ** P_E4M3_LOG2)
     for g0, g1 in _chunks(groups, cg):
         for q0, q1 in _chunks(sq, cq):
@@ -448,8 +449,8 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
                     raw = qc @ kc.mT
                 else:
                     raw = score_product(qc, F.pad(kc, (0, 0, 0, (-kc.shape[1]) % KEY_BLOCK)))[..., : kc.shape[1]]
-                t = pad_last(raw * s, SOFTMAX_TILE, -math.inf)
-                t = t.unflatten(-1, (-1, SOFTMAX_TILE))                       # (g, q, tiles, keys)
+                t = pad_last(raw * s, tile, -math.inf)
+                t = t.unflatten(-1, (-1, tile))                       # (g, q, tiles, keys)
                 run = torch.maximum(torch.cummax(t.amax(-1), -1).values, m.unsqueeze(-1))   # m_j per tile
                 p = torch.exp2(t - run.unsqueeze(-1)) * p_scale
                 last = run[..., -1]

@@ -425,6 +425,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--keep-dir", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tile-n", type=int, default=None,
+                    help="the FP8 P/V policies' key tile (config.PV_FP8_TILES; default the contract's, softmax_tile)")
     ap.add_argument("--schedule", action="store_true",
                     help="also report ptxas's static schedule of the loop's Direct-P (ping-pong variants)")
     ap.add_argument("--triton-prepass", action="store_true",
@@ -443,6 +445,10 @@ def main(argv=None) -> int:
     for name, cfg in variants((a.head_dim,) if a.head_dim else (128, 64)):
         if a.policy and name != a.policy:
             continue
+        if a.tile_n is not None:
+            if not cfg.pv_fp8:
+                continue   # --tile-n names the FP8 P/V softmax's tile; the other kernels' tiles are their schedule's
+            cfg = dataclasses.replace(cfg, tile_n=a.tile_n)
         keep = a.keep_dir or (tempfile.mkdtemp(prefix="fp4vis_cc_") if a.schedule else None)
         rep = compile_variant(cfg, keep_dir=keep)
         d = rep.to_dict()

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from fp4vis.key_positions import KEY_BLOCK
+from fp4vis.key_positions import KEY_BLOCK, softmax_tile
 from fp4vis.policy import QK_FP8, KernelParams, Policy
 
 # ------------------------------------------------------------------------------------------------
@@ -32,6 +32,9 @@ PV_FP8_D64_WG = 3
 # with 2 at four of the five shapes (20261206h_h100_kernel_fp8pv-poly.json) and keeps 0
 PV_FP8_POLY_EXP2 = 2
 TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 64 also supported
+# the FP8 P/V softmax's key tile is the contract's (fp4vis.key_positions.softmax_tile: 192 at D = 128, 128 at D = 64);
+# a variant may name another of these for measurement, whose running maximum then differs from the reference's
+PV_FP8_TILES = (128, 160, 192, 224)   # multiples of the 32-key block that fit the registers at D = 128
 KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
 REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
@@ -41,6 +44,7 @@ REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups 
 # 64K registers per SM / (2 CTAs x 256 threads) = 128 per thread at launch; setmaxnreg moves 104 from the
 # producer to the consumer (24 + 232 = 2 x 128, multiples of 8).
 REGS_2CTA = (24, 232)                 # (producer, consumer) registers per thread
+SMEM_1CTA = 227 * 1024                # the most dynamic shared memory one CTA may have (228 KB per SM, less 1 KB)
 SMEM_2CTA = 113 * 1024                # per CTA: 228 KB per SM, less the 1 KB reserved per CTA, halved
 DP_BLOCK = KEY_BLOCK    # Direct-P block: 32 consecutive keys (docs/numerics.md section 2)
 # Schedules of the consumer warpgroups (KernelConfig.schedule):
@@ -93,7 +97,7 @@ class KernelConfig:
     native_exp2: bool = False
     anchor: int = 0                  # 0: m_i = 0; else the first `anchor` keys are the anchors
     schedule: Schedule = "pingpong"  # see SCHEDULES
-    tile_n: int = TILE_N             # keys per tile: 128, or 64 (what the overlapped schedule fits)
+    tile_n: int = TILE_N             # keys per tile: 128, 64 (the overlapped schedule), pv_fp8: PV_FP8_TILES
     p_path: PPath = "packed"         # see P_PATHS
     num_wg: int = NUM_MMA_WG         # consumer warpgroups (64 query rows each); 3: 64-key tiles, or pv_fp8 at D = 64
     code_rounding: CodeRounding = "exact"   # Policy.code_rounding: "bf16" rounds pairs of codes on BF16x2
@@ -164,6 +168,8 @@ class KernelConfig:
             num_wg = 2     # three warpgroups need 64-key tiles, which hold at most 64 anchors
         if tile_n is None:
             tile_n = 64 if schedule == "overlap" or (num_wg == 3 and not params.pv_fp8) else 128
+            if params.pv_fp8:
+                tile_n = softmax_tile(head_dim)
         if num_wg == 3 and params.pv_fp8 and head_dim != 64:
             raise ValueError("num_wg = 3 with pv_fp8 needs head_dim 64 (registers: 160 per consumer thread)")
         if num_wg == 3 and not params.pv_fp8 and (tile_n != 64 or schedule == "overlap"):
@@ -174,10 +180,11 @@ class KernelConfig:
         block_scales = block_scales or DEFAULT_BLOCK_SCALES
         if block_scales not in BLOCK_SCALES_MODES:
             raise ValueError(f"block_scales: one of {BLOCK_SCALES_MODES}, got {block_scales!r}")
-        if params.pv_fp8 and (schedule == "overlap" or tile_n != 128 or p_path != DEFAULT_P_PATH):
-            raise ValueError("pv_fp8 (the FP8 P/V softmax) runs 128-key tiles (layout.SOFTMAX_TILE) on the pingpong "
-                             f"or serial schedule and has one P path; got schedule {schedule!r}, tile_n {tile_n}, "
-                             f"p_path {p_path!r}")
+        if params.pv_fp8 and (schedule == "overlap" or tile_n not in PV_FP8_TILES or p_path != DEFAULT_P_PATH
+                              or (tile_n != 128 and num_wg == 3)):
+            raise ValueError(f"pv_fp8 (the FP8 P/V softmax) runs key tiles of {PV_FP8_TILES} on the pingpong or "
+                             "serial schedule (128 with three consumer warpgroups: registers) and has one P path; got "
+                             f"schedule {schedule!r}, tile_n {tile_n}, num_wg {num_wg}, p_path {p_path!r}")
         if tile_n != 128 or p_path in ("none", "timing_codes"):
             block_scales = "lane"   # a quad shares four blocks only in 128-key tiles; no scales to share
         return KernelConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(params.affine_a),

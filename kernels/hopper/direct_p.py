@@ -23,6 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .config import DP_BLOCK, EIGHTHS_LOG2, TIMING_P_PATHS, KernelConfig
+from .fp8_key_scales import FP8_KEY_TILE
 from .ptx import (
     add_bf16x2,
     bf16x2_splat_pow2,
@@ -124,11 +125,15 @@ class DirectP:
     def tile_scales(self, j):
         """qk_fp8: (2^Eq of the two rows, [2^Ek of key tile j's 32-key blocks]), the loads issued at the
         top of a step so that their latency hides under the matrix products (k_scale is padded to
-        whole 128-key tiles: no predicate); None without qk_fp8."""
+        whole 128-key tiles: no predicate there; a longer tile clamps its block index, the blocks past the padding
+        holding keys past Skv only); None without qk_fp8."""
         if const_expr(self.qk_scales is None):
             return None
         row_qs, mKs, h_idx, b_idx = self.qk_scales
-        return row_qs, [mKs[j * self.nb + b, h_idx, b_idx] for b in range(self.nb)]
+        blocks = [j * self.nb + b for b in range(self.nb)]
+        if const_expr(FP8_KEY_TILE % self.tile_n != 0):   # blocks past the padding hold only keys past Skv (masked)
+            blocks = [cutlass.min(blk, mKs.shape[0] - 1) for blk in blocks]
+        return row_qs, [mKs[blk, h_idx, b_idx] for blk in blocks]
 
     @cute.jit
     def anchor_reference(self, acc_s, m_offset, kv_limit):

@@ -48,15 +48,16 @@ from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 from .config import (
     BAR_SCHED,
     KV_KEYS_IN_FLIGHT,
+    PV_FP8_TILES,
     REGS_2CTA,
     REGS_CONSUMER,
     REGS_PRODUCER,
+    SMEM_1CTA,
     SMEM_2CTA,
     TILE_M_PER_WG,
     KernelConfig,
 )
 from .direct_p import direct_p_for
-from .fp8_key_scales import FP8_KEY_TILE
 from .ptx import (
     abs_max_nan,
     count_zero_row,
@@ -87,13 +88,10 @@ class DirectPAttentionSm90:
     def __init__(self, cfg: KernelConfig):
         if cfg.head_dim not in (64, 128):
             raise ValueError(f"head_dim: the Hopper kernel supports D = 64 and 128, got {cfg.head_dim}")
-        if cfg.tile_n not in (64, 128):
-            raise ValueError(f"tile_n: 64 or 128, got {cfg.tile_n}")
-        if cfg.qk_fp8 and FP8_KEY_TILE % cfg.tile_n:
-            raise ValueError(f"tile_n: k_scale is padded to {FP8_KEY_TILE}-key tiles, got tile_n {cfg.tile_n}")
+        if cfg.tile_n not in ((64, 128) + (PV_FP8_TILES if cfg.pv_fp8 else ())):
+            raise ValueError(f"tile_n: 64 or 128 ({PV_FP8_TILES} with pv_fp8), got {cfg.tile_n}")
         if cfg.anchor > cfg.tile_n:
-            raise ValueError(f"anchor: at most tile_n = {cfg.tile_n} anchor samples (one key tile), "
-                             f"got {cfg.anchor}")
+            raise ValueError(f"anchor: at most tile_n = {cfg.tile_n} anchor samples (one key tile), got {cfg.anchor}")
         if cfg.block_scales == "quad" and (cfg.tile_n != 128 or cfg.p_path in ("none", "timing_codes")):
             raise ValueError(f"block_scales: 'quad' needs 128-key tiles and block scales (tile_n {cfg.tile_n}, "
                              f"p_path {cfg.p_path!r}); KernelConfig.make picks 'lane' there")
@@ -118,13 +116,16 @@ class DirectPAttentionSm90:
         self.qk_tiler = (TILE_M_PER_WG, cfg.tile_n, cfg.head_dim)
         self.pv_tiler = (TILE_M_PER_WG, cfg.head_dim, cfg.tile_n)
         self.threads = 128 * (cfg.num_wg + 1)
-        self.kv_stages = 2 * KV_KEYS_IN_FLIGHT // cfg.tile_n
+        self.kv_stages = 2 * -(-KV_KEYS_IN_FLIGHT // cfg.tile_n)   # K and V of at least KV_KEYS_IN_FLIGHT keys
         self.buffer_align_bytes = 1024
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER[cfg.num_wg]
         if cfg.ctas_per_sm == 2:
             self.regs_producer, self.regs_consumer = REGS_2CTA
-            # as many K/V stages as fit in SMEM_2CTA beside the barriers and Q: all 4 at D = 64, 3 at D = 128
-            self.kv_stages = min(self.kv_stages, (SMEM_2CTA - self.dynamic_smem_bytes(0)) // self.stage_bytes)
+        # as many K/V stages as fit beside the barriers and Q (docs/hopper_kernel.md), at least K_j's and V_j's
+        smem = SMEM_2CTA if cfg.ctas_per_sm == 2 else SMEM_1CTA
+        self.kv_stages = min(self.kv_stages, (smem - self.dynamic_smem_bytes(0)) // self.stage_bytes)
+        if self.kv_stages < 2:
+            raise ValueError(f"tile_n {cfg.tile_n}: fewer than two K/V stages fit in {smem} bytes of shared memory")
 
     def dynamic_smem_bytes(self, kv_stages: int | None = None) -> int:
         """Shared memory of the layout ``__call__`` builds: the barriers (the first aligned 1 KB), the Q

@@ -2,10 +2,11 @@
 and ``fp8pv``): the device-side twin of ``direct_p.DirectP`` for ``KernelConfig.pv_fp8``, with the same row
 state, the same per-tile entry (``tile``) and the same register order, so the kernel's schedules run either.
 
-Per 128-key tile and row: the tile maximum of t = raw * s (s the softmax scale times log2 e, times 2^Eq 2^Ek for
-FP8 Q/K: positive, so the maximum of the raw block maxima times s is the maximum of the products), the running
-maximum m_j = max(m_{j-1}, that), P = 2^(t - m_j + 8) (one FFMA and one MUFU.EX2 per score; in whole tiles
-``cfg.poly_exp2`` of every 8 on the FMA pipe instead: ``ptx.ex2_poly``, ``config.PV_FP8_POLY_EXP2``),
+Per key tile (``cfg.tile_n``: ``fp4vis.key_positions.softmax_tile``, 192 keys at D = 128, 128 at D = 64) and row:
+the tile maximum of t = raw * s (s the softmax scale times log2 e, times 2^Eq 2^Ek for FP8 Q/K: positive, so the
+maximum of the raw block maxima times s is the maximum of the products), the running maximum m_j = max(m_{j-1},
+that), P = 2^(t - m_j + 8) (one FFMA and one MUFU.EX2 per score; in whole tiles ``cfg.poly_exp2`` of every 8 on the
+FMA pipe instead: ``ptx.ex2_poly``, ``config.PV_FP8_POLY_EXP2``),
 the unrounded P summed into the row's denominator, and P rounded to E4M3 (``cvt.rn.satfinite.e4m3x2``:
 P <= 256, never saturated) straight into the A fragment of the P V WGMMA: slot k of a 32-key block is the
 accumulator column ``config.PV_FP8_KEY_ORDER[k]`` of the same thread, and V^T holds its keys in that order, so
@@ -50,7 +51,7 @@ class SoftmaxFP8(DirectP):
     DENOMINATOR_SCALE = 1.0   # O = acc / l (Direct-P's 1/6 factors are its own)
 
     def tile(self, acc_s, r_p, tile_scales, kv_limit, tile_idx, masked: bool, wait_pv: bool = False):
-        """P of one 64 x 128 score tile into the A fragment r_p (E4M3 words), the denominator, and the tile's
+        """P of one 64 x ``tile_n`` score tile into the A fragment r_p (E4M3 words), the denominator, and the tile's
         2^(m_{j-1} - m_j) for ``before_pv``. Reads the scores only (see ``DirectP.tile``); with ``wait_pv`` every P
         is made before waiting for the P V product in flight, and r_p is written after it. Plain Python, unrolled
         while the kernel is traced (its loops and dictionaries are over compile-time indices)."""

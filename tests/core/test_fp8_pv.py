@@ -10,7 +10,7 @@ import torch
 import fp4vis
 from fp4vis import reference
 from fp4vis.formats import E4M3_MAX, e4m3_round, fp8_channel_quantize, fp8_group_exponent
-from fp4vis.key_positions import P_E4M3_LOG2, SOFTMAX_TILE
+from fp4vis.key_positions import P_E4M3_LOG2, softmax_tile
 from fp4vis.metrics import rel_l2
 from fp4vis.policy import LOG2E, POLICIES, Policy
 
@@ -57,7 +57,7 @@ def test_v_channel_scale_is_a_power_of_two_and_never_saturates():
 
 
 def literal_contract(q, k, v, policy, scale):
-    """docs/numerics.md section 7 word for word: key tiles of SOFTMAX_TILE in order, float64 arithmetic on the
+    """docs/numerics.md section 7 word for word: key tiles of softmax_tile(D) in order, float64 arithmetic on the
     decoded operands; the E4M3 roundings the only approximations."""
     qd, kd, tensor_scale, _ = reference.quantize_qk(q, k, policy)
     v8, v_scale = fp8_channel_quantize(v)
@@ -66,12 +66,13 @@ def literal_contract(q, k, v, policy, scale):
     m = torch.full(qd.shape[:2], -math.inf, dtype=torch.float64)
     num = torch.zeros(qd.shape[:2] + (v.shape[-1],), dtype=torch.float64)
     den = torch.zeros(qd.shape[:2], dtype=torch.float64)
-    for k0 in range(0, kd.shape[1], SOFTMAX_TILE):
-        t = (qd @ kd[:, k0:k0 + SOFTMAX_TILE].mT) * s
+    tile = softmax_tile(qd.shape[-1])
+    for k0 in range(0, kd.shape[1], tile):
+        t = (qd @ kd[:, k0:k0 + tile].mT) * s
         m_new = torch.maximum(m, t.amax(-1))
         corr = torch.exp2(m - m_new)
         p = torch.exp2(t - m_new.unsqueeze(-1)) * 2.0 ** P_E4M3_LOG2
-        num = num * corr.unsqueeze(-1) + e4m3_round(p.float()).double() @ v8[:, k0:k0 + SOFTMAX_TILE]
+        num = num * corr.unsqueeze(-1) + e4m3_round(p.float()).double() @ v8[:, k0:k0 + tile]
         den = den * corr + p.sum(-1)
         m = m_new
     return num / den.unsqueeze(-1) * v_scale.double()
@@ -79,14 +80,15 @@ def literal_contract(q, k, v, policy, scale):
 
 @pytest.mark.parametrize("policy", ["fp8", "fp8pv"])
 @pytest.mark.parametrize("skv", [40, 128, 300, 777])
-def test_reference_is_the_contract(policy, skv, monkeypatch):
+@pytest.mark.parametrize("d", [64, 128])   # 128- and 192-key tiles (softmax_tile)
+def test_reference_is_the_contract(policy, skv, d, monkeypatch):
     # small chunks: the running maximum and the sums carried from one key chunk to the next
     monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 50 * 256)
     monkeypatch.setattr(reference, "KEY_CHUNK", 256)
     g = torch.Generator().manual_seed(skv)
-    q = torch.randn(2, 50, 64, generator=g) * 2
-    k = torch.randn(2, skv, 64, generator=g) + torch.linspace(0, 4, skv)[:, None]   # the maximum moves
-    v = torch.randn(2, skv, 64, generator=g) * torch.logspace(-2, 3, 64)
+    q = torch.randn(2, 50, d, generator=g) * 2 * (8 / d) ** 0.5
+    k = torch.randn(2, skv, d, generator=g) + torch.linspace(0, 4, skv)[:, None]   # the maximum moves
+    v = torch.randn(2, skv, d, generator=g) * torch.logspace(-2, 3, d)
     pol = POLICIES[policy]
     out, report = reference.fp8_pv_attention(q, k, v, pol, 0.125)
     assert report.ok
