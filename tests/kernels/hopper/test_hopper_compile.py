@@ -376,3 +376,28 @@ def test_fp8_pv_config_ignores_direct_p_fields():
     custom = Policy("mine", method="fp8_pv", qk_format="fp8_e4m3", affine_a=1.7, affine_b=0.9, shift=9)
     assert KernelConfig.from_policy(custom, 128, "bf16").key() == named.key()
     assert named.pv_fp8 and named.qk_fp8 and not KernelConfig.from_policy(POLICIES["fp8pv"], 128, "bf16").qk_fp8
+
+
+def test_fp8_pv_key_tile_is_the_contracts():
+    """The FP8 P/V kernel runs the contract's key tile (``key_positions.softmax_tile``: 192 at D = 128, 128 at D = 64,
+    the short-sequence variant too), takes the others of ``PV_FP8_TILES`` as measurement variants, refuses tiles the
+    registers or the 32-key blocks do not allow, and keeps at least two K/V stages in shared memory."""
+    from fp4vis.kernels.hopper.config import PV_FP8_TILES, SMEM_1CTA, SMEM_2CTA, KernelConfig
+    from fp4vis.kernels.hopper.kernel import DirectPAttentionSm90
+    from fp4vis.key_positions import softmax_tile
+    for name in ("fp8", "fp8pv"):
+        pol = POLICIES[name]
+        for d in (64, 128):
+            for short in (None, 2):
+                cfg = KernelConfig.from_policy(pol, d, "bf16", ctas_per_sm=short)
+                assert cfg.tile_n == softmax_tile(d) == (192 if d == 128 else 128)
+                kernel = DirectPAttentionSm90(cfg)
+                assert kernel.kv_stages >= 2
+                assert kernel.dynamic_smem_bytes() <= (SMEM_2CTA if short else SMEM_1CTA)
+        for tile in PV_FP8_TILES:
+            assert KernelConfig.from_policy(pol, 128, "bf16", tile_n=tile).tile_n == tile
+        for bad in (96, 256):
+            with pytest.raises(ValueError, match="key tiles"):
+                KernelConfig.from_policy(pol, 128, "bf16", tile_n=bad)
+        with pytest.raises(ValueError, match="three consumer warpgroups"):
+            KernelConfig.from_policy(pol, 64, "bf16", tile_n=192)
