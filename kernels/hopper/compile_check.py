@@ -450,7 +450,16 @@ def main(argv=None) -> int:
                 continue   # --tile-n names the FP8 P/V softmax's tile; the other kernels' tiles are their schedule's
             cfg = dataclasses.replace(cfg, tile_n=a.tile_n)
         keep = a.keep_dir or (tempfile.mkdtemp(prefix="fp4vis_cc_") if a.schedule else None)
-        rep = compile_variant(cfg, keep_dir=keep)
+        try:
+            rep = compile_variant(cfg, keep_dir=keep)
+        except Exception as exc:   # noqa: BLE001 - a variant --tile-n makes may not fit: report it, go on
+            if a.tile_n is None:
+                raise
+            rows.append({"policy": name, "variant": dataclasses.asdict(cfg), "error": str(exc).strip()[:300]})
+            if not a.json:
+                print(f"{name:10s} D={cfg.head_dim:3d} tile_n={cfg.tile_n}: does not compile: "
+                      f"{str(exc).strip().splitlines()[0][:160]}", flush=True)
+            continue
         d = rep.to_dict()
         d["policy"] = name
         if a.schedule and cfg.schedule == "pingpong":

@@ -35,6 +35,7 @@ TILE_N = 128            # default keys per K/V tile (4 Direct-P blocks of 32); 6
 # the FP8 P/V softmax's key tile is the contract's (fp4vis.key_positions.softmax_tile: 192 at D = 128, 128 at D = 64);
 # a variant may name another of these for measurement, whose running maximum then differs from the reference's
 PV_FP8_TILES = (128, 160, 192, 224)   # multiples of the 32-key block that fit the registers at D = 128
+PV_FP8_TILE_MAX_2CTA = 192   # the two-CTA variant compiles under a 128-register launch cap: 224 keys do not fit
 KV_KEYS_IN_FLIGHT = 256  # keys of K and V tiles in flight (they alternate in one pipeline): 4 stages of 128
 REGS_PRODUCER = 24
 REGS_CONSUMER = {1: 240, 2: 240, 3: 160}   # per consumer thread, by warpgroups per CTA (64K registers per SM)
@@ -181,10 +182,13 @@ class KernelConfig:
         if block_scales not in BLOCK_SCALES_MODES:
             raise ValueError(f"block_scales: one of {BLOCK_SCALES_MODES}, got {block_scales!r}")
         if params.pv_fp8 and (schedule == "overlap" or tile_n not in PV_FP8_TILES or p_path != DEFAULT_P_PATH
-                              or (tile_n != 128 and num_wg == 3)):
+                              or (tile_n != 128 and num_wg == 3)
+                              or (tile_n > PV_FP8_TILE_MAX_2CTA and ctas_per_sm == 2)):
             raise ValueError(f"pv_fp8 (the FP8 P/V softmax) runs key tiles of {PV_FP8_TILES} on the pingpong or "
-                             "serial schedule (128 with three consumer warpgroups: registers) and has one P path; got "
-                             f"schedule {schedule!r}, tile_n {tile_n}, num_wg {num_wg}, p_path {p_path!r}")
+                             "serial schedule (registers: 128 with three consumer warpgroups, at most "
+                             f"{PV_FP8_TILE_MAX_2CTA} with two CTAs per SM) and has one P path; got schedule "
+                             f"{schedule!r}, tile_n {tile_n}, num_wg {num_wg}, ctas_per_sm {ctas_per_sm}, "
+                             f"p_path {p_path!r}")
         if tile_n != 128 or p_path in ("none", "timing_codes"):
             block_scales = "lane"   # a quad shares four blocks only in 128-key tiles; no scales to share
         return KernelConfig(head_dim=head_dim, out_dtype=out_dtype, affine_a=float(params.affine_a),

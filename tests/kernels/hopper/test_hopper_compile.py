@@ -401,3 +401,5 @@ def test_fp8_pv_key_tile_is_the_contracts():
                 KernelConfig.from_policy(pol, 128, "bf16", tile_n=bad)
         with pytest.raises(ValueError, match="three consumer warpgroups"):
             KernelConfig.from_policy(pol, 64, "bf16", tile_n=192)
+        with pytest.raises(ValueError, match="two CTAs per SM"):
+            KernelConfig.from_policy(pol, 128, "bf16", tile_n=224, ctas_per_sm=2)
