@@ -564,6 +564,17 @@ def mxfp4_scale_counts(v: torch.Tensor) -> torch.Tensor:
     return _scale_words(under, over, torch.where(under, amax, 0.0), amax)
 
 
+def fp8_channel_scale_counts(v: torch.Tensor) -> torch.Tensor:
+    """The channels of ``fp8_channel_quantize(v)`` whose scale leaves its range, as the int32 words (underflow,
+    overflow, flushed, amax) of a ``ScaleRange``, without a host synchronisation: underflow, a channel (of each head
+    group) with a nonzero maximum below 2**-119, whose exponent is floored at -126 (its values lose bits, the
+    smallest flush; ``flushed``, the largest such maximum, as for v's blocks); no overflow (E reaches 120 at most)."""
+    amax = v.float().abs().amax(dim=-2)
+    field = (amax.view(torch.int32) >> 23) & 0xFF
+    under = (amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)
+    return _scale_words(under, torch.zeros_like(under), torch.where(under, amax, 0.0), amax)
+
+
 def fp8_pow2_scale_counts(x: torch.Tensor, group_rows: int) -> torch.Tensor:
     """The groups of ``fp8_pow2_quantize(x, group_rows)`` whose scale leaves its range, as the int32 words
     (underflow, overflow, flushed, amax) of a ``ScaleRange``, without a host synchronisation: underflow, a group

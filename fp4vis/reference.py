@@ -31,6 +31,7 @@ from fp4vis.formats import (
     e2m1_round,
     e4m3_round,
     fp8_channel_quantize,
+    fp8_channel_scale_counts,
     fp8_pow2_qdq,
     fp8_pow2_scale_counts,
     mxfp4_quantize,
@@ -425,12 +426,12 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     updated once per ``softmax_tile(D)`` physical keys: t = raw * s, m_j = max(m_{j-1}, max of tile j's t),
     P = 2^(t - m_j) for tile j's keys, numerator sum_j 2^(m_j - m_n) sum E4M3(2^8 P) V8 (float32), denominator
     the same sum of the unrounded 2^8 P, O = numerator / denominator * 2^Ev. Float32 output (G, Sq, Dv) and a
-    RangeReport of Q's and K's scale ranges. ``score_product`` as in ``direct_p_attention`` (it gets the keys
+    RangeReport of Q's, K's and V's scale ranges. ``score_product`` as in ``direct_p_attention`` (it gets the keys
     zero-padded to whole 32-key blocks)."""
     qd, kd, tensor_scale, qk_ranges = quantize_qk(q, k, policy)
     report = RangeReport()
     s = scale * tensor_scale * LOG2E
-    report.add_scale_ranges((*qk_ranges, ScaleRange()), s)
+    report.add_scale_ranges((*qk_ranges, ScaleRange.of(fp8_channel_scale_counts(v))), s)
     v8, v_scale = fp8_channel_quantize(v)
     groups, sq, nk = qd.shape[0], qd.shape[1], kd.shape[1]
     out = torch.empty(groups, sq, v.shape[-1], dtype=torch.float32, device=q.device)

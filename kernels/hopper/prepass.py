@@ -80,6 +80,6 @@ def kernel_operands(call, params, settings) -> KernelOperands:
         ops = KernelOperands(*prepass(q, k, v_in, params.qk_layout, perm, settings.prepass_f16_codes and q.is_cuda,
                                       qk, settings.prepass_full_search, record, launch), key_lengths=key_lengths)
     if params.pv_fp8:
-        vt, v_scale = fp8_values(v)
+        vt, v_scale = fp8_values(v, record)
         ops = ops._replace(v6=vt, v_scale=v_scale)
     return ops

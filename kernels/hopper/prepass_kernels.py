@@ -216,15 +216,17 @@ def channel_amax_kernel(V, AMAX, S, H, sb, sh, ss, D: tl.constexpr, KEYS: tl.con
     tl.atomic_max(AMAX + g * D + dcol, top, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["S", "SP", "H", "sb", "sh", "ss"])
-def fp8_values_kernel(V, VT, AMAX, VS, S, SP, H, sb, sh, ss, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       KEYS: tl.constexpr, ROW_ALIGN: tl.constexpr):
+@triton.jit(do_not_specialize=["S", "SP", "H", "sb", "sh", "ss", "REC", "FLAG", "CALL", "LIMIT"])
+def fp8_values_kernel(V, VT, AMAX, VS, REC, FLAG, CALL, LIMIT, S, SP, H, sb, sh, ss, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, KEYS: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """KEYS keys of V (whole 32-key blocks; head group g = program 0, the keys program 1: B * H is unbounded,
     S / KEYS below 65536; a (B, H, S, D) view with strides sb, sh, ss, 1) as E4M3 of v / 2^E into V^T (G, D, SP)
     bytes with each 32-key block's keys in ``pv_key_order`` (KEYS bytes in a row per channel), E per channel from
     its maximum magnitude over the keys (AMAX, (G, D), float32 bits: ``channel_amax_kernel``;
     ``fp8_group_exponent``), and 2^E into VS (float32 (G, D), written by program 0); keys >= S are written as 0 up to
-    SP = S rounded up to 32 (the kernel's TMA reads whole blocks)."""
+    SP = S rounded up to 32 (the kernel's TMA reads whole blocks). Program 0 of each head group adds the group's
+    ``fp8_channel_scale_counts`` to the range record (REC, FLAG, CALL, LIMIT: ``scale_record.record_scale_range``,
+    operand v) where CALL > 0."""
     g = tl.program_id(0)
     blk = tl.program_id(1)
     k = tl.arange(0, KEYS)
@@ -233,14 +235,21 @@ def fp8_values_kernel(V, VT, AMAX, VS, S, SP, H, sb, sh, ss, D: tl.constexpr, BL
     valid = s < S
     src, _b, _h = _src_offsets(g, tl.where(valid, s, 0), H, sb, sh, ss, ROW_ALIGN)
     dst = g.to(tl.int64) * D * SP + pos
+    under, flushed, amax = 0, 0.0, 0.0   # program 0's: its head group's channels
     for d0 in tl.static_range(0, D, BLOCK_D):
         dcol = d0 + tl.arange(0, BLOCK_D)
         v = exact_f32(tl.load(V + src[:, None] + dcol[None, :], mask=valid[:, None], other=0.0))
-        e = fp8_group_exponent(tl.load(AMAX + g * D + dcol).to(tl.float32, bitcast=True))
+        top = tl.load(AMAX + g * D + dcol).to(tl.float32, bitcast=True)
+        e = fp8_group_exponent(top)
         tl.store(VT + dst[:, None] + dcol[None, :].to(tl.int64) * SP, fp8_e4m3(v, e[None, :]),
                  mask=(pos < SP)[:, None])
         if blk == 0:
             tl.store(VS + g * D + dcol, pow2(e))
+            # channels as groups of one value each: flushed is a channel's maximum (formats.fp8_channel_scale_counts)
+            n, _, f, a = fp8_scale_counts(top, 1)
+            under, flushed, amax = under + n, tl.maximum(flushed, f), tl.maximum(amax, a)
+    if blk == 0:
+        record_scale_range(REC, FLAG, CALL, LIMIT, V_PART, under, 0, flushed, amax)
 
 
 # runtime integers of both pre-pass kernels (not specialised: one compile serves every shape)

@@ -359,11 +359,12 @@ def fp8_prepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: torch.T
     return outs
 
 
-def fp8_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_values(v: torch.Tensor, record: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The V operand of the FP8 P/V kernel from a (B, H, S, D) view v (unit stride along D; D 64 or 128):
     (V^T E4M3 bytes (B, H, D, SP) with SP = S rounded up to 32, each 32-key block in ``pv_key_order``, zeros past
     S; its float32 scales 2^E (B, H, D), one per channel: ``fp4vis.formats.fp8_channel_quantize``). No host
-    synchronisation: the channel maxima (zeroed words, ``channel_amax_kernel``), then the bytes and scales."""
+    synchronisation: the channel maxima (zeroed words, ``channel_amax_kernel``), then the bytes and scales, and V's
+    scale range (``fp4vis.formats.fp8_channel_scale_counts``) into ``record`` (as ``prepass``'s)."""
     b, h, s, d = v.shape
     sp = -(-s // 32) * 32
     vt = torch.empty((b, h, d, sp), dtype=torch.float8_e4m3fn, device=v.device)
@@ -373,8 +374,9 @@ def fp8_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         args = (h, v.stride(0), v.stride(1), v.stride(2), d)
         channel_amax_kernel[(b * h, -(-s // V_AMAX_KEYS))](v, amax, s, *args, V_AMAX_KEYS, row_align(v),
                                                            num_warps=4)
-        fp8_values_kernel[(b * h, -(-sp // V_VALUE_KEYS))](v, vt, amax, scales, s, sp, *args, min(d, 64), V_VALUE_KEYS,
-                                                           row_align(v), num_warps=4, enable_fp_fusion=False)
+        fp8_values_kernel[(b * h, -(-sp // V_VALUE_KEYS))](v, vt, amax, scales, *record_words(record, v.device), s, sp,
+                                                           *args, min(d, 64), V_VALUE_KEYS, row_align(v), num_warps=4,
+                                                           enable_fp_fusion=False)
     return vt, scales
 
 

@@ -82,6 +82,11 @@ def _tiny_channels(q, k, v):
     return q, k, v
 
 
+def _dead_v_channel(q, k, v):
+    v[:, 0, :, 5] *= 1e-40          # a value channel that is all but zero in one head (MXFP4 blocks, FP8 channel scale)
+    return q, k, v
+
+
 def _zero_text_token(q, k, v):
     # a text token whose embedding is all zeros: its projections are the biases alone, here tiny ones
     for t in (q, k, v):
@@ -89,9 +94,9 @@ def _zero_text_token(q, k, v):
     return q, k, v
 
 
-@pytest.mark.parametrize("case", [_class_token, _register_tokens, _zero_padding, _tiny_channels, _zero_text_token],
-                         ids=lambda f: f.__name__.strip("_"))
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("case", [_class_token, _register_tokens, _zero_padding, _tiny_channels, _dead_v_channel,
+                                  _zero_text_token], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("policy", POLICIES + ["fp8", "fp8pv"])
 def test_what_real_models_produce_computes_within_the_policys_error(case, policy):
     q, k, v = _qkv()
     unit = _error(q, k, v, policy)
@@ -100,15 +105,18 @@ def test_what_real_models_produce_computes_within_the_policys_error(case, policy
     assert abs(err - unit) <= POLICY_ERROR_SPREAD, (err, unit)
 
 
-@pytest.mark.parametrize("policy", POLICIES + ["nv_fp8"])
+@pytest.mark.parametrize("policy", POLICIES + ["nv_fp8", "fp8", "fp8pv"])
 def test_what_is_wrong_still_raises(policy):
-    """docs/numerics.md section 1's cases: q 1e-3 with k 1e3 (relL2 0.81 computed), v 1e-40, saturated k."""
+    """docs/numerics.md section 1's cases: q 1e-3 with k 1e3 (relL2 0.81 computed), v 1e-40, saturated k (FP8 Q/K's
+    group exponents hold the first two: `fp8` computes them)."""
     q, k, v = (t.bfloat16() for t in _qkv((1, 2, 128, 64)))
     for qs, ks, vs, what in ((q * 1e-3, k * 1e3, v, "blocks of q whose scale underflows"),
                              (q, k * 1e4, v, "blocks of k whose scale saturates"),
                              (q, k, v * 1e-40, "blocks of v whose scale underflows")):
         if policy == "nv_fp8" and what.endswith("v whose scale underflows"):
             continue     # its V is not block-scaled (section 8)
+        if policy == "fp8" and not what.startswith("blocks of v"):
+            continue
         with pytest.raises(fp4vis.RangeExceededError, match=what):
             fp4vis.attention(qs, ks, vs, policy=policy, scale=SCALE)
 

@@ -80,6 +80,21 @@ def test_fp8_pow2_scale_range(amax, under):
     assert (r.underflow, r.overflow, r.flushed) == (under, 0, 8 * amax if under else 0.0)
 
 
+@pytest.mark.parametrize("amax, under", [(0.0, 0), (2.0**-120, 1), (2.0**-119, 0), (1e30, 0)])
+def test_fp8_channel_scale_range(amax, under):
+    """V's per-channel FP8 scale (the FP8 P/V policies): a channel whose maximum floors the exponent at -126 is an
+    underflow, flushed by its maximum (v's criterion compares it with v's largest value); the others are not."""
+    v = torch.zeros(2, 300, 8)
+    v[1, 250, 3] = amax
+    v[0, 5, 1] = 2.0**-121      # another head group's channel: counted on its own
+    r = fm.ScaleRange.of(fm.fp8_channel_scale_counts(v))
+    a32 = float(torch.tensor(amax))
+    assert (r.underflow, r.overflow, r.flushed, r.amax) == (under + 1, 0, max(a32 if under else 0.0, 2.0**-121),
+                                                            max(a32, 2.0**-121))
+    _, scales = fm.fp8_channel_quantize(v)
+    assert scales[0, 0, 1] == 2.0**-126 and (scales[1, 0, 3] == 2.0**-126) >= bool(under)   # counted: scale floored
+
+
 def _qkv(shape=(1, 2, 128, 64), seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g) for _ in range(3)]

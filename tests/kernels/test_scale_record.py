@@ -52,7 +52,7 @@ def inputs(d, kind, sq=19, sk=45):
 def bits(x):
     return torch.tensor(x, dtype=torch.float32).view(torch.int32).item()
 
-def expected(q, k, v, layout, anchor, fp8=False):
+def expected(q, k, v, layout, anchor, fp8=False, v_channels=False):
     if anchor:
         perm = anchor_permutation(k.shape[-2], anchor)
         k, v = k[:, :, perm], v[:, :, perm]
@@ -60,7 +60,7 @@ def expected(q, k, v, layout, anchor, fp8=False):
         ranges = [fm.ScaleRange.of(fm.fp8_pow2_scale_counts(q, 1)), fm.ScaleRange.of(fm.fp8_pow2_scale_counts(k, 32))]
     else:
         ranges = [fm.nvfp4_quantize(x, layout).scale_range for x in (q, k)]
-    ranges.append(fm.ScaleRange.of(fm.mxfp4_scale_counts(v)))
+    ranges.append(fm.ScaleRange.of(fm.fp8_channel_scale_counts(v) if v_channels else fm.mxfp4_scale_counts(v)))
     limit = bits(sr.qk_flush_limit(S)) if any(r.underflow for r in ranges) else 0
     return dict(want=list(sr.significant_underflow(ranges, S)) + [r.overflow for r in ranges],
                 flushed=[r.underflow for r in ranges],
@@ -106,6 +106,10 @@ for kind, dims, anchors in (("wide", (64, 128), (0, 32)), ("harmless", (64,), (0
                 recorded(lambda r: htp.fp8_prepass(q, k, v, perm32, record=(*r, S))), **want)
             res[f"{kind}-hopper_fp8_torch-{d}-{anchor}"] = dict(
                 recorded(lambda r: hpt.kernel_operands(q, k, v, "fp8_e4m3", anchor, record=(*r, S))), **want)
+        # the FP8 P/V policy `fp8` (no anchors): the Q/K pass without V, then V's own pass (one scale per channel)
+        res[f"{kind}-hopper_fp8pv_fused-{d}-0"] = dict(
+            recorded(lambda r: (htp.fp8_prepass(q, k, v[..., :0, :], record=(*r, S)), htp.fp8_values(v, (*r, S)))),
+            **expected(q, k, v, None, 0, fp8=True, v_channels=True))
 # no record, or call 0: nothing written
 q, k, v = inputs(64, "wide")
 fields = torch.zeros(NUM_FIELDS, dtype=torch.int32)
@@ -129,7 +133,7 @@ def _cases(interpreted: dict) -> dict:
 
 def test_every_pre_pass_counts_what_the_formats_count(interpreted):
     cases = _cases(interpreted)
-    assert len(cases) == 2 * 2 * 2 * 4 + 2 * 2 * 2 + 2 * (2 * 4 + 2)
+    assert len(cases) == 2 * 2 * 2 * 4 + 2 * 2 * 2 + 2 * (2 * 4 + 2) + 2 + 1 + 1
     wrong = {k: (v["counts"], v["want"]) for k, v in cases.items() if v["counts"] != v["want"]}
     assert wrong == {}
     # the inputs exercise every count: q flushes, k saturates, v flushes (where the anchor permutation does not
@@ -137,13 +141,15 @@ def test_every_pre_pass_counts_what_the_formats_count(interpreted):
     wide = {k: v for k, v in cases.items() if k.startswith("wide")}
     assert all(v["want"][0] > 0 and v["want"][4] > 0 for k, v in wide.items() if "fp8" not in k)
     assert all(v["want"][3:] == [0, 0, 0] for k, v in wide.items() if "fp8" in k)
-    assert all(v["flushed"][2] > 0 for k, v in wide.items() if k.endswith("-0"))
+    assert all(v["flushed"][2] > 0 for k, v in wide.items() if k.endswith("-0") and "fp8pv" not in k)
+    # V's channel scale spans every key: a tiny 32-token block among unit values is no underflow there
+    assert all(v["flushed"][2] == 0 for k, v in wide.items() if "fp8pv" in k)
 
 
 def test_underflows_count_only_where_they_can_change_the_result(interpreted):
     """Flushed q rows against unit k and one tiny V block among unit ones are counted by the formats and left out
-    by the criterion (no word, no flag); a V that flushes everywhere counts; the wide inputs' tiny V block, among
-    values up to 2**3, does not."""
+    by the criterion (no word, no flag); a V that flushes everywhere counts (the FP8 P/V V pass's channels too); the
+    wide inputs' tiny V block, among values up to 2**3, does not."""
     cases = _cases(interpreted)
     harmless = {k: v for k, v in cases.items() if k.startswith("harmless")}
     assert all(v["flushed"][0] > 0 and v["flushed"][2] > 0 for k, v in harmless.items() if "fp8" not in k)
