@@ -565,13 +565,10 @@ def mxfp4_scale_counts(v: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_channel_scale_counts(v: torch.Tensor) -> torch.Tensor:
-    """The channels of ``fp8_channel_quantize(v)`` whose scale leaves its range, as the int32 words (underflow,
-    overflow, flushed, amax) of a ``ScaleRange``, without a host synchronisation: underflow, a channel (of each head
-    group) with a nonzero maximum below 2**-119, whose exponent is floored at -126 (its values lose bits, the
-    smallest flush; ``flushed``, the largest such maximum, as for v's blocks); no overflow (E reaches 120 at most)."""
+    """``fp8_pow2_scale_counts`` for ``fp8_channel_quantize(v)``'s groups, a channel of each head group over all
+    tokens: ``flushed`` is the largest floored channel's maximum, as for v's blocks; no overflow (E reaches 120)."""
     amax = v.float().abs().amax(dim=-2)
-    field = (amax.view(torch.int32) >> 23) & 0xFF
-    under = (amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)
+    under = _fp8_exponent_floored(amax)
     return _scale_words(under, torch.zeros_like(under), torch.where(under, amax, 0.0), amax)
 
 
@@ -583,9 +580,14 @@ def fp8_pow2_scale_counts(x: torch.Tensor, group_rows: int) -> torch.Tensor:
     norm); no overflow is counted (a value that decodes to Inf gives a non-finite output, which is reported as
     such)."""
     amax = _padded_groups(x, group_rows).abs().amax(dim=(-2, -1))
-    field = (amax.view(torch.int32) >> 23) & 0xFF
-    under = (amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)
+    under = _fp8_exponent_floored(amax)
     return _scale_words(under, torch.zeros_like(under), torch.where(under, amax * x.shape[-1], 0.0), amax)
+
+
+def _fp8_exponent_floored(amax: torch.Tensor) -> torch.Tensor:
+    """Where a nonzero float32 group maximum is below 2**-119, whose E ``fp8_group_exponent`` floors at -126."""
+    field = (amax.view(torch.int32) >> 23) & 0xFF
+    return (amax > 0) & (field - 127 - FP8_GROUP_TOP_EXP < FP8_MIN_GROUP_EXP)
 
 
 def mxfp4_blocks(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
