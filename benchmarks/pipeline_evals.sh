@@ -4,9 +4,11 @@
 # side in one process: diffusers' default attention (bf16), flash-attn-4 as the attention of the layers fp4vis
 # patches (attn=fa4; text-padding masks through its seqused_k), and the Hopper kernel's fast and fast_fp8qk.
 #
-#   bash benchmarks/pipeline_evals.sh [ARCH ...]   # default: flux.1-dev qwen-image wan2.2-t2v-a14b hunyuanvideo
+#   bash benchmarks/pipeline_evals.sh [ARCH ...]
+#   # default: flux.1-dev qwen-image wan2.2-t2v-a14b hunyuanvideo cogvideox-5b
 #
-# Sizes: FLUX.1-dev 1024x1024, Qwen-Image 1328x1328 and HunyuanVideo 720x1280 with 129 frames as published;
+# Sizes: FLUX.1-dev 1024x1024, Qwen-Image 1328x1328, HunyuanVideo 720x1280 with 129 frames and CogVideoX-5B
+# 480x720 with 49 frames (its guidance one transformer call of batch 2, as its pipeline makes it) as published;
 # Wan2.2-T2V-A14B at its 480p size (480x832, 81 frames: its 720p one would take about 4x the device time). On the device
 # machine (the `run` tool, carrying [".device"]) results go to $OUT (NAME.json, NAME.md per model; the command's
 # output to the caller); copy them into benchmarks/results/.
@@ -21,7 +23,7 @@ STEPS=${STEPS:-2}
 LIMIT=${LIMIT_S:-280}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-[[ $# -gt 0 ]] || set -- flux.1-dev qwen-image wan2.2-t2v-a14b hunyuanvideo
+[[ $# -gt 0 ]] || set -- flux.1-dev qwen-image wan2.2-t2v-a14b hunyuanvideo cogvideox-5b
 if ! $PY -c "import fp4vis.evals.pipeline_eval" 2>/dev/null; then
   $PY -m pip install -q --no-deps --no-build-isolation -e . || { echo "cannot install fp4vis"; exit 1; }
 fi
@@ -31,6 +33,7 @@ for arch in "$@"; do
     qwen-image) size=(); tag=qwen-image-random-1328x1328 ;;
     wan2.2-t2v-a14b) size=(--height 480 --width 832 --frames 81); tag=wan2-2-t2v-a14b-random-480x832x81 ;;
     hunyuanvideo) size=(); tag=hunyuanvideo-random-720x1280x129 ;;
+    cogvideox-5b) size=(); tag=cogvideox-5b-random-480x720x49 ;;
     *) echo "unknown ARCH $arch"; exit 2 ;;
   esac
   echo "=== [$SECONDS s] $arch (limit $LIMIT s)"

@@ -11,7 +11,8 @@ parallelism, with FP4 attention and with diffusers' own BF16 attention, and what
 Each architecture of ``fp4vis.evals.published_configs`` (``--archs``, default all) at its published size
 (``--size HxW[xF]`` overrides), with seeded RANDOM weights (the same on every rank: the checksum is recorded) and
 random text of the published shapes, denoised by ``fp4vis eval pipeline --speed-only``'s Euler loop
-(``SpeedOnlySubject``: ``calls_per_step`` transformer calls a step, two with classifier-free guidance); nothing is
+(``SpeedOnlySubject``: ``calls_per_step`` transformer calls a step, two with classifier-free guidance;
+CogVideoX's guidance one call of batch 2, ``guidance_batched``); nothing is
 downloaded, nothing decoded. Per architecture, one build per mode:
 
 * ``single``: every rank runs alone on its own GPU (rank 0's latents are the reference), for each of
@@ -28,8 +29,8 @@ CPU), and against the one-GPU run of the same policy ``latents_rel_l2_vs_single`
 tokens, which cuBLAS may order differently: bit identity is expected on the CPU, measured on GPUs);
 ``speedup_vs_single`` (same policy), ``speedup_vs_single_bf16`` and ``speedup_vs_diffusers_cp_bf16`` (this
 mode's bf16 run: diffusers' own context parallelism). An architecture diffusers ships no context-parallel plan
-for (HunyuanVideo in diffusers 0.42), or whose heads the degree does not divide, gets its one-GPU runs and a
-``skipped`` reason for the others. Rank 0 rewrites the JSON after every run; the other ranks write nothing.
+for (HunyuanVideo and CogVideoX in diffusers 0.42), or whose heads the degree does not divide, gets its one-GPU
+runs and a ``skipped`` reason for the others. Rank 0 rewrites the JSON after every run; the other ranks write nothing.
 
 Time, estimated, not measured: one step of a 720p video model is tens of seconds on one GPU (HunyuanVideo 720p
 about 19-30 s on an H200, issue 47; Wan2.1-14B 720p about 25 s a CFG step, benchmarks/wan_context_parallel.py),
@@ -63,6 +64,9 @@ TINY = {
                        text_dim=32, text_tokens=8, pooled_dim=8, height=64, width=32),
     "qwen-image": dict(config=dict(num_layers=1, attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
                                    axes_dims_rope=(4, 6, 6)), text_dim=32, text_tokens=8, height=32, width=64),
+    "cogvideox-5b": dict(config=dict(num_attention_heads=4, attention_head_dim=16, num_layers=1, text_embed_dim=32,
+                                     time_embed_dim=16, max_text_seq_length=8), text_dim=32, text_tokens=8,
+                         height=32, width=48, frames=5),
 }
 
 
@@ -190,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "published_context_parallel", "random_weights": True, "dry_run": args.dry_run,
         "world_size": world, "architectures": {n: {"class": a.class_name, "height": a.height, "width": a.width,
-                                                    "frames": a.frames, "calls_per_step": a.calls_per_step}
+                                                    "frames": a.frames, "calls_per_step": a.calls_per_step,
+                                                    "guidance_batched": a.guidance_batched}
                                                 for n, a in archs.items()},
         "steps": args.steps, "seed": args.seed, "backend": args.backend, "warmup": not args.no_warmup,
         "runs": [], "skipped": {},

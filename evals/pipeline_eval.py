@@ -14,7 +14,8 @@ comparison with BF16, the report) is ``fp4vis.evals.timed_runs.run_eval``. Two m
   published denoiser architecture with seeded RANDOM weights, random latents and text conditioning of the
   published shapes (the text padding mask where the pipeline passes one), its transformer alone in a
   flow-matching Euler loop of ``steps`` steps (the calls per step the pipeline makes: two with classifier-free
-  guidance). Every step is timed apart (device synchronised). Timings are real; the fidelity numbers describe
+  guidance; CogVideoX's one call of batch 2, the latents twice and the texts stacked, as its pipeline does it).
+  Every step is timed apart (device synchronised). Timings are real; the fidelity numbers describe
   random weights.
 
 A baseline runs ``attn=<name>``: the library (``fp4vis.evals.baselines``) as the attention of the layers the FP4
@@ -158,10 +159,14 @@ class SpeedOnlySubject(DiffusersSubject):
 
     def load(self) -> None:
         self.module = pc.build_denoiser(self.arch, device=self.dev, dtype=self.dtype, seed=self.config.seed)
-        self.text = [pc.random_text(self.arch, seed=self.config.seed + i, device=self.dev, dtype=self.dtype)
-                     for i in range(self.arch.calls_per_step)]
+        arch = self.arch
+        texts = [pc.random_text(arch, seed=self.config.seed + i, device=self.dev, dtype=self.dtype)
+                 for i in range(2 if arch.guidance_batched else arch.calls_per_step)]
+        # one call of batch 2: the negative's text first, as the pipeline stacks them
+        self.text = [pc.stack_text(texts[::-1])] if arch.guidance_batched else texts
+        self.generation_inputs = pc.generation_inputs(arch, **self.size, device=self.dev)
         g = torch.Generator().manual_seed(self.config.seed)
-        self.latents = torch.randn(pc.latent_shape(self.arch, **self.size), generator=g)
+        self.latents = torch.randn(pc.latent_shape(arch, **self.size), generator=g)
 
     def compile(self, mode: str) -> None:
         compile_transformers(SimpleNamespace(transformer=self.module), mode)
@@ -176,7 +181,8 @@ class SpeedOnlySubject(DiffusersSubject):
                 "architecture": {"name": c.speed_only, "class": arch.class_name, "source": arch.source,
                                  "config": arch.config, "text_tokens": arch.text_tokens,
                                  "text_mask": arch.prompt_tokens is not None, "prompt_tokens": arch.prompt_tokens,
-                                 "calls_per_step": arch.calls_per_step, "notes": list(arch.notes)}}
+                                 "calls_per_step": arch.calls_per_step,
+                                 "batch_per_call": 2 if arch.guidance_batched else 1, "notes": list(arch.notes)}}
 
     @torch.no_grad()
     def run(self, steps: int, label: str, decode: bool) -> RunOutput:
@@ -191,9 +197,13 @@ class SpeedOnlySubject(DiffusersSubject):
             for i in tqdm(range(steps), desc=f"denoise ({label})", disable=not self.config.progress):
                 with Timer() as t:
                     xin = x.to(self.dtype)
-                    out = [self.module(**pc.denoiser_inputs(self.arch, xin, sigmas[i], text, **hw))[0].float()
-                           for text in self.text]
-                    # classifier-free guidance: the first call is the prompt's, the second the negative's
+                    if self.arch.guidance_batched:
+                        xin = torch.cat([xin, xin])
+                    out = [self.module(**pc.denoiser_inputs(self.arch, xin, sigmas[i], text, **hw),
+                                       **self.generation_inputs)[0].float() for text in self.text]
+                    if self.arch.guidance_batched:   # (negative, prompt) halves into the two calls' order
+                        out = list(out[0].chunk(2))[::-1]
+                    # classifier-free guidance: the first output is the prompt's, the second the negative's
                     v = out[0] if len(out) == 1 else out[1] + guidance * (out[0] - out[1])
                     x = x + (sigmas[i + 1] - sigmas[i]) * v
                     _sync(self.dev)
@@ -269,6 +279,15 @@ def _as_frames(out: Any) -> np.ndarray:
     return arr if arr.ndim == 4 else arr[None]
 
 
+def calls_text(arch: dict[str, Any]) -> str:
+    """The transformer calls a step makes, as a report's ``architecture`` field gives them."""
+    calls, batch = arch["calls_per_step"], arch.get("batch_per_call", 1)   # a report without it: batch 1
+    if batch == 1:
+        return f"{calls} transformer call(s)"
+    return (f"{calls} transformer call{'' if calls == 1 else 's'} of batch {batch} (classifier-free guidance: the "
+            "negative's and the prompt's halves)")
+
+
 def pipeline_markdown(r: dict[str, Any]) -> str:
     """The generic configuration's Markdown report."""
     warn = ("\n**Random weights (speed only)**: the published architecture with seeded random weights, random "
@@ -286,7 +305,7 @@ def pipeline_markdown(r: dict[str, Any]) -> str:
     if arch:
         mask = (f"a padding mask ({arch['prompt_tokens']} prompt tokens)" if arch["text_mask"] else "no mask")
         lines += [f"Architecture: `{arch['class']}` from {arch['source']}; text of {arch['text_tokens']} tokens, "
-                  f"{mask}; {arch['calls_per_step']} transformer call(s) per step. "
+                  f"{mask}; {calls_text(arch)} per step. "
                   + " ".join(n[0].upper() + n[1:] + "." for n in arch["notes"]), ""]
     emulated = reference_timed(r)
 

@@ -1,13 +1,14 @@
 """Published denoiser architectures as plain data (``PUBLISHED_DENOISERS``), for ``fp4vis eval pipeline
 --speed-only ARCH``: the transformer's config as its published ``transformer/config.json`` gives it, the
 pipeline's default size, its text length and text-mask form, and how many transformer calls a step makes
-(two with classifier-free guidance). Nothing here downloads: the values are copied from the model cards
-and configs named beside each entry.
+(two with classifier-free guidance; CogVideoX: one of batch 2). Nothing here downloads: the values are copied
+from the model cards and configs named beside each entry.
 
 ``family`` says how a transformer of the entry is called (``denoiser_inputs``): the latent layout it
-consumes (video latents ``(B, C, F, H, W)`` or FLUX-style packed 2x2 patches ``(B, tokens, 4C)``), its
-timestep scale, and the text conditioning its pipeline passes (embeddings, a padding mask, pooled
-embeddings, embedded guidance).
+consumes (video latents ``(B, C, F, H, W)``, CogVideoX's ``(B, F, C, H, W)``, or FLUX-style packed 2x2 patches
+``(B, tokens, 4C)``), its timestep scale, and the text conditioning its pipeline passes (embeddings, a padding
+mask, pooled embeddings, embedded guidance); ``generation_inputs`` the inputs a pipeline computes once per
+generation from the size alone (CogVideoX's rotary embeddings).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("wan", "hunyuanvideo", "flux", "qwenimage")
+FAMILIES = ("wan", "hunyuanvideo", "flux", "qwenimage", "cogvideox")
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class PublishedDenoiser:
     ``height``/``width``/``frames`` the default size (``frames`` None: an image model); ``text_tokens`` the
     text length the pipeline passes, ``prompt_tokens`` how many of them are a prompt's where the pipeline
     pads to ``text_tokens`` and passes the padding mask (None: no mask); ``calls_per_step``: transformer
-    calls per denoising step (2: classifier-free guidance); ``guidance``: the pipeline's default scale."""
+    calls per denoising step (2: classifier-free guidance, a call of batch 1 each); ``guidance_batched``:
+    classifier-free guidance as the pipeline's one call of batch 2 (the latents twice, the negative's and the
+    prompt's text stacked; ``calls_per_step`` stays 1); ``guidance``: the pipeline's default scale."""
 
     title: str
     family: str
@@ -41,6 +44,7 @@ class PublishedDenoiser:
     prompt_tokens: int | None = None
     pooled_dim: int | None = None
     calls_per_step: int = 1
+    guidance_batched: bool = False
     guidance: float = 5.0
     steps: int = 50
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -91,6 +95,21 @@ PUBLISHED_DENOISERS: dict[str, PublishedDenoiser] = {
         source="Qwen/Qwen-Image transformer/config.json",
         height=1328, width=1328, frames=None, text_tokens=128, text_dim=3584, calls_per_step=2, guidance=4.0,
         steps=50),
+    # THUDM/CogVideoX-5b, transformer/config.json; pipeline (CogVideoXPipeline) defaults 480x720, 49 frames; T5
+    # text padded to 226 tokens, no mask passed; guidance 6.0 as one call of batch 2 (negative and prompt
+    # stacked), 50 steps; rotary embeddings computed once per generation (generation_inputs)
+    "cogvideox-5b": PublishedDenoiser(
+        title="CogVideoX-5B", family="cogvideox", class_name="CogVideoXTransformer3DModel",
+        config=dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16,
+                    flip_sin_to_cos=True, freq_shift=0, time_embed_dim=512, text_embed_dim=4096, num_layers=42,
+                    attention_bias=True, sample_width=90, sample_height=60, sample_frames=49, patch_size=2,
+                    patch_size_t=None, temporal_compression_ratio=4, max_text_seq_length=226,
+                    activation_fn="gelu-approximate", timestep_activation_fn="silu", norm_elementwise_affine=True,
+                    norm_eps=1e-5, spatial_interpolation_scale=1.875, temporal_interpolation_scale=1.0,
+                    use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False),
+        source="THUDM/CogVideoX-5b transformer/config.json",
+        height=480, width=720, frames=49, text_tokens=226, text_dim=4096, guidance_batched=True, guidance=6.0,
+        steps=50),
 }
 
 VAE_SPATIAL = 8    # every entry's VAE: 8x spatial, 4x temporal compression, 16 latent channels
@@ -111,18 +130,26 @@ def check_size(arch: PublishedDenoiser, *, height: int, width: int, frames: int 
 
 
 def latent_shape(arch: PublishedDenoiser, *, height: int, width: int, frames: int | None) -> tuple[int, ...]:
-    """The latents the transformer consumes, batch 1: ``(1, 16, F', H/8, W/8)`` for a video model, the
-    packed ``(1, H/16 * W/16, 64)`` for FLUX and Qwen-Image."""
+    """The latents the transformer consumes, batch 1: ``(1, 16, F', H/8, W/8)`` for a video model (CogVideoX:
+    ``(1, F', 16, H/8, W/8)``, its pipeline's layout), the packed ``(1, H/16 * W/16, 64)`` for FLUX and
+    Qwen-Image."""
     h, w = height // VAE_SPATIAL, width // VAE_SPATIAL
     if arch.family in ("flux", "qwenimage"):
         return (1, (h // 2) * (w // 2), LATENT_CHANNELS * 4)
-    return (1, LATENT_CHANNELS, (frames - 1) // VAE_TEMPORAL + 1, h, w)
+    latent_frames = (frames - 1) // VAE_TEMPORAL + 1
+    if arch.family == "cogvideox":
+        return (1, latent_frames, LATENT_CHANNELS, h, w)
+    return (1, LATENT_CHANNELS, latent_frames, h, w)
 
 
 def tokens(arch: PublishedDenoiser, *, height: int, width: int, frames: int | None) -> int:
-    """Image/video tokens per sequence (the self-attention length without the text)."""
+    """Image/video tokens per sequence (the self-attention length without the text): every video entry
+    patches 2x2 in space and leaves the latent frames whole."""
     shape = latent_shape(arch, height=height, width=width, frames=frames)
-    return shape[1] if len(shape) == 3 else shape[2] * (shape[3] // 2) * (shape[4] // 2)
+    if len(shape) == 3:
+        return shape[1]
+    latent_frames = shape[1] if arch.family == "cogvideox" else shape[2]
+    return latent_frames * (shape[3] // 2) * (shape[4] // 2)
 
 
 def build_denoiser(arch: PublishedDenoiser, *, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -162,10 +189,39 @@ def random_text(arch: PublishedDenoiser, *, seed: int, device: torch.device, dty
     return text
 
 
+def stack_text(texts: list[dict[str, Any]]) -> dict[str, Any]:
+    """``random_text``'s conditionings stacked along the batch, in the order given (one call of batch
+    ``len(texts)``)."""
+    return {key: None if texts[0][key] is None else torch.cat([t[key] for t in texts]) for key in texts[0]}
+
+
+def generation_inputs(arch: PublishedDenoiser, *, height: int, width: int, frames: int | None,
+                      device: torch.device) -> dict[str, Any]:
+    """The keyword arguments a pipeline computes once per generation from the size alone and passes to every
+    transformer call: CogVideoX's rotary embeddings, by diffusers' own functions as ``CogVideoXPipeline``
+    calls them (CogVideoX 1.0: ``patch_size_t`` None); nothing for the other families."""
+    if arch.family != "cogvideox":
+        return {}
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+    c = arch.config
+    if c.get("patch_size_t") is not None:
+        raise ValueError(f"config: {arch.title}: the rotary embeddings of CogVideoX 1.5 (patch_size_t) are not "
+                         "computed here")
+    p = c["patch_size"]
+    grid = (height // (VAE_SPATIAL * p), width // (VAE_SPATIAL * p))
+    crops = get_resize_crop_region_for_grid(grid, c["sample_width"] // p, c["sample_height"] // p)
+    latent_frames = (frames - 1) // VAE_TEMPORAL + 1
+    rotary = get_3d_rotary_pos_embed(embed_dim=c["attention_head_dim"], crops_coords=crops, grid_size=grid,
+                                     temporal_size=latent_frames, device=device)
+    return {"image_rotary_emb": rotary}
+
+
 def denoiser_inputs(arch: PublishedDenoiser, latents: torch.Tensor, sigma: float, text: dict[str, Any], *,
                     height: int, width: int) -> dict[str, Any]:
     """The keyword arguments of one transformer call at noise level ``sigma`` (in [0, 1]), as the
-    architecture's diffusers pipeline passes them."""
+    architecture's diffusers pipeline passes them, less those of ``generation_inputs`` (computed once)."""
     dev = latents.device
     t = torch.full((latents.shape[0],), float(sigma), device=dev)
     kw: dict[str, Any] = {"hidden_states": latents, "encoder_hidden_states": text["embeds"], "return_dict": False}
@@ -184,6 +240,9 @@ def denoiser_inputs(arch: PublishedDenoiser, latents: torch.Tensor, sigma: float
     elif arch.family == "qwenimage":
         kw.update(timestep=t, encoder_hidden_states_mask=text["mask"],
                   img_shapes=[[(1, height // (2 * VAE_SPATIAL), width // (2 * VAE_SPATIAL))]])
+    elif arch.family == "cogvideox":
+        # the pipeline passes the scheduler's integer timesteps (0..999); the float t * 1000 embeds the same way
+        kw["timestep"] = t * 1000
     else:
         raise ValueError(f"family: unknown {arch.family!r}; known: {', '.join(FAMILIES)}")
     return kw

@@ -31,7 +31,8 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", help="Hub id or local diffusers folder (a text-to-image or text-to-video pipeline)")
     src.add_argument("--speed-only", type=speed_only_arch, metavar="ARCH",
                      help="a published denoiser with random weights, timed alone at its published size: "
-                          "wan2.2-t2v-a14b, hunyuanvideo, flux.1-dev, qwen-image (timings only; labelled so)")
+                          "wan2.2-t2v-a14b, hunyuanvideo, flux.1-dev, qwen-image, cogvideox-5b (timings only; "
+                          "labelled so)")
     p.add_argument("--policies", type=policy_list, default="fast")
     p.add_argument("--baselines", default="auto", metavar="auto|none|NAMES",
                    help="BF16 attention libraries run as the attention of the layers the policies patch by default "
@@ -47,7 +48,8 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
                                                                      "architecture's)")
     p.add_argument("--width", type=positive_int, default=None)
     p.add_argument("--frames", type=positive_int, default=None, help="video models (default: the pipeline's, or "
-                                                                     "the architecture's: 81, HunyuanVideo 129)")
+                                                                     "the architecture's: 81, HunyuanVideo 129, "
+                                                                     "CogVideoX-5B 49)")
     p.add_argument("--guidance", type=guidance, default=None, help="(default: the pipeline's or the "
                                                                    "architecture's)")
     add_denoising_runs(p, decode_help="decode and compare the outputs (the default with --model)",

@@ -29,6 +29,10 @@ TINY = {
     "qwen-image": dict(config=dict(num_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                    axes_dims_rope=(4, 6, 6)),
                        text_dim=32, text_tokens=16, height=32, width=32),
+    # the published sample_height/width kept: the rotary embeddings' base grid (30x45) as published
+    "cogvideox-5b": dict(config=dict(num_attention_heads=2, attention_head_dim=16, num_layers=1, text_embed_dim=32,
+                                     time_embed_dim=16, max_text_seq_length=16),
+                         text_dim=32, text_tokens=16, height=32, width=48, frames=5),
 }
 
 
@@ -46,7 +50,7 @@ def tiny_archs(monkeypatch):
 
 def test_published_configs_name_their_source_and_give_the_published_sizes():
     archs = pc.PUBLISHED_DENOISERS
-    assert {"wan2.2-t2v-a14b", "hunyuanvideo", "flux.1-dev", "qwen-image"} <= set(archs)
+    assert {"wan2.2-t2v-a14b", "hunyuanvideo", "flux.1-dev", "qwen-image", "cogvideox-5b"} <= set(archs)
     assert all(a.source and a.class_name and a.family in pc.FAMILIES for a in archs.values())
     size = {n: dict(height=a.height, width=a.width, frames=a.frames) for n, a in archs.items()}
     assert size["hunyuanvideo"] == dict(height=720, width=1280, frames=129)
@@ -55,6 +59,15 @@ def test_published_configs_name_their_source_and_give_the_published_sizes():
     assert pc.tokens(archs["qwen-image"], **size["qwen-image"]) == 83 * 83
     assert pc.tokens(archs["hunyuanvideo"], **size["hunyuanvideo"]) == 33 * 45 * 80
     assert pc.tokens(archs["wan2.2-t2v-a14b"], **size["wan2.2-t2v-a14b"]) == 21 * 45 * 80
+    cog = archs["cogvideox-5b"]
+    assert size["cogvideox-5b"] == dict(height=480, width=720, frames=49)
+    assert cog.source == "THUDM/CogVideoX-5b transformer/config.json"
+    assert pc.latent_shape(cog, **size["cogvideox-5b"]) == (1, 13, 16, 60, 90)   # frames before channels
+    assert pc.tokens(cog, **size["cogvideox-5b"]) == 13 * 30 * 45
+    assert cog.text_tokens == 226 and cog.prompt_tokens is None and cog.guidance_batched and cog.calls_per_step == 1
+    cos, sin = pc.generation_inputs(cog, **size["cogvideox-5b"], device=torch.device("cpu"))["image_rotary_emb"]
+    assert cos.shape == sin.shape == (13 * 30 * 45, 64)
+    assert pc.generation_inputs(archs["flux.1-dev"], **size["flux.1-dev"], device=torch.device("cpu")) == {}
     text = pc.random_text(tiny_arch("hunyuanvideo"), seed=0, device=torch.device("cpu"), dtype=torch.float32)
     assert text["mask"].tolist() == [[True] * 8 + [False] * 8]   # the padding mask of the pipeline's form
     assert text["embeds"][0, 8:].abs().sum() == 0
@@ -74,6 +87,34 @@ def test_speed_only_runs_each_architecture(tiny_archs, name, tmp_path):
     md = (tmp_path / "pipeline_speed.md").read_text()
     assert "Random weights (speed only)" in md and "no speedup is given" in md and "| fast |" in md
     assert pc.PUBLISHED_DENOISERS[name].source in md
+    batched = "1 transformer call of batch 2 (classifier-free guidance: the negative's and the prompt's halves)"
+    assert (f"{batched} per step" in md) == (name == "cogvideox-5b")
+
+
+def test_cogvideox_guidance_is_one_call_of_batch_2(tiny_archs):
+    """CogVideoX's classifier-free guidance as its pipeline makes it: one transformer call a step, of batch 2, the
+    latents in its (B, F, C, H, W) layout; the step is the guided Euler step that the prompt's and the negative's
+    calls of batch 1 give (the halves in the right order)."""
+    from fp4vis.evals.pipeline_eval import SpeedOnlySubject
+
+    cpu, size = torch.device("cpu"), dict(height=32, width=48)
+    arch = pc.PUBLISHED_DENOISERS["tiny-cogvideox-5b"]
+    subject = SpeedOnlySubject(arch, PipelineEvalConfig(speed_only="tiny-cogvideox-5b", steps=2, device="cpu",
+                                                        dtype="float32", progress=False), cpu)
+    subject.load()
+    calls = []
+    hook = subject.module.register_forward_pre_hook(lambda m, args, kw: calls.append(kw["hidden_states"].shape),
+                                                    with_kwargs=True)
+    out = subject.run(1, "test", decode=False)
+    hook.remove()
+    assert calls == [(2, 2, 16, 4, 6)]
+    assert subject.fields()["architecture"]["calls_per_step"] == 1
+    assert subject.fields()["architecture"]["batch_per_call"] == 2
+    rotary = pc.generation_inputs(arch, **size, frames=5, device=cpu)
+    prompt, negative = (subject.module(**pc.denoiser_inputs(arch, subject.latents, 1.0, text, **size), **rotary)[0]
+                        for text in (pc.random_text(arch, seed=i, device=cpu, dtype=torch.float32) for i in (0, 1)))
+    expected = subject.latents - (negative + arch.guidance * (prompt - negative))
+    torch.testing.assert_close(out.latents, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_fidelity_mode_on_a_saved_pipeline(tiny_wan, tmp_path):
@@ -113,6 +154,13 @@ def test_cli_speed_only_end_to_end(tiny_archs, tmp_path, capsys):
     assert code == 0 and "bf16: " in out and "fast: " in out and "latent cosine" in out
     assert "baseline skipped, fa4: " in out   # --baselines auto, the default: none runs on the CPU
     assert (tmp_path / "pipeline_speed.json").exists()
+
+
+def test_speed_only_help_names_every_published_architecture(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "pipeline", "--help"])
+    help_text = "".join(capsys.readouterr().out.split())   # the wrapping may break a name at a hyphen
+    assert e.value.code == 0 and all(name in help_text for name in pc.PUBLISHED_DENOISERS)
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -191,6 +239,7 @@ KEY_PADDING = "a key-padding attention mask (text padding; the function takes no
     ("hunyuanvideo", [], {"transformer_blocks.0.attn": [KEY_PADDING],
                           "single_transformer_blocks.0.attn": [KEY_PADDING]}),
     ("wan2.2-t2v-a14b", ["blocks.0.attn1"], {}),
+    ("cogvideox-5b", ["transformer_blocks.0.attn1"], {}),
 ])
 def test_a_baseline_runs_as_the_attention_of_the_default_layers(tiny_archs, cpu_baseline, tmp_path, name, on_function,
                                                                 kept):
@@ -204,7 +253,9 @@ def test_a_baseline_runs_as_the_attention_of_the_default_layers(tiny_archs, cpu_
     routing = base["baseline"]["routing"]
     assert routing["layers_on_function"] == on_function and routing["layers_kept"] == kept
     assert routing["layers"] == len(on_function) + len(kept)
-    calls = pc.PUBLISHED_DENOISERS[f"tiny-{name}"].calls_per_step * 3   # warm-up and 2 steps
+    arch = pc.PUBLISHED_DENOISERS[f"tiny-{name}"]
+    calls = arch.calls_per_step * 3   # warm-up and 2 steps
+    assert {shape[0] for shape in cpu_baseline["shapes"]} <= {2 if arch.guidance_batched else 1}   # the batch
     assert routing["calls_on_function"] == len(on_function) * calls == len(cpu_baseline["shapes"])
     assert sum(routing["calls_kept"].values()) == len(kept) * calls
     assert base["timings"]["warmup_s"] > 0 and base["latent_cosine"] > 0.9999
@@ -222,15 +273,16 @@ def test_a_baseline_runs_as_the_attention_of_the_default_layers(tiny_archs, cpu_
     assert "| run | vs bf16 |" not in md
 
 
-def test_a_compiled_baseline_run_gives_the_eager_latents(tiny_archs, cpu_baseline, monkeypatch):
+@pytest.mark.parametrize("name", ["qwen-image", "cogvideox-5b"])
+def test_a_compiled_baseline_run_gives_the_eager_latents(tiny_archs, cpu_baseline, monkeypatch, name):
     """compile: the baseline's run compiles too (fullgraph, in its warm-up) and gives the eager latents; its calls
-    are counted as traced."""
+    are counted as traced. CogVideoX, whose diffusers class names no repeated blocks, compiles regionally too."""
     import functools
 
     from fp4vis.evals import pipeline_eval
     from fp4vis.pipelines.compile import compile_transformers
 
-    kw = dict(speed_only="tiny-qwen-image", policies="fast", baselines="cpu_sdpa", steps=2, backend="reference",
+    kw = dict(speed_only=f"tiny-{name}", policies="fast", baselines="cpu_sdpa", steps=2, backend="reference",
               device="cpu", progress=False)
     eager = run_pipeline_eval(PipelineEvalConfig(**kw))
     monkeypatch.setattr(pipeline_eval, "compile_transformers", functools.partial(compile_transformers,
