@@ -8,8 +8,9 @@ call is recorded (CALL > 0):
 * underflows count only where they can change the result (``fp4vis.scale_range.significant_underflow``), which needs
   the whole call's maxima: a program with underflows adds them, the maximum of its ``ScaleRange.flushed`` and the
   call's q/k flush limit to the call's words (``CALL_UNDERFLOW`` ...; floats as int32 bits: non-negative floats
-  order as their bits do), and every program raises the call's ``.amax`` word where its own is larger (a plain read
-  first: an atomic only where it grows, so the programs do not queue on a few addresses);
+  order as their bits do), and every program raises the call's ``.amax`` word (a relaxed ``atomic_max`` whose
+  result is unused: a fire-and-forget ``RED`` in the GPU build, so no program waits on the word; a plain read
+  first, to skip the atomic where the word is already larger, made each program wait for that read);
 * the call's attention kernel, which runs after all of its pre-pass launches in stream order, decides once
   (``decide_scale_range``: one thread or program of it; ``kernels/hopper/ptx.py`` has the Hopper kernel's PTX
   twin), adds the underflows that count to the record, raises the flag where they do and clears the call's words.
@@ -77,7 +78,7 @@ def record_scale_range(REC, FLAG, CALL, LIMIT, operand, under, over, flushed, am
     """Add one program's ``*_scale_counts`` of ``operand`` (0 q, 1 k, 2 v) to the record REC (int32 words) where
     CALL > 0: ``over`` to the record (storing CALL into the int32 at address FLAG); where ``under`` > 0, ``under``,
     the float32 maximum ``flushed`` and the q/k flush limit LIMIT (the same for every program of the call) to the
-    call's words; ``amax`` to the call's maximum, with an atomic only where it is larger than the word read.
+    call's words; ``amax`` to the call's maximum.
     The call's attention kernel decides on them (``decide_scale_range``)."""
     if CALL > 0:
         if over > 0:
@@ -93,11 +94,9 @@ def record_scale_range(REC, FLAG, CALL, LIMIT, operand, under, over, flushed, am
 
 @triton.jit
 def _raise_to(word, bits):
-    """The call's maximum at ``word`` raised to ``bits`` (non-negative float32 bits), with an atomic only where it is
-    larger than the word read: the word only grows during a call, so a stale read costs at most one more atomic, and
-    the programs of a call do not queue on one address."""
-    if bits > tl.load(word, volatile=True):
-        tl.atomic_max(word, bits, sem="relaxed")
+    """The call's maximum at ``word`` raised to ``bits`` (non-negative float32 bits): a relaxed atomic whose result
+    is unused (the module docstring says why no read comes first)."""
+    tl.atomic_max(word, bits, sem="relaxed")
 
 
 @triton.jit
