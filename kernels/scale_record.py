@@ -9,8 +9,7 @@ call is recorded (CALL > 0):
   the whole call's maxima: a program with underflows adds them, the maximum of its ``ScaleRange.flushed`` and the
   call's q/k flush limit to the call's words (``CALL_UNDERFLOW`` ...; floats as int32 bits: non-negative floats
   order as their bits do), and every program raises the call's ``.amax`` word (a relaxed ``atomic_max`` whose
-  result is unused: a fire-and-forget ``RED`` in the GPU build, so no program waits on the word; a plain read
-  first, to skip the atomic where the word is already larger, made each program wait for that read);
+  result is unused: a fire-and-forget ``RED`` in the GPU build, so no program waits on the word);
 * the call's attention kernel, which runs after all of its pre-pass launches in stream order, decides once
   (``decide_scale_range``: one thread or program of it; ``kernels/hopper/ptx.py`` has the Hopper kernel's PTX
   twin), adds the underflows that count to the record, raises the flag where they do and clears the call's words.
@@ -95,7 +94,7 @@ def record_scale_range(REC, FLAG, CALL, LIMIT, operand, under, over, flushed, am
 @triton.jit
 def _raise_to(word, bits):
     """The call's maximum at ``word`` raised to ``bits`` (non-negative float32 bits): a relaxed atomic whose result
-    is unused (the module docstring says why no read comes first)."""
+    is unused, so that the program does not wait on the word."""
     tl.atomic_max(word, bits, sem="relaxed")
 
 
