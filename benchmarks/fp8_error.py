@@ -6,7 +6,9 @@ against exact attention.
 
 1. The floor each format sets: iid Gaussian q, k, v (B4 S1024 D128, float64), softmax attention with one operand
    rounded as the policy rounds it (E4M3 P scaled by 2^8, V in E4M3 with its per-channel scale, FP8 Q/K with their
-   per-row and per-32-key scales), then all three.
+   per-row and per-32-key scales), then P and V together (the floor of any E4M3 P·V) and all three; beside them Q/K
+   in INT8 with the same groups (symmetric, scale = group maximum / 127: SageAttention2's Hopper kernel takes INT8
+   Q/K with FP8 P·V), alone and with E4M3 P and V. INT8 is an analysis here, not a policy.
 2. The mean key: K gets ``bias`` added to 8 channels and 2 channels scaled by 1 + bias (B1 H4 S1024 D128, BF16);
    ``fp8`` with and without the mean key subtracted (in float32, rounded to BF16 again, as a pre-pass would read
    it). Softmax is unchanged by the subtraction."""
@@ -45,10 +47,18 @@ def format_floor() -> dict:
     def qk8(x, rows):
         return fp8_pow2_qdq(x, rows).double()
 
+    def int8(x, rows):   # symmetric INT8, one scale per group of `rows` rows (as qk8's groups)
+        g = x.unflatten(-2, (-1, rows))
+        scale = g.abs().amax((-2, -1), keepdim=True) / 127
+        return (torch.round(g / scale).clamp(-127, 127) * scale).flatten(-3, -2)
+
     exact = softmax_attention(q, k, v)
     runs = {"P in E4M3": softmax_attention(q, k, v, p_round=True), "V in E4M3": softmax_attention(q, k, v8(v)),
             "Q/K in FP8": softmax_attention(qk8(q, 1), qk8(k, 32), v),
-            "all three": softmax_attention(qk8(q, 1), qk8(k, 32), v8(v), p_round=True)}
+            "P and V in E4M3": softmax_attention(q, k, v8(v), p_round=True),
+            "all three": softmax_attention(qk8(q, 1), qk8(k, 32), v8(v), p_round=True),
+            "Q/K in INT8": softmax_attention(int8(q, 1), int8(k, 32), v),
+            "INT8 Q/K, E4M3 P and V": softmax_attention(int8(q, 1), int8(k, 32), v8(v), p_round=True)}
     return {name: round(float((out - exact).norm() / exact.norm()), 5) for name, out in runs.items()}
 
 
@@ -76,7 +86,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     floor = format_floor()
     for name, err in floor.items():
-        print(f"{name:12s} relL2 {err:.4f}")
+        print(f"{name:22s} relL2 {err:.4f}")
     rows = mean_key()
     for r in rows:
         print(f"bias {r['bias']:5.1f}  fp8 {r['rel_l2']:.4f}  "
