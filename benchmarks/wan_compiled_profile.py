@@ -47,7 +47,7 @@ def category(name: str) -> str:
     return "other"
 
 
-def _kernel_table(prof) -> list[tuple[str, float, int]]:
+def kernel_table(prof) -> list[tuple[str, float, int]]:
     """(name, total ms, count) of every CUDA kernel the profiler saw, longest first."""
     totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
@@ -58,7 +58,7 @@ def _kernel_table(prof) -> list[tuple[str, float, int]]:
     return sorted(((n, ms, c) for n, (ms, c) in totals.items()), key=lambda r: -r[1])
 
 
-def _summary(table: list, wall_s: float, profiled_wall_s: float) -> dict:
+def summary(table: list, wall_s: float, profiled_wall_s: float) -> dict:
     cats: dict[str, dict] = {}
     for name, ms, count in table:
         c = cats.setdefault(category(name), {"ms": 0.0, "kernels": 0})
@@ -110,7 +110,7 @@ def _runs(model: str, compiled: bool, which: tuple[str, ...]) -> dict:
                 generate(pipe, common, policy=policy)
                 torch.cuda.synchronize()
                 pwall = time.perf_counter() - t0
-        out[run] = dict(_summary(_kernel_table(prof), wall, pwall), warmup_s=warm)
+        out[run] = dict(summary(kernel_table(prof), wall, pwall), warmup_s=warm)
         r = out[run]
         print(f"{model} {'compiled' if compiled else 'eager'} {run}: step {r['step_wall_ms']:.1f} ms, kernels "
               f"{r['kernels_ms']:.1f} ms; " + ", ".join(f"{k} {v['ms']:.1f}" for k, v in r["categories"].items()),

@@ -107,7 +107,10 @@ def _fake_args(cfg):
                                      cute.sym_int64(divisibility=32), 1), assumed_align=16)
         v_scale = make_fake_tensor(cutlass.Float32, (cute.sym_int32(), cute.sym_int32(), d),
                                    stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    o = t(out_dt, sq)
+    # O: any strides with D contiguous (the launcher's is (B, Sq, H, D) in memory: ``launch.output_like``)
+    o = make_fake_tensor(out_dt, (cute.sym_int32(), cute.sym_int32(), sq, d),
+                         stride=(cute.sym_int64(divisibility=d), cute.sym_int64(divisibility=d),
+                                 cute.sym_int64(divisibility=d), 1), assumed_align=16)
     # a key-masked variant reads one int32 key count per batch element
     key_lens = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
                 if cfg.key_lengths else None)

@@ -118,10 +118,20 @@ def compiled_kernel(cfg: KernelConfig, tensors: tuple, tvm_ffi: bool) -> Compile
                        lambda run: f"fp4vis hopper: compiled {cfg} (tvm-ffi: {run.tvm_ffi})")
 
 
+def output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The kernel's output, (B, H, Sq, Dv) in q's dtype, laid out in memory as (B, Sq, H, Dv): the layout every
+    caller turns it into (diffusers' processors, timm and transformers flatten the heads into the channels), which
+    then costs no copy. SDPA's flash and cuDNN kernels return theirs the same way; the kernel stores rows through
+    their strides."""
+    b, h, s = q.shape[:-1]
+    return q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
+
+
 def launch(cfg: KernelConfig, ops: KernelOperands, out: torch.Tensor, params: KernelParams,
            record: RecordSlot | None = None, tvm_ffi: bool = True) -> None:
-    """Launch the Direct-P kernel ``cfg`` on the pre-pass's operands into ``out`` ((B, H, Sq, Dv), q's dtype) on
-    the current CUDA stream. ``record``: the call's range record where ``cfg.range_record``."""
+    """Launch the Direct-P kernel ``cfg`` on the pre-pass's operands into ``out`` ((B, H, Sq, Dv), q's dtype, D
+    contiguous; ``output_like``'s layout or any other) on the current CUDA stream. ``record``: the call's range
+    record where ``cfg.range_record``."""
     if cfg.range_record and record is None:
         raise ValueError("record: a kernel compiled with range_record needs the call's record")
     if cfg.pv_fp8 != (ops.v_scale is not None):
@@ -154,7 +164,7 @@ def attention(call: AttentionCall, config: KernelConfig | None = None) -> torch.
                                    call.key_mask is not None)
     try:
         ops = kernel_operands(call, params, settings)
-        out = torch.empty(q.shape[:-1] + (call.v.shape[-1],), dtype=q.dtype, device=q.device)
+        out = output_like(q, call.v)
         launch(cfg, ops, out, params, call.record, settings.hopper_tvm_ffi)
     except BaseException:
         decide(call.record)   # no kernel decided on the pre-pass's scale range: its words must not reach the next call

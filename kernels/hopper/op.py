@@ -13,7 +13,7 @@ from fp4vis.backends import range_record
 from fp4vis.call import AttentionCall
 from fp4vis.qk_transform import QKTransform
 
-from .launch import attention
+from .launch import attention, output_like
 
 
 @torch.library.custom_op("fp4vis::hopper_attention", mutates_args=(), device_types="cuda")
@@ -32,7 +32,7 @@ def hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 @hopper_attention.register_fake
 def _hopper_attention_fake(q, k, v, scale, policy, record_site=0, q_norm=None, k_norm=None, q_eps=0.0, k_eps=0.0,
                            rope_cos=None, rope_sin=None, key_mask=None):
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    return output_like(q, v)   # the launcher's strides: compiled code that follows relies on them
 
 
 def op_call(call: AttentionCall) -> torch.Tensor:

@@ -140,6 +140,25 @@ def test_torch_compile_no_graph_break():
     assert rel_l2(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("policy", ["fast", "fast_fp8qk"])
+def test_output_is_bshd_in_memory_as_the_op_declares(policy):
+    """The output is (B, H, S, D) laid out as (B, S, H, D), so that a processor's transpose and reshape copy
+    nothing; the custom op's fake declares the same strides (opcheck: a compiled graph relies on them)."""
+    from fp4vis.backends.range_record import policy_text
+    importlib.import_module("fp4vis.kernels.hopper.op")
+    b, s, h, d = 2, 300, 3, 128
+    q, k, v = (torch.randn(b, s, h * d, device="cuda", dtype=torch.bfloat16).view(b, s, h, d).transpose(1, 2)
+               for _ in range(3))
+    out = fp4vis.attention(q, k, v, policy=policy, backend="hopper", range_check="off")
+    assert out.shape == (b, h, s, d) and out.transpose(1, 2).is_contiguous()
+    assert rel_l2(out, reference(q, k, v, policy)) <= TOL
+    bshd = fp4vis.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), policy=policy,
+                            backend="hopper", range_check="off", layout="bshd")
+    assert bshd.is_contiguous() and torch.equal(bshd, out.transpose(1, 2))
+    torch.library.opcheck(torch.ops.fp4vis.hopper_attention, (q, k, v, 1 / math.sqrt(d), policy_text(
+        fp4vis.get_policy(policy))), test_utils=("test_schema", "test_faketensor"))
+
+
 # (schedule, p_path, num_wg[, block_scales[, ctas_per_sm]]); the default block_scales is "quad" (128-key
 # tiles); ctas_per_sm 2: the short-sequence variant (two CTAs per SM)
 KERNEL_VARIANTS = [("pingpong", "packed", 2), ("pingpong", "scalar", 2), ("serial", "packed", 2),
