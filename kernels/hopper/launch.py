@@ -122,7 +122,7 @@ def output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The kernel's output, (B, H, Sq, Dv) in q's dtype, laid out in memory as (B, Sq, H, Dv): the layout every
     caller turns it into (diffusers' processors, timm and transformers flatten the heads into the channels), which
     then costs no copy. SDPA's flash and cuDNN kernels return theirs the same way; the kernel stores rows through
-    their strides."""
+    the output's strides."""
     b, h, s = q.shape[:-1]
     return q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
 
