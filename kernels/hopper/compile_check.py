@@ -465,8 +465,9 @@ def main(argv=None) -> int:
             continue
         d = rep.to_dict()
         d["policy"] = name
-        if a.schedule and cfg.schedule == "pingpong":
-            d["direct_p_schedule"] = direct_p_schedule(rep.cubin)
+        if a.schedule and cfg.schedule == "pingpong":   # with the innermost loop's length (the key loop's body)
+            loops = innermost_loops(sass_text(open(rep.cubin, "rb").read()))
+            d["direct_p_schedule"] = dict(direct_p_schedule(rep.cubin), innermost_loop=max(map(len, loops), default=0))
         if keep and not a.keep_dir:
             shutil.rmtree(keep, ignore_errors=True)
         rows.append(d)

@@ -9,6 +9,7 @@
 
 import dataclasses
 import importlib
+import json
 import math
 import os
 
@@ -403,3 +404,12 @@ def test_fp8_pv_key_tile_is_the_contracts():
             KernelConfig.from_policy(pol, 64, "bf16", tile_n=192)
         with pytest.raises(ValueError, match="two CTAs per SM"):
             KernelConfig.from_policy(pol, 128, "bf16", tile_n=224, ctas_per_sm=2)
+
+
+def test_schedule_report_gives_the_key_loop(nvdisasm, capsys):
+    """``compile_check --schedule --json`` reports ptxas's static schedule with the innermost loop's length (the key
+    loop's body, which docs/hopper_kernel.md quotes), inside the loop between the barriers."""
+    assert compile_check.main(["--policy", "fp8", "--head-dim", "64", "--schedule", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    sched = next(r["direct_p_schedule"] for r in rows if r["policy"] == "fp8")
+    assert 0 < sched["instructions"] < sched["innermost_loop"] <= sched["loop_instructions"], sched
