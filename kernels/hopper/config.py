@@ -115,6 +115,14 @@ class KernelConfig:
     def overlap(self) -> bool:
         return self.schedule == "overlap"
 
+    @property
+    def decide_after_epilogue(self) -> bool:
+        """Where the range record's decision on the pre-pass's scale range runs: after the epilogue of CTA 0's first
+        consumer thread in the three-warpgroup FP8 P/V kernel (D = 64), where in an idle producer thread it made
+        ptxas schedule the key loop longer (583 instructions, not 571) and the record cost 6 % of the call; in that
+        idle producer thread everywhere else (docs/hopper_kernel.md, "Measured")."""
+        return self.pv_fp8 and self.num_wg == 3
+
     def key(self) -> tuple:
         """The fields' values in order: every field is a compile-time choice, so one compiled kernel per key."""
         return tuple(getattr(self, name) for name in self.__dataclass_fields__)

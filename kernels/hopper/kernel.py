@@ -58,13 +58,7 @@ from .config import (
     KernelConfig,
 )
 from .direct_p import direct_p_for
-from .ptx import (
-    abs_max_nan,
-    count_zero_row,
-    decide_scale_range,
-    not_below,
-    record_range,
-)
+from .ptx import abs_max_nan, count_zero_row, decide_scale_range, not_below, record_range
 from .softmax_fp8 import softmax_fp8_for
 
 
@@ -256,14 +250,18 @@ class DirectPAttentionSm90:
             if warp_idx == 0:
                 self.producer(tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,
                               m_blk, h_idx, b_idx, n_tiles)
-            if const_expr(self.cfg.range_record):   # the pre-pass's scale range (it ran before), once per call:
-                if tidx == 32 and m_blk == 0 and h_idx == 0 and b_idx == 0:   # an idle thread (warp 1) of CTA 0
+            # the pre-pass's scale range (it ran before), once per call: an idle thread (warp 1) of CTA 0, or
+            if const_expr(self.cfg.range_record and not self.cfg.decide_after_epilogue):
+                if tidx == 32 and m_blk == 0 and h_idx == 0 and b_idx == 0:
                     decide_scale_range(range_record, range_flag, call_number)
         else:
             cute.arch.warpgroup_reg_alloc(self.regs_consumer)
             self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, mVs, s_log2, m_offset,
                           (range_record, range_flag, call_number), tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q,
                           seqlen_k, n_tiles)
+            if const_expr(self.cfg.range_record and self.cfg.decide_after_epilogue):   # its first consumer thread
+                if tidx == 128 and m_blk == 0 and h_idx == 0 and b_idx == 0:   # after its epilogue
+                    decide_scale_range(range_record, range_flag, call_number)
 
     @cute.jit
     def producer(self, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, q_pipe, kv_pipe,

@@ -90,6 +90,26 @@ def test_range_record_costs_the_loop_almost_nothing(nvdisasm, tmp_path):
     assert reds[0] == 0 < reds[1], reds
 
 
+def test_range_record_leaves_the_fp8_softmax_loop_alone(nvdisasm, tmp_path):
+    """The FP8 P/V softmax counts nothing in its key loop (no P saturates; the counts are taken in the epilogue), so
+    the record leaves that loop's SASS as it is: the product kernel at D = 64 (three consumer warpgroups), 571
+    instructions either way. There the decision on the pre-pass's scale range runs after the epilogue of CTA 0's
+    first consumer thread (``KernelConfig.decide_after_epilogue``): in the producer's idle warp it made ptxas
+    schedule this loop in 583."""
+    from fp4vis.kernels.hopper.config import product_config
+    params = POLICIES["fp8"].kernel_params(64, 0.125)
+    loops = []
+    for record in (False, True):
+        cfg = product_config(params, 64, "bf16", False, record)
+        assert cfg.decide_after_epilogue
+        rep = compile_check.compile_variant(cfg, keep_dir=str(tmp_path / str(record)))
+        sass = compile_check.sass_text(open(rep.cubin, "rb").read())
+        loops.append(max(len(body) for body in compile_check.innermost_loops(sass)))
+    assert loops[0] == loops[1], loops
+    for name, d in (("fp8", 128), ("fp8pv", 128), ("fast", 64), ("fast_fp8qk", 128)):   # the producer's thread
+        assert not product_config(POLICIES[name].kernel_params(d, 0.125), d, "bf16", False, True).decide_after_epilogue
+
+
 def _inputs(b, h, sq, skv, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, sq, d, generator=g).to(dtype)
