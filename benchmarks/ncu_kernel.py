@@ -43,17 +43,17 @@ import torch
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="1,8192,24", help="B,S,H at D=128")
+    ap.add_argument("--shape", default="1,8192,24", help="B,S,H[,D] (D default 128)")
     ap.add_argument("--policy", default="fast")
     ap.add_argument("--variant", default="", help="SCHEDULE/P_PATH/NUM_WG (empty parts: the defaults)")
     ap.add_argument("--calls", type=int, default=4)
     a = ap.parse_args(argv)
     from fp4vis.evals.kernel_bench import hopper_parts, split_variant
-    b, s, h = (int(x) for x in a.shape.split(","))
+    b, s, h, d = (tuple(int(x) for x in a.shape.split(",")) + (128,))[:4]
     pre, ker = hopper_parts(a.policy, **split_variant(f"hopper_kernel@{a.variant}")[1])
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, h, s, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    scale = 1 / math.sqrt(128)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    scale = 1 / math.sqrt(d)
     ops = pre(q, k, v, scale)
     for _ in range(a.calls):
         ker(ops, q, scale)

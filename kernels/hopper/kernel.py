@@ -30,7 +30,8 @@ There is no online maximum and no rescaling of the output accumulator: the row r
 fixed (0, or the anchor maximum plus the margin, computed from the first key tile, which holds the
 anchors). One class per kernel: ``__init__`` holds the static configuration, ``__call__`` (jitted)
 builds layouts/TMA atoms and launches, ``kernel`` is the device entry, warp roles are methods; Direct-P itself
-is a device-side object of its own (``direct_p.DirectP``: the row state and the per-tile stages).
+is a device-side object of its own (``direct_p.DirectP``: the row state and the per-tile stages), and so is the
+output (``output.OutputTile``: the epilogue and the range record's counts).
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.utils import LayoutEnum
-
-from fp4vis.formats import OVERFLOW_BF16, OVERFLOW_FP16
 
 from .config import (
     BAR_SCHED,
@@ -58,7 +57,8 @@ from .config import (
     KernelConfig,
 )
 from .direct_p import direct_p_for
-from .ptx import abs_max_nan, count_zero_row, decide_scale_range, not_below, record_range
+from .output import OutputTile
+from .ptx import decide_scale_range
 from .softmax_fp8 import softmax_fp8_for
 
 
@@ -365,8 +365,8 @@ class DirectPAttentionSm90:
                     n_tiles - 1, acc_s, acc_s1, kv_state, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage,
                     kv_pipe, acc_o, r_p, dp, seqlen_k, n_tiles, partial_last)
         elif const_expr(self.cfg.schedule == "pingpong"):
-            self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
-                               acc_o, r_p, dp, m_offset, wg, seqlen_k, n_tiles)
+            kv_state = self.pingpong_loop(qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state,
+                                          acc_s, acc_o, r_p, dp, m_offset, wg, seqlen_k, n_tiles)
         else:
             for j in cutlass.range(n_tiles, unroll=1):
                 # S = Q K^T
@@ -394,7 +394,15 @@ class DirectPAttentionSm90:
                 kv_pipe.consumer_release(kv_state)
                 kv_state.advance()
 
-        self.epilogue(thr_pv, acc_o, dp, mO, mVs, wg, m_blk, h_idx, b_idx, seqlen_q, record_args)
+        # the epilogue's row sums and loads while the ping-pong's last P V product runs, its stores after it
+        out = OutputTile(self.cfg, self.o_dtype)
+        factors = out.make_factors(acc_o)
+        out.factors(thr_pv, dp, mVs, (h_idx, b_idx), factors)
+        if const_expr(self.cfg.schedule == "pingpong"):
+            cute.nvgpu.warpgroup.wait_group(0)
+            kv_pipe.consumer_release(kv_state)
+        out.store(thr_pv, acc_o, dp, mO, ((m_blk * self.num_wg + wg) * TILE_M_PER_WG, seqlen_q), (h_idx, b_idx),
+                  factors, record_args)
 
     @cute.jit
     def pingpong_loop(self, qk_mma, qk_mma_acc, pv_mma, tSrQ, tSrK, tOrV, q_stage, kv_pipe, kv_state, acc_s,
@@ -405,7 +413,8 @@ class DirectPAttentionSm90:
         tensor phase and signals the next one's (round robin) right after issuing, so Direct-P
         runs under the other warpgroups' matrix products. Counts balance: each warpgroup syncs
         n + 1 times; the last warpgroup signals warpgroup 0 once up front and after its first n
-        phases, every other warpgroup signals its successor after all n + 1."""
+        phases, every other warpgroup signals its successor after all n + 1. Returns with the last P V product in
+        flight and the state of its V tile: the caller issues the epilogue's loads under it, then waits."""
         last = self.num_wg - 1
         own_bar = BAR_SCHED + wg
         other_bar = BAR_SCHED + (wg + 1) % self.num_wg
@@ -448,8 +457,7 @@ class DirectPAttentionSm90:
         cute.nvgpu.warpgroup.commit_group()
         if wg != last:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
-        cute.nvgpu.warpgroup.wait_group(0)
-        kv_pipe.consumer_release(v_state)
+        return v_state   # its product in flight: the caller waits for it and releases V_{n-1}
 
     @staticmethod
     def next_tile_states(k_state):
@@ -533,66 +541,3 @@ class DirectPAttentionSm90:
             if row < seqlen_q:
                 row_qs[r] = mQs[row, h_idx, b_idx]
         return row_qs
-
-    @cute.jit
-    def epilogue(self, thr_pv, acc_o, dp, mO, mVs, wg, m_blk, h_idx, b_idx, seqlen_q, record_args):
-        """O = acc / (6 * l) (Direct-P; acc / l * 2^Ev per column with ``pv_fp8``), stored straight from registers
-        with a row predicate; with the range record, this thread's counts (``record_output_range``)."""
-        row0 = (m_blk * self.num_wg + wg) * TILE_M_PER_WG
-        gO = cute.local_tile(mO[None, None, h_idx, b_idx], (TILE_M_PER_WG, self.head_dim),
-                             (m_blk * self.num_wg + wg, 0))
-        tOgO = thr_pv.partition_C(gO)
-        cO = cute.make_identity_tensor((TILE_M_PER_WG, self.head_dim))
-        tOcO = thr_pv.partition_C(cO)
-        inv = cute.make_rmem_tensor((2,), Float32)
-        den = cute.make_rmem_tensor((2,), Float32)
-        for r in cutlass.range_constexpr(2):
-            lt = dp.row_l[r]
-            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
-            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
-            den[r] = lt * dp.DENOMINATOR_SCALE
-            inv[r] = 0.0
-            if den[r] != 0.0:       # 0: every probability underflowed; NaN (non-finite input) stays NaN
-                inv[r] = 1.0 / den[r]
-        r_o = cute.make_rmem_tensor_like(acc_o, self.o_dtype)
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] * inv[(i // 2) % 2]
-        if const_expr(self.cfg.pv_fp8):   # V's per-channel scale, exact (a power of two)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * mVs[tOcO[i][1], h_idx, b_idx]
-        r_o.store(acc_o.load().to(self.o_dtype))
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            if tOcO[i][0] + row0 < seqlen_q:
-                tOgO[i] = r_o[i]
-        if const_expr(self.cfg.range_record):
-            self.record_output_range(acc_o, den, tOcO, row0, seqlen_q, dp.lane_q, dp.saturated, record_args)
-
-    @cute.jit
-    def record_output_range(self, acc_o, den, tOcO, row0, seqlen_q, lane_q, saturated, record_args):
-        """The range record of this thread's rows (docs/numerics.md section 8), as the reference counts
-        them: saturated (row, block) pairs (each counted once: in "lane" mode all four threads of a
-        quad computed the same pairs, so lane 0 reports them), rows of Sq whose denominator is 0
-        (lane 0 of the quad) and output elements of rows of Sq that are NaN or round to Inf in the
-        output dtype. Non-zero counts go to the record with the call's number (``record_range``)."""
-        record, flag, call = record_args
-        limit = OVERFLOW_BF16 if const_expr(self.cfg.out_dtype == "bf16") else OVERFLOW_FP16
-        worst = cute.make_rmem_tensor((1,), Float32)
-        worst.fill(0.0)
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            if tOcO[i][0] + row0 < seqlen_q:
-                worst[0] = abs_max_nan(worst[0], acc_o[i])
-        nonfinite = cute.make_rmem_tensor((1,), Int32)
-        nonfinite.fill(0)
-        if not_below(worst[0], limit) != 0:   # rare: count the elements
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                if tOcO[i][0] + row0 < seqlen_q:
-                    nonfinite[0] = nonfinite[0] + not_below(abs_max_nan(Float32(0.0), acc_o[i]), limit)
-        empty = Int32(0)
-        for r in cutlass.range_constexpr(2):
-            empty = count_zero_row(empty, den[r], tOcO[2 * r][0] + row0, seqlen_q, lane_q)
-        sat = Int32(0)                       # the softmax saturates no P (P <= 2^8 < 448)
-        if const_expr(saturated is not None):
-            sat = saturated[0]
-            if const_expr(self.cfg.block_scales != "quad"):
-                sat = sat * Int32(lane_q == 0)
-        record_range(record, flag, call, sat, empty, nonfinite[0])
