@@ -18,11 +18,22 @@ KEY_BLOCK = MXFP4_BLOCK  # keys per P block (section 2) = tokens per MXFP4 V blo
 SOFTMAX_TILE = 128
 SOFTMAX_TILE_D128 = 192
 P_E4M3_LOG2 = 8
+# the denominator sums the E4M3-rounded P (the numerator's) at every head dim but 128, where it sums the unrounded P:
+# the Hopper kernel sums it on the tensor cores beside P V at D = 64, 6 % less kernel time at CogVideoX-5B's and
+# LTX-Video's shapes, and on the ALUs at D = 128, where the tensor-core sum measured 1 % slower
+# (docs/hopper_kernel.md, "Measured")
+SOFTMAX_SUMS_UNROUNDED_P_HEAD_DIMS = (128,)
 
 
 def softmax_tile(head_dim: int) -> int:
     """Physical keys per tile of the FP8 P/V softmax's running maximum at this head dim (docs/numerics.md section 7)."""
     return SOFTMAX_TILE_D128 if head_dim == 128 else SOFTMAX_TILE
+
+
+def softmax_sums_rounded_p(head_dim: int) -> bool:
+    """Whether the FP8 P/V softmax's denominator sums the E4M3-rounded P at this head dim, else the unrounded P
+    (docs/numerics.md section 7)."""
+    return head_dim not in SOFTMAX_SUMS_UNROUNDED_P_HEAD_DIMS
 
 
 def anchor_indices(seq_len: int, n: int, device=None) -> torch.Tensor:

@@ -37,7 +37,14 @@ from fp4vis.formats import (
     mxfp4_quantize,
     nvfp4_quantize,
 )
-from fp4vis.key_positions import KEY_BLOCK, P_E4M3_LOG2, anchor_permutation, native_positions, softmax_tile
+from fp4vis.key_positions import (
+    KEY_BLOCK,
+    P_E4M3_LOG2,
+    anchor_permutation,
+    native_positions,
+    softmax_sums_rounded_p,
+    softmax_tile,
+)
 from fp4vis.policy import LOG2E, Policy
 from fp4vis.range_report import RangeReport
 
@@ -425,7 +432,8 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     V in E4M3 with a power-of-two scale per channel (``fp8_channel_quantize``), and per row an online maximum
     updated once per ``softmax_tile(D)`` physical keys: t = raw * s, m_j = max(m_{j-1}, max of tile j's t),
     P = 2^(t - m_j) for tile j's keys, numerator sum_j 2^(m_j - m_n) sum E4M3(2^8 P) V8 (float32), denominator
-    the same sum of the unrounded 2^8 P, O = numerator / denominator * 2^Ev. Float32 output (G, Sq, Dv) and a
+    the same sum of the E4M3(2^8 P) the numerator weighs V with (of the unrounded 2^8 P at the head dims of
+    ``softmax_sums_rounded_p``), O = numerator / denominator * 2^Ev. Float32 output (G, Sq, Dv) and a
     RangeReport of Q's, K's and V's scale ranges. ``score_product`` as in ``direct_p_attention`` (it gets the keys
     zero-padded to whole 32-key blocks)."""
     qd, kd, tensor_scale, qk_ranges = quantize_qk(q, k, policy)
@@ -436,6 +444,7 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     groups, sq, nk = qd.shape[0], qd.shape[1], kd.shape[1]
     out = torch.empty(groups, sq, v.shape[-1], dtype=torch.float32, device=q.device)
     tile = softmax_tile(qd.shape[-1])
+    rounded_sum = softmax_sums_rounded_p(qd.shape[-1])
     cg, cq, ck = _chunk_sizes(groups, sq, max(nk, 1), tile)
     p_scale = float(2 ** P_E4M3_LOG2)
     for g0, g1 in _chunks(groups, cg):
@@ -459,7 +468,7 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
                 p8 = (e4m3_round(p) * weight).flatten(-2)[..., : k1 - k0]
                 corr = torch.exp2(m - last)                                   # 0 for the first chunk
                 num = num * corr.unsqueeze(-1) + p8 @ v8[g0:g1, k0:k1]
-                den = den * corr + (p * weight).sum((-2, -1))
+                den = den * corr + (p8.sum(-1) if rounded_sum else (p * weight).sum((-2, -1)))
                 m = last
             out[g0:g1, q0:q1] = num / den.unsqueeze(-1) * v_scale[g0:g1]
     return out, report

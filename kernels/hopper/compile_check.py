@@ -303,8 +303,8 @@ def prepass_search_per_value(d: int = 128, codes_f16: bool = True, num_warps: in
 
 def direct_p_schedule(cubin: str) -> dict:
     """ptxas's static schedule of the ping-pong loop's Direct-P: the instructions from the loop's
-    ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready) to the predicated store that pins the PV wait
-    (``order_before_wait``), and the sum of their stall counts (bits 105-108 of each 128-bit
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready) to the last predicated store that pins the PV wait
+    (``order_before_wait``, ``order_all_before_wait``), and the sum of their stall counts (bits 105-108 of each 128-bit
     instruction word): the cycles one warp needs to issue them when nothing else delays it; the
     same for the whole loop iteration (``loop_*``: from one turn's named-barrier wait to the next)."""
     sass = subprocess.run([find_nvdisasm(), "-c", "-hex", cubin], capture_output=True, text=True,
@@ -320,8 +320,10 @@ def direct_p_schedule(cubin: str) -> dict:
     if not waits:
         return {}
     start = waits[0]
-    end = next((i for i in range(start, len(insts)) if "STS" in insts[i][0] and insts[i][0].startswith("@")),
-               None)
+    pv_wait = next((i for i in range(start, len(insts)) if insts[i][0].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0")),
+                   len(insts))
+    pins = [i for i in range(start, pv_wait) if "STS" in insts[i][0] and insts[i][0].startswith("@")]
+    end = pins[-1] if pins else None
     if end is None:
         return {}
     def stall(i):

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from fp4vis.key_positions import KEY_BLOCK, softmax_tile
+from fp4vis.key_positions import KEY_BLOCK, softmax_sums_rounded_p, softmax_tile
 from fp4vis.policy import QK_FP8, KernelParams, Policy
 
 # ------------------------------------------------------------------------------------------------
@@ -83,6 +83,13 @@ CodeRounding = Literal["exact", "bf16"]   # Policy.code_rounding
 # 16 (k // 16) + 8 ((k % 4) // 2) + 2 ((k % 16) // 4) + k % 2 of the same thread; V^T stores its keys in that order
 # (prepass_kernels.pv_key_order), so P goes from the scores to the A fragment by relabelling registers
 PV_FP8_KEY_ORDER = tuple(16 * (k // 16) + 8 * ((k % 4) // 2) + 2 * ((k % 16) // 4) + k % 2 for k in range(32))
+# KernelConfig.row_sums_mma (row_sums.py): the denominator as a product on the tensor cores, P times a
+# (PV_FP8_K_BLOCK x ROW_SUM_N) block of E4M3 ones in shared memory (every byte E4M3_ONES_WORD's), one WGMMA per 32-key
+# block of P, issued beside each P V product
+ROW_SUM_N = 8                 # the narrowest WGMMA N
+PV_FP8_K_BLOCK = 32           # keys per FP8 WGMMA (its K)
+E4M3_ONES_WORD = 0x38383838   # four E4M3 1.0 bytes
+ONES_ALIGN_BYTES = 256        # the ones' 32-byte-swizzled layout; they sit beside the barriers
 
 
 
@@ -114,6 +121,12 @@ class KernelConfig:
     @property
     def overlap(self) -> bool:
         return self.schedule == "overlap"
+
+    @property
+    def row_sums_mma(self) -> bool:
+        """The FP8 P/V softmax's denominator on the tensor cores (the rounded P: P times E4M3 ones beside each P V
+        product), by head dim as the contract says (``softmax_sums_rounded_p``); else on the ALUs."""
+        return self.pv_fp8 and softmax_sums_rounded_p(self.head_dim)
 
     @property
     def decide_after_epilogue(self) -> bool:

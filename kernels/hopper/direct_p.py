@@ -156,6 +156,17 @@ class DirectP:
         """What runs right before the kernel issues a P V product: nothing for Direct-P (a fixed row reference, no
         output to rescale; ``softmax_fp8.SoftmaxFP8`` rescales its output there)."""
 
+    def after_pv(self, r_p):
+        """What the kernel issues right after a P V product, in its group: nothing for Direct-P (its row sums are the
+        exact code sums; ``softmax_fp8.SoftmaxFP8`` sums its P on the tensor cores there)."""
+
+    def row_denominator(self, r: int) -> Float32:
+        """The denominator of this thread's row r0 + 8 r, 6 l: the quad's four partial sums of ``row_l``."""
+        lt = self.row_l[r]
+        lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
+        lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
+        return lt * self.DENOMINATOR_SCALE
+
     @cute.jit
     def tile_masked_if_last(self, acc_s, r_p, tile_scales, seqlen_k, j, n_tiles, partial_last):
         """``tile`` of key tile j (serial and overlapped schedules): the masked variant (keys >= Skv) only

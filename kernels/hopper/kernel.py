@@ -10,7 +10,8 @@ What the kernel consumes (produced by ``prepass.py``):
   and V-hat are applied once, at the end).
 * With ``pv_fp8`` (policies ``fp8`` and ``fp8pv``, docs/numerics.md section 7) ``v`` is V^T, E4M3 bytes (B, H, D,
   Skv rounded up to 32) with a power-of-two scale per channel (``v_scale``, (B, H, D)), and the P path is the online
-  softmax of ``softmax_fp8.SoftmaxFP8`` (E4M3 P from registers, FP8 P V WGMMA) in place of Direct-P.
+  softmax of ``softmax_fp8.SoftmaxFP8`` (E4M3 P from registers, FP8 P V WGMMA) in place of Direct-P; at D = 64 its
+  row sums are a product on the tensor cores beside P V (``row_sums.py``).
 * With ``qk_fp8`` (policy ``fast_fp8qk``, not exact to docs/numerics.md) ``q``, ``k`` are instead E4M3 values with
   power-of-two scales per query row (``q_scale``) and per 32-key block (``k_scale``), and S = Q K^T
   runs on FP8 WGMMA (twice BF16's rate; FP8 accumulation is not exact: docs/numerics.md section 7). The scales
@@ -47,6 +48,7 @@ from cutlass.utils import LayoutEnum
 from .config import (
     BAR_SCHED,
     KV_KEYS_IN_FLIGHT,
+    ONES_ALIGN_BYTES,
     PV_FP8_TILES,
     REGS_2CTA,
     REGS_CONSUMER,
@@ -59,6 +61,7 @@ from .config import (
 from .direct_p import direct_p_for
 from .output import OutputTile
 from .ptx import decide_scale_range
+from .row_sums import ONES_BYTES, fill_ones, row_sum_atoms, row_sum_operands
 from .softmax_fp8 import softmax_fp8_for
 
 
@@ -166,6 +169,7 @@ class DirectPAttentionSm90:
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             self.in_dtype, self.in_dtype, K_MAJOR, v_major, self.acc_dtype, (1, 1, 1),
             self.pv_tiler[:2], cute.nvgpu.warpgroup.OperandSource.RMEM)
+        sum_mma, sum_mma_acc, ones_sl = row_sum_atoms(self.in_dtype) if self.cfg.row_sums_mma else (None,) * 3
 
         q_sl = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype, self.num_wg)
         k_sl = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.qk_tiler, self.qk_dtype,
@@ -188,6 +192,8 @@ class DirectPAttentionSm90:
         class SharedStorage:
             q_mbar: cute.struct.MemRange[cutlass.Int64, self.num_wg * 2]
             kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            if const_expr(self.cfg.row_sums_mma):
+                sOnes: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(ones_sl)], ONES_ALIGN_BYTES]
             sQ: cute.struct.Align[cute.struct.MemRange[self.qk_dtype, cute.cosize(q_sl)],
                                   self.buffer_align_bytes]
             sKV: cute.struct.Align[cute.struct.MemRange[self.in_dtype, cute.cosize(v_sl)],
@@ -200,8 +206,9 @@ class DirectPAttentionSm90:
         grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
         # two CTAs per SM: ptxas caps the launch at 128 registers per thread (setmaxnreg rebalances them);
         # the carveout is given (all shared memory), else the DSL asks the device for it while compiling
-        self.kernel(qk_mma, qk_mma_acc, pv_mma, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs, mKeyLens, mVs, s_log2,
-                    m_offset, range_record, range_flag, call_number, q_sl, k_sl, v_sl).launch(
+        self.kernel(qk_mma, qk_mma_acc, pv_mma, sum_mma, sum_mma_acc, tma_q, tQ, tma_k, tK, tma_v, tV, mO, mQs, mKs,
+                    mKeyLens, mVs, s_log2, m_offset, range_record, range_flag, call_number, q_sl, k_sl, v_sl,
+                    ones_sl).launch(
             grid=grid, block=[self.threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=self.cfg.ctas_per_sm,
             preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
@@ -209,12 +216,13 @@ class DirectPAttentionSm90:
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, qk_mma: cute.TiledMma, qk_mma_acc: cute.TiledMma, pv_mma: cute.TiledMma,
-               tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
-               tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
+               sum_mma: cute.TiledMma | None, sum_mma_acc: cute.TiledMma | None, tma_q: cute.CopyAtom,
+               tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor, tma_v: cute.CopyAtom, tV: cute.Tensor,
+               mO: cute.Tensor, mQs: cute.Tensor, mKs: cute.Tensor,
                mKeyLens: cute.Tensor | None, mVs: cute.Tensor | None, s_log2: Float32, m_offset: Float32,
                range_record: Int64,
                range_flag: Int64, call_number: Int32, q_sl: cute.ComposedLayout, k_sl: cute.ComposedLayout,
-               v_sl: cute.ComposedLayout):
+               v_sl: cute.ComposedLayout, ones_sl: cute.ComposedLayout | None):
         tidx, _, _ = cute.arch.thread_idx()
         m_blk, h_idx, b_idx = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -232,6 +240,11 @@ class DirectPAttentionSm90:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_wg),
             tx_count=max(self.k_bytes, self.kv_bytes), defer_sync=True)
+        row_sums = None
+        if const_expr(self.cfg.row_sums_mma):   # the ones, written before the CTA's first barrier, seen by WGMMA
+            sOnes = storage.sOnes.get_tensor(ones_sl.outer, swizzle=ones_sl.inner)
+            fill_ones(storage.sOnes.get_tensor(cute.make_layout(ONES_BYTES)), tidx, self.threads)
+            row_sums = (sum_mma, sum_mma_acc, sOnes)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1, 1))
 
@@ -258,7 +271,7 @@ class DirectPAttentionSm90:
             cute.arch.warpgroup_reg_alloc(self.regs_consumer)
             self.consumer(qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, mVs, s_log2, m_offset,
                           (range_record, range_flag, call_number), tidx, wg_idx - 1, m_blk, h_idx, b_idx, seqlen_q,
-                          seqlen_k, n_tiles)
+                          seqlen_k, n_tiles, row_sums)
             if const_expr(self.cfg.range_record and self.cfg.decide_after_epilogue):   # its first consumer thread
                 if tidx == 128 and m_blk == 0 and h_idx == 0 and b_idx == 0:   # after its epilogue
                     decide_scale_range(range_record, range_flag, call_number)
@@ -307,8 +320,9 @@ class DirectPAttentionSm90:
 
     @cute.jit
     def consumer(self, qk_mma, qk_mma_acc, pv_mma, sQ, sK, sV, q_pipe, kv_pipe, mO, mQs, mKs, mVs, s_log2, m_offset,
-                 record_args, tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles):
-        """One consumer warpgroup: 64 query rows against every key tile."""
+                 record_args, tidx, wg, m_blk, h_idx, b_idx, seqlen_q, seqlen_k, n_tiles, row_sums):
+        """One consumer warpgroup: 64 query rows against every key tile (``row_sums``: with ``cfg.row_sums_mma``, the
+        row-sum product's two TiledMmas, ACCUMULATE off and on, and the ones in shared memory)."""
         tid_wg = tidx % 128
         lane_q = tidx % 4   # column pair inside each 8-column chunk of the accumulator
         thr_qk = qk_mma.get_slice(tid_wg)
@@ -324,8 +338,8 @@ class DirectPAttentionSm90:
         qk_mma_acc.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         pv_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         r_p = cute.make_rmem_tensor(thr_pv.partition_shape_A((TILE_M_PER_WG, self.tile_n)), self.in_dtype)
-        if const_expr(self.cfg.pv_fp8):   # this thread's rows: the running maximum, l_i
-            dp = softmax_fp8_for(self.cfg, s_log2, lane_q, acc_o)
+        if const_expr(self.cfg.pv_fp8):   # this thread's rows: the running maximum, l_i (maybe on the tensor cores)
+            dp = softmax_fp8_for(self.cfg, s_log2, lane_q, acc_o, row_sum_operands(row_sums, tid_wg))
         else:                             # this thread's rows: m_i, l_i, the saturated count
             dp = direct_p_for(self.cfg, s_log2, lane_q)
         if const_expr(self.cfg.qk_fp8):
@@ -388,19 +402,23 @@ class DirectPAttentionSm90:
                 kv_pipe.consumer_wait(kv_state)
                 dp.before_pv()
                 cute.nvgpu.warpgroup.fence()
-                cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, kv_state.index * self.v_slot_factor], acc_o)
+                self.pv_product(pv_mma, acc_o, r_p, tOrV[None, None, None, kv_state.index * self.v_slot_factor], dp)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
                 kv_pipe.consumer_release(kv_state)
                 kv_state.advance()
 
-        # the epilogue's row sums and loads while the ping-pong's last P V product runs, its stores after it
+        # the epilogue's loads (and Direct-P's row sums) while the ping-pong's last P V product runs, its stores after
         out = OutputTile(self.cfg, self.o_dtype)
         factors = out.make_factors(acc_o)
-        out.factors(thr_pv, dp, mVs, (h_idx, b_idx), factors)
+        out.channel_scales(thr_pv, mVs, (h_idx, b_idx), factors)
+        if const_expr(not self.cfg.row_sums_mma):   # row sums of the ALUs: ready before the last product
+            out.denominators(dp, factors)
         if const_expr(self.cfg.schedule == "pingpong"):
             cute.nvgpu.warpgroup.wait_group(0)
             kv_pipe.consumer_release(kv_state)
+        if const_expr(self.cfg.row_sums_mma):       # the tensor cores': that product's
+            out.denominators(dp, factors)
         out.store(thr_pv, acc_o, dp, mO, ((m_blk * self.num_wg + wg) * TILE_M_PER_WG, seqlen_q), (h_idx, b_idx),
                   factors, record_args)
 
@@ -453,7 +471,7 @@ class DirectPAttentionSm90:
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
         dp.before_pv()
         cute.nvgpu.warpgroup.fence()
-        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
+        self.pv_product(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], dp)
         cute.nvgpu.warpgroup.commit_group()
         if wg != last:
             cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
@@ -484,13 +502,20 @@ class DirectPAttentionSm90:
         if const_expr(self.cfg.pv_fp8):   # the output rescaled while S_j computes (no P V product in flight)
             dp.before_pv()
             cute.nvgpu.warpgroup.fence()
-        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
+        self.pv_product(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], dp)
         cute.nvgpu.warpgroup.commit_group()
         cute.arch.barrier_arrive(barrier_id=other_bar, number_of_threads=n_sched)
         cute.nvgpu.warpgroup.wait_group(1)
         kv_pipe.consumer_release(k_state)
         dp.tile(acc_s, r_p, tile_scales, seqlen_k - j * self.tile_n, j, masked, True)
         kv_pipe.consumer_release(v_state)
+
+    @staticmethod
+    def pv_product(pv_mma, acc_o, r_p, tOrV_stage, dp):
+        """O += P V from the A fragment r_p, and in the same WGMMA group what the P path adds (``dp.after_pv``: the
+        FP8 P/V softmax's row sums)."""
+        cute.gemm(pv_mma, acc_o, r_p, tOrV_stage, acc_o)
+        dp.after_pv(r_p)
 
     @cute.jit
     def qk_gemm(self, qk_mma, qk_mma_acc, tSrQ, tSrK, q_stage, k_stage, acc):
@@ -519,7 +544,7 @@ class DirectPAttentionSm90:
         kv_pipe.consumer_wait(v_state)
         dp.before_pv()
         cute.nvgpu.warpgroup.fence()
-        cute.gemm(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], acc_o)
+        self.pv_product(pv_mma, acc_o, r_p, tOrV[None, None, None, v_state.index * self.v_slot_factor], dp)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
         kv_pipe.consumer_release(v_state)

@@ -2,9 +2,10 @@
 per-channel 2^Ev), rounded to the output dtype and stored from registers, and the range record's counts of those
 rows (docs/numerics.md section 8).
 
-In two parts, so that the ping-pong schedule runs the first while its last P V product is still on the tensor cores:
-``factors`` (the row sums' shuffles and reciprocals, the loads of V's channel scales, whose latency is the
-epilogue's longest) and ``store``. Each thread holds pairs of adjacent columns of two rows (accumulator index
+In three parts, so that the ping-pong schedule runs the loads while its last P V product is still on the tensor
+cores: ``channel_scales`` (with ``pv_fp8``, V's per-channel scales: the epilogue's longest latency), ``denominators``
+(the reciprocals of the row sums: for Direct-P also under that product; the FP8 P/V softmax's row sums are that
+product's) and ``store``. Each thread holds pairs of adjacent columns of two rows (accumulator index
 i = c + 2 r + 4 chunk), so it stores one 32-bit word per pair: half the store instructions of one per element,
 and no register moves to take the upper half of a packed pair.
 """
@@ -30,28 +31,29 @@ class OutputTile:
         self.head_dim = cfg.head_dim
 
     def make_factors(self, acc_o: cute.Tensor):
-        """Registers for ``factors``, (inv, den, col_scale): per row 1 / l and l, and with ``pv_fp8`` V's scale per
-        column of this thread (index c + 2 chunk)."""
+        """Registers for ``denominators`` and ``channel_scales``, (inv, den, col_scale): per row 1 / l and l, and with
+        ``pv_fp8`` V's scale per column of this thread (index c + 2 chunk)."""
         inv = cute.make_rmem_tensor((2,), Float32)
         den = cute.make_rmem_tensor((2,), Float32)
         col_scale = cute.make_rmem_tensor((cute.size(acc_o) // 2,), Float32) if self.cfg.pv_fp8 else None
         return inv, den, col_scale
 
     @cute.jit
-    def factors(self, thr_pv, dp, mVs, head, factors):
-        """The row denominators (the quad's partial sums added) and their reciprocals; V's channel scales of
-        ``head`` = (h_idx, b_idx)."""
+    def channel_scales(self, thr_pv, mVs, head, factors):
+        """With ``pv_fp8``: V's per-channel scales of ``head`` = (h_idx, b_idx), exact (powers of two)."""
         h_idx, b_idx = head
-        inv, den, col_scale = factors
-        if const_expr(self.cfg.pv_fp8):   # V's per-channel scale, exact (a power of two)
+        col_scale = factors[2]
+        if const_expr(self.cfg.pv_fp8):
             tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M_PER_WG, self.head_dim)))
             for k in cutlass.range_constexpr(cute.size(col_scale)):
                 col_scale[k] = mVs[tOcO[k % 2 + 4 * (k // 2)][1], h_idx, b_idx]
+
+    @cute.jit
+    def denominators(self, dp, factors):
+        """The row denominators (``dp.row_denominator``) and their reciprocals."""
+        inv, den, _ = factors
         for r in cutlass.range_constexpr(2):
-            lt = dp.row_l[r]
-            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=1)
-            lt = lt + cute.arch.shuffle_sync_bfly(lt, offset=2)
-            den[r] = lt * dp.DENOMINATOR_SCALE
+            den[r] = dp.row_denominator(r)
             inv[r] = 0.0
             if den[r] != 0.0:       # 0: every probability underflowed; NaN (non-finite input) stays NaN
                 inv[r] = 1.0 / den[r]

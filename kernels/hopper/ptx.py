@@ -374,6 +374,21 @@ def order_before_wait(x: Float32, never: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def order_all_before_wait(xs: list, never: Int32, *, loc=None, ip=None) -> None:
+    """``order_before_wait`` for several floats: 128-bit shared-memory stores of them, four per instruction,
+    predicated on ``never < 0`` (false at run time)."""
+    n = len(xs)
+    if n % 4:
+        raise ValueError(f"xs: a multiple of 4 floats, got {n}")
+    stores = " ".join(f"@p st.shared.v4.f32 [$0+{16 * g}], {{${1 + 4 * g}, ${2 + 4 * g}, ${3 + 4 * g}, ${4 + 4 * g}}};"
+                      for g in range(n // 4))
+    body = "{ .reg .pred p; setp.lt.s32 p, $0, 0; " + stores + " }"
+    llvm.inline_asm(None, [Int32(never).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in xs],
+                    body, "r" + ",f" * n, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc, ip))
 

@@ -72,8 +72,9 @@ def literal_contract(q, k, v, policy, scale):
         m_new = torch.maximum(m, t.amax(-1))
         corr = torch.exp2(m - m_new)
         p = torch.exp2(t - m_new.unsqueeze(-1)) * 2.0 ** P_E4M3_LOG2
-        num = num * corr.unsqueeze(-1) + e4m3_round(p.float()).double() @ v8[:, k0:k0 + tile]
-        den = den * corr + p.sum(-1)
+        p8 = e4m3_round(p.float()).double()
+        num = num * corr.unsqueeze(-1) + p8 @ v8[:, k0:k0 + tile]
+        den = den * corr + (p8 if qd.shape[-1] != 128 else p).sum(-1)   # D = 128 sums the unrounded P
         m = m_new
     return num / den.unsqueeze(-1) * v_scale.double()
 

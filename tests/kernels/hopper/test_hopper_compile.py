@@ -92,7 +92,7 @@ def test_range_record_costs_the_loop_almost_nothing(nvdisasm, tmp_path):
 
 def test_range_record_leaves_the_fp8_softmax_loop_alone(nvdisasm, tmp_path):
     """The FP8 P/V softmax counts nothing in its key loop (no P saturates; the counts are taken in the epilogue), so
-    the record leaves that loop's SASS as it is: the product kernel at D = 64 (three consumer warpgroups), 571
+    the record leaves that loop's SASS as it is: the product kernel at D = 64 (three consumer warpgroups), 526
     instructions either way. There the decision on the pre-pass's scale range runs after the epilogue of CTA 0's
     first consumer thread (``KernelConfig.decide_after_epilogue``): in the producer's idle warp it made ptxas
     schedule this loop in 583."""
@@ -397,6 +397,25 @@ def test_fp8_pv_config_ignores_direct_p_fields():
     custom = Policy("mine", method="fp8_pv", qk_format="fp8_e4m3", affine_a=1.7, affine_b=0.9, shift=9)
     assert KernelConfig.from_policy(custom, 128, "bf16").key() == named.key()
     assert named.pv_fp8 and named.qk_fp8 and not KernelConfig.from_policy(POLICIES["fp8pv"], 128, "bf16").qk_fp8
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_pv_row_sums_where_the_contract_sums_the_rounded_p(d, tmp_path):
+    """The FP8 P/V kernel sums its denominator on the tensor cores exactly where the contract sums the rounded P
+    (``key_positions.softmax_sums_rounded_p``: D = 64): one m64n8k32 QGMMA per 32-key block beside each P V product,
+    none at D = 128, whose loop keeps its additions on the ALUs."""
+    import re
+
+    from fp4vis.kernels.hopper.config import KernelConfig
+    from fp4vis.key_positions import softmax_sums_rounded_p
+    for name in ("fp8", "fp8pv"):
+        cfg = KernelConfig.from_policy(POLICIES[name], d, "bf16")
+        assert cfg.row_sums_mma == softmax_sums_rounded_p(d) == (d == 64)
+        rep = compile_check.compile_variant(cfg, keep_dir=str(tmp_path / name))
+        sass = compile_check.sass_text(open(rep.cubin, "rb").read())
+        sums = len(re.findall(r"QGMMA\.64x8x32\.", sass))
+        products = len(re.findall(rf"QGMMA\.64x{d}x32\.", sass))   # P V: the N of its WGMMA is the head dim
+        assert sums == (products if d == 64 else 0), (sums, products)
 
 
 def test_fp8_pv_key_tile_is_the_contracts():
