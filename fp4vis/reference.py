@@ -432,8 +432,8 @@ def fp8_pv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     V in E4M3 with a power-of-two scale per channel (``fp8_channel_quantize``), and per row an online maximum
     updated once per ``softmax_tile(D)`` physical keys: t = raw * s, m_j = max(m_{j-1}, max of tile j's t),
     P = 2^(t - m_j) for tile j's keys, numerator sum_j 2^(m_j - m_n) sum E4M3(2^8 P) V8 (float32), denominator
-    the same sum of the E4M3(2^8 P) the numerator weighs V with (of the unrounded 2^8 P at the head dims of
-    ``softmax_sums_rounded_p``), O = numerator / denominator * 2^Ev. Float32 output (G, Sq, Dv) and a
+    the same sum of the E4M3(2^8 P) the numerator weighs V with (of the unrounded 2^8 P where
+    ``softmax_sums_rounded_p`` says so: D = 128), O = numerator / denominator * 2^Ev. Float32 output (G, Sq, Dv) and a
     RangeReport of Q's, K's and V's scale ranges. ``score_product`` as in ``direct_p_attention`` (it gets the keys
     zero-padded to whole 32-key blocks)."""
     qd, kd, tensor_scale, qk_ranges = quantize_qk(q, k, policy)
