@@ -304,7 +304,7 @@ def prepass_search_per_value(d: int = 128, codes_f16: bool = True, num_warps: in
 def direct_p_schedule(cubin: str) -> dict:
     """ptxas's static schedule of the ping-pong loop's Direct-P: the instructions from the loop's
     ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready) to the last predicated store that pins the PV wait
-    (``order_before_wait``, ``order_all_before_wait``), and the sum of their stall counts (bits 105-108 of each 128-bit
+    (``order_before_wait``), and the sum of their stall counts (bits 105-108 of each 128-bit
     instruction word): the cycles one warp needs to issue them when nothing else delays it; the
     same for the whole loop iteration (``loop_*``: from one turn's named-barrier wait to the next)."""
     sass = subprocess.run([find_nvdisasm(), "-c", "-hex", cubin], capture_output=True, text=True,

@@ -327,7 +327,7 @@ class DirectP:
                         r_p[idx[r, b][t]] = (codes[t] * alpha).to(r_p.element_type)
                 l_acc[r] = l_acc[r] + alpha * csum
         if const_expr(late_wait):
-            order_before_wait(l_acc[0] + l_acc[1], kv_limit)   # kv_limit >= 1: never stores
+            order_before_wait([l_acc[0] + l_acc[1]], kv_limit)   # kv_limit >= 1: never stores
             cute.nvgpu.warpgroup.wait_group(0)
         for i, (pair, alpha2) in scaled.items():
             r_p2[i] = mul_bf16x2(pair, alpha2)

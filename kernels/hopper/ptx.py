@@ -362,27 +362,17 @@ def e2m1_bf16x2_eighths(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32
 
 
 @dsl_user_op
-def order_before_wait(x: Float32, never: Int32, *, loc=None, ip=None) -> None:
-    """A shared-memory store of ``x`` predicated on ``never < 0`` (false at run time, unknown to
+def order_before_wait(xs: list, never: Int32, *, loc=None, ip=None) -> None:
+    """Shared-memory stores of the floats ``xs`` predicated on ``never < 0`` (false at run time, unknown to
     ptxas), placed just before ``wgmma.wait_group``: ptxas keeps the wait after memory operations
     but otherwise hoists it as early as it can, which would put it before the work it is meant
-    to overlap; ``x`` depending on that work pins the wait behind it."""
-    body = "{ .reg .pred p; setp.lt.s32 p, $1, 0; @p st.shared.f32 [$1], $0; }"
-    llvm.inline_asm(None, [Float32(x).ir_value(loc=loc, ip=ip), Int32(never).ir_value(loc=loc, ip=ip)],
-                    body, "f,r", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def order_all_before_wait(xs: list, never: Int32, *, loc=None, ip=None) -> None:
-    """``order_before_wait`` for several floats: 128-bit shared-memory stores of them, four per instruction,
-    predicated on ``never < 0`` (false at run time)."""
+    to overlap; ``xs`` depending on that work pins the wait behind it. Four floats per 128-bit store, the rest one
+    per store."""
     n = len(xs)
-    if n % 4:
-        raise ValueError(f"xs: a multiple of 4 floats, got {n}")
-    stores = " ".join(f"@p st.shared.v4.f32 [$0+{16 * g}], {{${1 + 4 * g}, ${2 + 4 * g}, ${3 + 4 * g}, ${4 + 4 * g}}};"
-                      for g in range(n // 4))
-    body = "{ .reg .pred p; setp.lt.s32 p, $0, 0; " + stores + " }"
+    vec = [f"@p st.shared.v4.f32 [$0+{16 * g}], {{${1 + 4 * g}, ${2 + 4 * g}, ${3 + 4 * g}, ${4 + 4 * g}}};"
+           for g in range(n // 4)]
+    one = [f"@p st.shared.f32 [$0+{4 * i}], ${1 + i};" for i in range(n - n % 4, n)]
+    body = "{ .reg .pred p; setp.lt.s32 p, $0, 0; " + " ".join(vec + one) + " }"
     llvm.inline_asm(None, [Int32(never).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in xs],
                     body, "r" + ",f" * n, has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT)

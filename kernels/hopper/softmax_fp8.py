@@ -18,7 +18,7 @@ V^T holds its keys in that order, so no value moves between registers or threads
   (``after_pv``), so the tensor cores sum the tile's rounded P into ``acc_l`` (about one ALU instruction per score
   fewer), and the next tile adds that sum to the row's float32 ``row_l`` once the product is complete. A tile's sum
   starts from zero: Hopper's FP8 WGMMA adds to its accumulator with truncation, and a sum carried over every key
-  (far larger than each tile's part) lost 2 % of the denominator at 2,000 keys on the H100.
+  (far larger than each tile's part) came out low, failing the kernel's tests (docs/hopper_kernel.md).
 
 The output accumulator is multiplied by 2^(m_{j-1} - m_j) just before the kernel issues the tile's P V product
 (``before_pv``), when no product writes it. A row whose tiles are all masked keeps m = -inf and gets l = 0 (its
@@ -42,7 +42,6 @@ from .ptx import (
     ex2_poly,
     fma_rn,
     fmax_nan,
-    order_all_before_wait,
     order_before_wait,
     select_f32,
 )
@@ -110,7 +109,7 @@ class SoftmaxFP8(DirectP):
                     p[idx[r, b][t8]] = block[t8]
                 if const_expr(self.cfg.row_sums_mma):
                     if const_expr(wait_pv):   # half of each block pinned: ptxas keeps the block before the wait
-                        order_all_before_wait(block[4:], kv_limit)
+                        order_before_wait(block[4:], kv_limit)
                 else:   # a tree per block: short dependency chains for the denominator's adds
                     pairs = [block[2 * i] + block[2 * i + 1] for i in range(4)]
                     l_acc[r] = l_acc[r] + ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3]))
@@ -124,7 +123,7 @@ class SoftmaxFP8(DirectP):
                     words[r + 2 * kh + 4 * kb] = e4m3x4(p[i0], p[i0 + 1], p[i0 + 4], p[i0 + 5])
         if const_expr(wait_pv):
             if const_expr(not self.cfg.row_sums_mma):
-                order_before_wait(l_acc[0] + l_acc[1], kv_limit)   # kv_limit >= 1: never stores
+                order_before_wait([l_acc[0] + l_acc[1]], kv_limit)   # kv_limit >= 1: never stores
             cute.nvgpu.warpgroup.wait_group(0)
         r_p4 = cute.recast_tensor(r_p, Int32)
         for w, word in words.items():
