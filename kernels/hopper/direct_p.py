@@ -80,7 +80,7 @@ class DirectP:
     row_m: cute.Tensor            # the row reference m_i (0 without anchors)
     row_l: cute.Tensor            # sum_B alpha'_B c_B, this thread's part
     saturated: cute.Tensor | None = None   # the range record's saturated pairs (cfg.range_record)
-    qk_scales: tuple | None = None         # qk_fp8: (2^Eq of the two rows, k_scale (N, H, B), h, b)
+    qk_scales: tuple | None = None         # qk_fp8: (2^Eq of the two rows, this head's k_scale (N,))
 
     RUNTIME_FIELDS = ("s_log2", "lane_q", "row_m", "row_l", "saturated", "qk_scales")
     DENOMINATOR_SCALE = 6.0   # O = acc / (6 l): the two factors 1/6 of P-tilde and V-hat, applied once
@@ -122,18 +122,19 @@ class DirectP:
         return (self.cfg.p_path in ("packed", "packed_alu") and self.eighths) or self.bf16codes
 
     # ------------------------------------------------------------------ per call
-    def tile_scales(self, j):
+    def tile_scales(self, j, whole: bool = False):
         """qk_fp8: (2^Eq of the two rows, [2^Ek of key tile j's 32-key blocks]), the loads issued at the
-        top of a step so that their latency hides under the matrix products (k_scale is padded to
-        whole 128-key tiles: no predicate there; a longer tile clamps its block index, the blocks past the padding
-        holding keys past Skv only); None without qk_fp8."""
+        top of a step so that their latency hides under the matrix products; None without qk_fp8. k_scale is
+        padded to whole 128-key tiles: a longer tile that may reach past the padding (``whole`` false: the first
+        and last tiles) clamps its block index, the blocks past it holding keys past Skv only; a whole tile before
+        the last lies inside Skv, and its loads are one base and constant offsets."""
         if const_expr(self.qk_scales is None):
             return None
-        row_qs, mKs, h_idx, b_idx = self.qk_scales
+        row_qs, head_ks = self.qk_scales
         blocks = [j * self.nb + b for b in range(self.nb)]
-        if const_expr(FP8_KEY_TILE % self.tile_n != 0):   # blocks past the padding hold only keys past Skv (masked)
-            blocks = [cutlass.min(blk, mKs.shape[0] - 1) for blk in blocks]
-        return row_qs, [mKs[blk, h_idx, b_idx] for blk in blocks]
+        if const_expr(FP8_KEY_TILE % self.tile_n != 0 and not whole):
+            blocks = [cutlass.min(blk, head_ks.shape[0] - 1) for blk in blocks]
+        return row_qs, [head_ks[blk] for blk in blocks]
 
     @cute.jit
     def anchor_reference(self, acc_s, m_offset, kv_limit):

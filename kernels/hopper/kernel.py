@@ -343,7 +343,7 @@ class DirectPAttentionSm90:
         else:                             # this thread's rows: m_i, l_i, the saturated count
             dp = direct_p_for(self.cfg, s_log2, lane_q)
         if const_expr(self.cfg.qk_fp8):
-            dp.qk_scales = (self.query_scales(thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q), mKs, h_idx, b_idx)
+            dp.qk_scales = (self.query_scales(thr_qk, mQs, wg, m_blk, h_idx, b_idx, seqlen_q), mKs[None, h_idx, b_idx])
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_wg)
         for w in cutlass.range_constexpr(1, self.num_wg):   # stage wg, phase 0
@@ -492,7 +492,7 @@ class DirectPAttentionSm90:
         """One tensor phase (S_j = Q K_j^T, then O += P_{j-1} V_{j-1} as a second group) and
         Direct-P of S_j, which starts once S_j is done while PV_{j-1} still runs; P_j goes into r_p
         (which PV_{j-1} reads) only after wait_group(0), inside ``dp.tile``."""
-        tile_scales = dp.tile_scales(j)
+        tile_scales = dp.tile_scales(j, whole=not masked)
         kv_pipe.consumer_wait(k_state)
         kv_pipe.consumer_wait(v_state)
         cute.arch.barrier(barrier_id=own_bar, number_of_threads=n_sched)
