@@ -1,8 +1,7 @@
 """What the FP8 P/V policy ``fp8`` costs in accuracy, and why (docs/numerics.md section 7). The reference on the CPU,
 against exact attention.
 
-    python benchmarks/fp8_error.py      # prints two tables, writes benchmarks/results/<date>d_cpu_fp8-error.json
-    python benchmarks/fp8_error.py --out /tmp/fp8-error.json   # the same, written elsewhere
+    python benchmarks/fp8_error.py --out benchmarks/results/<date><run>_cpu_fp8-error.json   # two tables, and the JSON
 
 1. The floor each format sets: iid Gaussian q, k, v (B4 S1024 D128, float64), softmax attention with one operand
    rounded as the policy rounds it (E4M3 P scaled by 2^8, V in E4M3 with its per-channel scale, FP8 Q/K with their
@@ -90,8 +89,9 @@ def mean_key() -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None,
-                    help="the JSON to write (default: benchmarks/results/<UTC date>d_cpu_fp8-error.json)")
+    ap.add_argument("--out", required=True,
+                    help="the JSON to write: benchmarks/results/<UTC date><run>_cpu_fp8-error.json, the run letter "
+                         "the day's next")
     a = ap.parse_args(argv)
     floor = format_floor()
     for name, err in floor.items():
@@ -100,10 +100,10 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"bias {r['bias']:5.1f}  fp8 {r['rel_l2']:.4f}  "
               f"mean key subtracted {r['rel_l2_mean_key_subtracted']:.4f}")
-    out = a.out or f"benchmarks/results/{dt.datetime.now(dt.UTC):%Y%m%d}d_cpu_fp8-error.json"
+    out = a.out
     meta = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
             "torch": torch.__version__, "fp4vis": fp4vis.__version__,
-            "command": "python benchmarks/fp8_error.py" + (f" --out {a.out}" if a.out else "")}
+            "command": f"python benchmarks/fp8_error.py --out {a.out}"}
     atomic_write(out, json.dumps({"meta": meta, "format_floor": floor, "mean_key": rows}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return 0
