@@ -12,15 +12,11 @@ device copy of V's bytes. Each figure is one CUDA graph of calls on rotating inp
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import sys
 
 import torch
 
-from fp4vis.services.environment import environment
-from fp4vis.services.outputs import write_json
-from fp4vis.services.timing import input_copies, run_sections, time_graph
+from fp4vis.services.timing import input_copies, run_shape_benchmark, time_graph
 
 SHAPES = {"flux": (1, 4608, 24, 128), "wan14": (1, 32760, 40, 128), "cog": (2, 17776, 48, 64),
           "ltx": (2, 6144, 32, 64)}
@@ -75,24 +71,13 @@ def _shape_row(name: str, b: int, s: int, h: int, d: int) -> dict:
         ref = bits if ref is None else ref
         values[f"{channels}/{keys}/{warps}"] = dict(ms=ms, differing=int((bits != ref).sum()))
     row["values_kernel"] = values
-    print(row, flush=True)
-    sets.clear()
-    torch.cuda.empty_cache()
     return row
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    args = ap.parse_args(argv)
-    result = {"command": "python3 benchmarks/fp8_values_variants.py "
-                         + shlex.join(sys.argv[1:] if argv is None else argv),
-              "environment": environment(), "launches": [list(x) for x in LAUNCHES]}
-    run_sections(result, [(name, lambda name=name: _shape_row(name, *SHAPES[name]))
-                          for name in args.shapes.split(",")], args.out)
-    write_json(args.out, result)
-    for name in args.shapes.split(","):
+    result, names = run_shape_benchmark(__doc__, "fp8_values_variants.py", SHAPES, _shape_row, argv,
+                                        launches=[list(x) for x in LAUNCHES])
+    for name in names:
         r = result.get(name, {})
         if "values_kernel" in r:
             print(f"{name}: Q/K {r['qk_prepass_ms'] * 1e3:.1f} us, V pass {r['v_pass_ms'] * 1e3:.1f} (maxima "

@@ -14,15 +14,11 @@ with the default launch's (``differing``).
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import sys
 
 import torch
 
-from fp4vis.services.environment import environment
-from fp4vis.services.outputs import write_json
-from fp4vis.services.timing import input_copies, run_sections, time_graph
+from fp4vis.services.timing import input_copies, run_shape_benchmark, time_graph
 
 SHAPES = {"vit_b64_s197_h12_d64": (64, 197, 12, 64), "b1_s4096_h24": (1, 4096, 24, 128),
           "b4_s4096_h32": (4, 4096, 32, 128), "wan13_s32760_h12": (1, 32760, 12, 128),
@@ -96,23 +92,13 @@ def _shape_row(name: str, b: int, s: int, h: int, d: int) -> dict:
                                                    for x, y in zip(out, fp8_ref, strict=True)))
     row["fp8_caps"] = fp8_caps
     row["fp8_over_floor"] = row["fp8_ms"] / row["copy_floor_fp8_ms"]
-    print(row, flush=True)
-    sets.clear()
-    torch.cuda.empty_cache()
     return row
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    args = ap.parse_args(argv)
-    result = {"command": "python3 benchmarks/prepass_variants.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-              "environment": environment(), "launches": [list(x) for x in LAUNCHES]}
-    run_sections(result, [(name, lambda name=name: _shape_row(name, *SHAPES[name]))
-                          for name in args.shapes.split(",")], args.out)
-    write_json(args.out, result)
-    for name in args.shapes.split(","):
+    result, names = run_shape_benchmark(__doc__, "prepass_variants.py", SHAPES, _shape_row, argv,
+                                        launches=[list(x) for x in LAUNCHES])
+    for name in names:
         r = result.get(name, {})
         if "nvfp4" in r:
             best = min(r["nvfp4"].items(), key=lambda kv: kv[1]["ms"])

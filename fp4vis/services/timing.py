@@ -4,8 +4,10 @@ that they leave the L2) and a benchmark's timed sections (``run_sections``)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fp4vis.services.environment import environment
 from fp4vis.services.outputs import write_json
 
 
@@ -72,6 +75,32 @@ def run_sections(result: dict[str, Any], sections: Sequence[tuple[str, Callable[
         walls[name] = time.perf_counter() - t0
         write_json(out, result)
     return result
+
+
+def run_shape_benchmark(doc: str, script: str, shapes: dict[str, tuple], row: Callable[..., Any],
+                        argv: Sequence[str] | None = None, **extra: Any) -> tuple[dict[str, Any], list[str]]:
+    """The command line and run of a benchmark over named shapes: ``--out`` (the JSON) and ``--shapes`` (names in
+    ``shapes``, every one by default); ``row(name, *shapes[name])`` per shape as a ``run_sections`` section (printed,
+    the CUDA cache emptied after it), in a result that also holds the command (``benchmarks/<script>`` and its
+    arguments), the environment and ``extra``. Returns (the result, written to ``--out``; the shape names run)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(shapes))
+    args = ap.parse_args(argv)
+    names = args.shapes.split(",")
+    result = {"command": f"python3 benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "environment": environment(), **extra}
+
+    def section(name):
+        out = row(name, *shapes[name])
+        print(out, flush=True)
+        if torch.cuda.is_available():   # the shape's inputs are gone: hand their memory back before the next one
+            torch.cuda.empty_cache()
+        return out
+
+    run_sections(result, [(name, lambda name=name: section(name)) for name in names], args.out)
+    write_json(args.out, result)
+    return result, names
 
 
 def reps_within_budget(fn: Callable[[int], object], n_inputs: int, warmup: int, reps: int, min_reps: int,
