@@ -432,6 +432,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--tile-n", type=int, default=None,
                     help="the FP8 P/V policies' key tile (config.PV_FP8_TILES; default the contract's, softmax_tile)")
+    ap.add_argument("--poly-exp2", type=int, default=None,
+                    help="the FP8 P/V policies' exponentials on the FMA pipe, of every 8 (default the policy's)")
     ap.add_argument("--schedule", action="store_true",
                     help="also report ptxas's static schedule of the loop's Direct-P (ping-pong variants)")
     ap.add_argument("--triton-prepass", action="store_true",
@@ -454,6 +456,10 @@ def main(argv=None) -> int:
             if not cfg.pv_fp8:
                 continue   # --tile-n names the FP8 P/V softmax's tile; the other kernels' tiles are their schedule's
             cfg = dataclasses.replace(cfg, tile_n=a.tile_n)
+        if a.poly_exp2 is not None:
+            if not cfg.pv_fp8:
+                continue   # --poly-exp2 names the FP8 P/V softmax's exponentials
+            cfg = dataclasses.replace(cfg, poly_exp2=a.poly_exp2)
         keep = a.keep_dir or (tempfile.mkdtemp(prefix="fp4vis_cc_") if a.schedule else None)
         try:
             rep = compile_variant(cfg, keep_dir=keep)
