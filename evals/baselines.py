@@ -1,5 +1,5 @@
-"""BF16 attention baselines: the attention functions fp4vis is timed against (``kernel_bench``, the Wan and
-pipeline evals).
+"""Attention baselines: the attention functions fp4vis is timed against (``kernel_bench``, the Wan and
+pipeline evals): BF16 forwards, and the 8-bit peers a Hopper user could pick instead.
 
 Each baseline builds an attention function ``fn(q, k, v, scale=None)`` (``scale=None``: 1/sqrt(D)) over
 tensors in one layout: ``"bhsd"`` (B, H, S, D: the kernel benchmark's) or ``"bshd"`` (B, S, H, D: the
@@ -7,6 +7,11 @@ Wan attention processor's, and flash-attn-4's own, so no transposes there). Its 
 when the function is built, so that this module imports everywhere:
 
 * ``fa4``: flash-attn-4 (``flash_attn.cute.flash_attn_func``), BF16 forward, non-causal;
+* ``fa3``: FlashAttention-3 (``flash_attn_interface.flash_attn_func``, the ``flash_attn_3`` package built from
+  flash-attention's ``hopper/``), BF16 forward, non-causal;
+* ``fa3_fp8``: FlashAttention-3's FP8 forward as its users call it: q, k and v cast to E4M3 with one float32
+  scale per (batch, head), amax / 448 (FA3's ``q_descale`` / ``k_descale`` / ``v_descale``, shape (B, H)), the
+  output BF16; ``fa3_fp8_parts`` splits the cast from the kernel (``kernel_bench``'s ``fa3_fp8_kernel``);
 * ``sage``: SageAttention (``sageattention.sageattn``, ``tensor_layout`` "HND" / "NHD" for the layout);
 * ``sdpa_cudnn`` / ``sdpa_flash``: torch SDPA under ``torch.nn.attention.sdpa_kernel`` with the cuDNN /
   flash backend.
@@ -90,6 +95,59 @@ def _fa4(layout: str) -> AttentionFn:
     return bhsd
 
 
+def _fa3(layout: str) -> AttentionFn:
+    from flash_attn_interface import flash_attn_func
+
+    def call(q, k, v, scale=None):
+        if layout == "bhsd":   # FA3 takes bshd; the transposes are views
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=False)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2) if layout == "bhsd" else out
+    return _one_graph_node("fa3", layout, call)
+
+
+E4M3_MAX = 448.0
+
+
+def e4m3_per_head(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in E4M3 over one float32 scale per (batch, head), amax / 448 (at least the smallest normal float32, so an
+    all-zero head stays zero), and that scale as FA3's descale, shape (B, H)."""
+    _check_layout(layout)
+    head_dim = 1 if layout == "bhsd" else 2
+    reduce_dims = tuple(d for d in (1, 2, 3) if d != head_dim)
+    descale = x.abs().amax(dim=reduce_dims).float().clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
+    x8 = (x.float() / descale.unsqueeze(reduce_dims[0]).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return x8, descale
+
+
+def fa3_fp8_parts(layout: str) -> tuple[Callable, Callable]:
+    """FlashAttention-3's FP8 forward in two steps: ``cast(q, k, v)`` -> ((q8, descale), (k8, ...), (v8, ...))
+    (``e4m3_per_head``) and ``kernel(operands, scale)`` -> the BF16 output."""
+    from flash_attn_interface import flash_attn_func
+
+    def cast(q, k, v):
+        return tuple(e4m3_per_head(x, layout) for x in (q, k, v))
+
+    def kernel(operands, scale=None):
+        (q8, dq), (k8, dk), (v8, dv) = operands
+        if layout == "bhsd":   # FA3 takes bshd; the transposes are views
+            q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
+        out = flash_attn_func(q8, k8, v8, softmax_scale=scale, causal=False, q_descale=dq, k_descale=dk,
+                              v_descale=dv)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2) if layout == "bhsd" else out
+    return cast, kernel
+
+
+def _fa3_fp8(layout: str) -> AttentionFn:
+    cast, kernel = fa3_fp8_parts(layout)
+
+    def call(q, k, v, scale=None):
+        return kernel(cast(q, k, v), scale)
+    return _one_graph_node("fa3_fp8", layout, call)
+
+
 def _sage(layout: str) -> AttentionFn:
     from sageattention import sageattn
 
@@ -129,6 +187,9 @@ class Baseline:
 
 BASELINES: dict[str, Baseline] = {b.name: b for b in (
     Baseline("fa4", "flash-attn-4", "flash-attn-4 (flash_attn.cute.flash_attn_func)", _fa4),
+    Baseline("fa3", "FlashAttention-3", "FlashAttention-3 (flash_attn_interface.flash_attn_func), BF16", _fa3),
+    Baseline("fa3_fp8", "FlashAttention-3 FP8", "FlashAttention-3's FP8 forward, E4M3 q/k/v scaled per (batch, head)",
+             _fa3_fp8),
     Baseline("sage", "SageAttention", "SageAttention (sageattention.sageattn)", _sage),
     Baseline("sdpa_cudnn", "SDPA cuDNN", "torch SDPA, cuDNN backend", _sdpa("cudnn")),
     Baseline("sdpa_flash", "SDPA flash", "torch SDPA, flash backend", _sdpa("flash")),

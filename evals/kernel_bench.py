@@ -20,7 +20,9 @@ Backends (each skipped with a reason in its row when it cannot run here):
   ``sdpa_cudnn``    torch SDPA with the cuDNN backend
   ``sdpa_flash``    torch SDPA with the flash backend
   ``sage``          SageAttention (``sageattention.sageattn``), when importable
-                    (these four BF16 baselines: ``fp4vis.evals.baselines``, in layout bhsd here)
+  ``fa3`` / ``fa3_fp8``  FlashAttention-3's BF16 / FP8 forward (``flash_attn_interface``), when importable
+                    (these baselines: ``fp4vis.evals.baselines``, in layout bhsd here)
+  ``fa3_fp8_kernel`` FlashAttention-3's FP8 kernel alone on operands cast beforehand (its cast excluded)
   ``blackwell``     fp4vis Blackwell kernel, whole call (sm_100/103/120; on the H200 its sm_90
                     verification route where it exists: cubins given or Triton >= 3.8; not a product path,
                     and its rows say so: ``"route": "sm_90 verification (not Blackwell)"``, "jit" / "cubin" on
@@ -53,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from fp4vis.evals.baselines import BASELINES, attention_function, unavailable
+from fp4vis.evals.baselines import BASELINES, attention_function, fa3_fp8_parts, unavailable
 from fp4vis.files import atomic_write
 from fp4vis.policy import get_policy
 from fp4vis.services.environment import environment
@@ -294,8 +296,10 @@ def available(backend: str) -> str | None:
         if backend == "blackwell":
             import fp4vis
             return fp4vis.available_backends().get("blackwell")
-        if backend in BASELINES:   # fa4, sage, sdpa_cudnn, sdpa_flash (fp4vis.evals.baselines)
+        if backend in BASELINES:   # fa4, fa3, fa3_fp8, sage, sdpa_cudnn, sdpa_flash (fp4vis.evals.baselines)
             return unavailable(backend)
+        if backend == "fa3_fp8_kernel":
+            return unavailable("fa3_fp8")
         return f"unknown backend {backend!r}"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
@@ -363,6 +367,11 @@ def _measure(row, backend, pol, sets, scale, quick, bf16_out, check_errors, budg
         else:
             fn = lambda i: ker(ops[i], sets[i][0], scale)  # noqa: E731
             out0 = ker(ops[0], sets[0][0], scale)
+    elif base == "fa3_fp8_kernel":
+        cast, kernel = fa3_fp8_parts("bhsd")
+        ops = [cast(q, k, v) for q, k, v in sets]
+        fn = lambda i: kernel(ops[i], scale)  # noqa: E731
+        out0 = fn(0)
     else:
         fp4vis_calls = {"hopper": lambda: hopper_call(pol, **variant),
                         "hopper_plain": lambda: hopper_call(pol, schedule="serial"),
@@ -443,6 +452,10 @@ def geo_mean_speedup(rows: list[dict], backend: str = "hopper", policy: str = "f
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
+# the other attentions whose geo-mean over flash-attn-4 the summary gives beside fp4vis's
+PEERS = ("fa3", "fa3_fp8", "fa3_fp8_kernel", "sage", "sdpa_cudnn")
+
+
 def summary_table(rows: list[dict]) -> str:
     """Markdown: one line per shape, ms of each backend, the Hopper speedups and errors (those columns only
     where a Hopper row was timed: a CPU run has nothing to put there)."""
@@ -476,13 +489,15 @@ def summary_table(rows: list[dict]) -> str:
                   f"{hop.get('prepass_fraction', '—')}", f"{hop.get('rel_l2_vs_reference', '—')}",
                   f"{hop.get('rel_l2_vs_bf16', '—')}"] if hop else ["—"] * 5
         lines.append("| " + " | ".join(cells) + " |")
-    gms = [(b, p, geo_mean_speedup(rows, b, p)) for b, p in cols if b in ("hopper", "hopper_kernel", "blackwell") and p]
+    gms = [(b, p, geo_mean_speedup(rows, b, p)) for b, p in cols
+           if (b in ("hopper", "hopper_kernel", "blackwell") and p) or b in PEERS]
     if any(gm is not None for _, _, gm in gms):
         lines.append("")
     for b, p, gm in gms:
         if gm is not None:
             graph = geo_mean_speedup(rows, b, p, timing="graph")
-            lines.append(f"Geo-mean speedup of {b}/{p} over flash-attn-4 at S >= 4096, D = 128: {gm:.3f}x per eager "
+            name = f"{b}/{p}" if p else b
+            lines.append(f"Geo-mean speedup of {name} over flash-attn-4 at S >= 4096, D = 128: {gm:.3f}x per eager "
                          f"call" + (f", {graph:.3f}x in GPU time (CUDA graphs)" if graph is not None else ""))
     return "\n".join(lines + route_notes(rows))
 

@@ -15,7 +15,8 @@ from fp4vis.services.usage import UsageError
 from .options import Formatter, policy_list
 
 # the backends a full run times (``fp4vis.evals.kernel_bench`` lists what each is)
-BENCH_BACKENDS = ("hopper", "hopper_kernel", "prepass", "blackwell", "fa4", "sdpa_cudnn", "sdpa_flash", "sage")
+BENCH_BACKENDS = ("hopper", "hopper_kernel", "prepass", "blackwell", "fa4", "sdpa_cudnn", "sdpa_flash", "sage", "fa3",
+                  "fa3_fp8", "fa3_fp8_kernel")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

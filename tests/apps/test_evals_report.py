@@ -153,6 +153,45 @@ def test_bench_baselines_resolve_through_the_shared_module():
         baselines.attention_function("sdpa_flash", "bsd")
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_fa3_fp8_cast_is_e4m3_over_one_scale_per_batch_and_head(layout):
+    """The FlashAttention-3 FP8 baseline's cast: each (batch, head) of q, k or v over its own amax / 448 (FA3's
+    descale, shape (B, H)), so the largest magnitude becomes 448 and decoding gives the input back to E4M3's
+    rounding; an all-zero head stays zero (no 0 / 0)."""
+    import torch
+
+    from fp4vis.evals.baselines import e4m3_per_head
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 16, generator=gen) * torch.tensor([1.0, 300.0, 1e-3])[None, :, None, None]   # bhsd
+    x[1, 2] = 0.0
+    x = x if layout == "bhsd" else x.transpose(1, 2)
+    x8, descale = e4m3_per_head(x, layout)
+    assert x8.dtype == torch.float8_e4m3fn and descale.shape == (2, 3) and descale.dtype == torch.float32
+    heads = (2, 3) if layout == "bhsd" else (1, 3)
+    amax8 = x8.float().abs().amax(dim=heads)
+    assert torch.equal(amax8, torch.tensor([[448.0, 448.0, 448.0], [448.0, 448.0, 0.0]]))
+    d = descale[:, :, None, None] if layout == "bhsd" else descale[:, None, :, None]
+    decoded = x8.float() * d
+    assert torch.all((decoded - x).abs() <= 2.0 ** -4 * x.abs() + 2.0 ** -9 * d)   # E4M3: 3 bits, subnormals
+    assert torch.equal(decoded[1, 2] if layout == "bhsd" else decoded[1, :, 2], torch.zeros(40, 16))
+
+
+def test_fa3_backends_say_why_they_cannot_run_on_the_cpu():
+    """FlashAttention-3's BF16 and FP8 baselines, and its FP8 kernel alone, are kernel_bench backends (and `fp4vis
+    bench`'s): where no GPU is, each one's row says why."""
+    import torch
+
+    from fp4vis.cli.bench import BENCH_BACKENDS
+    from fp4vis.evals import kernel_bench as kb
+
+    assert {"fa3", "fa3_fp8", "fa3_fp8_kernel"} <= set(BENCH_BACKENDS)
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-side reasons")
+    assert {b: kb.available(b) for b in ("fa3", "fa3_fp8", "fa3_fp8_kernel")} == dict.fromkeys(
+        ("fa3", "fa3_fp8", "fa3_fp8_kernel"), "no CUDA device")
+
+
 def test_grid_speedups_and_geo_means_in_both_timings():
     """Every backend is timed per eager call and in GPU time (graph_ms): the speedups and the
     geo-mean of the summary are given for both, each from its own timing."""
@@ -162,10 +201,38 @@ def test_grid_speedups_and_geo_means_in_both_timings():
     for s, (fa4, hop, fa4_g, hop_g) in {4096: (1.0, 0.8, 0.9, 0.9), 8192: (4.0, 4.0, 3.6, 3.0)}.items():
         common = dict(shape=f"B1 S{s}", s=s, d=128)
         rows += [dict(common, backend="fa4", policy=None, ms=fa4, graph_ms=fa4_g),
-                 dict(common, backend="hopper", policy="fast", ms=hop, graph_ms=hop_g)]
+                 dict(common, backend="hopper", policy="fast", ms=hop, graph_ms=hop_g),
+                 dict(common, backend="fa3_fp8_kernel", policy=None, ms=fa4 / 2, graph_ms=fa4_g / 4)]
     kb.add_speedups(rows)
     hop = [r for r in rows if r["backend"] == "hopper"]
     assert [r["speedup_vs_fa4"] for r in hop] == [1.25, 1.0] and [r["graph_speedup_vs_fa4"] for r in hop] == [1.0, 1.2]
     assert kb.geo_mean_speedup(rows) == pytest.approx(math.sqrt(1.25))
     assert kb.geo_mean_speedup(rows, timing="graph") == pytest.approx(math.sqrt(1.2))
-    assert "1.118x per eager call, 1.095x in GPU time (CUDA graphs)" in kb.summary_table(rows)
+    summary = kb.summary_table(rows)
+    assert "hopper/fast over flash-attn-4 at S >= 4096, D = 128: 1.118x per eager call, 1.095x in GPU time" in summary
+    # a peer's geo-mean beside fp4vis's (FlashAttention-3's FP8 kernel here)
+    assert "fa3_fp8_kernel over flash-attn-4 at S >= 4096, D = 128: 2.000x per eager call, 4.000x in GPU" in summary
+
+
+@pytest.mark.gpu(capability=(9, 0))
+@pytest.mark.parametrize("name, tol", [("fa3", 1e-2), ("fa3_fp8", 6e-2)])
+def test_fa3_baselines_give_sdpa_attention(name, tol):
+    """FlashAttention-3's baselines, where its package is built (flash-attention's hopper/), in both layouts and
+    compiled: SDPA's attention within BF16's rounding (fa3) or E4M3's (fa3_fp8, per-head scales)."""
+    import torch
+
+    from fp4vis.evals.baselines import attention_function, unavailable
+    from fp4vis.metrics import rel_l2
+
+    if unavailable(name) is not None:
+        pytest.skip(unavailable(name))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v).float()
+    bhsd = attention_function(name, "bhsd")
+    assert rel_l2(bhsd(q, k, v).float(), ref) <= tol
+    bshd = attention_function(name, "bshd")
+    out = bshd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    assert rel_l2(out.float(), ref) <= tol
+    compiled = torch.compile(lambda q, k, v: bhsd(q, k, v), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), bhsd(q, k, v))
