@@ -11,10 +11,10 @@ All the logic lives in ``fp4vis.evals.kernel_bench``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 
 from fp4vis.evals import kernel_bench as kb
+from fp4vis.services.outputs import new_result_path
 
 
 def main(argv=None) -> int:
@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="fast")
     ap.add_argument("--backends", default="hopper,prepass,hopper_kernel,fa4,sdpa_cudnn,sage")
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed calls per measurement")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>a_h200_kernel_grid.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<date><run>_<machine>_kernel"
+                                                "[_quick].json, the day's next run letter)")
     a = ap.parse_args(argv)
     if a.shapes:
         shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes.split(";")]
@@ -34,10 +35,7 @@ def main(argv=None) -> int:
         shapes = kb.as_shapes(kb.GRID_D128) + (kb.as_shapes(kb.GRID_D64, d=64) if a.d64 else [])
     if a.quick:
         shapes = kb.as_shapes(kb.QUICK_SHAPES, d=64)
-    # benchmarks/results/README.md's scheme: <date><run>_<machine>_<what>[_<variant>] (run letter: pass --out)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d")
-    machine = "cpu" if a.quick else "h200"
-    out = a.out or f"benchmarks/results/{stamp}a_{machine}_kernel_grid{'-quick' if a.quick else ''}.json"
+    out = a.out or new_result_path("kernel", "quick" if a.quick else None, machine="cpu" if a.quick else None)
     rows: list[dict] = []
     for shape in shapes:  # one shape at a time, results rewritten after each (a cut-off run keeps them)
         rows += kb.run_grid([shape], a.backends.split(","), a.policies.split(","), quick=a.quick,

@@ -1,12 +1,16 @@
 """The files the apps write: output paths checked before any work (``check_output_file``,
-``check_output_dir``: a UsageError naming the option) and JSON written atomically (``write_json``, through
-``fp4vis.files``)."""
+``check_output_dir``: a UsageError naming the option), JSON written atomically (``write_json``, through
+``fp4vis.files``), and the name of a new benchmark result by benchmarks/results/README.md's scheme
+(``new_result_path``)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
+import re
+import string
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -69,3 +73,40 @@ def _jsonable(obj: Any) -> Any:
 def write_json(path: str | os.PathLike, data: dict[str, Any]) -> Path:
     """``data`` as indented JSON (tensors, paths, non-finite floats made plain), written atomically."""
     return atomic_write(path, json.dumps(_jsonable(data), indent=2, sort_keys=False) + "\n")
+
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+def machine_tag() -> str:
+    """The results' machine token: ``h200`` / ``h100`` for those GPUs, another CUDA device's model in lowercase
+    letters and digits (``b200``), ``cpu`` where there is none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().upper()
+    for gpu in ("H200", "H100"):
+        if gpu in name:
+            return gpu.lower()
+    words = re.findall(r"[A-Z]+\d+[A-Z0-9]*", name.replace("NVIDIA", ""))
+    return words[0].lower() if words else "gpu"
+
+
+def new_result_path(what: str, variant: str | None = None, results_dir: str | os.PathLike = RESULTS_DIR,
+                    machine: str | None = None, ext: str = "json", now: dt.datetime | None = None) -> Path:
+    """``<YYYYMMDD><run>_<machine>_<what>[_<variant>].<ext>`` in ``results_dir`` (benchmarks/results/README.md):
+    today's UTC date, the first run letter after every one that day's files already have, ``machine_tag()``
+    unless given. Raises ValueError past run ``z`` or where ``what`` or ``variant`` would add a field."""
+    for part in (what, variant or ""):
+        if "_" in part:
+            raise ValueError(f"{part!r}: results name fields hold no '_' (use '-')")
+    stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%d")
+    d = Path(results_dir)
+    used = {m.group(1) for f in (d.iterdir() if d.is_dir() else ())
+            if (m := re.match(rf"{stamp}([a-z])_", f.name))}
+    free = [c for c in string.ascii_lowercase if not used or c > max(used)]
+    if not free:
+        raise ValueError(f"{d}: run letters a-z of {stamp} are all taken")
+    name = "_".join([f"{stamp}{free[0]}", machine or machine_tag(), what] + ([variant] if variant else []))
+    return d / f"{name}.{ext}"

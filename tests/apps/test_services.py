@@ -15,7 +15,7 @@ import torch
 from fp4vis import files
 from fp4vis.services.console import WarningLog, library_warnings
 from fp4vis.services.environment import environment
-from fp4vis.services.outputs import check_output_dir, check_output_file, write_json
+from fp4vis.services.outputs import check_output_dir, check_output_file, machine_tag, new_result_path, write_json
 from fp4vis.services.runtime import resolve_device
 from fp4vis.services.usage import UsageError
 
@@ -128,6 +128,31 @@ def test_output_paths_are_checked(tmp_path):
         check_output_dir(tmp_path / "f", "--out-dir")
     assert check_output_dir(tmp_path / "new" / "deeper", "--out-dir").is_dir()
     assert check_output_file(tmp_path / "new2" / "v.mp4", "--output").parent.is_dir()
+
+
+def test_a_new_result_takes_the_days_next_run_letter_and_this_machine(tmp_path, monkeypatch):
+    """benchmarks/results/README.md's names: the UTC date, the first run letter after that day's, the machine
+    (h200 / h100 by the CUDA device's name, cpu without one), what made it, its variant."""
+    import datetime as dt
+
+    now = dt.datetime(2026, 12, 7, 23, 59, tzinfo=dt.UTC)
+    assert new_result_path("kernel", results_dir=tmp_path, machine="h100", now=now) == \
+        tmp_path / "20261207a_h100_kernel.json"
+    for name in ("20261207a_h100_kernel.json", "20261207c_h200_tests_x.log", "20261208z_cpu_kernel.json"):
+        (tmp_path / name).write_text("")
+    assert new_result_path("kernel", "fa3", results_dir=tmp_path, machine="h100", now=now).name == \
+        "20261207d_h100_kernel_fa3.json"
+    (tmp_path / "20261207z_cpu_x.json").write_text("")
+    with pytest.raises(ValueError, match="a-z of 20261207"):
+        new_result_path("kernel", results_dir=tmp_path, machine="cpu", now=now)
+    with pytest.raises(ValueError, match="no '_'"):
+        new_result_path("kernel_grid", results_dir=tmp_path, machine="cpu", now=now)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device, tag in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA B200", "b200")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, d=device: d)
+        assert machine_tag() == tag
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert machine_tag() == "cpu"
 
 
 def test_labels_say_what_runs(monkeypatch):
