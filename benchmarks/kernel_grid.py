@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timed calls per measurement")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/<date><run>_<machine>_kernel"
                                                 "[_quick].json, the day's next run letter)")
+    ap.add_argument("--run", default=None, help="the default output's run letter (default: the day's next one)")
     a = ap.parse_args(argv)
     if a.shapes:
         shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes.split(";")]
@@ -35,7 +36,8 @@ def main(argv=None) -> int:
         shapes = kb.as_shapes(kb.GRID_D128) + (kb.as_shapes(kb.GRID_D64, d=64) if a.d64 else [])
     if a.quick:
         shapes = kb.as_shapes(kb.QUICK_SHAPES, d=64)
-    out = a.out or new_result_path("kernel", "quick" if a.quick else None, machine="cpu" if a.quick else None)
+    out = a.out or new_result_path("kernel", "quick" if a.quick else None, machine="cpu" if a.quick else None,
+                                   run=a.run)
     rows: list[dict] = []
     for shape in shapes:  # one shape at a time, results rewritten after each (a cut-off run keeps them)
         rows += kb.run_grid([shape], a.backends.split(","), a.policies.split(","), quick=a.quick,

@@ -9,9 +9,10 @@ when the function is built, so that this module imports everywhere:
 * ``fa4``: flash-attn-4 (``flash_attn.cute.flash_attn_func``), BF16 forward, non-causal;
 * ``fa3``: FlashAttention-3 (``flash_attn_interface.flash_attn_func``, the ``flash_attn_3`` package built from
   flash-attention's ``hopper/``), BF16 forward, non-causal;
-* ``fa3_fp8``: FlashAttention-3's FP8 forward as its users call it: q, k and v cast to E4M3 with one float32
-  scale per (batch, head), amax / 448 (FA3's ``q_descale`` / ``k_descale`` / ``v_descale``, shape (B, H)), the
-  output BF16; ``fa3_fp8_parts`` splits the cast from the kernel (``kernel_bench``'s ``fa3_fp8_kernel``);
+* ``fa3_fp8``: FlashAttention-3's FP8 forward: q, k and v cast to E4M3 with one float32 scale per (batch, head),
+  amax / 448 (FA3's ``q_descale`` / ``k_descale`` / ``v_descale``, shape (B, H)), by torch operations (a few
+  kernels per tensor, eager; fused where compiled), the output BF16; ``fa3_fp8_parts`` splits the cast from the
+  kernel (``kernel_bench``'s ``fa3_fp8_kernel``, the figure to compare kernels by);
 * ``sage``: SageAttention (``sageattention.sageattn``, ``tensor_layout`` "HND" / "NHD" for the layout);
 * ``sdpa_cudnn`` / ``sdpa_flash``: torch SDPA under ``torch.nn.attention.sdpa_kernel`` with the cuDNN /
   flash backend.
@@ -116,7 +117,7 @@ def e4m3_per_head(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Ten
     _check_layout(layout)
     head_dim = 1 if layout == "bhsd" else 2
     reduce_dims = tuple(d for d in (1, 2, 3) if d != head_dim)
-    descale = x.abs().amax(dim=reduce_dims).float().clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
+    descale = (x.abs().amax(dim=reduce_dims).float() / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     x8 = (x.float() / descale.unsqueeze(reduce_dims[0]).unsqueeze(-1)).to(torch.float8_e4m3fn)
     return x8, descale
 
@@ -176,7 +177,7 @@ def _sdpa(kind: str) -> Callable[[str], AttentionFn]:
 
 @dataclass(frozen=True)
 class Baseline:
-    """A named BF16 attention: ``build(layout)`` imports its library and returns the function."""
+    """A named attention: ``build(layout)`` imports its library and returns the function."""
 
     name: str
     label: str          # what progress bars call it

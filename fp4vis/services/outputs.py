@@ -75,38 +75,43 @@ def write_json(path: str | os.PathLike, data: dict[str, Any]) -> Path:
     return atomic_write(path, json.dumps(_jsonable(data), indent=2, sort_keys=False) + "\n")
 
 
-RESULTS_DIR = Path("benchmarks/results")
+RESULTS_DIR = Path("benchmarks/results")   # relative: the benchmarks run from the repository's root
+_FIELD = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")   # one field of a result's name: lowercase words and hyphens
 
 
 def machine_tag() -> str:
-    """The results' machine token: ``h200`` / ``h100`` for those GPUs, another CUDA device's model in lowercase
-    letters and digits (``b200``), ``cpu`` where there is none."""
+    """The results' machine token: ``h200`` / ``h100`` for those GPUs, another CUDA device's name in lowercase letters
+    and digits without "NVIDIA" (``b200``, ``geforcertx4090``), ``cpu`` where there is none."""
     import torch
 
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name().upper()
+    words = [w for w in re.findall(r"[A-Za-z0-9]+", torch.cuda.get_device_name()) if w.upper() != "NVIDIA"]
     for gpu in ("H200", "H100"):
-        if gpu in name:
+        if gpu in (w.upper() for w in words):
             return gpu.lower()
-    words = re.findall(r"[A-Z]+\d+[A-Z0-9]*", name.replace("NVIDIA", ""))
-    return words[0].lower() if words else "gpu"
+    return "".join(words[:3]).lower() or "gpu"
 
 
 def new_result_path(what: str, variant: str | None = None, results_dir: str | os.PathLike = RESULTS_DIR,
-                    machine: str | None = None, ext: str = "json", now: dt.datetime | None = None) -> Path:
+                    machine: str | None = None, run: str | None = None, ext: str = "json",
+                    now: dt.datetime | None = None) -> Path:
     """``<YYYYMMDD><run>_<machine>_<what>[_<variant>].<ext>`` in ``results_dir`` (benchmarks/results/README.md):
-    today's UTC date, the first run letter after every one that day's files already have, ``machine_tag()``
-    unless given. Raises ValueError past run ``z`` or where ``what`` or ``variant`` would add a field."""
-    for part in (what, variant or ""):
-        if "_" in part:
-            raise ValueError(f"{part!r}: results name fields hold no '_' (use '-')")
+    today's UTC date; ``run``, else the first letter after every one that day's files already have (a round's
+    later files pass the round's letter); ``machine_tag()`` unless given. Raises ValueError for a field that is
+    not lowercase words joined by hyphens, or past run ``z``."""
+    for option, field in (("what", what), ("variant", variant), ("machine", machine), ("run", run)):
+        if field is not None and not (_FIELD.fullmatch(field) and (option != "run" or len(field) == 1)):
+            raise ValueError(f"{option}: {field!r} is not a results name field (lowercase words joined by '-'"
+                             f"{'; one letter' if option == 'run' else ''})")
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%d")
     d = Path(results_dir)
-    used = {m.group(1) for f in (d.iterdir() if d.is_dir() else ())
-            if (m := re.match(rf"{stamp}([a-z])_", f.name))}
-    free = [c for c in string.ascii_lowercase if not used or c > max(used)]
-    if not free:
-        raise ValueError(f"{d}: run letters a-z of {stamp} are all taken")
-    name = "_".join([f"{stamp}{free[0]}", machine or machine_tag(), what] + ([variant] if variant else []))
+    if run is None:
+        used = {m.group(1) for f in (d.iterdir() if d.is_dir() else ())
+                if (m := re.match(rf"{stamp}([a-z])_", f.name))}
+        free = [c for c in string.ascii_lowercase if not used or c > max(used)]
+        if not free:
+            raise ValueError(f"{d}: run letters a-z of {stamp} are all taken")
+        run = free[0]
+    name = "_".join([f"{stamp}{run}", machine or machine_tag(), what] + ([variant] if variant else []))
     return d / f"{name}.{ext}"

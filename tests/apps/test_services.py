@@ -131,8 +131,9 @@ def test_output_paths_are_checked(tmp_path):
 
 
 def test_a_new_result_takes_the_days_next_run_letter_and_this_machine(tmp_path, monkeypatch):
-    """benchmarks/results/README.md's names: the UTC date, the first run letter after that day's, the machine
-    (h200 / h100 by the CUDA device's name, cpu without one), what made it, its variant."""
+    """benchmarks/results/README.md's names: the UTC date, the first run letter after that day's (or the round's,
+    given), the machine (h200 / h100 by the CUDA device's name, cpu without one), what made it, its variant; a field
+    that would break the scheme is refused."""
     import datetime as dt
 
     now = dt.datetime(2026, 12, 7, 23, 59, tzinfo=dt.UTC)
@@ -145,10 +146,15 @@ def test_a_new_result_takes_the_days_next_run_letter_and_this_machine(tmp_path, 
     (tmp_path / "20261207z_cpu_x.json").write_text("")
     with pytest.raises(ValueError, match="a-z of 20261207"):
         new_result_path("kernel", results_dir=tmp_path, machine="cpu", now=now)
-    with pytest.raises(ValueError, match="no '_'"):
-        new_result_path("kernel_grid", results_dir=tmp_path, machine="cpu", now=now)
+    assert new_result_path("kernel", "fa3", results_dir=tmp_path, machine="h100", run="c", now=now).name == \
+        "20261207c_h100_kernel_fa3.json"   # a round's later file: the round's letter
+    for bad in (dict(what="kernel_grid"), dict(what="kernel", variant="Quick Run"), dict(what="k", machine="h1_00"),
+                dict(what="k", run="cd")):
+        with pytest.raises(ValueError, match="not a results name field"):
+            new_result_path(**{"machine": "cpu", **bad}, results_dir=tmp_path, now=now)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for device, tag in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA B200", "b200")):
+    for device, tag in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA B200", "b200"),
+                        ("NVIDIA GH200 480GB", "gh200480gb"), ("NVIDIA GeForce RTX 4090", "geforcertx4090")):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, d=device: d)
         assert machine_tag() == tag
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
