@@ -6,6 +6,8 @@ windows. For the ``fa3``, ``fa3_fp8`` and ``fa3_fp8_kernel`` backends of ``bench
     git -C flash-attention submodule update --init csrc/cutlass
     python benchmarks/build_fa3.py flash-attention/hopper            # nvcc >= 12.3 (FA3 needs it)
     PYTHONPATH=flash-attention/hopper python benchmarks/kernel_grid.py --backends fa4,fa3,fa3_fp8_kernel,...
+    python benchmarks/build_fa3.py flash-attention/hopper --cubin fa3.cubin   # one instantiation's cubin, for
+    python -m fp4vis.kernels.hopper.compile_check --loop-opcodes fa3.cubin    # its key loop's static counts
 
 It compiles the sources with torch's extension builder (ninja) and the nvcc flags of flash-attention's own
 ``hopper/setup.py`` (which also downloads a toolchain and needs git; this does neither), writes
@@ -45,15 +47,20 @@ NVCC_FLAGS = ["--threads", "2", "-O3", "-std=c++17", "--ftemplate-backtrace-limi
 CXX_FLAGS = ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x03090000", "-DTORCH_TARGET_VERSION=0x0209000000000000"]
 
 
+def _defines() -> list[str]:
+    """-D of every switch left out (the macros are all spelled FLASHATTENTION_*, two config keys FLASH_ATTENTION_*,
+    as in setup.py)."""
+    return [f"-D{k.replace('FLASH_ATTENTION_', 'FLASHATTENTION_')}" for k, off in DISABLED.items()
+            if off and k != "FLASHATTENTION_ENABLE_VCOLMAJOR"]
+
+
 def build(hopper: str) -> str:
     """Compile FA3 in ``hopper`` (a flash-attention checkout's hopper/ directory); returns the module's path."""
     from torch.utils.cpp_extension import CUDA_HOME, load
 
     with open(os.path.join(hopper, "flash_attn_config.py"), "w") as f:
         f.write(f"CONFIG = {{'build_flags': {DISABLED!r}}}\n")
-    # the macros are all spelled FLASHATTENTION_*, two of the config's keys FLASH_ATTENTION_* (as in setup.py)
-    defines = [f"-D{k.replace('FLASH_ATTENTION_', 'FLASHATTENTION_')}" for k, off in DISABLED.items()
-               if off and k != "FLASHATTENTION_ENABLE_VCOLMAJOR"]
+    defines = _defines()
     sources = (["flash_api_stable.cpp"]
                + [f"instantiations/flash_fwd_hdim{d}_{t}_sm90.cu" for d in HEAD_DIMS for t in ("bf16", "e4m3")]
                + ["flash_prepare_scheduler.cu"])
@@ -75,6 +82,18 @@ def build(hopper: str) -> str:
 
 
 CHECK_TOLERANCE = {"bf16": 1e-2, "e4m3": 6e-2}   # relative L2 against SDPA: BF16's rounding, E4M3's
+
+
+def cubin(hopper: str, instantiation: str, out: str) -> None:
+    """One of FA3's instantiations (``instantiations/<name>.cu``) compiled alone to ``out``, a cubin, with the build's
+    flags (and the half-precision switches torch's builder adds): for ``compile_check --loop-opcodes``."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, CUDA_HOME
+
+    nvcc = os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc")
+    cmd = [nvcc, "-cubin", *COMMON_NVCC_FLAGS, *NVCC_FLAGS, *_defines(), f"-I{hopper}",
+           f"-I{os.path.join(hopper, '..', 'csrc', 'cutlass', 'include')}",
+           os.path.join(hopper, "instantiations", f"{instantiation}.cu"), "-o", out]
+    subprocess.run(cmd, check=True)
 
 
 def check(hopper: str) -> bool:
@@ -103,8 +122,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("hopper", help="flash-attention's hopper/ directory (csrc/cutlass beside it)")
     ap.add_argument("--check-only", action="store_true", help="only the calls against SDPA")
+    ap.add_argument("--cubin", metavar="OUT", default=None,
+                    help="only compile --instantiation to the cubin OUT (no GPU needed)")
+    ap.add_argument("--instantiation", default="flash_fwd_hdim128_e4m3_sm90",
+                    help="with --cubin: the instantiations/ file, without .cu")
     a = ap.parse_args(argv)
     hopper = os.path.abspath(a.hopper)
+    if a.cubin:
+        cubin(hopper, a.instantiation, a.cubin)
+        return 0
     if a.check_only:
         return 0 if check(hopper) else 1
     t0 = time.time()

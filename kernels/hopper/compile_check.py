@@ -379,6 +379,22 @@ def _parse_ptxas(rep: CompileReport, text: str) -> None:
         rep.registers = max(rep.registers or 0, int(m.group(1)))
 
 
+def loop_opcodes(cubin: str | os.PathLike) -> list[tuple[str, int, Counter]]:
+    """Per kernel of a cubin (any, e.g. FlashAttention-3's: ``benchmarks/build_fa3.py --cubin``): its name, the
+    length of its longest innermost loop (the key loop's body in an attention kernel) and that loop's opcodes, counted
+    by their first token (``FFMA``, ``MUFU``, ...)."""
+    with open(cubin, "rb") as f:
+        sass = sass_text(f.read())
+    out = []
+    for part in re.split(r"\n\s*\.text\.", sass)[1:]:
+        loops = innermost_loops(part)
+        body = max(loops, key=len, default=[])
+        ops = Counter(m.group(2).split(".")[0] for line in body
+                                  if (m := re.search(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)))
+        out.append((part.split(":")[0], len(body), ops))
+    return out
+
+
 def variants(head_dims=(128, 64)):
     """The kernel variants CI compiles: every supported policy x head dim with the default schedule
     and P path, plus the serial schedule with the scalar P path, the overlapped schedule for the
@@ -438,7 +454,13 @@ def main(argv=None) -> int:
                     help="also report ptxas's static schedule of the loop's Direct-P (ping-pong variants)")
     ap.add_argument("--triton-prepass", action="store_true",
                     help="only the NVFP4 pre-pass's scale-search instruction counts (Triton build)")
+    ap.add_argument("--loop-opcodes", metavar="CUBIN", default=None,
+                    help="only: each kernel's longest innermost loop in CUBIN, its length and opcodes (loop_opcodes)")
     a = ap.parse_args(argv)
+    if a.loop_opcodes:
+        for name, n, ops in loop_opcodes(a.loop_opcodes):
+            print(f"{name[:100]}: loop {n}: " + ", ".join(f"{k} {v}" for k, v in ops.most_common()), flush=True)
+        return 0
     if a.triton_prepass:
         for d in (a.head_dim,) if a.head_dim else (128, 64):
             for f16 in (True, False):

@@ -452,3 +452,20 @@ def test_schedule_report_gives_the_key_loop(nvdisasm, capsys):
     rows = json.loads(capsys.readouterr().out)
     sched = next(r["direct_p_schedule"] for r in rows if r["policy"] == "fp8")
     assert 0 < sched["instructions"] < sched["innermost_loop"] <= sched["loop_instructions"], sched
+
+
+def test_loop_opcodes_counts_the_key_loop_of_any_cubin(nvdisasm, tmp_path, capsys):
+    """``compile_check --loop-opcodes CUBIN`` (what docs/hopper_kernel.md compares with FlashAttention-3's cubin): per
+    kernel, its longest innermost loop (the schedule report's ``innermost_loop``) and that loop's opcodes; for the
+    FP8 P/V kernel at D = 128 the QGMMAs of a key tile (4 for Q K^T, 6 for P V) and the exponentials."""
+    from fp4vis.kernels.hopper.config import KernelConfig
+    from fp4vis.policy import POLICIES
+
+    cfg = KernelConfig.from_policy(POLICIES["fp8"], 128, "bf16")
+    rep = compile_check.compile_variant(cfg, keep_dir=str(tmp_path))
+    sass = compile_check.sass_text(open(rep.cubin, "rb").read())
+    [(name, n, ops)] = compile_check.loop_opcodes(rep.cubin)
+    assert "DirectPAttentionSm90" in name and n == max(map(len, compile_check.innermost_loops(sass)))
+    assert sum(ops.values()) == n and ops["QGMMA"] == 10 and ops["MUFU"] > 0
+    assert compile_check.main(["--loop-opcodes", rep.cubin]) == 0
+    assert f": loop {n}: " in capsys.readouterr().out
