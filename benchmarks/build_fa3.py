@@ -14,7 +14,8 @@ It compiles the sources with torch's extension builder (ninja) and the nvcc flag
 ``flash_attn_config.py`` beside them and puts the module at ``flash_attn_3/_C.so``, where
 ``flash_attn_interface`` imports it; then checks one BF16 and one FP8 call against SDPA (exit status 1 past
 ``CHECK_TOLERANCE``). With flash-attention 0251105a and its CUTLASS submodule 71275920 it builds on the 2-core
-workstation (nvcc 13.0, torch 2.14.1) in about 200 s and the module imports there; the check needs a GPU. The
+workstation (nvcc 13.0, torch 2.14.1) in about 200 s and the module imports there; the check needs a GPU (there
+the command exits 1 at its first CUDA tensor). The
 module is built against torch's stable ABI for torch >= 2.9 (FA3's ``TORCH_TARGET_VERSION``), so one built there is
 meant to load on the GPU machine's torch 2.11 as well: not tried yet, and no FlashAttention-3 figure is cited
 anywhere yet.
@@ -54,6 +55,11 @@ def _defines() -> list[str]:
             if off and k != "FLASHATTENTION_ENABLE_VCOLMAJOR"]
 
 
+def _check_cuda_home(cuda_home: str | None) -> None:
+    if cuda_home is None or not os.path.isfile(os.path.join(cuda_home, "include", "cuda_runtime.h")):
+        raise SystemExit(f"CUDA_HOME={cuda_home!r} holds no CUDA toolkit (include/cuda_runtime.h): set CUDA_HOME")
+
+
 def build(hopper: str) -> str:
     """Compile FA3 in ``hopper`` (a flash-attention checkout's hopper/ directory); returns the module's path."""
     from torch.utils.cpp_extension import CUDA_HOME, load
@@ -64,8 +70,7 @@ def build(hopper: str) -> str:
     sources = (["flash_api_stable.cpp"]
                + [f"instantiations/flash_fwd_hdim{d}_{t}_sm90.cu" for d in HEAD_DIMS for t in ("bf16", "e4m3")]
                + ["flash_prepare_scheduler.cu"])
-    if CUDA_HOME is None or not os.path.isfile(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
-        raise SystemExit(f"CUDA_HOME={CUDA_HOME!r} holds no CUDA toolkit (include/cuda_runtime.h): set CUDA_HOME")
+    _check_cuda_home(CUDA_HOME)
     cccl = os.path.join(CUDA_HOME, "include", "cccl")   # CUDA 13's CCCL headers (as FA3's setup.py adds them)
     if os.path.isdir(cccl):
         for var in ("CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH"):
@@ -89,7 +94,8 @@ def cubin(hopper: str, instantiation: str, out: str) -> None:
     flags (and the half-precision switches torch's builder adds): for ``compile_check --loop-opcodes``."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, CUDA_HOME
 
-    nvcc = os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc")
+    _check_cuda_home(CUDA_HOME)
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
     cmd = [nvcc, "-cubin", *COMMON_NVCC_FLAGS, *NVCC_FLAGS, *_defines(), f"-I{hopper}",
            f"-I{os.path.join(hopper, '..', 'csrc', 'cutlass', 'include')}",
            os.path.join(hopper, "instantiations", f"{instantiation}.cu"), "-o", out]

@@ -380,17 +380,21 @@ def _parse_ptxas(rep: CompileReport, text: str) -> None:
 
 
 def loop_opcodes(cubin: str | os.PathLike) -> list[tuple[str, int, Counter]]:
-    """Per kernel of a cubin (any, e.g. FlashAttention-3's: ``benchmarks/build_fa3.py --cubin``): its name, the
-    length of its longest innermost loop (the key loop's body in an attention kernel) and that loop's opcodes, counted
-    by their first token (``FFMA``, ``MUFU``, ...)."""
+    """Per kernel of a cubin (any, e.g. FlashAttention-3's: ``benchmarks/build_fa3.py --cubin``), in the order
+    nvdisasm lists them: ``sass_loop_opcodes`` of its listing."""
     with open(cubin, "rb") as f:
-        sass = sass_text(f.read())
+        return sass_loop_opcodes(sass_text(f.read()))
+
+
+def sass_loop_opcodes(sass: str) -> list[tuple[str, int, Counter]]:
+    """Per kernel (``.text.<name>:`` section) of a SASS listing: its name, the length of its longest innermost loop
+    (the key loop's body in an attention kernel) and that loop's opcodes, counted by their first token (``FFMA``,
+    ``MUFU``, ...)."""
     out = []
     for part in re.split(r"\n\s*\.text\.", sass)[1:]:
-        loops = innermost_loops(part)
-        body = max(loops, key=len, default=[])
+        body = max(innermost_loops(part), key=len, default=[])
         ops = Counter(m.group(2).split(".")[0] for line in body
-                                  if (m := re.search(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)))
+                      if (m := re.search(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)))
         out.append((part.split(":")[0], len(body), ops))
     return out
 
@@ -458,8 +462,9 @@ def main(argv=None) -> int:
                     help="only: each kernel's longest innermost loop in CUBIN, its length and opcodes (loop_opcodes)")
     a = ap.parse_args(argv)
     if a.loop_opcodes:
-        for name, n, ops in loop_opcodes(a.loop_opcodes):
-            print(f"{name[:100]}: loop {n}: " + ", ".join(f"{k} {v}" for k, v in ops.most_common()), flush=True)
+        for i, (name, n, ops) in enumerate(loop_opcodes(a.loop_opcodes)):   # name: mangled, abridged
+            print(f"kernel {i} {name[:60]}...{name[-30:]}: loop {n}: "
+                  + ", ".join(f"{k} {v}" for k, v in ops.most_common()), flush=True)
         return 0
     if a.triton_prepass:
         for d in (a.head_dim,) if a.head_dim else (128, 64):

@@ -468,4 +468,22 @@ def test_loop_opcodes_counts_the_key_loop_of_any_cubin(nvdisasm, tmp_path, capsy
     assert "DirectPAttentionSm90" in name and n == max(map(len, compile_check.innermost_loops(sass)))
     assert sum(ops.values()) == n and ops["QGMMA"] == 10 and ops["MUFU"] > 0
     assert compile_check.main(["--loop-opcodes", rep.cubin]) == 0
-    assert f": loop {n}: " in capsys.readouterr().out
+    assert f"kernel 0 {name[:60]}...{name[-30:]}: loop {n}: " in capsys.readouterr().out
+
+
+def test_loop_opcodes_keeps_each_kernels_loops_apart():
+    """A listing of two kernels (nvdisasm's ``.text.<name>:`` sections): each one's own longest innermost loop, none
+    of the other's; a kernel without a loop counts 0."""
+    def kernel(name, loops):   # every loop: a label, its instructions, a backward branch to the label
+        lines, pc = [f"        .text.{name}:"], 0
+        for k, ops in enumerate(loops):
+            lines.append(f".L_x_{k}:")   # the same labels in every kernel: only the split keeps them apart
+            for op in ops + [f"@P0 BRA `(.L_x_{k})"]:
+                lines.append(f"        /*{pc:04x}*/                   {op} ;")
+                pc += 16
+        return "\n".join(lines)
+    sass = "\n".join(["//-- header", kernel("ka", [["FFMA", "FFMA", "MUFU.EX2"], ["FADD"]]), kernel("kb", [["IMAD"]]),
+                      kernel("kc", [])])
+    [(a, na, ops_a), (b, nb, ops_b), (c, nc, _)] = compile_check.sass_loop_opcodes(sass)
+    assert (a, b, c) == ("ka", "kb", "kc") and (na, nb, nc) == (4, 2, 0)
+    assert ops_a == {"FFMA": 2, "MUFU": 1, "BRA": 1} and ops_b == {"IMAD": 1, "BRA": 1}
