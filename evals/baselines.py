@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4vis.formats import E4M3_MAX
 from fp4vis.services.usage import UsageError
 
 LAYOUTS = ("bhsd", "bshd")
@@ -96,19 +97,23 @@ def _fa4(layout: str) -> AttentionFn:
     return bhsd
 
 
-def _fa3(layout: str) -> AttentionFn:
+def _fa3_forward(layout: str, q, k, v, scale=None, **descales):
+    """FA3's non-causal forward of ``layout`` tensors (it takes bshd: for bhsd the transposes are views)."""
     from flash_attn_interface import flash_attn_func
 
+    if layout == "bhsd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = flash_attn_func(q, k, v, softmax_scale=scale, causal=False, **descales)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.transpose(1, 2) if layout == "bhsd" else out
+
+
+def _fa3(layout: str) -> AttentionFn:
+    import flash_attn_interface  # noqa: F401 - unavailable() builds to check the import
+
     def call(q, k, v, scale=None):
-        if layout == "bhsd":   # FA3 takes bshd; the transposes are views
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=False)
-        out = out[0] if isinstance(out, tuple) else out
-        return out.transpose(1, 2) if layout == "bhsd" else out
+        return _fa3_forward(layout, q, k, v, scale)
     return _one_graph_node("fa3", layout, call)
-
-
-E4M3_MAX = 448.0
 
 
 def e4m3_per_head(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,19 +130,14 @@ def e4m3_per_head(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Ten
 def fa3_fp8_parts(layout: str) -> tuple[Callable, Callable]:
     """FlashAttention-3's FP8 forward in two steps: ``cast(q, k, v)`` -> ((q8, descale), (k8, ...), (v8, ...))
     (``e4m3_per_head``) and ``kernel(operands, scale)`` -> the BF16 output."""
-    from flash_attn_interface import flash_attn_func
+    import flash_attn_interface  # noqa: F401 - unavailable() builds to check the import
 
     def cast(q, k, v):
         return tuple(e4m3_per_head(x, layout) for x in (q, k, v))
 
     def kernel(operands, scale=None):
         (q8, dq), (k8, dk), (v8, dv) = operands
-        if layout == "bhsd":   # FA3 takes bshd; the transposes are views
-            q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
-        out = flash_attn_func(q8, k8, v8, softmax_scale=scale, causal=False, q_descale=dq, k_descale=dk,
-                              v_descale=dv)
-        out = out[0] if isinstance(out, tuple) else out
-        return out.transpose(1, 2) if layout == "bhsd" else out
+        return _fa3_forward(layout, q8, k8, v8, scale, q_descale=dq, k_descale=dk, v_descale=dv)
     return cast, kernel
 
 

@@ -191,6 +191,10 @@ def extract_cubin(module_text: str) -> bytes:
 
 
 
+# a SASS instruction line of nvdisasm: its address, an optional predicate, the opcode (group 2)
+SASS_OPCODE = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
 def _inspect_cubin(rep: CompileReport, cubin: str) -> None:
     nvd = find_nvdisasm()
     if nvd is None:
@@ -199,7 +203,7 @@ def _inspect_cubin(rep: CompileReport, cubin: str) -> None:
     counts: Counter = Counter()
     total = 0
     for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        m = SASS_OPCODE.match(line)
         if not m:
             continue
         op = m.group(2)
@@ -394,7 +398,7 @@ def sass_loop_opcodes(sass: str) -> list[tuple[str, int, Counter]]:
     for part in re.split(r"\n\s*\.text\.", sass)[1:]:
         body = max(innermost_loops(part), key=len, default=[])
         ops = Counter(m.group(2).split(".")[0] for line in body
-                      if (m := re.search(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)))
+                      if (m := SASS_OPCODE.match(line)))
         out.append((part.split(":")[0], len(body), ops))
     return out
 
