@@ -127,7 +127,10 @@ def is_main_process() -> bool:
 def distributed(cp: ContextParallel, device: str | torch.device = "auto", option: str = OPTION) -> Iterator[Session]:
     """The process group of a torchrun launch, for a run of ``cp``'s degree: initialised from
     torchrun's environment (NCCL on CUDA, gloo on the CPU) unless the caller already did, and destroyed
-    at the end if initialised here. Each rank takes the GPU of its LOCAL_RANK."""
+    at the end if initialised here. Each rank takes the GPU of its LOCAL_RANK. A rank that ends its work
+    waits at a barrier for the others before the group is destroyed: rank 0 decodes and writes after the
+    others are done, and a rank tearing its connections down while another still runs can abort a gloo
+    process at exit. A rank that raises skips the barrier (torchrun stops the others)."""
     import torch.distributed as dist
 
     env = torchrun_env()
@@ -146,6 +149,8 @@ def distributed(cp: ContextParallel, device: str | torch.device = "auto", option
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
     try:
         yield Session(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+        if owner:
+            dist.barrier()
     finally:
         if owner and dist.is_initialized():
             dist.destroy_process_group()
